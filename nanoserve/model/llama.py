@@ -1,0 +1,60 @@
+"""Chapter 02 — the Llama model: embedding, N decoder blocks, a final norm, and the LM head.
+
+    ids (N,) -> embed (N, hidden) -> block × L -> norm -> lm_head -> logits (N, vocab)
+
+`forward` returns hidden states and `compute_logits` projects them to the vocabulary, as vLLM
+splits it: a server needs logits only for each sequence's last token, and the LM head of a
+small model is a large share of its work (for SmolLM2: 49152 × 576 = 28M of 135M weights).
+"""
+
+import torch
+from torch import nn
+
+from nanoserve.model.attention import scaled_dot_product_attention
+from nanoserve.model.block import AttentionFn, DecoderBlock
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.layers import RMSNorm
+from nanoserve.model.rope import rope_cos_sin
+
+
+def causal_self_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The no-cache attention: all N tokens are one sequence and attend causally to each other."""
+    # (N, H, D) -> (1, H, N, D) for the batched attention of chapter 01, and back.
+    out = scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    return out[0].transpose(0, 1)  # (N, H, D)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one matrix read both ways
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionFn | None = None
+    ) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden).
+
+        Without `positions` and `attn` the tokens are one sequence starting at position 0.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"Llama.forward takes a flat (num_tokens,) tensor of ids, got shape {tuple(input_ids.shape)}")
+        if positions is None:
+            positions = torch.arange(input_ids.shape[0])
+        if int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond the model's context of {self.config.max_position_embeddings} tokens"
+            )
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (N, D) each
+        x = self.embed_tokens(input_ids)  # (N, hidden)
+        for block in self.layers:
+            x = block(x, cos, sin, attn or causal_self_attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # (N, hidden) -> (N, vocab)
