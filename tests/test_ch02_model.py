@@ -1,0 +1,174 @@
+"""Chapter 02: the layers, the block and the whole model against transformers; the GGUF loader; memory math."""
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+
+from nanoserve.memory import layer_parameter_counts, parameter_counts
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, load_gguf, open_gguf, unpermute_qk
+from nanoserve.student import implementation
+from tests.hf_reference import additive_causal_mask, hf_config, hf_rope
+
+layers = implementation("nanoserve.model.layers")
+block = implementation("nanoserve.model.block")
+TINY = LlamaConfig.tiny()
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights everywhere (norm weights too, so a forgotten `* weight` shows)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    return module
+
+
+# --- Exercise 2.1: RMSNorm ----------------------------------------------------------------------
+
+@pytest.mark.exercise("2.1")
+def test_rmsnorm_by_hand():
+    norm = layers.RMSNorm(2, eps=0.0)
+    x = torch.tensor([[3.0, 4.0]])  # mean of squares = 12.5
+    torch.testing.assert_close(norm(x), x / 12.5 ** 0.5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([2.0, -1.0]))
+    torch.testing.assert_close(norm(x), torch.tensor([[6.0, -4.0]]) / 12.5 ** 0.5)
+
+
+@pytest.mark.exercise("2.1")
+def test_rmsnorm_matches_transformers():
+    ours = randomize(layers.RMSNorm(64, eps=1e-5))
+    theirs = modeling_llama.LlamaRMSNorm(64, eps=1e-5)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 5, 64) * 10
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+# --- Exercise 2.2: the decoder block ------------------------------------------------------------
+
+@pytest.mark.exercise("2.2")
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_decoder_block_matches_transformers(num_tokens):
+    ours = randomize(block.DecoderBlock(TINY, layer_idx=0), seed=num_tokens)
+    theirs = modeling_llama.LlamaDecoderLayer(hf_config(TINY), layer_idx=0)
+    theirs.load_state_dict(ours.state_dict())
+    positions = torch.arange(3, 3 + num_tokens)  # not starting at 0, so RoPE matters
+    x = torch.randn(num_tokens, TINY.hidden_size)
+
+    from nanoserve.model.llama import causal_self_attention
+    from nanoserve.model.rope import rope_cos_sin
+
+    cos, sin = rope_cos_sin(positions, TINY.head_dim, TINY.rope_theta)
+    out = ours(x, cos, sin, causal_self_attention)
+    expected = theirs(x[None], attention_mask=additive_causal_mask(num_tokens),
+                      position_embeddings=hf_rope(TINY, positions))
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+
+
+# --- the whole model ----------------------------------------------------------------------------
+
+def test_tiny_model_matches_transformers():
+    ours = randomize(Llama(TINY)).eval()
+    theirs = modeling_llama.LlamaForCausalLM(hf_config(TINY)).eval()
+    theirs.load_state_dict({("lm_head." + k[8:] if k.startswith("lm_head.") else "model." + k): v
+                            for k, v in ours.state_dict().items()})
+    ids = torch.randint(0, TINY.vocab_size, (11,))
+    with torch.no_grad():
+        expected = theirs(ids[None]).logits[0]
+        torch.testing.assert_close(ours.compute_logits(ours(ids)), expected, atol=1e-5, rtol=1e-5)
+
+
+PARITY_PROMPTS = {
+    "english": "The quick brown fox jumps over the lazy dog because",
+    "code": "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "chinese": "人工智能正在改变世界，它的未来",
+    "emoji": "I love pizza 🍕 and rockets 🚀🚀 so",
+    "chat": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PARITY_PROMPTS)
+def test_smollm2_logits_match_transformers(name, smollm2, hf_model, hf_tokenizer):
+    ids = hf_tokenizer(PARITY_PROMPTS[name], add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+        ours = smollm2.compute_logits(smollm2(torch.tensor(ids)))
+    assert ours.shape == expected.shape == (len(ids), 49152)
+    assert (ours - expected).abs().max().item() < 1e-3
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+# --- the GGUF loader ----------------------------------------------------------------------------
+
+def test_embedded_config_is_smollm2():
+    config = config_from_gguf(open_gguf(embedded_gguf_path()))
+    assert config == LlamaConfig(rms_norm_eps=config.rms_norm_eps)  # the defaults are SmolLM2's
+    assert abs(config.rms_norm_eps - 1e-5) < 1e-9
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.rope_theta, config.tie_word_embeddings) == (30, 576, 9, 3, 64, 1e5, True)
+
+
+def test_unpermute_undoes_llama_cpp_permutation():
+    # llama.cpp's convert script, written out: per head, rows [first half | second half] become interleaved pairs.
+    def llama_cpp_permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.arange(12 * 3, dtype=np.float32).reshape(12, 3)  # 2 heads of head_dim 6
+    permuted = llama_cpp_permute(w, 2)
+    assert permuted[:, 0].tolist() == [0, 9, 3, 12, 6, 15, 18, 27, 21, 30, 24, 33]  # x0, x3, x1, x4, ... per head
+    assert np.array_equal(unpermute_qk(permuted, 2), w)
+
+
+def test_missing_gguf_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.gguf"):
+        load_gguf(tmp_path / "nothere.gguf")
+
+
+def test_not_a_gguf_names_the_file(tmp_path):
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(b"PK\x03\x04 this is a zip file")
+    with pytest.raises(ValueError, match=r"weights\.gguf.*not a GGUF file"):
+        load_gguf(path)
+
+
+def test_truncated_gguf_names_the_file(tmp_path):
+    path = tmp_path / "truncated.gguf"
+    with open(embedded_gguf_path(), "rb") as f:
+        path.write_bytes(f.read(1 << 20))  # the header and the first tensors only
+    with pytest.raises(ValueError, match=r"truncated\.gguf.*corrupt or truncated"):
+        load_gguf(path)
+
+
+def test_corrupt_header_names_the_file(tmp_path):
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\xff" * 64)  # absurd tensor and key counts
+    with pytest.raises(ValueError, match=r"corrupt\.gguf"):
+        load_gguf(path)
+
+
+# --- memory math --------------------------------------------------------------------------------
+
+def test_parameter_count_by_hand():
+    # SmolLM2: attention 2·576·576 + 2·576·192, MLP 3·576·1536, two norms; 30 of them, embedding, final norm.
+    per_layer = layer_parameter_counts(LlamaConfig())
+    assert per_layer == {"attention": 884_736, "mlp": 2_654_208, "norms": 1_152}
+    assert parameter_counts(LlamaConfig())["total"] == 30 * 3_540_096 + 49152 * 576 + 576 == 134_515_008
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_parameter_count_matches_the_module(tie):
+    config = LlamaConfig.tiny(tie_word_embeddings=tie)
+    model = Llama(config)
+    assert parameter_counts(config)["total"] == sum(p.numel() for p in model.parameters())  # tied: counted once
+
+
+@pytest.mark.slow
+def test_parameter_count_matches_smollm2(smollm2):
+    assert parameter_counts(smollm2.config)["total"] == sum(p.numel() for p in smollm2.parameters())

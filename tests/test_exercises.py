@@ -1,0 +1,70 @@
+"""The course's own check of its exercises (COURSE.md, "Exercises"), for every chapter that has one:
+
+- the reference scores full marks on the graded tests;
+- the pristine stubs score zero, and every failure is a NotImplementedError (not an import error);
+- each stub mirrors its reference module: same public names, same signatures.
+"""
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanoserve.student import STUDENT_FILES, load_student
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTERS = sorted({path.split("-")[0] for path in STUDENT_FILES.values()})
+
+
+def run_grader(chapter: str, *flags: str) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "exercises/grade.py"), chapter, "--json", *flags],
+                         capture_output=True, text=True, cwd=ROOT)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"grader printed no result:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_reference_scores_full_marks(chapter):
+    result = run_grader(chapter, "--reference")
+    assert result["by_exercise"], "no graded tests"
+    assert result["errors"] == {}, result
+    assert all(passed == total for passed, total in result["by_exercise"].values()), result
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_stubs_score_zero_with_not_implemented(chapter):
+    result = run_grader(chapter)
+    assert result["by_exercise"], "no graded tests"
+    assert all(passed == 0 for passed, _ in result["by_exercise"].values()), result
+    assert set(result["errors"]) == {"NotImplementedError"}, result
+
+
+def public_api(module) -> dict[str, str]:
+    """name -> signature for the functions and classes (and their public methods) a module defines."""
+    api = {}
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        if inspect.isfunction(obj):
+            api[name] = str(inspect.signature(obj))
+        elif inspect.isclass(obj):
+            api[name] = "class"
+            for attr, member in vars(obj).items():
+                if inspect.isfunction(member) and (attr == "__init__" or not attr.startswith("_")):
+                    api[f"{name}.{attr}"] = str(inspect.signature(member))
+    return api
+
+
+@pytest.mark.parametrize("module", sorted(STUDENT_FILES))
+def test_stub_mirrors_reference_api(module):
+    import importlib
+
+    stub, reference = public_api(load_student(module)), public_api(importlib.import_module(module))
+    assert stub, f"{STUDENT_FILES[module]} defines nothing"
+    for name, signature in stub.items():
+        assert name in reference, f"{STUDENT_FILES[module]} defines {name}, which {module} does not"
+        assert signature == reference[name], f"{name}: stub {signature} != reference {reference[name]}"
