@@ -1,0 +1,63 @@
+"""`python -m nanoserve generate --prompt TEXT`: one completion from the embedded model (chapter 03).
+
+    python -m nanoserve generate --prompt "What is the capital of France?" --chat --temperature 0
+    python -m nanoserve generate --prompt "Once upon a time" --max-tokens 20 --seed 1 --json
+
+Without --chat the prompt is raw text to continue; with --chat it is one user message, rendered
+with the model's chat template. The text streams to the terminal as it is generated; --json
+prints one JSON object at the end instead.
+"""
+
+import json
+import sys
+
+
+def add_sampling_args(p):
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--gguf", help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def sampling_params(args):
+    from nanoserve.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=args.max_tokens)
+
+
+def register(sub):
+    p = sub.add_parser("generate", help="generate a completion for one prompt (no cache, chapter 03)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from nanoserve.generate import generate
+    from nanoserve.model import load_gguf
+    from nanoserve.tokenizer import Tokenizer
+
+    try:
+        params = sampling_params(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tokenizer = Tokenizer.from_gguf(args.gguf)
+    model = load_gguf(args.gguf)
+    if args.chat:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
+                          "finish_reason": out.finish_reason}, ensure_ascii=False))
+    else:
+        print()
+    return 0

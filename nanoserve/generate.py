@@ -1,0 +1,99 @@
+"""Chapter 03 — the generate loop, without a cache: the simplest thing that produces a reply.
+
+    ids = prompt
+    repeat:
+        logits = model(ids)[-1]            # the WHOLE sequence again, every step
+        next_id = sample(logits, params)   # greedy, or temperature / top-k / top-p
+        ids.append(next_id)
+        stop?                              # EOS, a stop token, a stop string, max_tokens
+
+Step t runs the model over prompt_len + t tokens although only the last position is new, so
+a reply of n tokens costs about n * (prompt_len + n/2) token-forwards. Chapter 04 keeps the
+keys and values of past tokens in a cache and makes each step cost one token; it plugs in at
+`next_token_logits`, the only place that touches the model.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.kv.naive import NaiveKVCache
+from nanoserve.sampling import SamplingParams, make_generator, sample
+from nanoserve.stop import check_stop, is_stop_token
+
+
+@dataclass
+class GenerationOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the generated ids, including the EOS / stop token that ended them
+    text: str  # their text, cut before a stop string, without special tokens
+    finish_reason: str  # "stop" or "length"
+
+
+def next_token_logits(model, token_ids: list[int], cache: NaiveKVCache | None = None) -> torch.Tensor:
+    """The logits of the token after `token_ids`. -> (vocab,)
+
+    No cache: run the model over the whole sequence. With a cache (chapter 04): run only the
+    tokens it does not hold yet, the whole prompt at the first step (prefill), then the one
+    token sampled last (decode), and let them attend to the cached keys and values.
+    """
+    if cache is None:
+        hidden = model(torch.tensor(token_ids))  # (num_tokens, hidden)
+    else:
+        new_ids = token_ids[cache.num_cached:]  # prefill: the prompt; decode: 1 token
+        hidden = model(torch.tensor(new_ids), cache.positions(len(new_ids)), cache)  # (len(new_ids), hidden)
+        cache.advance(len(new_ids))
+    return model.compute_logits(hidden[-1:])[0]  # (vocab,)
+
+
+def check_prompt_fits(prompt_len: int, max_model_len: int) -> None:
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if prompt_len >= max_model_len:
+        raise ValueError(
+            f"the prompt is {prompt_len} tokens but the model's context is {max_model_len} tokens "
+            f"(and at least one new token must fit)"
+        )
+
+
+@torch.inference_mode()
+def generate(model, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int, tokenizer=None,
+             on_text: Callable[[str], None] | None = None, use_cache: bool = False) -> GenerationOutput:
+    """Generate after `prompt_token_ids` until a stop condition. With a `tokenizer` the output has
+    text, and `on_text(delta)` is called as text becomes final (for streaming to a terminal).
+    `use_cache` keeps past keys and values in a NaiveKVCache (chapter 04): the same tokens, faster."""
+    max_model_len = model.config.max_position_embeddings
+    check_prompt_fits(len(prompt_token_ids), max_model_len)
+    cache = None
+    if use_cache:  # reserved up front for the longest this request can get
+        max_len = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
+        cache = NaiveKVCache(model.config, max_len, dtype=model.embed_tokens.weight.dtype)
+    if params.stop and tokenizer is None:
+        raise ValueError("stop strings need text: pass a tokenizer")
+    generator = make_generator(params)
+    detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    # While streaming, hold back text that could be the start of a stop string.
+    hold_back = max((len(s) for s in params.stop), default=1) - 1
+    token_ids: list[int] = []
+    text, streamed, finish_reason = "", 0, None
+
+    while finish_reason is None:
+        token_id = sample(next_token_logits(model, prompt_token_ids + token_ids, cache), params, generator)
+        token_ids.append(token_id)
+        new_text = ""
+        if detokenizer is not None and not is_stop_token(token_id, params, eos_token_id):
+            new_text = detokenizer.add(token_id)
+        finish_reason, text = check_stop(token_ids, text + new_text, params, eos_token_id, len(new_text))
+        if finish_reason is None and len(prompt_token_ids) + len(token_ids) >= max_model_len:
+            finish_reason = "length"  # the context is full
+        if finish_reason is not None and detokenizer is not None and len(text) == len(detokenizer.text):
+            text += detokenizer.flush()  # not cut at a stop string: bytes of an unfinished character become '�'
+        if on_text is not None:
+            final = len(text) if finish_reason else max(streamed, len(text) - hold_back)
+            if final > streamed:
+                on_text(text[streamed:final])
+                streamed = final
+
+    return GenerationOutput(list(prompt_token_ids), token_ids, text, finish_reason)
