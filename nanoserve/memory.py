@@ -8,6 +8,8 @@ For SmolLM2-135M (hidden 576, 30 layers, 9/3 heads, head_dim 64, vocab 49152, ti
     total     = 30 · 3,540,096 + embedding 49152·576 + final norm 576 = 134,515,008
 """
 
+from dataclasses import dataclass
+
 from nanoserve.model.config import LlamaConfig
 
 # Bytes per weight. "int4" ignores the per-block scales a real 4-bit format stores
@@ -46,3 +48,71 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+# ---- Chapter 04: the KV cache -------------------------------------------------------------------
+
+GiB = 2**30
+# Like vLLM's gpu_memory_utilization=0.9: a tenth of the device stays free for what the plan does
+# not count (the CUDA context, the allocator's fragmentation, sampling's logits, other processes).
+RESERVE_FRACTION = 0.1
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16") -> float:
+    """Bytes the KV cache needs for one token: 2 (K and V) × layers × kv_heads × head_dim × bytes.
+
+    SmolLM2 fp32: 2 · 30 · 3 · 64 · 4 = 46,080 B;  Llama-3-8B bf16: 2 · 32 · 8 · 128 · 2 = 131,072 B.
+    """
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_sequence(config: LlamaConfig, seq_len: int, dtype: str = "bf16") -> float:
+    """Bytes the KV cache of one sequence of `seq_len` tokens needs (all of it, if reserved up front)."""
+    return seq_len * kv_bytes_per_token(config, dtype)
+
+
+def activation_bytes(config: LlamaConfig, num_tokens: int, dtype: str = "bf16") -> float:
+    """An estimate of the temporaries of one forward pass over `num_tokens` tokens.
+
+    Assumptions: layers run one after another, so only one layer's temporaries are alive at a time;
+    per token that layer holds the residual and its normed copy (2 · hidden), q, k, v
+    ((H + 2 · Hkv) · D), the attention output (H · D) and the MLP's gate, up and their product
+    (3 · intermediate). Attention is fused (FlashAttention, chapter 07): the T × S score matrix is
+    never stored. The logits of one token per sequence are left to the reserve.
+    """
+    H, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_token = 2 * config.hidden_size + (H + 2 * Hkv) * D + H * D + 3 * config.intermediate_size
+    return num_tokens * per_token * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where a device's bytes go, and how many sequences of `seq_len` tokens fit in what is left."""
+
+    device: float
+    reserve: float
+    weights: float
+    activations: float
+    kv_budget: float  # device − reserve − weights − activations
+    kv_per_token: float
+    kv_per_sequence: float
+    num_sequences: int  # kv_budget // kv_per_sequence
+
+
+def memory_plan(config: LlamaConfig, device_bytes: float, seq_len: int, dtype: str = "bf16",
+                reserve_fraction: float = RESERVE_FRACTION) -> MemoryPlan:
+    """How many concurrent sequences of `seq_len` tokens fit on a device of `device_bytes`.
+
+    One full-length prefill (seq_len tokens) sizes the activations. Llama-3-8B, bf16, 80 GiB, 4096 tokens:
+    (80 GiB − 8 GiB reserve − 16.06 GB weights − 480 MiB activations) // 512 MiB = 113 sequences.
+    """
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"seq_len {seq_len} is longer than the model's context of {config.max_position_embeddings} tokens")
+    reserve = device_bytes * reserve_fraction
+    weights = parameter_counts(config)["total"] * DTYPE_BYTES[dtype]
+    activations = activation_bytes(config, seq_len, dtype)
+    kv_budget = device_bytes - reserve - weights - activations
+    per_sequence = kv_bytes_per_sequence(config, seq_len, dtype)
+    return MemoryPlan(device=device_bytes, reserve=reserve, weights=weights, activations=activations,
+                      kv_budget=kv_budget, kv_per_token=kv_bytes_per_token(config, dtype),
+                      kv_per_sequence=per_sequence, num_sequences=max(0, int(kv_budget // per_sequence)))

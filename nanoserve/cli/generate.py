@@ -19,6 +19,8 @@ def add_sampling_args(p):
     p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--gguf", help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence every step (chapter 03) instead of using chapter 04's KV cache")
 
 
 def sampling_params(args):
@@ -29,7 +31,7 @@ def sampling_params(args):
 
 
 def register(sub):
-    p = sub.add_parser("generate", help="generate a completion for one prompt (no cache, chapter 03)")
+    p = sub.add_parser("generate", help="generate a completion for one prompt (chapters 03-04)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -54,7 +56,8 @@ def run(args):
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
-    out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream)
+    out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream,
+                   use_cache=not args.no_cache)
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
                           "finish_reason": out.finish_reason}, ensure_ascii=False))

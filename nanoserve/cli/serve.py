@@ -1,8 +1,8 @@
 """`python -m nanoserve serve` (what `make serve` runs): chat with the embedded model in the terminal.
 
 Each line you type is a user message; the conversation so far is rendered with the chat template,
-and the reply streams as it is generated (chapter 03's cache-free loop, so it slows down as the
-conversation grows). Quit with 'exit', Ctrl-D or Ctrl-C. Lines can also be piped in:
+and the reply streams as it is generated (chapter 03's loop with chapter 04's KV cache;
+`--no-cache` shows how slow it is without one). Quit with 'exit', Ctrl-D or Ctrl-C. Lines can also be piped in:
 
     printf 'Hi!\\nWhat is 2+2?\\n' | python -m nanoserve serve --temperature 0
 
@@ -20,7 +20,7 @@ def register(sub):
     p.set_defaults(func=run, max_tokens=256)
 
 
-def chat(model, tokenizer, params, lines, write) -> None:
+def chat(model, tokenizer, params, lines, write, use_cache: bool = True) -> None:
     """The chat loop: `lines` yields user input, `write` shows text. Keeps the conversation."""
     from nanoserve.generate import generate
 
@@ -35,7 +35,7 @@ def chat(model, tokenizer, params, lines, write) -> None:
         write("assistant> ")
         try:
             out = generate(model, tokenizer.encode_chat(messages), params, tokenizer.eos_token_id, tokenizer,
-                           on_text=write)
+                           on_text=write, use_cache=use_cache)
         except ValueError as e:  # the conversation outgrew the context: start afresh
             write(f"[{e}; starting a new conversation]\n")
             messages = []
@@ -73,7 +73,7 @@ def run(args):
         print(text, end="", flush=True)
 
     try:
-        chat(model, tokenizer, params, read_lines(interactive), write)
+        chat(model, tokenizer, params, read_lines(interactive), write, use_cache=not args.no_cache)
     except KeyboardInterrupt:
         print()
     return 0

@@ -1,0 +1,45 @@
+"""Exercise 4.1 — the naive KV cache: write this layer's K/V, then attend over everything cached.
+
+Your version of nanoserve/kv/naive.py. The class inherits the constructor, `nbytes`, `positions`
+and `advance` of the reference, so you write the heart of it only: `__call__`, which the model
+calls once per layer with that layer's new q, k, v. Then run `make grade CH=04`.
+
+What the constructor sets up for you:
+
+    self.kv          torch.zeros(layers, 2, max_len, Hkv, D): kv[layer_idx, 0] is K, kv[layer_idx, 1] is V
+    self.max_len     positions the cache can hold
+    self.num_cached  positions 0 .. num_cached-1 hold K/V of earlier forward passes;
+                     `advance(N)` adds N after each forward pass (not your job in __call__)
+
+How the tests drive it:
+
+    cache = NaiveKVCache(model.config, max_len=len(prompt) + max_tokens)
+    hidden = model(prompt, cache.positions(len(prompt)), cache)    # prefill: N = len(prompt)
+    cache.advance(len(prompt))
+    hidden = model(next_id, cache.positions(1), cache)              # decode: N = 1
+    cache.advance(1)
+"""
+
+import torch
+
+from nanoserve.kv.naive import NaiveKVCache as ReferenceNaiveKVCache
+from nanoserve.model.attention import scaled_dot_product_attention  # noqa: F401  (you will want it)
+
+
+class NaiveKVCache(ReferenceNaiveKVCache):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exercise 4.1. Store this layer's new K/V after the cached ones, then attend to all of them.
+
+        q: (N, H, D), k, v: (N, Hkv, D) for the N new tokens at positions num_cached .. num_cached+N-1.
+        Returns (N, H, D).
+
+        1. If num_cached + N > max_len, raise ValueError naming both numbers (the tokens you would
+           need, and max_len).
+        2. Write k and v into self.kv[layer_idx, 0] and self.kv[layer_idx, 1] at positions
+           num_cached .. num_cached+N-1.
+        3. Read back K and V of positions 0 .. num_cached+N-1 (S of them) and attend with chapter 01's
+           `scaled_dot_product_attention(q, k, v, causal=True)`, which wants (B, H, T, D) and
+           (B, Hkv, S, D): swap the token and head axes, add a batch axis of 1, and undo both at the end.
+           Its causal mask already knows that the N queries are the LAST N of the S positions.
+        """
+        raise NotImplementedError("Exercise 4.1: write k/v at num_cached.. of this layer, then attend over all cached keys")

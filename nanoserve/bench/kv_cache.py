@@ -1,0 +1,91 @@
+"""`python -m nanoserve bench kv-cache`: what the naive KV cache of chapter 04 buys, and what it wastes.
+
+  1. decode tokens/s with and without the cache as the context grows, side by side in one run:
+     without a cache step t is a forward pass over all C + t tokens; with it, over one token that
+     attends to C + t cached keys. Both go through generate's `next_token_logits`, the one seam
+     where the two paths differ.
+  2. the share of a max-length reservation that a realistic mix of requests never uses.
+     The mix (seeded): prompt and output lengths are log-normal, medians 256 and 128 tokens,
+     sigma 1 (most requests are short, a few are long), clipped so prompt + output <= max_len.
+     Each request reserves max_len tokens of cache; waste = 1 - used / reserved.
+"""
+
+import math
+import os
+import time
+
+import torch
+
+from nanoserve.generate import next_token_logits
+from nanoserve.kv.naive import NaiveKVCache
+from nanoserve.memory import format_bytes, kv_bytes_per_token
+
+
+def register(sub):
+    p = sub.add_parser("kv-cache", help="decode tokens/s with vs without the KV cache; waste of max-length reservation")
+    p.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024])
+    p.add_argument("--cache-tokens", type=int, default=32, help="decode steps timed with the cache")
+    p.add_argument("--no-cache-tokens", type=int, default=4, help="decode steps timed without it (slow at long contexts)")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens reserved per request")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="torch CPU threads; 1 is steadier on a shared machine, where threads spin waiting for cores")
+    p.set_defaults(func=run)
+
+
+def decode_tokens_per_second(model, context: int, num_tokens: int, use_cache: bool) -> float:
+    """Tokens/s of `num_tokens` greedy decode steps after a random `context`-token prompt (not timed)."""
+    token_ids = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = NaiveKVCache(model.config, context + num_tokens) if use_cache else None
+    token_ids.append(int(next_token_logits(model, token_ids, cache).argmax()))  # prefill
+    start = time.perf_counter()
+    for _ in range(num_tokens):
+        token_ids.append(int(next_token_logits(model, token_ids, cache).argmax()))
+    return num_tokens / (time.perf_counter() - start)
+
+
+def request_lengths(num_requests: int, max_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt and output lengths of a seeded request mix (see the module docstring). Two (num_requests,) tensors."""
+    g = torch.Generator().manual_seed(seed)
+
+    def log_normal(median: float) -> torch.Tensor:
+        return torch.empty(num_requests).log_normal_(math.log(median), 1.0, generator=g).round().long()
+
+    prompt = log_normal(256).clamp(1, max_len - 1)
+    output = torch.minimum(log_normal(128).clamp(min=1), max_len - prompt)
+    return prompt, output
+
+
+def reservation_waste(used: torch.Tensor, max_len: int) -> float:
+    """The share of `max_len`-per-request reservations that `used` tokens leave empty."""
+    return 1 - used.sum().item() / (len(used) * max_len)
+
+
+@torch.inference_mode()
+def run(args):
+    from nanoserve.model import load_gguf
+
+    torch.set_num_threads(args.threads)
+    model = load_gguf()
+    print(f"command: python -m nanoserve bench kv-cache --contexts {' '.join(map(str, args.contexts))} "
+          f"--cache-tokens {args.cache_tokens} --no-cache-tokens {args.no_cache_tokens} "
+          f"--max-len {args.max_len} --requests {args.requests} --seed {args.seed} --threads {args.threads}")
+    print(f"threads: {args.threads}, load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
+    print(f"{'context':>8s} {'no cache tok/s':>15s} {'cache tok/s':>12s} {'speed-up':>9s}")
+    for context in args.contexts:
+        without = decode_tokens_per_second(model, context, args.no_cache_tokens, use_cache=False)
+        with_cache = decode_tokens_per_second(model, context, args.cache_tokens, use_cache=True)
+        print(f"{context:8d} {without:15.2f} {with_cache:12.1f} {with_cache / without:8.1f}×")
+
+    prompt, output = request_lengths(args.requests, args.max_len, args.seed)
+    used = prompt + output
+    waste = reservation_waste(used, args.max_len)
+    per_token = kv_bytes_per_token(model.config, "fp32")
+    print(f"\nreservation: {args.requests} requests, each reserving max_len {args.max_len} tokens "
+          f"(prompt ~ lognormal median 256, output ~ lognormal median 128, sigma 1, seed {args.seed})")
+    print(f"  tokens used: mean {used.float().mean():.0f}, median {used.median():.0f}, max {used.max()}")
+    print(f"  KV reserved {format_bytes(len(used) * args.max_len * per_token)}, "
+          f"used {format_bytes(used.sum().item() * per_token)} (SmolLM2, fp32)")
+    print(f"  waste = 1 - used / reserved = {waste:.1%}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")

@@ -1,0 +1,47 @@
+"""`python -m nanoserve memory`: how many concurrent sequences of a given length fit on a device (chapter 04).
+
+    python -m nanoserve memory --model llama-3-8b --device-gb 80 --seq-len 4096 --dtype bf16
+"""
+
+from nanoserve.memory import DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts
+from nanoserve.model.known_configs import KNOWN_CONFIGS
+
+
+def register(sub):
+    p = sub.add_parser("memory", help="KV bytes per token and sequence, and how many sequences fit on a device")
+    p.add_argument("--model", choices=sorted(KNOWN_CONFIGS), default="smollm2-135m")
+    p.add_argument("--device-gb", type=float, default=80.0, help="device memory in GiB (2**30 bytes), default 80")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output), default 4096")
+    p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of both weights and KV cache")
+    p.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="fraction of the device kept free")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    config = KNOWN_CONFIGS[args.model]
+    plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
+    L, Hkv, D, nbytes = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, DTYPE_BYTES[args.dtype]
+
+    def row(label: str, n: float) -> str:
+        return f"  {label:34s} {n:>18,.0f} B  {format_bytes(n):>10s}"
+
+    print(f"command: python -m nanoserve memory --model {args.model} --device-gb {args.device_gb:g} "
+          f"--seq-len {args.seq_len} --dtype {args.dtype} --reserve {args.reserve:g}")
+    print(f"model {args.model}: {parameter_counts(config)['total']:,} parameters, {L} layers, "
+          f"{Hkv} kv heads × head_dim {D}, context {config.max_position_embeddings}")
+    print("\nKV cache")
+    print(f"  per token    = 2 × {L} layers × {Hkv} kv_heads × {D} head_dim × {nbytes:g} B = {plan.kv_per_token:,.0f} B")
+    print(f"  per sequence = {plan.kv_per_token:,.0f} B × {args.seq_len} tokens = {plan.kv_per_sequence:,.0f} B "
+          f"({format_bytes(plan.kv_per_sequence)})")
+    print("\ndevice memory")
+    print(row(f"device ({args.device_gb:g} GiB)", plan.device))
+    print(row(f"− reserve ({args.reserve:.0%})", plan.reserve))
+    print(row(f"− weights ({args.dtype})", plan.weights))
+    print(row(f"− activations ({args.seq_len}-token prefill)", plan.activations))
+    print(row("= left for the KV cache", plan.kv_budget))
+    if plan.num_sequences == 0:
+        print(f"\nnot even one sequence of {args.seq_len} tokens fits: a smaller dtype, a bigger device, or more devices")
+        return 1
+    print(f"\nconcurrent sequences of {args.seq_len} tokens: {plan.num_sequences}"
+          f"  (= {plan.kv_budget:,.0f} // {plan.kv_per_sequence:,.0f})")
+    print(f"tokens in the KV cache at once: {plan.num_sequences * args.seq_len:,}")
