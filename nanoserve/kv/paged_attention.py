@@ -1,0 +1,186 @@
+"""Chapter 05 — paged attention in plain torch: K/V live in blocks, found through block tables.
+
+The pool, per layer:   k_cache[layer], v_cache[layer]: (num_blocks, block_size, num_kv_heads, head_dim)
+
+One engine step runs one flat batch of tokens from many sequences (vLLM style). For every layer:
+
+ 1. store_kv: this step's k, v (num_tokens, Hkv, D) go to their slots,
+        k_cache[layer].view(-1, Hkv, D)[slot_mapping] = k
+ 2. attend: sequence i's queries are the LAST q_len_i of its seq_lens[i] positions, causal.
+    Its keys are gathered through its block table:
+        k_cache[layer][block_tables[i]]      # (blocks, block_size, Hkv, D) -> first seq_lens[i] rows
+
+Decoding sequences (1 query each) are the common case: they are done all at once — one gather of
+whole blocks into a padded (num_decodes, max_blocks * block_size, Hkv, D) tensor, a mask for the
+padding, and one batched matmul-softmax-matmul. Sequences prefilling a chunk (many queries, on top
+of a cached prefix) go one at a time through chapter 01's attention with its causal offset.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.kv.block_manager import cdiv, slot_mapping
+from nanoserve.memory import kv_bytes_per_token
+from nanoserve.model.attention import scaled_dot_product_attention
+from nanoserve.model.config import LlamaConfig
+
+TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def num_blocks_for_budget(config: LlamaConfig, budget_bytes: float, block_size: int = 16,
+                          dtype: torch.dtype = torch.float32) -> int:
+    """How many KV blocks fit in `budget_bytes` (chapter 04's formula, times block_size tokens).
+
+    SmolLM2, float32: 46,080 B per token · 16 = 720 KiB per block; 1 GiB holds 1456 blocks = 23,296 tokens.
+    """
+    return int(budget_bytes // (kv_bytes_per_token(config, TORCH_DTYPE_NAMES[dtype]) * block_size))
+
+
+class PagedKVCache:
+    """The pool of KV blocks: one K and one V tensor per layer. Zero-filled, so padding read by a
+    batched gather is finite (it is masked out, and 0 · finite = 0; garbage could be NaN)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, config: LlamaConfig, budget_bytes: float, block_size: int = 16,
+                  dtype: torch.dtype = torch.float32, device=None) -> "PagedKVCache":
+        """A pool for `config` that fills `budget_bytes`."""
+        num_blocks = num_blocks_for_budget(config, budget_bytes, block_size, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens")
+        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
+                   dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k_cache + self.v_cache)
+
+    def store_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v: (num_tokens, Hkv, D) written at rows slot_mapping (num_tokens,) of the flat pool."""
+        if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
+            raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
+                             f"{tuple(slot_mapping.shape)} must agree on num_tokens")
+        Hkv, D = self.num_kv_heads, self.head_dim
+        self.k_cache[layer_idx].view(-1, Hkv, D).index_copy_(0, slot_mapping, k)
+        self.v_cache[layer_idx].view(-1, Hkv, D).index_copy_(0, slot_mapping, v)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write after a fork: BlockManager.take_copies)."""
+        if not pairs:
+            return
+        src, dst = torch.tensor(pairs, dtype=torch.long).T
+        for cache in self.k_cache + self.v_cache:
+            cache[dst] = cache[src]
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat batch: which tokens belong to which sequence, and where their K/V live."""
+
+    slot_mapping: torch.Tensor  # (num_tokens,) pool row of each new token's K/V
+    block_tables: torch.Tensor  # (num_seqs, max_blocks_per_seq) long, padded with block 0
+    seq_lens: torch.Tensor  # (num_seqs,) context length of each sequence AFTER this step's tokens
+    cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) sequence i's queries are tokens cu[i]:cu[i+1] of the batch
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+              block_size: int) -> "AttentionMetadata":
+        """From integers (the block manager's tables): sequence i computes positions
+        [seq_lens[i] - query_lens[i], seq_lens[i]).
+
+        >>> m = AttentionMetadata.build([[3], [0, 2]], seq_lens=[3, 6], query_lens=[3, 1], block_size=4)
+        >>> m.slot_mapping.tolist(), m.block_tables.tolist(), m.cu_seqlens_q.tolist()
+        ([12, 13, 14, 9], [[3, 0], [0, 2]], [0, 3, 4])
+        """
+        if not len(block_tables) == len(seq_lens) == len(query_lens):
+            raise ValueError(f"block_tables ({len(block_tables)}), seq_lens ({len(seq_lens)}) and query_lens "
+                             f"({len(query_lens)}) must have one entry per sequence")
+        slots, cu = [], [0]
+        for table, seq_len, q_len in zip(block_tables, seq_lens, query_lens):
+            if not 1 <= q_len <= seq_len:
+                raise ValueError(f"query_len {q_len} must be in 1..seq_len ({seq_len})")
+            slots += slot_mapping(table, seq_len - q_len, seq_len, block_size)
+            cu.append(cu[-1] + q_len)
+        width = max(len(t) for t in block_tables)
+        padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        return cls(torch.tensor(slots, dtype=torch.long), torch.tensor(padded, dtype=torch.long),
+                   torch.tensor(seq_lens, dtype=torch.long), torch.tensor(cu, dtype=torch.long))
+
+
+class PagedAttention:
+    """The AttentionFn of one step: attn(layer_idx, q (N, H, D), k, v (N, Hkv, D)) -> (N, H, D).
+
+    Everything that does not depend on the layer — which sequences decode, the gather indices, the
+    padding mask — is worked out once here, then reused by all layers.
+    """
+
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, batch_decodes: bool = True):
+        """batch_decodes=False sends every sequence down the one-at-a-time path (the baseline that
+        `python -m nanoserve bench paged-kv` measures the batched decode against)."""
+        self.cache, self.metadata = cache, metadata
+        bs = cache.block_size
+        cu = metadata.cu_seqlens_q.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        q_lens = [b - a for a, b in zip(cu, cu[1:])]
+        decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1 and batch_decodes]
+        self.all_decode = bool(decodes) and len(decodes) == len(q_lens)
+        # decode group: token index in the batch, block tables cut to the longest one, padding mask
+        self.decode_tokens = torch.tensor([cu[i] for i in decodes], dtype=torch.long)
+        if decodes:
+            max_ctx = max(seq_lens[i] for i in decodes)
+            tables = metadata.block_tables[decodes, :cdiv(max_ctx, bs)]  # (Sd, MB)
+            self.decode_blocks = tables.flatten()  # (Sd · MB,)
+            positions = torch.arange(tables.shape[1] * bs)  # (C,) with C = MB · block_size
+            self.decode_padding = positions[None, :] >= metadata.seq_lens[decodes][:, None]  # (Sd, C)
+            # Gather buffers, allocated once per step and refilled by every layer: a fresh multi-MB tensor
+            # per layer costs page faults that can take longer than the copy itself.
+            shape = (len(self.decode_blocks), bs, cache.num_kv_heads, cache.head_dim)
+            dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
+            self.decode_keys = torch.empty(shape, dtype=dtype, device=device)
+            self.decode_values = torch.empty(shape, dtype=dtype, device=device)
+        # the rest (prefill chunks), one by one: (first token, last token + 1, context length, its block table)
+        self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)])
+                         for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.store_kv(layer_idx, k, v, self.metadata.slot_mapping)
+        k_cache, v_cache = self.cache.k_cache[layer_idx], self.cache.v_cache[layer_idx]
+        if self.all_decode:
+            return self.decode(q, k_cache, v_cache)
+        out = torch.empty_like(q)
+        if len(self.decode_tokens):
+            out[self.decode_tokens] = self.decode(q[self.decode_tokens], k_cache, v_cache)
+        for start, end, seq_len, table in self.prefills:
+            keys = k_cache[table].flatten(0, 1)[:seq_len]  # (S, Hkv, D), in position order
+            values = v_cache[table].flatten(0, 1)[:seq_len]
+            # chapter 01's attention, batch of one: the T queries are the last T of S positions
+            o = scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                             values.transpose(0, 1)[None], causal=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """One query per sequence, all sequences at once. q: (Sd, H, D) -> (Sd, H, D)."""
+        Sd, H, D = q.shape
+        Hkv = k_cache.shape[2]
+        # Gather whole blocks (each a contiguous block_size·Hkv·D run), not single slots: one index op.
+        keys = torch.index_select(k_cache, 0, self.decode_blocks, out=self.decode_keys).view(Sd, -1, Hkv * D)  # (Sd, C, Hkv·D)
+        values = torch.index_select(v_cache, 0, self.decode_blocks, out=self.decode_values).view(Sd, -1, Hkv * D)
+        # GQA as one dense batched matmul, without repeat_kv copies of K/V: widen each query head to
+        # Hkv·D with zeros everywhere except the D columns of its own kv head (h // G).
+        own_kv_head = torch.eye(Hkv, dtype=q.dtype).repeat_interleave(H // Hkv, dim=0)[None, :, :, None]  # (1, H, Hkv, 1)
+        q_wide = (q[:, :, None, :] * own_kv_head).view(Sd, H, Hkv * D)  # (Sd, H, Hkv·D)
+        scores = torch.bmm(q_wide, keys.transpose(1, 2)) / math.sqrt(D)  # (Sd, H, C)
+        scores = scores.masked_fill(self.decode_padding[:, None, :], float("-inf"))  # positions past seq_len
+        weights = torch.softmax(scores, dim=-1)
+        out_wide = torch.bmm(weights, values).view(Sd, H, Hkv, D)  # every kv head's values, mixed by head h's weights
+        return (out_wide * own_kv_head).sum(dim=2)  # keep head h's own kv head: (Sd, H, D)
