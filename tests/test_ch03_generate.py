@@ -119,7 +119,7 @@ def test_terminal_chat_keeps_the_conversation_and_stops_at_exit(tok):
     model = ScriptedModel(reply + reply)
     shown = []
     chat(model, tok, SamplingParams(temperature=0, max_tokens=10), iter(["hi\n", "\n", "again\n", "exit\n", "never"]),
-         shown.append)
+         shown.append, use_cache=False)  # the scripted model sees whole sequences: no cache
     assert "".join(shown) == "assistant> Hello there!\n" * 2
     # the second prompt held the whole conversation: both user turns and the first reply
     second_prompt_len = model.seen_lengths[len(reply)]
