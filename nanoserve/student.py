@@ -19,6 +19,13 @@ STUDENT_FILES = {
     "nanoserve.model.attention": "01-attention/attention.py",
     "nanoserve.model.layers": "02-the-model/layers.py",
     "nanoserve.model.block": "02-the-model/block.py",
+    "nanoserve.kv.naive": "04-kv-cache/naive.py",
+    "nanoserve.memory": "04-kv-cache/memory.py",
+    "nanoserve.kv.block_allocator": "05-paged-kv/block_allocator.py",
+    "nanoserve.kv.prefix_cache": "05-paged-kv/prefix_cache.py",
+    "nanoserve.engine.scheduler": "06-continuous-batching/scheduler.py",
+    "nanoserve.sampling": "03-tokens-and-sampling/sampling.py",
+    "nanoserve.detokenizer": "03-tokens-and-sampling/detokenizer.py",
 }
 
 

@@ -7,7 +7,7 @@ function that runs it with the parsed arguments.
 import argparse
 import importlib
 
-COMMANDS = ["info", "bench", "serve"]
+COMMANDS = ["info", "bench", "serve", "memory", "batch", "generate"]
 
 
 def main(argv: list[str] | None = None) -> int:

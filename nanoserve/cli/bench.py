@@ -7,7 +7,7 @@ reports ratios measured side by side in one run.
 
 import importlib
 
-BENCHMARKS = ["model"]
+BENCHMARKS = ["model", "kv_cache", "paged_kv", "offline"]
 
 
 def register(sub):

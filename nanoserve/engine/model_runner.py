@@ -1,0 +1,96 @@
+"""Chapter 06 — the model runner: one scheduled step becomes ONE forward pass.
+
+The scheduler said "sequence s computes tokens [num_computed_tokens, +n)". The runner lays all
+those tokens end to end — prefill chunks and decodes alike — and describes where each one
+belongs with chapter 05's metadata:
+
+    A decodes 1 token at position 9, B prefills a 3-token chunk at 0..2, C decodes at 4
+    input_ids     [a9 | b0 b1 b2 | c4]           (num_tokens,) = (5,)
+    positions     [ 9 |  0  1  2 |  4]
+    cu_seqlens_q  [0, 1, 4, 5]                   where each sequence's queries start/end
+    seq_lens      [10, 3, 5]                     keys each sequence attends to (cached + new)
+    slot_mapping  [slot of A's 9, B's 0..2, C's 4]   where the new K/V are written in the pool
+    block_tables  (3, max_blocks), padded         the pool blocks of each sequence
+
+Logits are computed only for the rows that complete a sequence's known tokens (a decode, or the
+last chunk of a prompt): a partial prefill chunk samples nothing. The LM head of SmolLM2 is
+49152 × 576, so skipping the other rows matters.
+
+Each sequence samples with its own SamplingParams and its own torch.Generator, so a seeded
+request draws the same tokens whatever else shares its batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.sequence import Sequence
+from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
+from nanoserve.sampling import make_generator, sample
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # (num_tokens,)
+    positions: torch.Tensor  # (num_tokens,)
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # (num_sampled,) rows of the flat batch whose next token we sample
+    sampled_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: PagedKVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.generators: dict[str, torch.Generator | None] = {}  # per live request
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
+        """Flatten the step into index tensors, built once per step (never per layer)."""
+        input_ids, positions, seq_lens, query_lens, logits_indices, sampled_seqs = [], [], [], [], [], []
+        for seq in out.scheduled_seqs:
+            start = seq.num_computed_tokens
+            end = start + out.num_scheduled_tokens[seq.seq_id]
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            seq_lens.append(end)
+            query_lens.append(end - start)
+            if end == seq.num_tokens:  # the step reaches the last known token: sample the next one
+                logits_indices.append(len(input_ids) - 1)
+                sampled_seqs.append(seq)
+        tables = [out.block_tables[seq.seq_id] for seq in out.scheduled_seqs]
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            attn_metadata=AttentionMetadata.build(tables, seq_lens, query_lens, self.block_size),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            sampled_seqs=sampled_seqs,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the step; return {seq_id: sampled token} for the sequences that sample."""
+        for seq_id in out.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        if not out.scheduled_seqs:
+            return {}
+        batch = self.prepare_inputs(out)
+        hidden = self.model(batch.input_ids, batch.positions, PagedAttention(self.kv_cache, batch.attn_metadata))
+        if not batch.sampled_seqs:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sampled, vocab)
+        return self.sample(batch.sampled_seqs, logits)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+        greedy = logits.argmax(-1).tolist()  # one call for every greedy row
+        sampled = {}
+        for row, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if params.temperature == 0:
+                sampled[seq.seq_id] = greedy[row]
+                continue
+            if seq.seq_id not in self.generators:
+                self.generators[seq.seq_id] = make_generator(params)
+            sampled[seq.seq_id] = sample(logits[row], params, self.generators[seq.seq_id])
+        return sampled

@@ -1,0 +1,200 @@
+"""Chapter 06 — the scheduler: which sequences run in the next forward pass, and how many
+tokens each computes. Called once per step (iteration-level scheduling), so a request joins
+the batch the step after it arrives and leaves it the step it finishes.
+
+Everything here is an integer: token counts, block counts, a token budget. A prefill chunk and
+a decode are the same request — "compute n more tokens of this sequence" — so a single step
+can mix the decodes of running sequences with (chunks of) the prompts of new ones:
+
+    max_num_batched_tokens = 8, block_size = 4; A decoding, B's 10-token prompt arrives
+    step 1:  A: 1 token (decode)   B: 7 tokens (chunk 0..7, samples nothing)
+    step 2:  A: 1 token (decode)   B: 3 tokens (chunk 7..10, samples B's first token)
+    step 3:  A: 1 token            B: 1 token                 — both decoding
+
+The policy, in order:
+  1. Running sequences, most urgent first (priority, then arrival), each gets its remaining
+     tokens (1 for a decode; the rest of its prompt, up to the budget, for a chunked prefill).
+     If the block pool cannot hold its new tokens, preempt the *least* urgent running
+     sequence (highest priority value, latest arrival) by recompute — free its blocks, reset
+     num_computed_tokens to 0, put it back in the waiting queue — and try again. If that victim
+     is the sequence itself, it waits too.
+  2. If nobody was preempted this step, admit waiting sequences in the same order while there
+     is budget, a free seat (max_num_seqs) and blocks. The queue head blocks the ones behind it
+     (strict FCFS: a long prompt is not overtaken forever by short ones).
+
+Why this never deadlocks or livelocks: `add_seq` refuses a request whose prompt + max_tokens
+could not fit in the whole pool alone (ValueError), so the most urgent running sequence can
+always grow by preempting the others; it finishes, frees its blocks, and the next one moves up.
+
+Why nothing starves within a priority: both queues are ordered by (priority, arrival_time) and a
+preempted sequence keeps its original arrival time, so it goes back to the *front* of its class,
+and the head of the waiting queue is never skipped. Across priorities the order is strict (as in
+vLLM): low-priority work waits while more urgent work keeps arriving — that is what priority means.
+"""
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # seats: sequences in the running set at once
+    max_num_batched_tokens: int = 2048  # token budget of one forward pass
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. The worker computes, for each scheduled sequence, tokens
+    [num_computed_tokens, num_computed_tokens + num_scheduled_tokens[seq_id]), in this order."""
+
+    scheduled_seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # the worker cannot see the BlockManager
+    preempted_seq_ids: list[str] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)  # since the last step: workers drop their state
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    def samples(self, seq: Sequence) -> bool:
+        """Does this step reach the sequence's last known token (so a new token is sampled)?
+        False for a partial prefill chunk. Ask before update_from_output advances the sequence."""
+        return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] == seq.num_tokens
+
+
+def _urgency(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager):
+        self.config = config
+        self.block_manager = block_manager  # chapter 05's BlockManager (or the learner's)
+        self.waiting: list[Sequence] = []  # sorted by urgency: WAITING and PREEMPTED sequences
+        self.running: list[Sequence] = []  # sorted by urgency: they hold blocks
+        self.seqs: dict[str, Sequence] = {}  # every live sequence by id
+        self._finished_seq_ids: list[str] = []
+
+    def add_seq(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"request id {seq.seq_id!r} is already in flight")
+        bm = self.block_manager
+        blocks_needed = -(-seq.max_total_tokens // bm.block_size)
+        if blocks_needed > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.seq_id!r} can never fit: prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) "
+                f"needs {blocks_needed} blocks of {bm.block_size} tokens, the whole pool has {bm.num_blocks}"
+            )
+        if not self.config.enable_chunked_prefill and seq.max_total_tokens > self.config.max_num_batched_tokens:
+            # without chunking a (re)computed prefill must fit in one step's token budget
+            raise ValueError(
+                f"request {seq.seq_id!r} can never be scheduled: prompt + max_tokens = {seq.max_total_tokens} tokens "
+                f"> max_num_batched_tokens={self.config.max_num_batched_tokens} and chunked prefill is off"
+            )
+        seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        bisect.insort(self.waiting, seq, key=_urgency)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = []
+        budget = self.config.max_num_batched_tokens
+
+        # 1. running sequences, most urgent first; victims are taken from the end
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while self._allocate(seq, seq.num_computed_tokens + n) is None:
+                victim = self.running.pop()  # the least urgent: never one scheduled before seq
+                self._preempt(victim)
+                out.preempted_seq_ids.append(victim.seq_id)
+                if victim is seq:
+                    break
+            else:
+                self._schedule(out, seq, n)
+                budget -= n
+                i += 1
+
+        # 2. admit waiting sequences, unless this step already had to preempt (memory is tight)
+        while not out.preempted_seq_ids and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            computed = self.block_manager.lookup_prefix(seq.token_ids)  # prefix-cache hit: skip those tokens
+            n = seq.num_tokens - computed
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if self._allocate(seq, computed + n) is None:
+                break  # the head waits for blocks; nobody overtakes it
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = computed
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
+            bisect.insort(self.running, seq, key=_urgency)
+            self._schedule(out, seq, n)
+            budget -= n
+        if not out.scheduled_seqs and self.waiting and not self.running:
+            # add_seq guarantees the queue head fits an empty pool; if it does not, blocks leaked
+            raise RuntimeError(
+                f"cannot schedule {self.waiting[0].seq_id!r} with nothing running: the block manager has "
+                f"{self.block_manager.get_num_free_blocks()}/{self.block_manager.num_blocks} blocks free"
+            )
+        return out
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        return self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens)
+
+    def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.scheduled_seqs.append(seq)
+        out.num_scheduled_tokens[seq.seq_id] = n
+        out.block_tables[seq.seq_id] = list(self.block_manager.block_table(seq.seq_id))  # a snapshot
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the cache, keep the tokens, go back to the front of the class."""
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_urgency)
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int], now: float) -> list[Sequence]:
+        """Advance each scheduled sequence by the tokens it computed; append the sampled ones.
+        Returns the sequences that got a new token (the engine checks them for stops)."""
+        advanced = []
+        for seq in out.scheduled_seqs:
+            if seq.status is not SequenceStatus.RUNNING:  # aborted since the step was planned
+                continue
+            seq.num_computed_tokens += out.num_scheduled_tokens[seq.seq_id]
+            if seq.seq_id in sampled_token_ids:
+                seq.append_token(sampled_token_ids[seq.seq_id], now)
+                advanced.append(seq)
+        return advanced
+
+    def finish_seq(self, seq_id: str, status: SequenceStatus) -> Sequence:
+        """Finish (or abort) a running or waiting sequence; its blocks are free on return."""
+        if not status.is_finished:
+            raise ValueError(f"finish_seq needs a FINISHED_* status, got {status}")
+        seq = self.seqs.pop(seq_id)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq_id)
+        else:  # WAITING or PREEMPTED: holds no blocks
+            self.waiting.remove(seq)
+        seq.status = status
+        self._finished_seq_ids.append(seq_id)
+        return seq

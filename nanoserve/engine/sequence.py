@@ -1,0 +1,121 @@
+"""Chapter 06 — one request's state as it moves through the engine.
+
+    add_request ─▶ WAITING ─▶ RUNNING ─▶ FINISHED_STOPPED   (EOS, a stop id or a stop string)
+                     ▲           │    └─▶ FINISHED_LENGTH    (max_tokens reached)
+                     │           ▼
+                     └──── PREEMPTED     (blocks ran out: blocks freed, recomputed later)
+    abort_request, from any live state ─▶ FINISHED_ABORTED
+
+The scheduler reads only integers from here: how many tokens the sequence has
+(`num_tokens` = prompt + generated so far), how many of them already have K/V in the cache
+(`num_computed_tokens`), its priority and its arrival time. A decode step and a prefill chunk
+are the same thing seen this way: "compute tokens [num_computed_tokens, num_computed_tokens + n)".
+
+    prompt = [t0 t1 t2 t3 t4], generated = [t5]      num_tokens = 6
+    K/V cached for t0..t4                            num_computed_tokens = 5
+    next step computes 1 token (t5) and samples t6   -> a decode
+
+Preemption by recompute throws the cache away: num_computed_tokens drops to 0, and when the
+sequence runs again it "prefills" its prompt *and* the tokens it had already generated.
+"""
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its blocks freed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "stop", "length", "abort"; None while the sequence lives."""
+        return self.value if self.is_finished else None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in flight. `priority`: a lower value is served first (vLLM's convention)."""
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    sampling_params: Any = None  # the engine's SamplingParams; the scheduler never reads it
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    # metrics (perf_counter seconds)
+    scheduled_time: float | None = None  # first time the scheduler admitted it
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per generated token
+    finished_time: float | None = None
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.seq_id!r}: prompt_token_ids is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.seq_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold in the cache."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def metrics(self) -> dict:
+        """Per-request latencies in seconds (None where not reached yet).
+
+        queue_time: arrival -> first scheduled      ttft: arrival -> first token
+        tpot: mean time per output token after the first   itl: gaps between consecutive tokens
+        e2e: arrival -> finished
+        """
+        itl = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return {
+            "queue_time": None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
+            "ttft": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
+            "tpot": sum(itl) / len(itl) if itl else None,
+            "itl": itl,
+            "e2e": None if self.finished_time is None else self.finished_time - self.arrival_time,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": self.num_output_tokens,
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,32 @@
+"""Chapter 06 — a worker owns one device: the model's weights and the KV block pool on it.
+
+The engine never touches tensors. It asks the worker how many KV blocks fit (so the scheduler's
+BlockManager can count them), then hands it one SchedulerOutput per step and gets token ids back.
+Here the one worker lives in the engine's process and runs on the CPU; a tensor-parallel worker
+would hold a shard of every weight and of every KV block, and the same calls would reach it
+over torch.distributed.
+"""
+
+import torch
+
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.kv.paged_attention import PagedKVCache, num_blocks_for_budget
+
+
+class Worker:
+    def __init__(self, model, dtype: torch.dtype = torch.float32):
+        self.model = model.eval()
+        self.dtype = dtype
+        self.model_runner: ModelRunner | None = None  # built once the pool is sized
+
+    def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
+        return num_blocks_for_budget(self.model.config, kv_cache_bytes, block_size, self.dtype)
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.model.config
+        cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype)
+        self.model_runner = ModelRunner(self.model, cache)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,109 @@
+"""Chapter 06 — the offline API: many prompts in, one output per prompt, as fast as the engine goes.
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM()                                            # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["The capital of France is",
+                         [{"role": "user", "content": "Say hi"}],       # a chat: the template applies
+                         {"prompt_token_ids": [504, 3458, 282]}],
+                        SamplingParams(temperature=0, max_tokens=32))
+    outs[1].text, outs[1].finish_reason, outs[1].metrics["ttft"]
+
+Everything is submitted at once and the engine batches it continuously; outputs come back in
+input order. The tokenizer lives here, above the engine: the engine sees token ids only.
+"""
+
+from pathlib import Path
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from nanoserve.sampling import SamplingParams
+
+
+def _is_chat(item) -> bool:
+    return isinstance(item, list) and all(isinstance(m, dict) and "role" in m for m in item) and bool(item)
+
+
+class LLM:
+    def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False):
+        """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
+        (its tokenizer is then the embedded one)."""
+        from nanoserve.model import load_gguf
+        from nanoserve.tokenizer import Tokenizer
+
+        path = model if isinstance(model, (str, Path)) else None
+        self.model = load_gguf(path) if model is None or path is not None else model
+        self.tokenizer = Tokenizer.from_gguf(path)
+        config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+                              enable_chunked_prefill, enable_prefix_caching, student)
+        self.engine = LLMEngine(self.model, config, self.tokenizer)
+        self._next_id = 0
+
+    def prompt_token_ids(self, item) -> list[int]:
+        """One input -> prompt ids: a string, a chat (list of {"role", "content"}), or a dict with
+        "prompt_token_ids", "prompt" or "messages"."""
+        if isinstance(item, str):
+            return self.tokenizer.encode(item)
+        if _is_chat(item):
+            return self.tokenizer.encode_chat(item)
+        if isinstance(item, dict):
+            if "prompt_token_ids" in item:
+                ids = item["prompt_token_ids"]
+                if not (isinstance(ids, list) and ids and all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in ids)):
+                    raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
+                return ids
+            if "messages" in item:
+                if not _is_chat(item["messages"]):
+                    raise ValueError('"messages" must be a non-empty list of {"role": ..., "content": ...}')
+                return self.tokenizer.encode_chat(item["messages"])
+            if isinstance(item.get("prompt"), str):
+                return self.tokenizer.encode(item["prompt"])
+        raise ValueError(
+            f"an input must be a string, a list of chat messages, or a dict with 'prompt_token_ids', 'prompt' or "
+            f"'messages'; got {type(item).__name__}: {str(item)[:80]}"
+        )
+
+    def add_request(self, item, sampling_params: SamplingParams, priority: int = 0) -> str:
+        """Tokenize one input and queue it; returns its request id."""
+        request_id = str(self._next_id)
+        self.engine.add_request(request_id, self.prompt_token_ids(item), sampling_params, priority)
+        self._next_id += 1
+        return request_id
+
+    def run(self, request_ids: list[str], use_tqdm: bool = True) -> dict[str, RequestOutput]:
+        """Step the engine until it is idle; the final output of each request by id."""
+        from tqdm.auto import tqdm
+
+        finished = {}
+        with tqdm(total=len(request_ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            num_tokens = 0
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    num_tokens += len(out.new_token_ids)
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                bar.set_postfix(out_tok_s=f"{num_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
+        return finished
+
+    def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """One output per input, in input order (see the module docstring for the input forms)."""
+        if isinstance(inputs, (str, dict)) or _is_chat(inputs):
+            inputs = [inputs]
+        inputs = list(inputs)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(inputs)
+        priority = priority or [0] * len(inputs)
+        if not len(params) == len(priority) == len(inputs):
+            raise ValueError(f"{len(inputs)} inputs but {len(params)} sampling params and {len(priority)} priorities")
+        ids = []
+        for i, (item, p, prio) in enumerate(zip(inputs, params, priority)):
+            try:
+                ids.append(self.add_request(item, p, prio))
+            except ValueError as e:
+                for request_id in ids:  # leave the engine as we found it
+                    self.engine.abort_request(request_id)
+                raise ValueError(f"input {i}: {e}") from e
+        finished = self.run(ids, use_tqdm)
+        return [finished[request_id] for request_id in ids]

@@ -1,0 +1,193 @@
+"""Chapter 06 — the engine's request handling (tiny random model) and the offline API and batch CLI
+(real model): abort, stops, metrics, input forms, output order, malformed lines."""
+
+import json
+
+import pytest
+import torch
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.sampling import SamplingParams
+
+
+def assert_pool_whole(engine):
+    assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    with torch.no_grad():  # HF's init (std 0.02): with N(0, 1) the tied head just repeats the last token
+        model.embed_tokens.weight.normal_(0, 0.02)
+    return model
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_abort_frees_blocks_at_once_running_or_waiting(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=1))
+    engine.add_request("run", list(range(1, 10)), greedy(5))
+    engine.add_request("wait", [1, 2, 3], greedy(5))
+    engine.step()
+    assert engine.block_manager.get_num_free_blocks() == 8 - 3  # 9 prompt tokens + 1 = 3 blocks of 4
+    out = engine.abort_request("run")
+    assert out.finished and out.finish_reason == "abort" and len(out.token_ids) == 1
+    assert_pool_whole(engine)  # the same step, not the next one
+    assert engine.abort_request("wait").finish_reason == "abort"
+    assert engine.abort_request("unknown") is None
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []  # an empty step is fine
+    assert_pool_whole(engine)
+
+
+def test_eos_and_stop_ids_and_length(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4))
+    engine.add_request("probe", [5, 6, 7], greedy(8))
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+    probe = out.token_ids
+    assert out.finish_reason == "length" and len(probe) == 8
+    # the first token that did not appear before it: stopping on it must keep exactly probe[:k + 1]
+    k = next(i for i, t in enumerate(probe) if t not in probe[:i] and i > 0)
+    # the same prompt, now stopping on tokens it is known to produce
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4), eos_token_id=probe[0])
+    engine.add_request("eos", [5, 6, 7], greedy(8))
+    engine.add_request("ignore", [5, 6, 7], greedy(8, ignore_eos=True))
+    engine.add_request("stop-id", [5, 6, 7], greedy(8, ignore_eos=True, stop_token_ids=[probe[k]]))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert (done["eos"].finish_reason, done["eos"].token_ids) == ("stop", probe[:1])
+    assert (done["ignore"].finish_reason, done["ignore"].token_ids) == ("length", probe)
+    assert (done["stop-id"].finish_reason, done["stop-id"].token_ids) == ("stop", probe[:k + 1])
+    assert_pool_whole(engine)
+
+
+def test_refuses_requests_that_could_never_run(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=4, block_size=4))
+    with pytest.raises(ValueError, match="can never fit"):
+        engine.add_request("big", list(range(10)), greedy(10))
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("long", [1] * 500, greedy(20))
+    assert not engine.has_unfinished_requests()
+
+
+# ---- the offline API, on the real model ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    from nanoserve.llm import LLM
+
+    return LLM(smollm2, num_blocks=256)
+
+
+@pytest.mark.slow
+def test_generate_takes_every_input_form_and_keeps_the_order(llm):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = ["Once upon a time", chat, {"prompt_token_ids": llm.tokenizer.encode("1, 2, 3, 4,")}, "The sky is"]
+    outs = llm.generate(inputs, [greedy(12), greedy(20), greedy(8), greedy(5)], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [llm.prompt_token_ids(x) for x in inputs]
+    assert outs[1].prompt_token_ids == llm.tokenizer.encode_chat(chat)
+    for out in outs:
+        assert out.finished and out.finish_reason in ("stop", "length")
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        m = out.metrics
+        assert 0 <= m["queue_time"] <= m["ttft"] <= m["e2e"]
+        assert len(m["itl"]) == len(out.token_ids) - 1
+    assert [len(o.token_ids) for o in (outs[0], outs[2], outs[3])] == [12, 8, 5]
+    assert llm.generate("The sky is", greedy(5), use_tqdm=False)[0].token_ids == outs[3].token_ids
+    assert_pool_whole(llm.engine)
+
+
+@pytest.mark.slow
+def test_stop_string_cuts_the_text(llm):
+    (full,) = llm.generate("The river wound slowly through the", greedy(24, ignore_eos=True), use_tqdm=False)
+    words = full.text.split()
+    assert len(words) > 4
+    stop = " " + words[3]
+    (cut,) = llm.generate("The river wound slowly through the", greedy(24, ignore_eos=True, stop=[stop]), use_tqdm=False)
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert_pool_whole(llm.engine)
+
+
+@pytest.mark.slow
+def test_generate_names_the_bad_input(llm):
+    with pytest.raises(ValueError, match="input 1"):
+        llm.generate(["fine", {"nothing": 1}], greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_batch_cli_keeps_order_and_reports_bad_lines(llm, tmp_path, monkeypatch, capsys):
+    from nanoserve.cli import batch, main
+
+    monkeypatch.setattr(batch, "llm_from_args", lambda args: llm)
+    lines = [
+        json.dumps({"prompt": "The sky is", "max_tokens": 5, "temperature": 0, "id": "a"}),
+        "{not json",
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}),
+        json.dumps({"prompt": "x", "max_token": 5}),
+        json.dumps({"prompt": "x", "temperature": -1}),
+        json.dumps({"prompt_token_ids": [504, 3458], "max_tokens": 3, "seed": 1}),
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert main(["batch", "--input", str(src), "--output", str(dst), "--no-progress"]) == 1
+    records = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [("error" in r) for r in records] == [False, True, False, True, True, False]
+    assert "max_token" in records[3]["error"] and "temperature" in records[4]["error"]
+    assert records[0]["id"] == "a" and records[0]["token_ids"] == llm.generate("The sky is", greedy(5), use_tqdm=False)[0].token_ids
+    assert len(records[5]["token_ids"]) == 3 and records[5]["finish_reason"] == "length"
+    assert set(records[2]) >= {"prompt_token_ids", "token_ids", "text", "finish_reason", "metrics"}
+    err = capsys.readouterr().err
+    assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and "in.jsonl:5:" in err
+    assert_pool_whole(llm.engine)
+
+
+def test_student_flag_plugs_in_the_learners_modules(tiny, monkeypatch):
+    import importlib
+
+    from nanoserve.engine import llm_engine
+
+    asked = []
+
+    def fake_load_student(name):  # the reference stands in for the learner's finished file
+        asked.append(name)
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(llm_engine, "load_student", fake_load_student)
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, student=True))
+    assert {"nanoserve.engine.scheduler", "nanoserve.kv.block_allocator", "nanoserve.kv.prefix_cache"} <= set(asked)
+    assert set(asked) <= set(llm_engine.STUDENT_FILES)
+    engine.add_request("a", [1, 2, 3], greedy(3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_whole(engine)
+
+
+def test_student_flag_falls_back_for_an_unfinished_chapter_05(tiny, monkeypatch):
+    import importlib
+    import types
+
+    from nanoserve.engine import llm_engine
+    from nanoserve.kv.block_allocator import BlockAllocator
+
+    class Unfinished:
+        def __init__(self, num_blocks):
+            raise NotImplementedError("Exercise 5.1: set up the ref counts and the free list")
+
+    def fake_load_student(name):
+        if name == "nanoserve.kv.block_allocator":
+            return types.SimpleNamespace(BlockAllocator=Unfinished)
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(llm_engine, "load_student", fake_load_student)
+    with pytest.warns(UserWarning, match="Exercise 5.1"):
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, student=True))
+    assert type(engine.block_manager.allocator) is BlockAllocator
