@@ -10,9 +10,9 @@ One engine step runs one flat batch of tokens from many sequences (vLLM style). 
     Its keys are gathered through its block table:
         k_cache[layer][block_tables[i]]      # (blocks, block_size, Hkv, D) -> first seq_lens[i] rows
 
-Decoding sequences (1 query each) are the common case: they are done all at once — one gather of
-whole blocks into a padded (num_decodes, max_blocks * block_size, Hkv, D) tensor, a mask for the
-padding, and one batched matmul-softmax-matmul. Sequences prefilling a chunk (many queries, on top
+Decoding sequences (1 query each) are the common case: they are done in groups of up to 8, sorted
+by context length — per group one gather of whole blocks into a padded (num_seqs, max_blocks *
+block_size, Hkv, D) tensor, a mask for the padding, and one batched matmul-softmax-matmul. Sequences prefilling a chunk (many queries, on top
 of a cached prefix) go one at a time through chapter 01's attention with its causal offset.
 """
 
@@ -27,6 +27,7 @@ from nanoserve.model.attention import scaled_dot_product_attention
 from nanoserve.model.config import LlamaConfig
 
 TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DECODE_GROUP = 8  # decoding sequences per padded batch: sorted by length, so padding stays short
 
 
 def num_blocks_for_budget(config: LlamaConfig, budget_bytes: float, block_size: int = 16,
@@ -132,21 +133,11 @@ class PagedAttention:
         seq_lens = metadata.seq_lens.tolist()
         q_lens = [b - a for a, b in zip(cu, cu[1:])]
         decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1 and batch_decodes]
-        self.all_decode = bool(decodes) and len(decodes) == len(q_lens)
-        # decode group: token index in the batch, block tables cut to the longest one, padding mask
-        self.decode_tokens = torch.tensor([cu[i] for i in decodes], dtype=torch.long)
-        if decodes:
-            max_ctx = max(seq_lens[i] for i in decodes)
-            tables = metadata.block_tables[decodes, :cdiv(max_ctx, bs)]  # (Sd, MB)
-            self.decode_blocks = tables.flatten()  # (Sd · MB,)
-            positions = torch.arange(tables.shape[1] * bs)  # (C,) with C = MB · block_size
-            self.decode_padding = positions[None, :] >= metadata.seq_lens[decodes][:, None]  # (Sd, C)
-            # Gather buffers, allocated once per step and refilled by every layer: a fresh multi-MB tensor
-            # per layer costs page faults that can take longer than the copy itself.
-            shape = (len(self.decode_blocks), bs, cache.num_kv_heads, cache.head_dim)
-            dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
-            self.decode_keys = torch.empty(shape, dtype=dtype, device=device)
-            self.decode_values = torch.empty(shape, dtype=dtype, device=device)
+        # Decodes are padded to the longest context of their group, so group them by length: sorted, in
+        # groups of DECODE_GROUP, a short sequence is not padded to the longest one in the whole batch.
+        decodes.sort(key=lambda i: seq_lens[i])
+        self.decode_groups = [DecodeGroup(cache, metadata, decodes[g:g + DECODE_GROUP])
+                              for g in range(0, len(decodes), DECODE_GROUP)]
         # the rest (prefill chunks), one by one: (first token, last token + 1, context length, its block table)
         self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)])
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
@@ -154,11 +145,9 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.store_kv(layer_idx, k, v, self.metadata.slot_mapping)
         k_cache, v_cache = self.cache.k_cache[layer_idx], self.cache.v_cache[layer_idx]
-        if self.all_decode:
-            return self.decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
-        if len(self.decode_tokens):
-            out[self.decode_tokens] = self.decode(q[self.decode_tokens], k_cache, v_cache)
+        for group in self.decode_groups:
+            out[group.tokens] = group.attend(q[group.tokens], k_cache, v_cache)
         for start, end, seq_len, table in self.prefills:
             keys = k_cache[table].flatten(0, 1)[:seq_len]  # (S, Hkv, D), in position order
             values = v_cache[table].flatten(0, 1)[:seq_len]
@@ -168,19 +157,40 @@ class PagedAttention:
             out[start:end] = o[0].transpose(0, 1)
         return out
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+
+
+class DecodeGroup:
+    """Decoding sequences (one query each) attended all at once: one gather of whole blocks into a padded
+    (num_seqs, max_blocks · block_size, Hkv, D) tensor, a padding mask, one batched matmul-softmax-matmul."""
+
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, seqs: list[int]):
+        bs = cache.block_size
+        self.tokens = metadata.cu_seqlens_q[seqs]  # each decode's one query token in the flat batch
+        seq_lens = metadata.seq_lens[seqs]  # (Sd,)
+        tables = metadata.block_tables[seqs, :cdiv(int(seq_lens.max()), bs)]  # (Sd, MB)
+        self.blocks = tables.flatten()  # (Sd · MB,)
+        positions = torch.arange(tables.shape[1] * bs)  # (C,) with C = MB · block_size
+        self.padding = positions[None, :] >= seq_lens[:, None]  # (Sd, C)
+        # Gather buffers, allocated once per step and refilled by every layer: a fresh multi-MB tensor
+        # per layer costs page faults that can take longer than the copy itself.
+        shape = (len(self.blocks), bs, cache.num_kv_heads, cache.head_dim)
+        dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """One query per sequence, all sequences at once. q: (Sd, H, D) -> (Sd, H, D)."""
         Sd, H, D = q.shape
         Hkv = k_cache.shape[2]
         # Gather whole blocks (each a contiguous block_size·Hkv·D run), not single slots: one index op.
-        keys = torch.index_select(k_cache, 0, self.decode_blocks, out=self.decode_keys).view(Sd, -1, Hkv * D)  # (Sd, C, Hkv·D)
-        values = torch.index_select(v_cache, 0, self.decode_blocks, out=self.decode_values).view(Sd, -1, Hkv * D)
+        keys = torch.index_select(k_cache, 0, self.blocks, out=self.keys).view(Sd, -1, Hkv * D)  # (Sd, C, Hkv·D)
+        values = torch.index_select(v_cache, 0, self.blocks, out=self.values).view(Sd, -1, Hkv * D)
         # GQA as one dense batched matmul, without repeat_kv copies of K/V: widen each query head to
         # Hkv·D with zeros everywhere except the D columns of its own kv head (h // G).
         own_kv_head = torch.eye(Hkv, dtype=q.dtype).repeat_interleave(H // Hkv, dim=0)[None, :, :, None]  # (1, H, Hkv, 1)
         q_wide = (q[:, :, None, :] * own_kv_head).view(Sd, H, Hkv * D)  # (Sd, H, Hkv·D)
         scores = torch.bmm(q_wide, keys.transpose(1, 2)) / math.sqrt(D)  # (Sd, H, C)
-        scores = scores.masked_fill(self.decode_padding[:, None, :], float("-inf"))  # positions past seq_len
+        scores = scores.masked_fill(self.padding[:, None, :], float("-inf"))  # positions past seq_len
         weights = torch.softmax(scores, dim=-1)
         out_wide = torch.bmm(weights, values).view(Sd, H, Hkv, D)  # every kv head's values, mixed by head h's weights
         return (out_wide * own_kv_head).sum(dim=2)  # keep head h's own kv head: (Sd, H, D)
