@@ -48,10 +48,7 @@ class LLM:
             return self.tokenizer.encode_chat(item)
         if isinstance(item, dict):
             if "prompt_token_ids" in item:
-                ids = item["prompt_token_ids"]
-                if not (isinstance(ids, list) and ids and all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size for t in ids)):
-                    raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
-                return ids
+                return item["prompt_token_ids"]  # the engine checks the ids
             if "messages" in item:
                 if not _is_chat(item["messages"]):
                     raise ValueError('"messages" must be a non-empty list of {"role": ..., "content": ...}')

@@ -76,6 +76,17 @@ def test_refuses_requests_that_could_never_run(tiny):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("bad", [[], [1, 256], [-1, 2], [1, "2"], [1.0]])
+def test_refuses_bad_token_ids_and_keeps_serving(tiny, bad):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4))  # the tiny vocabulary is 256
+    with pytest.raises(ValueError, match=r"prompt_token_ids.*\[0, 256\)"):
+        engine.add_request("bad", bad, greedy(2))
+    engine.add_request("good", [1, 2, 3], greedy(2))
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert [o.request_id for o in outs if o.finished] == ["good"]
+    assert_pool_whole(engine)
+
+
 # ---- the offline API, on the real model ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,7 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.scheduler = scheduler_mod.Scheduler(scheduler_config, self.block_manager)
         self.max_model_len = model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size
         # without a tokenizer (token ids in, token ids out) EOS must be given to stop on it
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", -1)
         self.detokenizers = {}  # request_id -> IncrementalDetokenizer
@@ -100,6 +101,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         prompt_token_ids = list(prompt_token_ids)
+        # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
+        if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints "
+                             f"in [0, {self.vocab_size})")
         if len(prompt_token_ids) + sampling_params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
