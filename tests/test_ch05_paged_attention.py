@@ -1,7 +1,8 @@
 """Chapter 05: paged attention equals contiguous attention.
 
-Reference: per sequence, its whole K/V laid out contiguously and torch's own
-scaled_dot_product_attention — no block tables, no gathers, no masks of ours. On the real model:
+Reference: per sequence, its whole K/V laid out contiguously and attention written out in the test
+(repeat the K/V heads, scores, causal mask, softmax) — no block tables, no gathers, and not the fused
+torch kernel the paged path calls. On the real model:
 a batch of sequences stepping through PagedAttention gives the logits each sequence gets when run
 alone, without any cache.
 """
@@ -10,7 +11,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from nanoserve.kv.block_manager import BlockManager, slot_mapping
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, num_blocks_for_budget
@@ -20,10 +20,12 @@ from nanoserve.model.config import LlamaConfig
 def reference_attention(q, k, v):
     """q (T, H, D), k/v (S, Hkv, D): the T queries are the last T of S positions, causal."""
     T, S = q.shape[0], k.shape[0]
-    allowed = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]  # (T, S)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=allowed, enable_gqa=True)
-    return out.transpose(0, 1)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (S, H, D): head h reads h // group
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5  # (H, T, S)
+    allowed = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]  # (T, S): query t sits at S - T + t
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hts,shd->thd", weights, v)  # (T, H, D)
 
 
 def random_batch(rng: random.Random, num_kv_heads: int, group: int, head_dim: int, block_size: int):
@@ -67,7 +69,7 @@ def test_paged_equals_contiguous_on_random_batches(seed):
     assert (out - expected).abs().max() < 1e-4
     assert (looped - expected).abs().max() < 1e-4
     # and this step's K/V landed in the pool at slot_mapping
-    assert torch.equal(cache.k_cache[layer].view(-1, Hkv, D)[meta.slot_mapping], new_k)
+    assert torch.equal(cache.k_cache[layer].view(Hkv, -1, D)[:, meta.slot_mapping].transpose(0, 1), new_k)
 
 
 def test_metadata_build_worked_example():
@@ -84,7 +86,7 @@ def test_copy_blocks_and_store_kv_shapes():
     k = torch.randn(2, 1, 4)
     cache.store_kv(1, k, -k, torch.tensor([2, 3]))  # both slots of block 1
     cache.copy_blocks([(1, 0)])
-    assert torch.equal(cache.k_cache[1][0], k) and torch.equal(cache.v_cache[1][0], -k)
+    assert torch.equal(cache.k_cache[1][:, 0], k.transpose(0, 1)) and torch.equal(cache.v_cache[1][:, 0], -k.transpose(0, 1))
     assert cache.nbytes == 2 * 2 * 3 * 2 * 1 * 4 * 4
     with pytest.raises(ValueError, match="num_tokens"):
         cache.store_kv(0, k, k, torch.tensor([0]))
@@ -97,7 +99,7 @@ def test_pool_size_from_a_memory_budget():
     cache = PagedKVCache.for_model(LlamaConfig.tiny(), budget_bytes=10**6, block_size=16)
     per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads, head_dim 16, fp32
     assert cache.num_blocks == 10**6 // per_block
-    assert cache.k_cache[0].shape == (cache.num_blocks, 16, 2, 16)
+    assert cache.k_cache[0].shape == (2, cache.num_blocks, 16, 16)  # (Hkv, blocks, block_size, D)
 
 
 @pytest.mark.slow

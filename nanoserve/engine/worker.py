@@ -7,6 +7,9 @@ would hold a shard of every weight and of every KV block, and the same calls wou
 over torch.distributed.
 """
 
+import ctypes
+import ctypes.util
+
 import torch
 
 from nanoserve.engine.model_runner import ModelRunner
@@ -14,8 +17,26 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.kv.paged_attention import PagedKVCache, num_blocks_for_budget
 
 
+def keep_freed_host_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS.
+
+    Why: a prefill step allocates activations of many MB per op (2048 tokens x 1536 floats = 12 MiB)
+    and frees them an op later. By default glibc hands such blocks straight back to the kernel, so the
+    next op's allocation page-faults every 4 KiB page in again; measured here, that made the prefill
+    of `bench offline` ~15 % slower. Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB
+    free. A GPU worker gets the same from torch's caching allocator. Returns False where there is no
+    glibc (macOS, musl): nothing changes there.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallopt"):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's <malloc.h>
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
 class Worker:
     def __init__(self, model, dtype: torch.dtype = torch.float32):
+        keep_freed_host_memory()
         self.model = model.eval()
         self.dtype = dtype
         self.model_runner: ModelRunner | None = None  # built once the pool is sized

@@ -1,29 +1,39 @@
 """Chapter 05 — paged attention in plain torch: K/V live in blocks, found through block tables.
 
-The pool, per layer:   k_cache[layer], v_cache[layer]: (num_blocks, block_size, num_kv_heads, head_dim)
+The pool, per layer:   k_cache[layer], v_cache[layer]: (num_kv_heads, num_blocks, block_size, head_dim)
+
+Heads first: a block of one kv head is a contiguous (block_size, head_dim) tile, so gathering a
+sequence's blocks yields its keys as (Hkv, seq_len, D) — the heads-first layout attention wants —
+with no transpose copy. (vLLM's GPU layouts differ in detail; each backend picks what its kernel reads best.)
 
 One engine step runs one flat batch of tokens from many sequences (vLLM style). For every layer:
 
  1. store_kv: this step's k, v (num_tokens, Hkv, D) go to their slots,
-        k_cache[layer].view(-1, Hkv, D)[slot_mapping] = k
+        k_cache[layer].view(Hkv, -1, D)[:, slot_mapping] = k.transpose(0, 1)
  2. attend: sequence i's queries are the LAST q_len_i of its seq_lens[i] positions, causal.
     Its keys are gathered through its block table:
-        k_cache[layer][block_tables[i]]      # (blocks, block_size, Hkv, D) -> first seq_lens[i] rows
+        k_cache[layer][:, block_tables[i]]   # (Hkv, blocks, block_size, D) -> first seq_lens[i] rows
 
 Decoding sequences (1 query each) are the common case: they are done in groups of up to 8, sorted
-by context length — per group one gather of whole blocks into a padded (num_seqs, max_blocks *
-block_size, Hkv, D) tensor, a mask for the padding, and one batched matmul-softmax-matmul. Sequences prefilling a chunk (many queries, on top
-of a cached prefix) go one at a time through chapter 01's attention with its causal offset.
+by context length — per group one gather of whole blocks into a padded (Hkv, num_seqs, max_blocks *
+block_size, D) tensor, a mask for the padding, and one batched attention call. Sequences
+prefilling a chunk (many queries, on top of a cached prefix) go one at a time, with chapter 01's
+causal mask and its offset.
+
+The attention math itself is torch's fused `F.scaled_dot_product_attention` (on CPU a flash-attention
+kernel: the (T, S) scores never exist whole, GQA without repeat_kv copies). It computes what chapter
+01 wrote out — the tests check it against that — 4x faster on a 512-token prompt; this chapter's
+subject is where K/V live, not the softmax.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from nanoserve.kv.block_manager import cdiv, slot_mapping
 from nanoserve.memory import kv_bytes_per_token
-from nanoserve.model.attention import scaled_dot_product_attention
+from nanoserve.model.attention import causal_mask
 from nanoserve.model.config import LlamaConfig
 
 TORCH_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -47,7 +57,7 @@ class PagedKVCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -66,13 +76,14 @@ class PagedKVCache:
         return sum(t.nbytes for t in self.k_cache + self.v_cache)
 
     def store_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v: (num_tokens, Hkv, D) written at rows slot_mapping (num_tokens,) of the flat pool."""
+        """k, v: (num_tokens, Hkv, D) written at slots slot_mapping (num_tokens,): slot = block · block_size + offset."""
         if k.shape != v.shape or k.shape[0] != slot_mapping.shape[0]:
             raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
                              f"{tuple(slot_mapping.shape)} must agree on num_tokens")
         Hkv, D = self.num_kv_heads, self.head_dim
-        self.k_cache[layer_idx].view(-1, Hkv, D).index_copy_(0, slot_mapping, k)
-        self.v_cache[layer_idx].view(-1, Hkv, D).index_copy_(0, slot_mapping, v)
+        # the pool seen as (Hkv, num_slots, D): slot s of kv head j is row s of head j
+        self.k_cache[layer_idx].view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        self.v_cache[layer_idx].view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write after a fork: BlockManager.take_copies)."""
@@ -80,7 +91,7 @@ class PagedKVCache:
             return
         src, dst = torch.tensor(pairs, dtype=torch.long).T
         for cache in self.k_cache + self.v_cache:
-            cache[dst] = cache[src]
+            cache[:, dst] = cache[:, src]
 
 
 @dataclass
@@ -138,8 +149,10 @@ class PagedAttention:
         decodes.sort(key=lambda i: seq_lens[i])
         self.decode_groups = [DecodeGroup(cache, metadata, decodes[g:g + DECODE_GROUP])
                               for g in range(0, len(decodes), DECODE_GROUP)]
-        # the rest (prefill chunks), one by one: (first token, last token + 1, context length, its block table)
-        self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)])
+        # the rest (prefill chunks), one by one:
+        # (first token, last token + 1, context length, its block table, its (T, S) causal mask)
+        self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)],
+                          causal_mask(q_len, seq_lens[i]))
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -148,32 +161,33 @@ class PagedAttention:
         out = torch.empty_like(q)
         for group in self.decode_groups:
             out[group.tokens] = group.attend(q[group.tokens], k_cache, v_cache)
-        for start, end, seq_len, table in self.prefills:
-            keys = k_cache[table].flatten(0, 1)[:seq_len]  # (S, Hkv, D), in position order
-            values = v_cache[table].flatten(0, 1)[:seq_len]
-            # chapter 01's attention, batch of one: the T queries are the last T of S positions
-            o = scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                                             values.transpose(0, 1)[None], causal=True)
-            out[start:end] = o[0].transpose(0, 1)
+        for start, end, seq_len, table, mask in self.prefills:
+            keys = k_cache[:, table].flatten(1, 2)[:, :seq_len]  # (Hkv, S, D), in position order
+            values = v_cache[:, table].flatten(1, 2)[:, :seq_len]
+            # a batch of one (torch takes its flash kernel for 4-d inputs only): (1, H, T, D) queries
+            # against (1, Hkv, S, D); the T queries are the last T of S positions
+            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys[None], values[None],
+                                               attn_mask=mask, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)  # (T, H, D)
         return out
-
 
 
 class DecodeGroup:
     """Decoding sequences (one query each) attended all at once: one gather of whole blocks into a padded
-    (num_seqs, max_blocks · block_size, Hkv, D) tensor, a padding mask, one batched matmul-softmax-matmul."""
+    (Hkv, num_seqs, max_blocks · block_size, D) tensor, a padding mask, one batched attention call."""
 
     def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, seqs: list[int]):
-        bs = cache.block_size
+        bs, Hkv = cache.block_size, cache.num_kv_heads
         self.tokens = metadata.cu_seqlens_q[seqs]  # each decode's one query token in the flat batch
         seq_lens = metadata.seq_lens[seqs]  # (Sd,)
         tables = metadata.block_tables[seqs, :cdiv(int(seq_lens.max()), bs)]  # (Sd, MB)
-        self.blocks = tables.flatten()  # (Sd · MB,)
+        # One index into the pool seen as (Hkv · num_blocks, block_size, D): block b of kv head j is
+        # tile j · num_blocks + b. Gathering whole tiles moves contiguous block_size · D runs, one index op.
+        self.tiles = (torch.arange(Hkv)[:, None] * cache.num_blocks + tables.flatten()[None, :]).flatten()  # (Hkv·Sd·MB,)
         positions = torch.arange(tables.shape[1] * bs)  # (C,) with C = MB · block_size
-        self.padding = positions[None, :] >= seq_lens[:, None]  # (Sd, C)
-        # Gather buffers, allocated once per step and refilled by every layer: a fresh multi-MB tensor
-        # per layer costs page faults that can take longer than the copy itself.
-        shape = (len(self.blocks), bs, cache.num_kv_heads, cache.head_dim)
+        self.allowed = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # (Sd, 1, 1, C): not padding
+        # Gather buffers, allocated once per step and refilled by every layer.
+        shape = (len(self.tiles), bs, cache.head_dim)
         dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -181,16 +195,13 @@ class DecodeGroup:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """One query per sequence, all sequences at once. q: (Sd, H, D) -> (Sd, H, D)."""
         Sd, H, D = q.shape
-        Hkv = k_cache.shape[2]
-        # Gather whole blocks (each a contiguous block_size·Hkv·D run), not single slots: one index op.
-        keys = torch.index_select(k_cache, 0, self.blocks, out=self.keys).view(Sd, -1, Hkv * D)  # (Sd, C, Hkv·D)
-        values = torch.index_select(v_cache, 0, self.blocks, out=self.values).view(Sd, -1, Hkv * D)
-        # GQA as one dense batched matmul, without repeat_kv copies of K/V: widen each query head to
-        # Hkv·D with zeros everywhere except the D columns of its own kv head (h // G).
-        own_kv_head = torch.eye(Hkv, dtype=q.dtype).repeat_interleave(H // Hkv, dim=0)[None, :, :, None]  # (1, H, Hkv, 1)
-        q_wide = (q[:, :, None, :] * own_kv_head).view(Sd, H, Hkv * D)  # (Sd, H, Hkv·D)
-        scores = torch.bmm(q_wide, keys.transpose(1, 2)) / math.sqrt(D)  # (Sd, H, C)
-        scores = scores.masked_fill(self.padding[:, None, :], float("-inf"))  # positions past seq_len
-        weights = torch.softmax(scores, dim=-1)
-        out_wide = torch.bmm(weights, values).view(Sd, H, Hkv, D)  # every kv head's values, mixed by head h's weights
-        return (out_wide * own_kv_head).sum(dim=2)  # keep head h's own kv head: (Sd, H, D)
+        Hkv, _, bs, _ = k_cache.shape
+        tiles = k_cache.view(-1, bs, D)  # (Hkv · num_blocks, block_size, D)
+        keys = torch.index_select(tiles, 0, self.tiles, out=self.keys).view(Hkv, Sd, -1, D)  # (Hkv, Sd, C, D)
+        values = torch.index_select(v_cache.view(-1, bs, D), 0, self.tiles, out=self.values).view(Hkv, Sd, -1, D)
+        # GQA: the G = H / Hkv query heads that share kv head j (heads j·G .. j·G + G - 1) act as G queries
+        # of that one head, so every K/V row is read once: (Sd, Hkv, G, D) queries against (Sd, Hkv, C, D)
+        # keys (a transposed view; each (sequence, head) run of C·D floats stays contiguous), padding masked.
+        out = F.scaled_dot_product_attention(q.view(Sd, Hkv, H // Hkv, D), keys.transpose(0, 1),
+                                             values.transpose(0, 1), attn_mask=self.allowed)
+        return out.reshape(Sd, H, D)
