@@ -185,10 +185,13 @@ class DecodeGroup:
         # tile j · num_blocks + b. Gathering whole tiles moves contiguous block_size · D runs, one index op.
         self.tiles = (torch.arange(Hkv)[:, None] * cache.num_blocks + tables.flatten()[None, :]).flatten()  # (Hkv·Sd·MB,)
         positions = torch.arange(tables.shape[1] * bs)  # (C,) with C = MB · block_size
-        self.allowed = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # (Sd, 1, 1, C): not padding
+        padding = positions[None, :] >= seq_lens[:, None]  # (Sd, C)
+        # additive (0 / -inf), built once per step: a bool mask would be converted again by every layer's call
+        dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
+        mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
+        self.mask = mask[:, None, None, :]  # (Sd, 1, 1, C)
         # Gather buffers, allocated once per step and refilled by every layer.
         shape = (len(self.tiles), bs, cache.head_dim)
-        dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
 
@@ -196,12 +199,12 @@ class DecodeGroup:
         """One query per sequence, all sequences at once. q: (Sd, H, D) -> (Sd, H, D)."""
         Sd, H, D = q.shape
         Hkv, _, bs, _ = k_cache.shape
-        tiles = k_cache.view(-1, bs, D)  # (Hkv · num_blocks, block_size, D)
-        keys = torch.index_select(tiles, 0, self.tiles, out=self.keys).view(Hkv, Sd, -1, D)  # (Hkv, Sd, C, D)
+        # the pool as (Hkv · num_blocks, block_size, D) tiles -> gathered (Hkv, Sd, C, D)
+        keys = torch.index_select(k_cache.view(-1, bs, D), 0, self.tiles, out=self.keys).view(Hkv, Sd, -1, D)
         values = torch.index_select(v_cache.view(-1, bs, D), 0, self.tiles, out=self.values).view(Hkv, Sd, -1, D)
         # GQA: the G = H / Hkv query heads that share kv head j (heads j·G .. j·G + G - 1) act as G queries
         # of that one head, so every K/V row is read once: (Sd, Hkv, G, D) queries against (Sd, Hkv, C, D)
         # keys (a transposed view; each (sequence, head) run of C·D floats stays contiguous), padding masked.
         out = F.scaled_dot_product_attention(q.view(Sd, Hkv, H // Hkv, D), keys.transpose(0, 1),
-                                             values.transpose(0, 1), attn_mask=self.allowed)
+                                             values.transpose(0, 1), attn_mask=self.mask)
         return out.reshape(Sd, H, D)
