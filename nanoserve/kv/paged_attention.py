@@ -152,7 +152,7 @@ class PagedAttention:
         # the rest (prefill chunks), one by one:
         # (first token, last token + 1, context length, its block table, its (T, S) causal mask)
         self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)],
-                          causal_mask(q_len, seq_lens[i]))
+                          causal_mask(q_len, seq_lens[i]).to(cache.k_cache[0].dtype))
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
