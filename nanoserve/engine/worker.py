@@ -22,10 +22,11 @@ def keep_freed_host_memory() -> bool:
 
     Why: a prefill step allocates activations of many MB per op (2048 tokens x 1536 floats = 12 MiB)
     and frees them an op later. By default glibc hands such blocks straight back to the kernel, so the
-    next op's allocation page-faults every 4 KiB page in again; measured here, that made the prefill
-    of `bench offline` ~15 % slower. Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB
-    free. A GPU worker gets the same from torch's caching allocator. Returns False where there is no
-    glibc (macOS, musl): nothing changes there.
+    next op's allocation page-faults every 4 KiB page in again. Measured here on the prefill of
+    `bench offline`'s 64 prompts: 0.3–1.8 million page faults before, 19 thousand after, and up to 15 %
+    less time. Blocks up to 32 MiB now come from the heap, which keeps up to 1 GiB free. A GPU worker gets
+    the same from torch's caching allocator. Returns False where there is no glibc (macOS, musl):
+    nothing changes there.
     """
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     if not hasattr(libc, "mallopt"):
