@@ -22,8 +22,8 @@ causal mask and its offset.
 
 The attention math itself is torch's fused `F.scaled_dot_product_attention` (on CPU a flash-attention
 kernel: the (T, S) scores never exist whole, GQA without repeat_kv copies). It computes what chapter
-01 wrote out — the tests check it against that — 4x faster on a 512-token prompt; this chapter's
-subject is where K/V live, not the softmax.
+01 wrote out — the tests check it against attention written out in the test — 4x faster on a
+512-token prompt; this chapter's subject is where K/V live, not the softmax.
 """
 
 from dataclasses import dataclass
@@ -190,7 +190,8 @@ class DecodeGroup:
         dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
         mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
         self.mask = mask[:, None, None, :]  # (Sd, 1, 1, C)
-        # Gather buffers, allocated once per step and refilled by every layer.
+        # Gather buffers, allocated once per step and refilled by every layer: a fresh multi-MB tensor
+        # per layer would cost allocator work (and page faults) that can take as long as the copy.
         shape = (len(self.tiles), bs, cache.head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
