@@ -10,6 +10,7 @@ from transformers.models.llama import modeling_llama
 from nanoserve.memory import layer_parameter_counts, parameter_counts
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, load_gguf, open_gguf, unpermute_qk
+from nanoserve.model.layers import SWAP_AB_MAX_TOKENS, Linear
 from nanoserve.student import implementation
 from tests.hf_reference import additive_causal_mask, hf_config, hf_rope
 
@@ -46,6 +47,22 @@ def test_rmsnorm_matches_transformers():
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(3, 5, 64) * 10
     torch.testing.assert_close(ours(x), theirs(x))
+
+
+# --- Linear: x · Wᵀ, small batches handed to BLAS with the operands swapped ----------------------
+
+@pytest.mark.parametrize("leading", [(1,), (5,), (SWAP_AB_MAX_TOKENS,), (SWAP_AB_MAX_TOKENS + 1,), (300,), (2, 3)])
+def test_linear_is_x_times_w_transposed(leading):
+    g = torch.Generator().manual_seed(len(leading) * 1000 + leading[-1])
+    ours = Linear(32, 48)
+    plain = torch.nn.Linear(32, 48, bias=False)
+    plain.load_state_dict(ours.state_dict())  # the same parameters, under the same name
+    x = torch.randn(*leading, 32, generator=g)
+    expected = torch.einsum("...i,oi->...o", x.double(), ours.weight.double())  # in float64, summed by einsum
+    y = ours(x)
+    assert y.shape == (*leading, 48) and y.is_contiguous()
+    torch.testing.assert_close(y, expected.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, plain(x))
 
 
 # --- Exercise 2.2: the decoder block ------------------------------------------------------------

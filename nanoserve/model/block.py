@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from nanoserve.model.config import LlamaConfig
-from nanoserve.model.layers import MLP, RMSNorm
+from nanoserve.model.layers import MLP, Linear, RMSNorm
 from nanoserve.model.rope import apply_rope
 
 # attn(layer_idx, q, k, v) -> out
@@ -31,10 +31,10 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         N = x.shape[0]  # x: (num_tokens, hidden)

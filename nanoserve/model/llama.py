@@ -13,7 +13,7 @@ from torch import nn
 from nanoserve.model.attention import scaled_dot_product_attention
 from nanoserve.model.block import AttentionFn, DecoderBlock
 from nanoserve.model.config import LlamaConfig
-from nanoserve.model.layers import RMSNorm
+from nanoserve.model.layers import Linear, RMSNorm
 from nanoserve.model.rope import rope_cos_sin
 
 
@@ -31,7 +31,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one matrix read both ways
 
