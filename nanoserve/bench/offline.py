@@ -24,6 +24,8 @@ from functools import partial
 
 import torch
 
+from nanoserve.bench.model import timed
+
 
 def register(sub):
     from nanoserve.cli.batch import add_engine_args
@@ -74,16 +76,10 @@ def run_nanoserve(engine, workload, side_jobs=(), every: int = 1) -> tuple[float
         steps += 1
         preemptions += len(engine.last_scheduler_output.preempted_seq_ids)
         if jobs and (steps - 1) % every == 0:
-            side_seconds += timed(jobs.pop(0))
+            side_seconds += timed(jobs.pop(0), 1)
     seconds = time.perf_counter() - t0 - side_seconds
-    side_seconds += sum(timed(job) for job in jobs)
+    side_seconds += sum(timed(job, 1) for job in jobs)
     return seconds, side_seconds, steps, preemptions
-
-
-def timed(job) -> float:
-    t0 = time.perf_counter()
-    job()
-    return time.perf_counter() - t0
 
 
 def one_at_a_time_jobs(model, workload) -> list:
