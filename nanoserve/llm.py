@@ -12,6 +12,7 @@ Everything is submitted at once and the engine batches it continuously; outputs 
 input order. The tokenizer lives here, above the engine: the engine sees token ids only.
 """
 
+import sys
 from pathlib import Path
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
@@ -25,9 +26,10 @@ def _is_chat(item) -> bool:
 class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool | str | list[str] = False):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
-        (its tokenizer is then the embedded one)."""
+        (its tokenizer is then the embedded one). student: run your finished exercises instead of the
+        reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py."""
         from nanoserve.model import load_gguf
         from nanoserve.tokenizer import Tokenizer
 
@@ -81,6 +83,8 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
                 bar.set_postfix(out_tok_s=f"{num_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
+        if self.engine.student:
+            print(self.engine.student_proof(), file=sys.stderr)
         return finished
 
     def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,

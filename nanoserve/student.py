@@ -1,14 +1,39 @@
 """Swap the learner's exercise code in for the reference code.
 
 Every exercise file under `exercises/` mirrors one reference module (same names, same
-signatures). Tests ask `implementation("nanoserve.model.attention")` for the module they
-grade: the reference, or — with NANOSERVE_IMPL=student, as `make grade` sets it — the
-learner's file. The engine uses the same switch to run a finished exercise for real.
+signatures). Two users:
+
+- the grader: tests ask `implementation("nanoserve.model.attention")` for the module they grade,
+  the reference or — with NANOSERVE_IMPL=student, as `make grade` sets it — the learner's file;
+- a real run (`--student`, `LLM(student=...)`): `StudentCode(selection).module(name)` gives the
+  learner's module where its chapter is selected and its file is finished, else the reference.
+
+A file is finished when no `raise NotImplementedError("Exercise N.M: …")` is left in it: every
+stub marks itself unfinished, so a class whose constructor works but whose `schedule()` is still
+a stub falls back as a whole (with a warning that names Exercise 6.1). Nothing is probed by calling it.
+
+    code = StudentCode("05")               # True = every chapter; "05,06"; ["05"]; False = none
+    allocator = code.module("nanoserve.kv.block_allocator").BlockAllocator(64)
+    print(code.describe())                 # whose code runs, from which file
+    ...                                    # serve requests
+    print(code.proof())                    # how often the learner's functions were called
+
+Registering a new exercise (chapters 07, 08, …) is two edits, both obvious:
+  1. add `"nanoserve.x.y": "NN-slug/y.py"` to STUDENT_FILES below (the grader and the API check
+     in tests/test_exercises.py pick it up from there);
+  2. to let it serve for real, the code that uses the module asks for it through the run's
+     StudentCode instead of importing it: `self.student.module("nanoserve.x.y").Thing(...)`
+     (see LLMEngine.__init__). That is all: the fallback, the report and the call counts come free.
 """
 
+import ast
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
+import warnings
+from collections import Counter
 from pathlib import Path
 from types import ModuleType
 
@@ -33,11 +58,15 @@ def use_student() -> bool:
     return os.environ.get("NANOSERVE_IMPL", "reference") == "student"
 
 
-def load_student(module: str) -> ModuleType:
-    """Import the learner's mirror of `module` from exercises/."""
+def student_path(module: str) -> Path:
     if module not in STUDENT_FILES:
         raise KeyError(f"no exercise mirrors {module}; known: {sorted(STUDENT_FILES)}")
-    path = EXERCISES / STUDENT_FILES[module]
+    return EXERCISES / STUDENT_FILES[module]
+
+
+def load_student(module: str) -> ModuleType:
+    """Import the learner's mirror of `module` from exercises/ (a fresh copy on every call)."""
+    path = student_path(module)
     spec = importlib.util.spec_from_file_location("student_" + module.replace(".", "_"), path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -47,3 +76,163 @@ def load_student(module: str) -> ModuleType:
 def implementation(module: str) -> ModuleType:
     """The module to grade: the learner's when NANOSERVE_IMPL=student, else the reference."""
     return load_student(module) if use_student() else importlib.import_module(module)
+
+
+def chapters() -> list[str]:
+    """The chapters that have exercises: ["01", "02", ...]."""
+    return sorted({file.split("-")[0] for file in STUDENT_FILES.values()})
+
+
+def parse_selection(selection) -> frozenset[str]:
+    """--student's value -> chapter numbers. True: all; False/None: none; "5,06" or ["05"]: those.
+
+    >>> sorted(parse_selection("5,06"))
+    ['05', '06']
+    """
+    if selection is True:
+        return frozenset(chapters())
+    if not selection:
+        return frozenset()
+    items = selection.split(",") if isinstance(selection, str) else list(selection)
+    chosen = {str(item).strip().zfill(2) for item in items}
+    unknown = chosen - set(chapters())
+    if unknown:
+        raise ValueError(f"no exercises for chapter(s) {', '.join(sorted(unknown))}; "
+                         f"chapters with exercises: {', '.join(chapters())}")
+    return frozenset(chosen)
+
+
+def unfinished(path: Path) -> dict[str, list[str]]:
+    """The stubs still left in a learner's file: {"Exercise 6.1": ["Scheduler.schedule"], ...}.
+
+    A stub is any `raise NotImplementedError(...)` left in a function; the exercise id is read
+    from its message ("Exercise 6.1: ..."), else the file's name stands in for it.
+    """
+    todo: dict[str, list[str]] = {}
+
+    def visit(node, scope: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Raise) and _raises_not_implemented(child):
+                message = _first_string(child.exc)
+                exercise = message.split(":")[0] if message.startswith("Exercise") else path.name
+                todo.setdefault(exercise, []).append(scope or "module")
+            is_scope = isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            visit(child, (f"{scope}.{child.name}" if scope else child.name) if is_scope else scope)
+
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return {exercise: list(dict.fromkeys(names)) for exercise, names in todo.items()}
+
+
+def _raises_not_implemented(node: ast.Raise) -> bool:
+    exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def _first_string(exc) -> str:
+    if isinstance(exc, ast.Call) and exc.args:
+        arg = exc.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+        if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+            return str(arg.values[0].value)
+    return ""
+
+
+def defined_names(mod: ModuleType) -> list[str]:
+    """What the learner's file itself defines: ["BlockAllocator", "hash_block", "Scheduler.schedule", ...]."""
+    names = []
+    for name, obj in vars(mod).items():
+        if getattr(obj, "__module__", None) != mod.__name__ or name.startswith("_"):
+            continue
+        if inspect.isfunction(obj):
+            names.append(name)
+        elif inspect.isclass(obj):
+            own = [a for a, m in vars(obj).items() if inspect.isfunction(m) and not a.startswith("_")]
+            inherited = any(base.__module__ != mod.__name__ for base in obj.__mro__[1:-1])
+            # a class that inherits the reference: name what the learner wrote in it
+            names += [f"{name}.{a}" for a in own] if inherited else [name]
+    return names
+
+
+def count_calls(mod: ModuleType, calls: Counter) -> ModuleType:
+    """Wrap every function and method the learner's file defines so each call adds 1 to calls[qualname]."""
+    wrapped = {}
+
+    def wrap(fn):
+        if fn not in wrapped:
+            @functools.wraps(fn)
+            def counted(*args, **kwargs):
+                calls[fn.__qualname__] += 1
+                return fn(*args, **kwargs)
+            wrapped[fn] = counted
+        return wrapped[fn]
+
+    for name, obj in list(vars(mod).items()):
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isfunction(obj):
+            setattr(mod, name, wrap(obj))
+        elif inspect.isclass(obj):
+            for attr, member in list(vars(obj).items()):
+                if inspect.isfunction(member):
+                    setattr(obj, attr, wrap(member))
+                elif isinstance(member, staticmethod) and getattr(member.__func__, "__module__", None) == mod.__name__:
+                    setattr(obj, attr, staticmethod(wrap(member.__func__)))
+    return mod
+
+
+class StudentCode:
+    """One run's choice of learner modules (`--student`), and the record of what they did."""
+
+    def __init__(self, selection=False):
+        self.chapters = parse_selection(selection)
+        self.used: dict[str, tuple[Path, list[str]] | str] = {}  # module -> (file, names) or why the reference
+        self.calls: Counter = Counter()  # qualname of a learner's function -> calls
+
+    def __bool__(self) -> bool:
+        return bool(self.chapters)
+
+    def module(self, name: str) -> ModuleType:
+        """The learner's `name` if its chapter is selected and its file has no stub left; else the reference."""
+        if name not in STUDENT_FILES or STUDENT_FILES[name][:2] not in self.chapters:
+            return importlib.import_module(name)
+        path = student_path(name)
+        todo = unfinished(path)
+        if todo:
+            stubs = "; ".join(f"{exercise} ({', '.join(names)})" for exercise, names in todo.items())
+            self.used[name] = f"{_short(path)} still raises NotImplementedError in {stubs}"
+            warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference {name} runs instead",
+                          stacklevel=2)
+            return importlib.import_module(name)
+        mod = count_calls(load_student(name), self.calls)
+        self.used[name] = (path, defined_names(mod))
+        return mod
+
+    def describe(self) -> str:
+        """Whose code runs: one line per module the run asked for."""
+        lines = [f"--student {','.join(sorted(self.chapters))}: the engine runs"]
+        for name, use in self.used.items():
+            if isinstance(use, tuple):
+                lines.append(f"  yours      {', '.join(use[1])}  from {_short(use[0])}")
+            else:
+                lines.append(f"  reference  {name}  ({use})")
+        idle = sorted(self.chapters - {STUDENT_FILES[name][:2] for name in self.used})
+        if idle:
+            lines.append(f"  (no exercise of chapter {', '.join(idle)} plugs into this run: grade them with "
+                         f"make grade CH=NN)")
+        return "\n".join(lines)
+
+    def proof(self) -> str:
+        """One line: how often the learner's code was called in this run."""
+        if not any(isinstance(use, tuple) for use in self.used.values()):
+            return "--student: none of your code ran (every exercise fell back to the reference)"
+        public = [(name, n) for name, n in self.calls.most_common() if not name.split(".")[-1].startswith("_")]
+        counts = ", ".join(f"{name} ×{n}" for name, n in public) or "no calls yet"
+        return f"--student: your code served: {counts}"
+
+
+def _short(path: Path) -> str:
+    try:
+        return str(path.relative_to(EXERCISES.parent))
+    except ValueError:
+        return str(path)

@@ -15,17 +15,17 @@ The engine sees token ids. The tokenizer is optional and only turns ids back int
 (incremental detokenizer) and checks stop strings.
 """
 
-import importlib
+import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.worker import Worker
+from nanoserve.kv.block_manager import BlockManager
 from nanoserve.stop import check_stop, is_stop_token
-from nanoserve.student import STUDENT_FILES, load_student
+from nanoserve.student import StudentCode
 
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
@@ -40,7 +40,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    student: bool = False  # run the learner's scheduler, block allocator and prefix cache (exercises/05, 06)
+    # the learner's finished exercises to run instead of the reference (nanoserve/student.py):
+    # True = every chapter, "05,06" or ["05"] = those chapters, False = none
+    student: bool | str | list[str] = False
 
 
 @dataclass
@@ -56,19 +58,6 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
-def _module(name: str, student: bool, probe=lambda mod: None):
-    """The reference module, or with `student` the learner's mirror of it (exercises/) — if it is finished:
-    an exercise whose `probe(module)` still raises NotImplementedError falls back to the reference, with a warning."""
-    if student and name in STUDENT_FILES:
-        mod = load_student(name)
-        try:
-            probe(mod)
-            return mod
-        except NotImplementedError as e:
-            warnings.warn(f"exercises/{STUDENT_FILES[name]} is not finished ({e}): using the reference {name}")
-    return importlib.import_module(name)
-
-
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None):
         self.config = config = config or EngineConfig()
@@ -78,17 +67,18 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
         self.executor.init_kv_cache(num_blocks, config.block_size)
-        # with student=True: the learner's block allocator and prefix cache (exercises/05) and scheduler (06)
-        allocator = _module("nanoserve.kv.block_allocator", config.student,
-                            lambda m: m.BlockAllocator(1).allocate(1)).BlockAllocator(num_blocks)
-        prefix_cache = _module("nanoserve.kv.prefix_cache", config.student,
-                               lambda m: m.PrefixCache().get(m.hash_block(None, [0]), None, [0])).PrefixCache()
-        self.block_manager = _module("nanoserve.kv.block_manager", config.student).BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, allocator=allocator, prefix_cache=prefix_cache
-        )
-        scheduler_mod = _module("nanoserve.engine.scheduler", config.student)
+        # with config.student: the learner's block allocator and prefix cache (exercises/05), scheduler (06)
+        # and detokenizer (03) where they are finished, the reference's where not
+        self.student = student = StudentCode(config.student)
+        allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
+        prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          allocator=allocator, prefix_cache=prefix_cache)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.scheduler = scheduler_mod.Scheduler(scheduler_config, self.block_manager)
+        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager)
+        self.detokenizer_class = student.module("nanoserve.detokenizer").IncrementalDetokenizer
+        if student:
+            print(student.describe(), file=sys.stderr)
         self.max_model_len = model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size
         # without a tokenizer (token ids in, token ids out) EOS must be given to stop on it
@@ -117,9 +107,7 @@ class LLMEngine:
             seq.arrival_time = arrival_time
         self.scheduler.add_seq(seq)  # raises if it could never fit: no request loops forever
         if self.tokenizer is not None:
-            from nanoserve.detokenizer import IncrementalDetokenizer
-
-            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+            self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -128,6 +116,10 @@ class LLMEngine:
             return None
         seq = self.scheduler.finish_seq(request_id, SequenceStatus.FINISHED_ABORTED)
         return self._finish(seq, [], "")
+
+    def student_proof(self) -> str:
+        """With config.student: one line saying how much of the learner's code served so far."""
+        return f"{self.student.proof()}; prefix-cache hits: {self.block_manager.stats.hit_blocks} blocks"
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()

@@ -1,0 +1,135 @@
+"""`--student` / `LLM(student=...)`: the learner's finished exercises serve, the unfinished ones fall back
+to the reference with a warning naming the exercise, and the run says whose code ran and how often.
+
+The "finished" learner code is the reference itself, copied into a temporary exercises folder (the
+repository's own stubs stay untouched); its answers must then equal a reference run's token for token.
+"""
+
+import importlib
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve import student
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.sampling import SamplingParams
+from nanoserve.student import STUDENT_FILES, StudentCode, parse_selection, unfinished
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 0.02)
+    return model
+
+
+@pytest.fixture
+def exercises(tmp_path, monkeypatch):
+    """A copy of exercises/ that the loader reads; `solve(module)` puts the reference in the learner's file."""
+    root = tmp_path / "exercises"
+    shutil.copytree(student.EXERCISES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(student, "EXERCISES", root)
+
+    def solve(module: str) -> Path:
+        path = root / STUDENT_FILES[module]
+        shutil.copy(importlib.import_module(module).__file__, path)
+        return path
+
+    return solve
+
+
+# A shared 8-token prefix (two blocks of 4) makes the prefix cache hit; 5 requests on 12 blocks preempt.
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9 + i, 20 + i, 30 + i] for i in range(5)]
+
+
+def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
+    engine = LLMEngine(model, EngineConfig(num_blocks=12, block_size=4, max_num_batched_tokens=16, **config))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+    assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+    return engine, tokens
+
+
+def test_selection_forms():
+    assert parse_selection(True) == set(student.chapters()) and parse_selection(False) == set()
+    assert parse_selection("5,06") == {"05", "06"} == parse_selection(["05", "06"])
+    with pytest.raises(ValueError, match="chapter.*13.*chapters with exercises: 01"):
+        parse_selection("05,13")
+
+
+@pytest.mark.parametrize("module", sorted(STUDENT_FILES))
+def test_every_pristine_stub_marks_itself_unfinished(module):
+    chapter = str(int(STUDENT_FILES[module][:2]))
+    todo = unfinished(student.EXERCISES / STUDENT_FILES[module])
+    assert todo, f"{STUDENT_FILES[module]} has no `raise NotImplementedError(\"Exercise {chapter}.N: ...\")` left"
+    assert all(exercise.startswith(f"Exercise {chapter}.") for exercise in todo), todo
+    assert unfinished(Path(importlib.import_module(module).__file__)) == {}
+
+
+def test_finished_05_serves_and_untouched_06_falls_back(tiny, exercises, capsys):
+    exercises("nanoserve.kv.block_allocator")
+    exercises("nanoserve.kv.prefix_cache")
+    _, expected = serve(tiny)
+    with pytest.warns(UserWarning, match=r"Exercise 6\.1 not finished in exercises/06-continuous-batching"):
+        engine, tokens = serve(tiny, student=True)
+    assert tokens == expected
+    assert type(engine.block_manager.allocator).__module__ == "student_nanoserve_kv_block_allocator"
+    assert type(engine.block_manager.prefix_cache).__module__ == "student_nanoserve_kv_prefix_cache"
+    assert type(engine.scheduler).__module__ == "nanoserve.engine.scheduler"
+    calls = engine.student.calls
+    # 5 prompts of 11 tokens + 6 outputs: at least one allocation and one free per request
+    assert calls["BlockAllocator.allocate"] >= 5 and calls["BlockAllocator.free"] >= 5
+    assert calls["PrefixCache.get"] > 0 and engine.block_manager.stats.hit_blocks > 0
+    err = capsys.readouterr().err
+    assert "yours      BlockAllocator  from exercises/05-paged-kv/block_allocator.py" in err
+    assert "reference  nanoserve.engine.scheduler" in err and "Exercise 6.1 (Scheduler.schedule)" in err
+    proof = engine.student_proof()
+    assert f"BlockAllocator.allocate ×{calls['BlockAllocator.allocate']}" in proof
+    assert f"prefix-cache hits: {engine.block_manager.stats.hit_blocks} blocks" in proof
+
+
+def test_finished_06_serves_and_untouched_05_falls_back(tiny, exercises):
+    exercises("nanoserve.engine.scheduler")
+    _, expected = serve(tiny)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, tokens = serve(tiny, student=["05", "06"])
+    messages = [str(w.message) for w in caught]
+    assert any("Exercise 5.1" in m for m in messages) and any("Exercise 5.2" in m for m in messages)
+    assert tokens == expected
+    assert type(engine.scheduler).__module__ == "student_nanoserve_engine_scheduler"
+    assert type(engine.block_manager.allocator).__module__ == "nanoserve.kv.block_allocator"
+    assert engine.student.calls["Scheduler.schedule"] >= len(PROMPTS)
+
+
+def test_a_half_finished_class_falls_back_naming_the_exercise(tiny, exercises):
+    path = exercises("nanoserve.kv.block_allocator")
+    source = path.read_text()
+    start = source.index("    def free(")
+    body = source.index('"""', source.index('"""', start) + 3) + 3  # after free's docstring
+    end = source.index("\n    def ", body)
+    path.write_text(source[:body] + '\n        raise NotImplementedError("Exercise 5.1: free")\n' + source[end:])
+    assert unfinished(path) == {"Exercise 5.1": ["BlockAllocator.free"]}
+    with pytest.warns(UserWarning, match=r"Exercise 5\.1 not finished in exercises/05-paged-kv/block_allocator\.py"):
+        engine, _ = serve(tiny, student="05")
+    assert type(engine.block_manager.allocator).__module__ == "nanoserve.kv.block_allocator"
+    assert "BlockAllocator.free" in engine.student.describe()
+
+
+def test_an_unselected_chapter_stays_reference(tiny, exercises):
+    exercises("nanoserve.kv.block_allocator")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 06 is not asked for: no warning about it
+        code = StudentCode("05")
+        assert code.module("nanoserve.engine.scheduler").__name__ == "nanoserve.engine.scheduler"
+        assert code.module("nanoserve.kv.block_allocator").__name__ == "student_nanoserve_kv_block_allocator"
+    assert "none of your code ran" in StudentCode("06").proof()
