@@ -26,16 +26,18 @@ def _is_chat(item) -> bool:
 class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool | str | list[str] = False):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
+                 student: bool | str | list[str] = False, tokenizer=None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
-        reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py."""
+        reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
+        tokenizer: one already loaded (default: the model file's)."""
         from nanoserve.model import load_gguf
         from nanoserve.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
         self.model = load_gguf(path) if model is None or path is not None else model
-        self.tokenizer = Tokenizer.from_gguf(path)
+        self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student)
         self.engine = LLMEngine(self.model, config, self.tokenizer)
@@ -69,8 +71,9 @@ class LLM:
         self._next_id += 1
         return request_id
 
-    def run(self, request_ids: list[str], use_tqdm: bool = True) -> dict[str, RequestOutput]:
-        """Step the engine until it is idle; the final output of each request by id."""
+    def run(self, request_ids: list[str], use_tqdm: bool = True, on_finished=None) -> dict[str, RequestOutput]:
+        """Step the engine until it is idle; the final output of each request by id
+        (and each one passed to `on_finished` the step it finishes)."""
         from tqdm.auto import tqdm
 
         finished = {}
@@ -82,6 +85,8 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+                        if on_finished is not None:
+                            on_finished(out)
                 bar.set_postfix(out_tok_s=f"{num_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}", refresh=False)
         if self.engine.student:
             print(self.engine.student_proof(), file=sys.stderr)

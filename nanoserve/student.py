@@ -199,7 +199,8 @@ class StudentCode:
         path = student_path(name)
         todo = unfinished(path)
         if todo:
-            stubs = "; ".join(f"{exercise} ({', '.join(names)})" for exercise, names in todo.items())
+            stubs = "; ".join(f"{exercise} ({', '.join(names) if len(names) <= 3 else f'{len(names)} functions'})"
+                              for exercise, names in todo.items())
             self.used[name] = f"{_short(path)} still raises NotImplementedError in {stubs}"
             warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference {name} runs instead",
                           stacklevel=2)
@@ -222,13 +223,13 @@ class StudentCode:
                          f"make grade CH=NN)")
         return "\n".join(lines)
 
-    def proof(self) -> str:
-        """One line: how often the learner's code was called in this run."""
+    def proof(self, served: str = "") -> str:
+        """One line: how often the learner's code was called in this run (then `served`, what it achieved)."""
         if not any(isinstance(use, tuple) for use in self.used.values()):
             return "--student: none of your code ran (every exercise fell back to the reference)"
         public = [(name, n) for name, n in self.calls.most_common() if not name.split(".")[-1].startswith("_")]
         counts = ", ".join(f"{name} ×{n}" for name, n in public) or "no calls yet"
-        return f"--student: your code served: {counts}"
+        return f"--student: your code served: {counts}" + (f"; {served}" if served else "")
 
 
 def _short(path: Path) -> str:

@@ -137,7 +137,8 @@ def test_generate_names_the_bad_input(llm):
 def test_batch_cli_keeps_order_and_reports_bad_lines(llm, tmp_path, monkeypatch, capsys):
     from nanoserve.cli import batch, main
 
-    monkeypatch.setattr(batch, "llm_from_args", lambda args: llm)
+    monkeypatch.setattr(batch, "llm_from_args", lambda args, tokenizer=None: llm)
+    monkeypatch.setattr(batch.checks, "load_tokenizer", lambda path: llm.tokenizer)
     lines = [
         json.dumps({"prompt": "The sky is", "max_tokens": 5, "temperature": 0, "id": "a"}),
         "{not json",

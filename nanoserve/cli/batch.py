@@ -1,28 +1,38 @@
 """`python -m nanoserve batch --input requests.jsonl --output results.jsonl`: offline batch inference.
 
-Each input line is one request, a JSON object with either "prompt" (a string), "messages" (a chat)
-or "prompt_token_ids", plus optional sampling fields:
+Each input line is one request, a JSON object with exactly one of "prompt" (a string), "messages"
+(a chat) or "prompt_token_ids", plus optional "id", "priority" and sampling fields:
 
     {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 16, "temperature": 0}
     {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0.8, "top_p": 0.9, "seed": 1, "stop": ["."]}
 
-Each output line, in input order, carries prompt_token_ids, token_ids, text, finish_reason and the
-request's metrics (seconds). A line that cannot be parsed or validated gets {"line": N, "error": ...}
-in its output line and a message on stderr; the other requests still run.
+Each output line, in input order, carries the input's "line" (and "id"), prompt_token_ids, token_ids,
+text, finish_reason and the request's metrics (seconds). Results are written as they finish (in
+input order), so an interrupted run keeps what it finished.
+
+Every line is checked before the model loads. A line that is not valid gets {"line": N, "error": ...}
+in its output line and `error: requests.jsonl:N: ...` on stderr, naming the field it wrote; the
+other requests still run. Exit status: 0 all lines ran; 1 some lines were malformed (the others
+ran); 2 nothing ran (a bad option, an unreadable --input or an unwritable --output).
 """
 
 import json
+import re
 import sys
+
+from nanoserve.cli import checks
 
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos"}
 INPUT_FIELDS = {"prompt", "messages", "prompt_token_ids", "id", "priority"}
 
 
 def register(sub):
-    p = sub.add_parser("batch", help="run a JSONL file of requests through the engine (continuous batching)")
-    p.add_argument("--input", required=True, help="requests, one JSON object per line")
-    p.add_argument("--output", required=True, help="results, one JSON object per input line, same order")
-    p.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p = sub.add_parser("batch", help="run a JSONL file of requests through the engine (continuous batching)",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("--input", required=True, type=checks.input_file, help="requests, one JSON object per line")
+    p.add_argument("--output", required=True, type=checks.output_file,
+                   help="results, one JSON object per input line, same order")
+    p.add_argument("--model", type=checks.input_file, help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     add_engine_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -30,29 +40,51 @@ def register(sub):
 
 def add_engine_args(p):
     """The engine knobs, shared with `bench offline`."""
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: from --kv-cache-mib)")
-    p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV pool bytes, in MiB, when --num-blocks is not given")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/")
+    p.add_argument("--block-size", type=checks.positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=checks.positive_int, default=None,
+                   help="KV pool size in blocks (default: from --kv-cache-mib)")
+    p.add_argument("--kv-cache-mib", type=checks.positive_int, default=1024,
+                   help="KV pool bytes, in MiB, when --num-blocks is not given")
+    p.add_argument("--max-num-seqs", type=checks.positive_int, default=64, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=checks.positive_int, default=2048, help="token budget of a step")
+    p.add_argument("--no-chunked-prefill", action="store_true", help="a prompt that does not fit the budget waits")
+    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse the KV blocks of a shared prefix")
+    p.add_argument("--student", nargs="?", const=True, default=False, type=checks.chapters, metavar="CHAPTERS",
+                   help="run YOUR finished exercises from exercises/ (the allocator and prefix cache of 05, the "
+                        "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
+                        "e.g. --student 05,06; an unfinished one falls back to the reference with a warning")
 
 
-def llm_from_args(args):
+def llm_from_args(args, tokenizer=None):
     from nanoserve.llm import LLM
 
     return LLM(getattr(args, "model", None), block_size=args.block_size,
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-               enable_prefix_caching=not args.no_prefix_caching, student=args.student)
+               enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer)
 
 
-def parse_line(line: str):
-    """(input item, SamplingParams, priority, id or None) of one JSONL line; ValueError naming what is wrong."""
-    from nanoserve.sampling import SamplingParams
+def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:
+    """(prompt ids, the field they came from) of one request; ValueError naming the field."""
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise ValueError('"prompt" must be a non-empty string')
+        return tokenizer.encode(obj["prompt"]), "prompt"
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise ValueError('"messages" must be a non-empty list of {"role": "...", "content": "..."}')
+        return tokenizer.encode_chat(messages), "messages"
+    ids = obj["prompt_token_ids"]
+    if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < tokenizer.vocab_size for t in ids)):
+        raise ValueError(f'"prompt_token_ids" must be a non-empty list of ints in [0, {tokenizer.vocab_size})')
+    return ids, "prompt_token_ids"
 
+
+def parse_line(line: str, tokenizer, context: int):
+    """(prompt ids, SamplingParams, priority, id or None) of one JSONL line; ValueError naming what is wrong."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -64,40 +96,85 @@ def parse_line(line: str):
         raise ValueError(f"unknown field(s) {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS | INPUT_FIELDS)}")
     if sum(k in obj for k in ("prompt", "messages", "prompt_token_ids")) != 1:
         raise ValueError('give exactly one of "prompt", "messages" or "prompt_token_ids"')
-    params = SamplingParams(**{k: obj[k] for k in SAMPLING_FIELDS if k in obj})
+    fields = {k: obj[k] for k in SAMPLING_FIELDS if k in obj}
+    if isinstance(fields.get("stop"), str):  # OpenAI's APIs take one stop string too
+        fields["stop"] = [fields["stop"]]
+    params = checks.sampling_params(fields)
     priority = obj.get("priority", 0)
-    if not isinstance(priority, int):
-        raise ValueError(f"priority must be an int, got {priority!r}")
-    return {k: obj[k] for k in ("prompt", "messages", "prompt_token_ids") if k in obj}, params, priority, obj.get("id")
+    if type(priority) is not int:
+        raise ValueError(f'"priority" must be an int, got {priority!r}')
+    ids, field = prompt_token_ids(obj, tokenizer)
+    checks.check_fits(len(ids), params.max_tokens, context, f'"{field}"')
+    return ids, params, priority, obj.get("id")
+
+
+class InOrderWriter:
+    """Writes result records in input order, each as soon as it and all before it are complete."""
+
+    def __init__(self, path: str, records: list[dict]):
+        self.file = open(path, "w")
+        self.records, self.next = records, 0
+
+    def flush(self) -> None:
+        while self.next < len(self.records) and ({"error", "token_ids"} & set(self.records[self.next])):
+            self.file.write(json.dumps(self.records[self.next]) + "\n")
+            self.next += 1
+        self.file.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
 
 
 def run(args):
-    llm = llm_from_args(args)
-    with open(args.input) as f:
-        lines = f.read().splitlines()
-    records: list[dict] = []
-    request_ids: dict[str, int] = {}  # request id -> index in records
+    tokenizer = checks.load_tokenizer(args.model)
+    context = checks.context_length(args.model)
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise checks.UsageError(f"{args.input} is not UTF-8 text: {e}") from None
+    if not any(line.strip() for line in lines):
+        raise checks.UsageError(f"{args.input} holds no requests")
+
+    records: list[dict] = []  # one per non-blank input line, in order
+    requests = []  # (index in records, prompt ids, params, priority)
+
+    def reject(i: int, message: str) -> None:
+        records[i]["error"] = message
+        print(f"error: {args.input}:{records[i]['line']}: {message}", file=sys.stderr)
+
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        record = {"line": n}
+        records.append({"line": n})
         try:
-            item, params, priority, custom_id = parse_line(line)
+            ids, params, priority, custom_id = parse_line(line, tokenizer, context)
             if custom_id is not None:
-                record["id"] = custom_id
-            request_ids[llm.add_request(item, params, priority)] = len(records)
-        except (ValueError, TypeError) as e:
-            record["error"] = str(e)
-            print(f"{args.input}:{n}: {e}", file=sys.stderr)
-        records.append(record)
-    finished = llm.run(list(request_ids), use_tqdm=not args.no_progress)
-    for request_id, i in request_ids.items():
-        out = finished[request_id]
-        records[i].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, text=out.text,
-                          finish_reason=out.finish_reason, metrics=out.metrics)
-    with open(args.output, "w") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+                records[-1]["id"] = custom_id
+            requests.append((len(records) - 1, ids, params, priority))
+        except ValueError as e:
+            reject(len(records) - 1, str(e))
+
+    writer = InOrderWriter(args.output, records)
+    writer.flush()  # the malformed lines at the top are on disk before the model loads
+    if requests:
+        llm = llm_from_args(args, tokenizer)
+        index = {}  # request id -> index in records
+        for i, ids, params, priority in requests:
+            try:
+                index[llm.add_request({"prompt_token_ids": ids}, params, priority)] = i
+            except ValueError as e:  # e.g. more tokens than the whole KV pool holds
+                reject(i, re.sub(r"^request '[^']*':? ", "", str(e)))  # the line number names it better
+
+        def finished(out):
+            records[index[out.request_id]].update(
+                prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, text=out.text,
+                finish_reason=out.finish_reason, metrics=out.metrics)
+            writer.flush()
+
+        llm.run(list(index), use_tqdm=not args.no_progress, on_finished=finished)
+    writer.close()
     num_errors = sum("error" in r for r in records)
     print(f"wrote {len(records)} results to {args.output} ({num_errors} malformed line(s))", file=sys.stderr)
     return 1 if num_errors else 0

@@ -9,30 +9,31 @@ prints one JSON object at the end instead.
 """
 
 import json
-import sys
+
+from nanoserve.cli import checks
 
 
 def add_sampling_args(p):
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=checks.positive_int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
     p.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--gguf", help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--seed", type=int, default=None, help="for reproducible sampling")
+    p.add_argument("--gguf", type=checks.input_file, help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole sequence every step (chapter 03) instead of using chapter 04's KV cache")
 
 
 def sampling_params(args):
-    from nanoserve.sampling import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          max_tokens=args.max_tokens)
+    """The sampling flags as SamplingParams, or a UsageError naming the bad one (before anything loads)."""
+    fields = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                  max_tokens=args.max_tokens)
+    return checks.sampling_params(fields, flags=True)
 
 
 def register(sub):
     p = sub.add_parser("generate", help="generate a completion for one prompt (chapters 03-04)")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the text to continue (with --chat: your message)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
@@ -42,19 +43,17 @@ def register(sub):
 def run(args):
     from nanoserve.generate import generate
     from nanoserve.model import load_gguf
-    from nanoserve.tokenizer import Tokenizer
 
-    try:
-        params = sampling_params(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tokenizer = Tokenizer.from_gguf(args.gguf)
-    model = load_gguf(args.gguf)
+    params = sampling_params(args)
+    if not args.prompt.strip():
+        raise checks.UsageError("--prompt is empty")
+    tokenizer = checks.load_tokenizer(args.gguf)
     if args.chat:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
+    checks.check_fits(len(prompt_ids), params.max_tokens, checks.context_length(args.gguf), "--prompt")
+    model = load_gguf(args.gguf)
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
     out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream,
                    use_cache=not args.no_cache)

@@ -3,23 +3,27 @@
     python -m nanoserve memory --model llama-3-8b --device-gb 80 --seq-len 4096 --dtype bf16
 """
 
+from nanoserve.cli.checks import UsageError, fraction, positive_float, positive_int
 from nanoserve.memory import DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts
 from nanoserve.model.known_configs import KNOWN_CONFIGS
 
 
 def register(sub):
     p = sub.add_parser("memory", help="KV bytes per token and sequence, and how many sequences fit on a device")
-    p.add_argument("--model", choices=sorted(KNOWN_CONFIGS), default="smollm2-135m")
-    p.add_argument("--device-gb", type=float, default=80.0, help="device memory in GiB (2**30 bytes), default 80")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output), default 4096")
+    p.add_argument("--model", choices=sorted(KNOWN_CONFIGS), default="smollm2-135m", help="a known model config")
+    p.add_argument("--device-gb", type=positive_float, default=80.0, help="device memory in GiB (2**30 bytes)")
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of both weights and KV cache")
-    p.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="fraction of the device kept free")
+    p.add_argument("--reserve", type=fraction, default=RESERVE_FRACTION, help="fraction of the device kept free, in [0, 1)")
     p.set_defaults(func=run)
 
 
 def run(args):
     config = KNOWN_CONFIGS[args.model]
-    plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
+    try:
+        plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
+    except ValueError as e:  # a sequence longer than the model's context
+        raise UsageError(str(e)) from None
     L, Hkv, D, nbytes = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, DTYPE_BYTES[args.dtype]
 
     def row(label: str, n: float) -> str:

@@ -119,7 +119,7 @@ class LLMEngine:
 
     def student_proof(self) -> str:
         """With config.student: one line saying how much of the learner's code served so far."""
-        return f"{self.student.proof()}; prefix-cache hits: {self.block_manager.stats.hit_blocks} blocks"
+        return self.student.proof(f"prefix-cache hits: {self.block_manager.stats.hit_blocks} blocks")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()

@@ -1,0 +1,132 @@
+"""Checks of what a user typed, shared by every command. A bad value is ONE line on stderr,
+`error: …`, and exit status 2 — found before the model loads wherever it can be:
+
+- argument types (`positive_int`, `fraction`, `input_file`, `output_file`, ...) fail while argparse
+  reads the command line, so nothing has loaded yet;
+- `UsageError`, raised by a command once it knows more (the prompt's length after tokenizing,
+  sampling values), is turned into the same line by `nanoserve.cli.main`.
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """A mistake in the command's input: printed as `error: <message>`, exit status 2, no traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """`--help` shows every option's default; a bad argument is one line `error: …` (exit 2)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        # argparse only prints a default next to a help text: give every option with a default one
+        if kwargs.get("help") is None and kwargs.get("default") is not None and kwargs.get("action") != "store_true":
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind, text: str, ok, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, lambda v: v > 0, "an integer > 0")
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, lambda v: v > 0, "a number > 0")
+
+
+def fraction(text: str) -> float:
+    return _number(float, text, lambda v: 0 <= v < 1, "a fraction in [0, 1)")
+
+
+def input_file(text: str) -> str:
+    """A file that exists and can be read."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: is not a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text}: cannot be read (permission denied)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file that can be written: not a folder, in a folder that exists and is writable."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a folder, not a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: cannot be written (permission denied)")
+    return text
+
+
+def chapters(text: str) -> str:
+    """--student's chapter list ("05,06"), checked against the chapters that have exercises."""
+    from nanoserve.student import parse_selection
+
+    try:
+        parse_selection(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def sampling_params(fields: dict, flags: bool = False):
+    """SamplingParams(**fields), or a UsageError naming the bad value as the user wrote it:
+    `"temperature" must be a number >= 0, got -1` (a JSON field), `--top-p must be ...` (flags=True)."""
+    from nanoserve.sampling import SamplingParams
+
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        name = message.split(" ")[0]
+        if name in fields:  # SamplingParams' messages start with the field's name
+            message = ("--" + name.replace("_", "-") if flags else f'"{name}"') + message[len(name):]
+        raise UsageError(message) from None
+
+
+def load_tokenizer(gguf: str | None):
+    """The tokenizer of a GGUF file (None: the embedded model's), a UsageError if the file is not one."""
+    from nanoserve.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_gguf(gguf)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def context_length(gguf: str | None) -> int:
+    """The model's context (max_position_embeddings), read from the GGUF's metadata without its weights."""
+    from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, open_gguf
+
+    try:
+        return config_from_gguf(open_gguf(gguf or embedded_gguf_path())).max_position_embeddings
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, context: int, what: str = "the prompt") -> None:
+    if num_prompt_tokens + max_tokens > context:
+        raise UsageError(f"{what} is {num_prompt_tokens} tokens; with max_tokens={max_tokens} that exceeds "
+                         f"the model's context of {context} tokens")
