@@ -13,6 +13,14 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """Our tokenizer of the embedded GGUF."""
+    from nanoserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf()
+
+
+@pytest.fixture(scope="session")
 def hf_model():
     """The independent oracle: transformers' LlamaForCausalLM, loading the very same GGUF itself
     (its own dequantizer, its own un-permutation of Q/K)."""

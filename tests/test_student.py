@@ -133,3 +133,30 @@ def test_an_unselected_chapter_stays_reference(tiny, exercises):
         assert code.module("nanoserve.engine.scheduler").__name__ == "nanoserve.engine.scheduler"
         assert code.module("nanoserve.kv.block_allocator").__name__ == "student_nanoserve_kv_block_allocator"
     assert "none of your code ran" in StudentCode("06").proof()
+
+
+@pytest.mark.slow
+def test_batch_cli_serves_with_the_learners_allocator_and_says_so(smollm2, smollm2_tokenizer, exercises, tmp_path,
+                                                                    monkeypatch, capsys):
+    import json
+
+    import nanoserve.model
+    from nanoserve.cli import checks, main
+
+    exercises("nanoserve.kv.block_allocator")
+    exercises("nanoserve.kv.prefix_cache")
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None: smollm2)
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: smollm2_tokenizer)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0}
+    src.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")  # the second one hits the prefix cache
+    assert main(["batch", "--input", str(src), "--output", str(dst), "--no-progress", "--num-blocks", "64",
+                 "--student"]) == 0
+    err = capsys.readouterr().err
+    assert "yours      BlockAllocator  from exercises/05-paged-kv/block_allocator.py" in err
+    assert "reference  nanoserve.engine.scheduler" in err and "Exercise 6.1 (Scheduler.schedule)" in err
+    proof = [line for line in err.splitlines() if line.startswith("--student: your code served:")]
+    assert len(proof) == 1 and "BlockAllocator.allocate ×" in proof[0] and "BlockAllocator.free ×" in proof[0]
+    assert "prefix-cache hits: 0 blocks" not in proof[0]
+    results = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(results) == 2 and results[0]["token_ids"] == results[1]["token_ids"] and len(results[0]["token_ids"]) == 4

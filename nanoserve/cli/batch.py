@@ -127,8 +127,6 @@ class InOrderWriter:
 
 
 def run(args):
-    tokenizer = checks.load_tokenizer(args.model)
-    context = checks.context_length(args.model)
     try:
         with open(args.input, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -136,6 +134,8 @@ def run(args):
         raise checks.UsageError(f"{args.input} is not UTF-8 text: {e}") from None
     if not any(line.strip() for line in lines):
         raise checks.UsageError(f"{args.input} holds no requests")
+    tokenizer = checks.load_tokenizer(args.model)
+    context = checks.context_length(args.model)
 
     records: list[dict] = []  # one per non-blank input line, in order
     requests = []  # (index in records, prompt ids, params, priority)

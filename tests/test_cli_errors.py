@@ -1,0 +1,149 @@
+"""Every user mistake on the command line is one `error: …` line on stderr and exit status 2, with no
+traceback, and is found before the model loads; `batch` names the line and the field, and still runs
+the good lines. Only the last test loads a model (the session's real SmolLM2)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve.cli import checks, main
+
+
+@pytest.fixture
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture
+def no_model(monkeypatch, tokenizer):
+    """The tokenizer loads once for the module; loading the model fails the test (it must not be needed)."""
+    import nanoserve.model
+
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded for an input that is wrong before it is needed")
+
+    monkeypatch.setattr(nanoserve.model, "load_gguf", refuse)
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own exit
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def assert_one_error(rc, err, *fragments):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, (rc, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture
+def files(tmp_path):
+    good = tmp_path / "in.jsonl"
+    good.write_text(json.dumps({"prompt": "Hi", "max_tokens": 2}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "not.gguf").write_text("hello")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe{}\n")
+    return tmp_path
+
+
+BAD = [
+    # (argv, what the error line must say); {d} is a temporary folder with the files above
+    (["generate", "--prompt", ""], ["--prompt is empty"]),
+    (["generate", "--prompt", "x", "--temperature", "-1"], ["--temperature must be"]),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], ["--top-p must be in (0, 1]"]),
+    (["generate", "--prompt", "x", "--top-k", "-3"], ["--top-k"]),
+    (["generate", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens", "integer > 0"]),
+    (["generate", "--prompt", "x", "--gguf", "{d}/missing.gguf"], ["--gguf", "no such file"]),
+    (["generate", "--prompt", "hi " * 9000], ["--prompt", "exceeds the model's context of 8192"]),
+    (["serve", "--temperature", "-0.5"], ["--temperature must be"]),
+    (["serve", "--top-p", "0"], ["--top-p"]),
+    (["serve", "--max-tokens", "-1"], ["--max-tokens"]),
+    (["batch", "--input", "{d}/missing.jsonl", "--output", "{d}/out.jsonl"], ["--input", "no such file"]),
+    (["batch", "--input", "{d}", "--output", "{d}/out.jsonl"], ["--input", "is not a file"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/nowhere/out.jsonl"], ["--output", "does not exist"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}"], ["--output", "is a folder"]),
+    (["batch", "--input", "{d}/empty.jsonl", "--output", "{d}/out.jsonl"], ["holds no requests"]),
+    (["batch", "--input", "{d}/binary.jsonl", "--output", "{d}/out.jsonl"], ["not UTF-8"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "13"], ["chapters with exercises"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--block-size", "0"], ["--block-size"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--kv-cache-mib", "-1"], ["--kv-cache-mib"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--model", "{d}/not.gguf"], ["not a GGUF file"]),
+    (["memory", "--device-gb", "0"], ["--device-gb", "> 0"]),
+    (["memory", "--seq-len", "-5"], ["--seq-len"]),
+    (["memory", "--reserve", "1"], ["--reserve", "[0, 1)"]),
+    (["memory", "--reserve", "-0.1"], ["--reserve"]),
+    (["memory", "--model", "gpt-5"], ["invalid choice", "llama-3-8b", "smollm2-135m"]),
+    (["memory", "--seq-len", "100000"], ["100000", "context"]),
+    (["info", "--gguf", "{d}/missing.gguf"], ["no such file"]),
+    (["info", "--gguf", "{d}/not.gguf"], ["not a GGUF file"]),
+    (["bench", "no-such-bench"], ["invalid choice", "offline"]),
+    (["bench", "offline", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["no-such-command"], ["invalid choice", "generate"]),
+]
+
+
+@pytest.mark.parametrize("argv, fragments", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_input_is_one_error_line_before_the_model_loads(argv, fragments, files, no_model, capsys):
+    rc, err = run_cli([a.format(d=files) for a in argv], capsys)
+    assert_one_error(rc, err, *fragments)
+    assert not (files / "out.jsonl").exists()  # nothing half-written
+
+
+def test_a_real_process_exits_2_without_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "nanoserve", "memory", "--reserve", "2"], capture_output=True, text=True)
+    assert_one_error(out.returncode, out.stderr, "--reserve")
+
+
+def test_help_shows_the_defaults(capsys):
+    for argv, default in [(["batch"], "(default: 2048)"), (["memory"], "(default: 4096)"),
+                          (["generate"], "(default: 0.7)"), (["serve"], "(default: 256)")]:
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        assert default in capsys.readouterr().out, argv
+
+
+@pytest.mark.slow
+def test_batch_names_line_and_field_and_runs_the_good_lines(smollm2, tokenizer, files, monkeypatch, capsys):
+    import nanoserve.model
+
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None: smollm2)
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer)
+    lines = [
+        json.dumps({"prompt": "The sky is", "max_tokens": 3, "temperature": 0, "id": "a"}),
+        json.dumps({"prompt": ""}),
+        json.dumps({"prompt": "x", "temperature": -1}),
+        "",  # blank lines are skipped, and keep the numbering
+        json.dumps({"messages": []}),
+        json.dumps({"prompt_token_ids": [1, 10**9]}),
+        json.dumps({"prompt": "hi " * 9000, "max_tokens": 4}),
+        json.dumps({"prompt": "x", "max_tokens": 0}),
+        json.dumps({"prompt": "x", "priority": "high"}),
+        "[1, 2]",
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stop": "."}),
+    ]
+    src, dst = files / "mixed.jsonl", files / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    rc, err = run_cli(["batch", "--input", str(src), "--output", str(dst), "--no-progress", "--num-blocks", "64"], capsys)
+    assert rc == 1 and "Traceback" not in err
+    expected = {2: '"prompt" must be a non-empty string', 3: '"temperature" must be', 5: '"messages" must be',
+                6: '"prompt_token_ids" must be', 7: '"prompt" is 9', 8: '"max_tokens" must be', 9: '"priority" must be',
+                10: "expected a JSON object"}
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(expected)
+    for n, fragment in expected.items():
+        assert any(line.startswith(f"error: {src}:{n}: ") and fragment in line for line in errors), (n, errors)
+    records = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
+    good = [r for r in records if "error" not in r]
+    assert [r["line"] for r in good] == [1, 11] and good[0]["id"] == "a"
+    assert len(good[0]["token_ids"]) == 3 and 1 <= len(good[1]["token_ids"]) <= 2
