@@ -16,16 +16,31 @@ class UsageError(ValueError):
     """A mistake in the command's input: printed as `error: <message>`, exit status 2, no traceback."""
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless there is none (None, False) or the text says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if _no_default(action.default) or action.default == argparse.SUPPRESS or "default" in text \
+                or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def _no_default(value) -> bool:
+    return value is None or value is False  # (not `in (None, False)`: 0 == False)
+
+
 class Parser(argparse.ArgumentParser):
     """`--help` shows every option's default; a bad argument is one line `error: …` (exit 2)."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs):
-        # argparse only prints a default next to a help text: give every option with a default one
-        if kwargs.get("help") is None and kwargs.get("default") is not None and kwargs.get("action") != "store_true":
+        # argparse prints nothing for an option without help text, not even its default
+        if not kwargs.get("help") and not _no_default(kwargs.get("default")):
             kwargs["help"] = "(default: %(default)s)"
         return super().add_argument(*args, **kwargs)
 
