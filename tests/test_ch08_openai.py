@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.http_server import serving
+from nanoserve.server.runner import serving
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.model import Llama, LlamaConfig
-from tests.http_server import serving
+from nanoserve.server.runner import serving
 
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -30,10 +30,10 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.engine.llm_engine import _module
 from nanoserve.server.limits import TokenBucketLimiter
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body, parse_body)
-from nanoserve.student import implementation
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ServerConfig:
     rate_burst: int = 10
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1  # what a 503 for a full queue tells the client
+    student: bool = False  # stream with the learner's exercises/08-http-serving/streaming.py
 
 
 class ServerState:
@@ -57,8 +58,8 @@ class ServerState:
         self.draining = False  # set at shutdown: new requests get 503 while running streams finish
         self.max_model_len = engine.engine.max_model_len
         self.max_seq_len = engine.engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
-        # with --student the learner's exercises/08-http-serving/streaming.py writes the SSE stream
-        self.streaming = implementation("nanoserve.server.streaming")
+        # with --student the learner's exercises/08-http-serving/streaming.py writes the SSE stream (if finished)
+        self.streaming = _module("nanoserve.server.streaming", config.student, lambda m: m.stop_hold_back("a", ["ab"]))
 
 
 def build_app(state: ServerState) -> FastAPI:
