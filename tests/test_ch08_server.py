@@ -349,3 +349,20 @@ def test_serve_refuses_bad_arguments_in_one_line_before_loading_the_model(args, 
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
     assert "loading" not in r.stdout
+
+
+def test_terminal_chat_through_the_server_keeps_the_conversation(engine, tokenizer):
+    from nanoserve.cli.chat import chat_loop, remote_reply
+    from nanoserve.sampling import SamplingParams
+
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        shown = []
+        chat_loop(iter(["Hi\n", "again\n", "exit\n", "never"]), shown.append,
+                  remote_reply(client, "tiny", SamplingParams(temperature=0, max_tokens=5)))
+        first = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0).choices[0]
+        second = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0, messages=[
+            *HI, {"role": "assistant", "content": first.message.content}, {"role": "user", "content": "again"}]).choices[0]
+    end = {"stop": "\n", "length": " [max tokens]\n"}
+    assert "".join(shown) == (f"assistant> {first.message.content}{end[first.finish_reason]}"
+                              f"assistant> {second.message.content}{end[second.finish_reason]}")
