@@ -153,7 +153,7 @@ def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenize
 
 
 def test_rate_limit_is_429_with_retry_after(engine, tokenizer):
-    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.5, rate_burst=2) as (url, _):
+    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.1, rate_burst=2) as (url, _):  # a token per 10 s
         codes = [httpx.get(f"{url}/v1/models").status_code for _ in range(2)]
         r = httpx.get(f"{url}/v1/models")
         assert codes == [200, 200]
