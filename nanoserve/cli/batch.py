@@ -52,7 +52,8 @@ def add_engine_args(p):
     p.add_argument("--student", nargs="?", const=True, default=False, type=checks.chapters, metavar="CHAPTERS",
                    help="run YOUR finished exercises from exercises/ (the allocator and prefix cache of 05, the "
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
-                        "e.g. --student 05,06; an unfinished one falls back to the reference with a warning")
+                        "e.g. --student 05,06 (serve: also your SSE streaming, 08); an unfinished one falls back to the reference "
+                        "with a warning")
 
 
 def llm_from_args(args, tokenizer=None):

@@ -80,6 +80,8 @@ class LLMEngine:
         if student:
             print(student.describe(), file=sys.stderr)
         self.max_model_len = model.config.max_position_embeddings
+        # the longest sequence (prompt + output) this engine can ever hold: the context, or the whole pool
+        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
         self.vocab_size = model.config.vocab_size
         # without a tokenizer (token ids in, token ids out) EOS must be given to stop on it
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", -1)
