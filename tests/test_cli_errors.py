@@ -65,9 +65,12 @@ BAD = [
     (["generate", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens", "integer > 0"]),
     (["generate", "--prompt", "x", "--gguf", "{d}/missing.gguf"], ["--gguf", "no such file"]),
     (["generate", "--prompt", "hi " * 9000], ["--prompt", "exceeds the model's context of 8192"]),
-    (["serve", "--temperature", "-0.5"], ["--temperature must be"]),
-    (["serve", "--top-p", "0"], ["--top-p"]),
-    (["serve", "--max-tokens", "-1"], ["--max-tokens"]),
+    (["chat", "--temperature", "-0.5"], ["--temperature must be"]),
+    (["chat", "--top-p", "0"], ["--top-p"]),
+    (["chat", "--max-tokens", "-1"], ["--max-tokens"]),
+    (["serve", "--port", "70000"], ["--port must be in [0, 65535]"]),
+    (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["serve", "--rate-limit", "-1"], ["--rate-limit"]),
     (["batch", "--input", "{d}/missing.jsonl", "--output", "{d}/out.jsonl"], ["--input", "no such file"]),
     (["batch", "--input", "{d}", "--output", "{d}/out.jsonl"], ["--input", "is not a file"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/nowhere/out.jsonl"], ["--output", "does not exist"]),
@@ -106,7 +109,8 @@ def test_a_real_process_exits_2_without_a_traceback():
 
 def test_help_shows_the_defaults(capsys):
     for argv, default in [(["batch"], "(default: 2048)"), (["memory"], "(default: 4096)"),
-                          (["generate"], "(default: 0.7)"), (["serve"], "(default: 256)")]:
+                          (["generate"], "(default: 0.7)"), (["chat"], "(default: 256)"),
+                          (["serve"], "(default: 8000)")]:
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         assert default in capsys.readouterr().out, argv
