@@ -38,6 +38,9 @@ def add_engine_args(p):
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/")
+    p.add_argument("--attention-backend", default=None, metavar="{torch,triton}",
+                   help="paged attention in torch or in Triton kernels (default: triton on CUDA, torch on CPU; "
+                        "on a CPU triton needs TRITON_INTERPRET=1)")
 
 
 def llm_from_args(args):
@@ -46,7 +49,8 @@ def llm_from_args(args):
     return LLM(getattr(args, "model", None), block_size=args.block_size,
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-               enable_prefix_caching=not args.no_prefix_caching, student=args.student)
+               enable_prefix_caching=not args.no_prefix_caching, student=args.student,
+               attention_backend=args.attention_backend)
 
 
 def parse_line(line: str):
@@ -72,7 +76,11 @@ def parse_line(line: str):
 
 
 def run(args):
-    llm = llm_from_args(args)
+    try:
+        llm = llm_from_args(args)  # a bad --attention-backend is refused before the model loads
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with open(args.input) as f:
         lines = f.read().splitlines()
     records: list[dict] = []

@@ -24,6 +24,7 @@ from nanoserve.engine.executor import Executor
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.worker import Worker
+from nanoserve.kernels.backend import probe_paged_attention, resolve_attention_backend
 from nanoserve.stop import check_stop, is_stop_token
 from nanoserve.student import STUDENT_FILES, load_student
 
@@ -41,6 +42,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     student: bool = False  # run the learner's scheduler, block allocator and prefix cache (exercises/05, 06)
+    attention_backend: str | None = None  # "torch" | "triton" (chapter 07); None: triton on CUDA, torch on CPU
 
 
 @dataclass
@@ -73,7 +75,12 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.executor = Executor([Worker(model)])
+        # the attention backend (chapter 07), checked before anything is built; with student=True and
+        # "triton", the learner's kernel from exercises/07
+        self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
+        kernel = (_module("nanoserve.kernels.triton_paged_attention", config.student, probe_paged_attention)
+                  if self.attention_backend == "triton" else None)
+        self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")

@@ -48,7 +48,7 @@ def check_launchable(kernel, device: torch.device) -> None:
                            "(at the start of the process)")
 
 
-def attention_backend(name: str, paged_attention=None):
+def attention_class(name: str, paged_attention=None):
     """The AttentionFn class of a resolved backend: cls(cache, metadata) -> attn(layer_idx, q, k, v).
     `paged_attention` (triton only): the module whose kernel to launch — the reference, or a learner's."""
     if name == "torch":
@@ -60,3 +60,11 @@ def attention_backend(name: str, paged_attention=None):
     from nanoserve.kernels.triton_attention import TritonPagedAttention
 
     return partial(TritonPagedAttention, paged_attention=paged_attention)
+
+
+def probe_paged_attention(module) -> None:
+    """Launch `module.paged_attention` once on a one-token case (raises NotImplementedError for an unfinished
+    exercise 07: `LLM(student=True)` then falls back to the reference kernel)."""
+    pool = torch.zeros(1, 1, 16, 16)  # (Hkv, num_blocks, block_size, D)
+    module.paged_attention(torch.zeros(1, 1, 16), pool, pool, torch.zeros(1, 1, dtype=torch.long),
+                           torch.ones(1, dtype=torch.long), torch.tensor([0, 1]))

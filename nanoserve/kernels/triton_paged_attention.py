@@ -18,15 +18,15 @@ physical block block_table[s, p // block_size], row p % block_size: the pointer 
 For each tile it does the online softmax of `nanoserve/kernels/online_softmax.py`: scores, the
 causal mask (key position <= query position), new running max m, rescale of l and acc, add.
 
-    >>> # q (N, H, D), pool (Hkv, num_blocks, block_size, D), metadata of chapter 05
-    >>> out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+    # q (N, H, D), the pool's k_cache/v_cache (Hkv, num_blocks, block_size, D), chapter 05's metadata
+    out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.backend import check_launchable
+from nanoserve.kernels.backend import check_launchable, interpreter_requested
 
 
 @triton.jit
@@ -119,9 +119,18 @@ def query_blocks(cu_seqlens_q: list[int], block_q: int) -> tuple[torch.Tensor, t
     return torch.tensor(seqs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
 
 
-def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int = 16, tile: int = 64) -> dict:
-    """Tile sizes: BLOCK_M = BLOCK_Q · G_PAD rows per program (at least 16: a GPU's tl.dot wants M >= 16),
-    TILE keys per loop iteration. Every size a power of two (tl.arange needs it)."""
+def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int | None = None,
+                  tile: int = 64) -> dict:
+    """Tile sizes: BLOCK_M = BLOCK_Q · G_PAD rows per program, TILE keys per loop iteration, each a power of
+    two (tl.arange needs it). block_m None: 16 on a GPU (tl.dot wants M >= 16; a decode fills only G of
+    the rows, and more rows would cost registers, not bandwidth), 64 in the interpreter (its cost is per
+    program and per op, hardly per row: fewer, larger programs run faster there).
+
+    >>> launch_config(num_heads=9, num_kv_heads=3, head_dim=64, block_m=16)  # SmolLM2: G = 3 padded to 4
+    {'G': 3, 'HEAD_DIM': 64, 'G_PAD': 4, 'D_PAD': 64, 'BLOCK_Q': 4, 'TILE': 64}
+    """
+    if block_m is None:
+        block_m = 64 if interpreter_requested() else 16
     g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     return dict(G=num_heads // num_kv_heads, HEAD_DIM=head_dim, G_PAD=g_pad, D_PAD=triton.next_power_of_2(head_dim),
                 BLOCK_Q=max(block_m, g_pad) // g_pad, TILE=tile)
@@ -129,12 +138,13 @@ def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, query_block_index=None,
-                    block_m: int = 16, tile: int = 64) -> torch.Tensor:
+                    block_m: int | None = None, tile: int = 64) -> torch.Tensor:
     """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D).
 
     Sequence i's queries are tokens cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of its seq_lens[i]
     positions; its keys are found through block_tables[i]. `query_block_index` (from query_blocks, with
-    the same BLOCK_Q) can be built once per step and passed to every layer's call.
+    the same BLOCK_Q) can be built once per step and passed to every layer's call. block_m, tile: see
+    launch_config.
     """
     check_launchable(paged_attention_kernel, q.device)
     N, H, D = q.shape
