@@ -118,17 +118,18 @@ def test_kernel_reads_only_its_blocks():
     for b in set(range(cache.num_blocks)) - set(meta.block_tables.flatten().tolist()):
         cache.k_cache[0][:, b] = float("nan")
         cache.v_cache[0][:, b] = float("nan")
-    slots = cache.k_cache[0].view(2, -1, 16)  # (Hkv, num_slots, D)
-    for table, s in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()):
-        for pos in range(s, -(-s // 4) * 4):  # the tail block's rows past seq_len
-            slots[:, table[pos // 4] * 4 + pos % 4] = float("nan")
+    for pool in (cache.k_cache[0], cache.v_cache[0]):
+        slots = pool.view(2, -1, 16)  # (Hkv, num_slots, D)
+        for table, s in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()):
+            for pos in range(s, -(-s // 4) * 4):  # the tail block's rows past seq_len
+                slots[:, table[pos // 4] * 4 + pos % 4] = float("nan")
     out = kernel().paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
                                    meta.cu_seqlens_q, tile=16)
     assert (out - expected).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("num_kv_heads, head_dim, block_size", [(2, 16, 4), (3, 64, 16), (1, 8, 1)])
-def test_store_kv_equals_index_copy(num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("num_kv_heads, head_dim, block_size, block_t", [(2, 16, 4, 16), (3, 64, 16, 4), (1, 8, 1, 2)])
+def test_store_kv_equals_index_copy(num_kv_heads, head_dim, block_size, block_t):
     """SmolLM2's 3 kv heads pad to 4 rows (192 = 3 · 64 is not a power of two); every other slot untouched."""
     g = torch.Generator().manual_seed(head_dim)
     reference = PagedKVCache(1, 6, block_size, num_kv_heads, head_dim)
@@ -138,7 +139,7 @@ def test_store_kv_equals_index_copy(num_kv_heads, head_dim, block_size):
     slots = torch.randperm(6 * block_size, generator=g)[:5]
     k, v = torch.randn(5, num_kv_heads, head_dim, generator=g), torch.randn(5, num_kv_heads, head_dim, generator=g)
     reference.store_kv(0, k, v, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv(k, v, k_cache, v_cache, slots, block_t)  # 5 tokens: a partly filled last program
     assert torch.equal(k_cache, reference.k_cache[0]) and torch.equal(v_cache, reference.v_cache[0])
 
 
