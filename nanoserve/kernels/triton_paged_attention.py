@@ -146,7 +146,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the same BLOCK_Q) can be built once per step and passed to every layer's call. block_m, tile: see
     launch_config.
     """
-    check_launchable(paged_attention_kernel, q.device)
+    return launch(paged_attention_kernel, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                  query_block_index, block_m, tile)
+
+
+def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
+           block_m: int | None = None, tile: int = 64) -> torch.Tensor:
+    """Launch `kernel` (this module's, or exercise 07's) over the grid (query blocks, kv heads)."""
+    check_launchable(kernel, q.device)
     N, H, D = q.shape
     Hkv, _, block_size, _ = k_cache.shape
     if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
@@ -158,7 +165,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)
     out = torch.empty_like(q)
     grid = (len(q_block_seq), Hkv)
-    paged_attention_kernel[grid](
+    kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
