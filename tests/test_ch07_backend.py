@@ -183,3 +183,18 @@ def test_real_model_batch_cli_triton_gives_the_torch_backends_tokens(smollm2, tm
     llm = LLM(smollm2, num_blocks=16, attention_backend="torch")
     expected = [o.token_ids for o in llm.generate(CHATS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)]
     assert got == expected and all(len(t) == 4 for t in got)
+
+
+def test_bench_attention_on_a_cpu(monkeypatch, capsys):
+    """No GPU: with the interpreter a sanity run (parity and seconds per call), without it a refusal."""
+    from nanoserve.cli import main
+
+    assert main(["bench", "attention"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "NOT GPU speed" in out and "SmolLM2 prefill" in out
+    errors = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("tiny", "SmolLM2"))]
+    assert len(errors) == 4 and max(errors) < 1e-4
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(["bench", "attention"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "TRITON_INTERPRET=1" in err[0]
