@@ -40,9 +40,9 @@ def resolve_attention_backend(name: str | None, device: torch.device | str = "cp
 
 def check_launchable(kernel, device: torch.device) -> None:
     """Refuse to launch a compiled kernel on CPU tensors: Triton would try to build it for a GPU."""
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction  # InterpretedFunction, what TRITON_INTERPRET=1 makes, is not one
 
-    if device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
+    if device.type == "cpu" and isinstance(kernel, JITFunction):
         raise RuntimeError(f"{kernel.__name__} was defined without Triton's interpreter, so it cannot run on the CPU: "
                            "set TRITON_INTERPRET=1 before nanoserve.kernels' Triton modules are first imported "
                            "(at the start of the process)")

@@ -15,8 +15,9 @@ Every K/V row the program loads serves all G heads at once.
 
 The program walks its sequence's block table TILE keys at a time. Key position p lives in
 physical block block_table[s, p // block_size], row p % block_size: the pointer arithmetic below.
-For each tile it does the online softmax of `nanoserve/kernels/online_softmax.py`: scores, the
-causal mask (key position <= query position), new running max m, rescale of l and acc, add.
+For each tile it calls its tile update STEP, `online_softmax_step` below (the online softmax of
+`nanoserve/kernels/online_softmax.py`): scores, the causal mask (key position <= query position),
+new running max m, rescale of l and acc, add. (Exercise 07 writes that function.)
 
     # q (N, H, D), the pool's k_cache/v_cache (Hkv, num_blocks, block_size, D), chapter 05's metadata
     out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
@@ -30,28 +31,6 @@ from nanoserve.kernels.backend import check_launchable, interpreter_requested
 
 
 @triton.jit
-def online_softmax_step(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale):
-    """One tile of the online softmax.
-
-    q (BLOCK_M, D_PAD) queries, k/v (TILE, D_PAD) this tile's keys and values, query_pos (BLOCK_M,) and
-    key_pos (TILE,) positions in the sequence, num_keys: keys this program may read at all.
-    m_i, l_i (BLOCK_M,) running max and running sum, acc (BLOCK_M, D_PAD) the unnormalised output.
-    Returns the new (m_i, l_i, acc).
-    """
-    # float32 scores; "ieee": true float32 products (a GPU would use tf32, the interpreter numpy float32/64)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (BLOCK_M, TILE)
-    visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < num_keys)  # causal edge, tail
-    scores = tl.where(visible, scores, float("-inf"))
-    # Tile 0 holds key 0, which every row sees, so m_new is finite from the first tile on: no -inf - -inf.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))  # (BLOCK_M,)
-    alpha = tl.exp(m_i - m_new)  # how much the old max overstated: rescale what was summed so far
-    p = tl.exp(scores - m_new[:, None])  # (BLOCK_M, TILE), 0 where masked
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_i, acc
-
-
-@triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_block_seq_ptr, q_block_start_ptr,
@@ -59,6 +38,7 @@ def paged_attention_kernel(
     stride_kh, stride_kb, stride_ks,  # pool: (Hkv, num_blocks, block_size, D), last stride 1
     stride_bt,  # block_tables: (num_seqs, max_blocks)
     sm_scale,
+    STEP: tl.constexpr,  # the tile update, a @triton.jit function: online_softmax_step (or exercise 07's)
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -98,11 +78,33 @@ def paged_attention_kernel(
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (TILE, D_PAD)
         v = tl.load(v_cache_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_softmax_step(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale)
+        m_i, l_i, acc = STEP(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def online_softmax_step(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale):
+    """One tile of the online softmax.
+
+    q (BLOCK_M, D_PAD) queries, k/v (TILE, D_PAD) this tile's keys and values, query_pos (BLOCK_M,) and
+    key_pos (TILE,) positions in the sequence, num_keys: keys this program may read at all.
+    m_i, l_i (BLOCK_M,) running max and running sum, acc (BLOCK_M, D_PAD) the unnormalised output.
+    Returns the new (m_i, l_i, acc).
+    """
+    # float32 scores; "ieee": true float32 products (a GPU would use tf32, the interpreter numpy float32/64)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (BLOCK_M, TILE)
+    visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < num_keys)  # causal edge, tail
+    scores = tl.where(visible, scores, float("-inf"))
+    # Tile 0 holds key 0, which every row sees, so m_new is finite from the first tile on: no -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))  # (BLOCK_M,)
+    alpha = tl.exp(m_i - m_new)  # how much the old max overstated: rescale what was summed so far
+    p = tl.exp(scores - m_new[:, None])  # (BLOCK_M, TILE), 0 where masked
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 def query_blocks(cu_seqlens_q: list[int], block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,14 +148,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the same BLOCK_Q) can be built once per step and passed to every layer's call. block_m, tile: see
     launch_config.
     """
-    return launch(paged_attention_kernel, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+    return launch(online_softmax_step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                   query_block_index, block_m, tile)
 
 
-def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
+def launch(step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
            block_m: int | None = None, tile: int = 64) -> torch.Tensor:
-    """Launch `kernel` (this module's, or exercise 07's) over the grid (query blocks, kv heads)."""
-    check_launchable(kernel, q.device)
+    """Launch the kernel over the grid (query blocks, kv heads), with `step` (a @triton.jit function with
+    online_softmax_step's signature: this module's, or exercise 07's) as its tile update. Triton takes a
+    jit function as a constexpr argument and compiles it into the kernel."""
+    check_launchable(paged_attention_kernel, q.device)
+    check_launchable(step, q.device)
     N, H, D = q.shape
     Hkv, _, block_size, _ = k_cache.shape
     if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
@@ -165,10 +170,10 @@ def launch(kernel, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, qu
     q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)
     out = torch.empty_like(q)
     grid = (len(q_block_seq), Hkv)
-    kernel[grid](
+    paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        D ** -0.5, BLOCK_SIZE=block_size, **cfg,
+        D ** -0.5, STEP=step, BLOCK_SIZE=block_size, **cfg,
     )
     return out
