@@ -19,9 +19,10 @@ per call, which says nothing about GPU speed. Without it, it refuses.
 import os
 import random
 import sys
-import time
 
 import torch
+
+from nanoserve.bench.model import timed
 
 # HBM peak by device name (vendor data sheets), GB/s; --peak-gbs overrides
 PEAK_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
@@ -122,14 +123,15 @@ def run_gpu(args):
 
 
 def run_interpreter():
-    """The kernels on the chapter's test shapes, in Triton's interpreter: parity with torch, seconds per call."""
+    """The kernels on the chapter's test shapes, in Triton's interpreter: parity with torch, seconds per call
+    (best of 3)."""
     from nanoserve.kernels.triton_paged_attention import launch_config, paged_attention, query_blocks
     from nanoserve.kernels.triton_store_kv import store_kv
     from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 
     print("command: TRITON_INTERPRET=1 python -m nanoserve bench attention")
     print("device: CPU, Triton's interpreter (numpy, one program after another): a sanity run — interpreter "
-          "seconds per call, NOT GPU speed; float32")
+          "seconds per call (best of 3), NOT GPU speed; float32")
     cases = [  # name, (Hkv, G, D, block_size), seq_lens, query_lens
         ("tiny decodes (test_ch07_kernels)", (2, 3, 16, 4), [1, 4, 5, 16, 33, 70], [1] * 6),
         ("tiny mixed step", (2, 3, 16, 16), [13, 1, 48, 32, 20], [1, 1, 48, 16, 1]),
@@ -153,11 +155,8 @@ def run_interpreter():
         expected = PagedAttention(cache, meta)(0, q, k, v)  # stores k, v too
         args = (q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
         out = paged_attention(*args)  # the first call also rewrites the kernel's AST: not timed
-        t0 = time.perf_counter()
-        paged_attention(*args)
-        attn_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
         store_kv(k, v, cache.k_cache[0], cache.v_cache[0], meta.slot_mapping)
-        store_s = time.perf_counter() - t0
+        attn_s = timed(lambda: paged_attention(*args), repeats=3)
+        store_s = timed(lambda: store_kv(k, v, cache.k_cache[0], cache.v_cache[0], meta.slot_mapping), repeats=3)
         programs = len(query_blocks(meta.cu_seqlens_q.tolist(), launch_config(Hkv * G, Hkv, D)["BLOCK_Q"])[0]) * Hkv
         print(f"{name:34s} {programs:9d} {attn_s:12.3f} {store_s:11.3f} {(out - expected).abs().max().item():8.1e}")
