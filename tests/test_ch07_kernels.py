@@ -154,3 +154,10 @@ def test_store_kv_takes_strided_inputs_and_refuses_mismatches():
     assert torch.equal(k_cache, reference.k_cache[0]) and torch.equal(v_cache, reference.v_cache[0])
     with pytest.raises(ValueError, match="do not agree"):
         store_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots[:2])
+
+
+def test_kernel_refuses_a_query_that_does_not_fit_the_pool():
+    cache, meta, q, k, v = make_step(2, 3, 16, 4, [5], [1])
+    with pytest.raises(ValueError, match="does not fit the pool"):
+        kernel().paged_attention(q[:, :5], cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+                                 meta.cu_seqlens_q)  # 5 query heads for 2 kv heads
