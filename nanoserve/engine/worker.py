@@ -13,8 +13,8 @@ import ctypes.util
 import torch
 
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.kernels.backend import attention_class
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.kernels.backend import attention_class
 from nanoserve.kv.paged_attention import PagedKVCache, num_blocks_for_budget
 
 
