@@ -27,19 +27,24 @@ class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
-                 student: bool | str | list[str] = False, tokenizer=None):
+                 student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
-        tokenizer: one already loaded (default: the model file's)."""
+        tokenizer: one already loaded (default: the model file's). attention_backend: "torch" or "triton"
+        (chapter 07; on a CPU "triton" needs TRITON_INTERPRET=1), None for the device's default — checked
+        before the model loads."""
+        from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
+        if model is None or path is not None:  # a GGUF loads on the CPU: fail fast, before the load
+            resolve_attention_backend(attention_backend, "cpu")
         self.model = load_gguf(path) if model is None or path is not None else model
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-                              enable_chunked_prefill, enable_prefix_caching, student)
+                              enable_chunked_prefill, enable_prefix_caching, student, attention_backend)
         self.engine = LLMEngine(self.model, config, self.tokenizer)
         self._next_id = 0
 

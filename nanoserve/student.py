@@ -52,6 +52,7 @@ STUDENT_FILES = {
     "nanoserve.sampling": "03-tokens-and-sampling/sampling.py",
     "nanoserve.detokenizer": "03-tokens-and-sampling/detokenizer.py",
     "nanoserve.server.streaming": "08-http-serving/streaming.py",
+    "nanoserve.kernels.triton_paged_attention": "07-triton-paged-attention/triton_paged_attention.py",
 }
 
 

@@ -54,6 +54,9 @@ def add_engine_args(p):
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
                         "e.g. --student 05,06 (serve: also your SSE streaming, 08); an unfinished one falls back to the reference "
                         "with a warning")
+    p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
+                   help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
+                        "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
 
 
 def llm_from_args(args, tokenizer=None):
@@ -62,7 +65,8 @@ def llm_from_args(args, tokenizer=None):
     return LLM(getattr(args, "model", None), block_size=args.block_size,
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-               enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer)
+               enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer,
+               attention_backend=args.attention_backend)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:
@@ -145,6 +149,9 @@ def run(args):
         records[i]["error"] = message
         print(f"error: {args.input}:{records[i]['line']}: {message}", file=sys.stderr)
 
+    p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
+                   help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
+                        "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue

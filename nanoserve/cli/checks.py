@@ -145,3 +145,14 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, context: int, what: str 
     if num_prompt_tokens + max_tokens > context:
         raise UsageError(f"{what} is {num_prompt_tokens} tokens; with max_tokens={max_tokens} that exceeds "
                          f"the model's context of {context} tokens")
+
+
+def attention_backend(text: str) -> str:
+    """--attention-backend: a known name that can run here (a GGUF loads on the CPU, where Triton needs its
+    interpreter): refused while the command line is read, before the model loads."""
+    from nanoserve.kernels.backend import resolve_attention_backend
+
+    try:
+        return resolve_attention_backend(text, "cpu")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

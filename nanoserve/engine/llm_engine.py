@@ -24,6 +24,7 @@ from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.worker import Worker
 from nanoserve.kv.block_manager import BlockManager
+from nanoserve.kernels.backend import resolve_attention_backend
 from nanoserve.stop import check_stop, is_stop_token
 from nanoserve.student import StudentCode
 
@@ -43,6 +44,7 @@ class EngineConfig:
     # the learner's finished exercises to run instead of the reference (nanoserve/student.py):
     # True = every chapter, "05,06" or ["05"] = those chapters, False = none
     student: bool | str | list[str] = False
+    attention_backend: str | None = None  # "torch" | "triton" (chapter 07); None: triton on CUDA, torch on CPU
 
 
 @dataclass
@@ -62,14 +64,20 @@ class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
-        self.executor = Executor([Worker(model)])
+        # with config.student: the learner's finished exercises where selected, the reference's elsewhere
+        self.student = student = StudentCode(config.student)
+        # the attention backend (chapter 07), checked before anything is built; with "triton" and chapter 07
+        # selected, the learner's kernel from exercises/07
+        self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
+        kernel = (student.module("nanoserve.kernels.triton_paged_attention")
+                  if self.attention_backend == "triton" else None)
+        self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
         self.executor.init_kv_cache(num_blocks, config.block_size)
-        # with config.student: the learner's block allocator and prefix cache (exercises/05), scheduler (06)
-        # and detokenizer (03) where they are finished, the reference's where not
-        self.student = student = StudentCode(config.student)
+        # the learner's block allocator and prefix cache (exercises/05), scheduler (06) and detokenizer (03)
+        # where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,

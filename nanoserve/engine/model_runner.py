@@ -16,6 +16,10 @@ Logits are computed only for the rows that complete a sequence's known tokens (a
 last chunk of a prompt): a partial prefill chunk samples nothing. The LM head of SmolLM2 is
 49152 × 576, so skipping the other rows matters.
 
+Attention is the one part that varies (chapter 07): the runner is given the AttentionFn class of
+its backend — chapter 05's PagedAttention ("torch") or the Triton kernels ("triton") — and builds
+one per step from the step's metadata. The model does not know which one it calls.
+
 Each sequence samples with its own SamplingParams and its own torch.Generator, so a seeded
 request draws the same tokens whatever else shares its batch.
 """
@@ -40,9 +44,12 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache):
+    def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention):
+        """attention: cls(kv_cache, metadata) -> AttentionFn (nanoserve.kernels.backend.attention_class)."""
         self.model = model
         self.kv_cache = kv_cache
+        self.attention = attention
+        self.device = kv_cache.k_cache[0].device
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request
 
@@ -61,8 +68,8 @@ class ModelRunner:
                 sampled_seqs.append(seq)
         tables = [out.block_tables[seq.seq_id] for seq in out.scheduled_seqs]
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attn_metadata=AttentionMetadata.build(tables, seq_lens, query_lens, self.block_size),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long),
             sampled_seqs=sampled_seqs,
@@ -76,10 +83,10 @@ class ModelRunner:
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
-        hidden = self.model(batch.input_ids, batch.positions, PagedAttention(self.kv_cache, batch.attn_metadata))
+        hidden = self.model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not batch.sampled_seqs:
             return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (num_sampled, vocab)
+        logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)]).cpu()  # (num_sampled, vocab)
         return self.sample(batch.sampled_seqs, logits)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:

@@ -14,6 +14,7 @@ import torch
 
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.kernels.backend import attention_class
 from nanoserve.kv.paged_attention import PagedKVCache, num_blocks_for_budget
 
 
@@ -36,10 +37,15 @@ def keep_freed_host_memory() -> bool:
 
 
 class Worker:
-    def __init__(self, model, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, dtype: torch.dtype = torch.float32, attention_backend: str = "torch",
+                 paged_attention=None):
+        """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
+        paged_attention: the Triton kernel module for "triton" (None: the reference)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.dtype = dtype
+        self.device = next(model.parameters()).device  # the pool lives where the weights do
+        self.attention = attention_class(attention_backend, paged_attention)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
@@ -47,8 +53,9 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.model.config
-        cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype)
-        self.model_runner = ModelRunner(self.model, cache)
+        cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
+                             self.device)
+        self.model_runner = ModelRunner(self.model, cache, self.attention)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         return self.model_runner.execute_model(scheduler_output)

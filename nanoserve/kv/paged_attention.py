@@ -185,8 +185,9 @@ class DecodeGroup:
         tables = metadata.block_tables[seqs, :cdiv(int(seq_lens.max()), bs)]  # (Sd, MB)
         # One index into the pool seen as (Hkv · num_blocks, block_size, D): block b of kv head j is
         # tile j · num_blocks + b. Gathering whole tiles moves contiguous block_size · D runs, one index op.
-        self.tiles = (torch.arange(Hkv)[:, None] * cache.num_blocks + tables.flatten()[None, :]).flatten()  # (Hkv·Sd·MB,)
-        positions = torch.arange(tables.shape[1] * bs)  # (C,) with C = MB · block_size
+        heads = torch.arange(Hkv, device=tables.device)  # on the metadata's device (a GPU's, in bench attention)
+        self.tiles = (heads[:, None] * cache.num_blocks + tables.flatten()[None, :]).flatten()  # (Hkv·Sd·MB,)
+        positions = torch.arange(tables.shape[1] * bs, device=tables.device)  # (C,) with C = MB · block_size
         padding = positions[None, :] >= seq_lens[:, None]  # (Sd, C)
         # additive (0 / -inf), built once per step: a bool mask would be converted again by every layer's call
         dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device

@@ -1,0 +1,162 @@
+"""`python -m nanoserve bench attention`: the Triton paged attention kernel vs the torch paged path vs SDPA.
+
+On a CUDA device — decode steps (one query per sequence) over batch x context, SmolLM2's heads
+(9 query / 3 kv heads, head_dim 64), block size 16, block tables dealt from a shuffled pool:
+
+  triton   nanoserve.kernels.triton_paged_attention: walks the block table, reads K/V in place
+  torch    chapter 05's paged path: index_select the blocks into a padded batch, then SDPA
+  sdpa     F.scaled_dot_product_attention on contiguous (B, Hkv, S, D) K/V: no paging at all
+
+Achieved bandwidth = bytes that must move (every sequence's K and V, the queries, the output) / kernel
+time, against the device's peak (a table below, or --peak-gbs). The systems are timed alternately, each
+with triton.testing.do_bench (the L2 cache flushed before every run).
+
+On a CPU there is no bandwidth to measure: with TRITON_INTERPRET=1 it runs the kernels on the chapter's
+test shapes in the interpreter instead — a sanity check (parity with torch) and the interpreter's time
+per call, which says nothing about GPU speed. Without it, it refuses.
+"""
+
+import os
+import random
+import sys
+
+import torch
+
+from nanoserve.bench.model import timed
+
+# HBM peak by device name (vendor data sheets), GB/s; --peak-gbs overrides
+PEAK_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
+            "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "RTX 4090": 1008, "T4": 320}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def register(sub):
+    p = sub.add_parser("attention", help="Triton paged attention vs torch paged vs SDPA: time and bandwidth (chapter 07)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--context", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--peak-gbs", type=float, default=None, help="the device's memory bandwidth (default: from its name)")
+    p.set_defaults(func=run)
+
+
+def decode_step(batch: int, context: int, block_size: int, dtype, device, H: int = 9, Hkv: int = 3, D: int = 64):
+    """A pool holding `batch` sequences of `context` tokens in shuffled blocks, one query each.
+    Returns (cache, metadata, q (batch, H, D), contiguous k, v (batch, Hkv, context, D))."""
+    from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache
+
+    per_seq = -(-context // block_size)
+    blocks = list(range(batch * per_seq))
+    random.Random(0).shuffle(blocks)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+    cache = PagedKVCache(1, batch * per_seq, block_size, Hkv, D, dtype, device)
+    cache.k_cache[0].normal_()
+    cache.v_cache[0].normal_()
+    meta = AttentionMetadata.build(tables, [context] * batch, [1] * batch, block_size)
+    index = torch.tensor(tables, device=device)  # (batch, per_seq)
+
+    def contiguous(pool):  # (Hkv, blocks, bs, D) -> (batch, Hkv, context, D), position order
+        return pool[:, index].flatten(2, 3)[:, :, :context].transpose(0, 1).contiguous()
+
+    q = torch.randn(batch, H, D, dtype=dtype, device=device)
+    return cache, meta, q, contiguous(cache.k_cache[0]), contiguous(cache.v_cache[0])
+
+
+def run(args):
+    if torch.cuda.is_available():
+        return run_gpu(args)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return run_interpreter()
+    print("error: bench attention measures the Triton kernels on a CUDA GPU, and there is none here. For a sanity run "
+          "of the kernels in Triton's interpreter (times per call, no bandwidth): "
+          "TRITON_INTERPRET=1 python -m nanoserve bench attention", file=sys.stderr)
+    return 2
+
+
+def run_gpu(args):
+    import triton
+    from torch.nn import functional as F
+
+    from nanoserve.kernels.triton_paged_attention import launch_config, paged_attention, query_blocks
+    from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention
+
+    device, dtype = torch.device("cuda"), DTYPES[args.dtype]
+    name = torch.cuda.get_device_name()
+    peak = args.peak_gbs or next((v for k, v in PEAK_GBS.items() if k in name), None)
+    if peak is None:
+        print(f"error: no peak bandwidth known for {name!r}: pass --peak-gbs", file=sys.stderr)
+        return 2
+    print(f"command: python -m nanoserve bench attention --batch {' '.join(map(str, args.batch))} --context "
+          f"{' '.join(map(str, args.context))} --dtype {args.dtype} --block-size {args.block_size}")
+    print(f"device: {name}, dtype: {args.dtype}, assumed peak {peak:.0f} GB/s; decode, 9/3 heads, head_dim 64")
+    print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | "
+          f"{'torch us':>9s} {'sdpa us':>8s} | {'max err':>8s}")
+    for batch in args.batch:
+        for context in args.context:
+            cache, meta, q, k, v = decode_step(batch, context, args.block_size, dtype, device)
+            meta = AttentionMetadata(*(t.to(device) for t in vars(meta).values()))
+            attn = PagedAttention(cache, meta)
+            blocks = [t.to(device) for t in query_blocks([*range(batch + 1)], launch_config(9, 3, 64)["BLOCK_Q"])]
+
+            def triton_paged():  # the grid's query blocks built once, as the engine does once per step
+                return paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+                                       meta.cu_seqlens_q, blocks)
+
+            def torch_paged():  # chapter 05's decode path, without its store_kv
+                return torch.cat([g.attend(q[g.tokens], cache.k_cache[0], cache.v_cache[0]) for g in attn.decode_groups])
+
+            def sdpa():
+                return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+
+            err = (triton_paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
+            times = {f: float("inf") for f in (triton_paged, torch_paged, sdpa)}
+            for _ in range(3):  # alternating rounds: drifts in clock or neighbours hit every system alike
+                for f in times:
+                    times[f] = min(times[f], triton.testing.do_bench(f, warmup=5, rep=20, return_mode="median"))
+            moved = 2 * k.nbytes + 2 * q.nbytes  # K, V read once; q read, out written
+            t = times[triton_paged] * 1e-3
+            print(f"{batch:6d} {context:8d} {moved / 1e6:9.1f} | {t * 1e6:10.1f} {moved / t / 1e9:6.0f} "
+                  f"{moved / t / 1e9 / peak * 100:6.1f}% | {times[torch_paged] * 1e3:9.1f} {times[sdpa] * 1e3:8.1f} | "
+                  f"{err:8.1e}")
+            del cache, attn, k, v
+            torch.cuda.empty_cache()
+
+
+def run_interpreter():
+    """The kernels on the chapter's test shapes, in Triton's interpreter: parity with torch, seconds per call
+    (best of 3)."""
+    from nanoserve.kernels.triton_paged_attention import launch_config, paged_attention, query_blocks
+    from nanoserve.kernels.triton_store_kv import store_kv
+    from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
+
+    print("command: TRITON_INTERPRET=1 python -m nanoserve bench attention")
+    print("device: CPU, Triton's interpreter (numpy, one program after another): a sanity run — interpreter "
+          "seconds per call (best of 3), NOT GPU speed; float32")
+    cases = [  # name, (Hkv, G, D, block_size), seq_lens, query_lens
+        ("tiny decodes (test_ch07_kernels)", (2, 3, 16, 4), [1, 4, 5, 16, 33, 70], [1] * 6),
+        ("tiny mixed step", (2, 3, 16, 16), [13, 1, 48, 32, 20], [1, 1, 48, 16, 1]),
+        ("SmolLM2 decodes, 2 seqs", (3, 3, 64, 16), [40, 38], [1, 1]),
+        ("SmolLM2 prefill, 2 x ~36 tokens", (3, 3, 64, 16), [37, 34], [37, 34]),
+    ]
+    print("default tiles (interpreter: 64 rows x 64 keys per program); programs = query blocks x kv heads")
+    print(f"{'case':34s} {'programs':>9s} {'attention s':>12s} {'store-KV s':>11s} {'max err':>8s}")
+    for name, (Hkv, G, D, bs), seq_lens, query_lens in cases:
+        per_seq = [-(-s // bs) for s in seq_lens]
+        tables, start = [], 0
+        for n in per_seq:
+            tables.append(list(range(start, start + n))[::-1])  # reversed: not in position order
+            start += n
+        cache = PagedKVCache(1, start, bs, Hkv, D)
+        cache.k_cache[0].normal_()
+        cache.v_cache[0].normal_()
+        meta = AttentionMetadata.build(tables, seq_lens, query_lens, bs)
+        N = sum(query_lens)
+        q, k, v = torch.randn(N, Hkv * G, D), torch.randn(N, Hkv, D), torch.randn(N, Hkv, D)
+        expected = PagedAttention(cache, meta)(0, q, k, v)  # stores k, v too
+        args = (q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+        out = paged_attention(*args)  # the first call also rewrites the kernel's AST: not timed
+        store_kv(k, v, cache.k_cache[0], cache.v_cache[0], meta.slot_mapping)
+        attn_s = timed(lambda: paged_attention(*args), repeats=3)
+        store_s = timed(lambda: store_kv(k, v, cache.k_cache[0], cache.v_cache[0], meta.slot_mapping), repeats=3)
+        programs = len(query_blocks(meta.cu_seqlens_q.tolist(), launch_config(Hkv * G, Hkv, D)["BLOCK_Q"])[0]) * Hkv
+        print(f"{name:34s} {programs:9d} {attn_s:12.3f} {store_s:11.3f} {(out - expected).abs().max().item():8.1e}")

@@ -1,0 +1,62 @@
+"""Chapter 07 — the attention backend switch: which code runs the AttentionFn of a step.
+
+    "torch"   chapter 05's PagedAttention: gather the blocks (index_select), then torch's SDPA
+    "triton"  this chapter's kernels: store K/V through slot_mapping, one paged kernel reads the pool in place
+
+Default: "triton" on a CUDA device, "torch" on the CPU. On the CPU, Triton runs only in its
+interpreter (numpy, one program after the other), and only if TRITON_INTERPRET=1 is in the
+environment when the kernels are *defined* — `@triton.jit` reads it at import time. This module
+imports no Triton, so asking for a backend never compiles anything for a GPU that is not there.
+"""
+
+import os
+
+import torch
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_attention_backend(name: str | None, device: torch.device | str = "cpu") -> str:
+    """The backend to run on `device`: `name`, or the device's default for None. ValueError naming the fix
+    for an unknown name or for Triton on a CPU without its interpreter.
+
+    >>> resolve_attention_backend(None, "cpu")
+    'torch'
+    """
+    device = torch.device(device)
+    if name is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}")
+    if name == "triton" and device.type == "cpu" and not interpreter_requested():
+        raise ValueError("attention backend 'triton' on a CPU runs in Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 in the environment (e.g. TRITON_INTERPRET=1 python -m nanoserve ...)")
+    return name
+
+
+def check_launchable(kernel, device: torch.device) -> None:
+    """Refuse to launch a compiled kernel on CPU tensors: Triton would try to build it for a GPU."""
+    from triton.runtime.jit import JITFunction  # InterpretedFunction, what TRITON_INTERPRET=1 makes, is not one
+
+    if device.type == "cpu" and isinstance(kernel, JITFunction):
+        raise RuntimeError(f"{kernel.__name__} was defined without Triton's interpreter, so it cannot run on the CPU: "
+                           "set TRITON_INTERPRET=1 before nanoserve.kernels' Triton modules are first imported "
+                           "(at the start of the process)")
+
+
+def attention_class(name: str, paged_attention=None):
+    """The AttentionFn class of a resolved backend: cls(cache, metadata) -> attn(layer_idx, q, k, v).
+    `paged_attention` (triton only): the module whose kernel to launch — the reference, or a learner's."""
+    if name == "torch":
+        from nanoserve.kv.paged_attention import PagedAttention
+
+        return PagedAttention
+    from functools import partial
+
+    from nanoserve.kernels.triton_attention import TritonPagedAttention
+
+    return partial(TritonPagedAttention, paged_attention=paged_attention)

@@ -1,0 +1,179 @@
+"""Chapter 07 — ONE paged attention kernel in Triton for the engine's whole step (vLLM's "unified" design).
+
+The step's flat batch mixes decodes (1 query), whole prompts and chunks on top of a cached prefix;
+all of them go through this kernel. It reads K/V where they lie in chapter 05's pool
+(Hkv, num_blocks, block_size, D): no gather, no copy, no reformat.
+
+The grid: one program per (block of BLOCK_Q query tokens of one sequence, kv head).
+
+    program (qb, j): sequence s = q_block_seq[qb], its query tokens q_block_start[qb] .. + BLOCK_Q,
+                     kv head j and the G = H / Hkv query heads that share it (GQA)
+
+Its rows are (query token, head of the group) pairs, BLOCK_M = BLOCK_Q · G_PAD of them, the group
+padded to a power of two (SmolLM2: G = 3 -> 4 rows per token; the padding row is masked off).
+Every K/V row the program loads serves all G heads at once.
+
+The program walks its sequence's block table TILE keys at a time. Key position p lives in
+physical block block_table[s, p // block_size], row p % block_size: the pointer arithmetic below.
+For each tile it calls its tile update STEP, `online_softmax_step` below (the online softmax of
+`nanoserve/kernels/online_softmax.py`): scores, the causal mask (key position <= query position),
+new running max m, rescale of l and acc, add. (Exercise 07 writes that function.)
+
+    # q (N, H, D), the pool's k_cache/v_cache (Hkv, num_blocks, block_size, D), chapter 05's metadata
+    out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.backend import check_launchable, interpreter_requested
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_block_seq_ptr, q_block_start_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,  # q, out: (num_tokens, H, D), last stride 1
+    stride_kh, stride_kb, stride_ks,  # pool: (Hkv, num_blocks, block_size, D), last stride 1
+    stride_bt,  # block_tables: (num_seqs, max_blocks)
+    sm_scale,
+    STEP: tl.constexpr,  # the tile update, a @triton.jit function: online_softmax_step (or exercise 07's)
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+):
+    qb, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(q_block_seq_ptr + qb)
+    q_first = tl.load(q_block_start_ptr + qb)  # this block's first query, counted within the sequence
+    token_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys cached before this step: query i sits at position context_len + i
+
+    # rows = (query token, head of the group) pairs
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    q_idx = q_first + rows // G_PAD  # (BLOCK_M,) query within the sequence
+    head = kv_head * G + rows % G_PAD  # (BLOCK_M,) query head
+    row_ok = (q_idx < q_len) & (rows % G_PAD < G)
+    query_pos = context_len + q_idx
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    token = (token_begin + q_idx).to(tl.int64)  # int64 offsets: a big batch or pool overflows int32 on a GPU
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D_PAD)
+
+    m_i = tl.full((BLOCK_Q * G_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_Q * G_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), tl.float32)
+
+    # the keys the block's last query sees: everything up to its position, nothing after
+    num_keys = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
+    head_base = kv_head.to(tl.int64) * stride_kh
+    for tile_start in range(0, num_keys, TILE):
+        # the block walk: key position -> (physical block from the table, row inside the block)
+        key_pos = tile_start + tl.arange(0, TILE)  # (TILE,)
+        key_ok = key_pos < num_keys
+        block = tl.load(block_tables_ptr + seq * stride_bt + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
+        row_off = head_base + block.to(tl.int64) * stride_kb + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_ks
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (TILE, D_PAD)
+        v = tl.load(v_cache_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = STEP(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale)
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def online_softmax_step(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale):
+    """One tile of the online softmax.
+
+    q (BLOCK_M, D_PAD) queries, k/v (TILE, D_PAD) this tile's keys and values, query_pos (BLOCK_M,) and
+    key_pos (TILE,) positions in the sequence, num_keys: keys this program may read at all.
+    m_i, l_i (BLOCK_M,) running max and running sum, acc (BLOCK_M, D_PAD) the unnormalised output.
+    Returns the new (m_i, l_i, acc).
+    """
+    # float32 scores; "ieee": true float32 products (a GPU would use tf32, the interpreter numpy float32/64)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (BLOCK_M, TILE)
+    visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < num_keys)  # causal edge, tail
+    scores = tl.where(visible, scores, float("-inf"))
+    # Tile 0 holds key 0, which every row sees, so m_new is finite from the first tile on: no -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))  # (BLOCK_M,)
+    alpha = tl.exp(m_i - m_new)  # how much the old max overstated: rescale what was summed so far
+    p = tl.exp(scores - m_new[:, None])  # (BLOCK_M, TILE), 0 where masked
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+def query_blocks(cu_seqlens_q: list[int], block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid's first axis: (sequence, first query) of every block of block_q query tokens.
+
+    >>> [t.tolist() for t in query_blocks([0, 1, 6, 7], block_q=4)]  # a decode, a 5-token chunk, a decode
+    [[0, 1, 1, 2], [0, 0, 4, 0]]
+    """
+    seqs, starts = [], []
+    for s, (a, b) in enumerate(zip(cu_seqlens_q, cu_seqlens_q[1:])):
+        for first in range(0, b - a, block_q):
+            seqs.append(s)
+            starts.append(first)
+    return torch.tensor(seqs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)
+
+
+def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int | None = None,
+                  tile: int = 64) -> dict:
+    """Tile sizes: BLOCK_M = BLOCK_Q · G_PAD rows per program, TILE keys per loop iteration, each a power of
+    two (tl.arange needs it). block_m None: 16 on a GPU (tl.dot wants M >= 16; a decode fills only G of
+    the rows, and more rows would cost registers, not bandwidth), 64 in the interpreter (its cost is per
+    program and per op, hardly per row: fewer, larger programs run faster there).
+
+    >>> launch_config(num_heads=9, num_kv_heads=3, head_dim=64, block_m=16)  # SmolLM2: G = 3 padded to 4
+    {'G': 3, 'HEAD_DIM': 64, 'G_PAD': 4, 'D_PAD': 64, 'BLOCK_Q': 4, 'TILE': 64}
+    """
+    if block_m is None:
+        block_m = 64 if interpreter_requested() else 16
+    g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    return dict(G=num_heads // num_kv_heads, HEAD_DIM=head_dim, G_PAD=g_pad, D_PAD=triton.next_power_of_2(head_dim),
+                BLOCK_Q=max(block_m, g_pad) // g_pad, TILE=tile)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, query_block_index=None,
+                    block_m: int | None = None, tile: int = 64) -> torch.Tensor:
+    """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D).
+
+    Sequence i's queries are tokens cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of its seq_lens[i]
+    positions; its keys are found through block_tables[i]. `query_block_index` (from query_blocks, with
+    the same BLOCK_Q) can be built once per step and passed to every layer's call. block_m, tile: see
+    launch_config.
+    """
+    return launch(online_softmax_step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                  query_block_index, block_m, tile)
+
+
+def launch(step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
+           block_m: int | None = None, tile: int = 64) -> torch.Tensor:
+    """Launch the kernel over the grid (query blocks, kv heads), with `step` (a @triton.jit function with
+    online_softmax_step's signature: this module's, or exercise 07's) as its tile update. Triton takes a
+    jit function as a constexpr argument and compiles it into the kernel."""
+    check_launchable(paged_attention_kernel, q.device)
+    check_launchable(step, q.device)
+    N, H, D = q.shape
+    Hkv, _, block_size, _ = k_cache.shape
+    if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} does not fit the pool {tuple(k_cache.shape)}")
+    cfg = launch_config(H, Hkv, D, block_m, tile)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if query_block_index is None:
+        query_block_index = query_blocks(cu_seqlens_q.tolist(), cfg["BLOCK_Q"])
+    q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)
+    out = torch.empty_like(q)
+    grid = (len(q_block_seq), Hkv)
+    paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        D ** -0.5, STEP=step, BLOCK_SIZE=block_size, **cfg,
+    )
+    return out

@@ -1,0 +1,200 @@
+"""Chapter 07 — the attention backend switch: the engine gives the same greedy tokens with either backend
+(a tiny random model: chunked prefill, prefix hits, preemption; the real SmolLM2 through the batch CLI),
+bad settings are clear errors before anything loads, and the learner's kernel plugs into the engine."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined: @triton.jit reads it then
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from nanoserve.kernels.backend import check_launchable, resolve_attention_backend  # noqa: E402
+from nanoserve.model import Llama, LlamaConfig  # noqa: E402
+from nanoserve.sampling import SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    with torch.no_grad():  # HF's init (std 0.02), so greedy tokens vary (see test_ch06_llm.py)
+        model.embed_tokens.weight.normal_(0, 0.02)
+    return model
+
+
+def run(engine, prompts, max_tokens=8):
+    """Greedy, everything submitted at once; returns ({request: tokens}, preempted seq ids)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    tokens, preempted = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        preempted += engine.last_scheduler_output.preempted_seq_ids
+    assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+    return tokens, preempted
+
+
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 256, (9,), generator=g).tolist()  # a common prefix: prefix-cache hits
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 13, 22)] + [shared + [7, 8], shared + [9]]
+
+
+@pytest.mark.parametrize("num_blocks", [64, 12])  # 12 blocks of 4: too few for all six, preemption happens
+def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny, num_blocks):
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16,
+                                              attention_backend=backend))
+        assert engine.attention_backend == backend
+        results[backend] = run(engine, prompts())
+    assert results["triton"][0] == results["torch"][0]
+    assert len(results["torch"][0]) == 6 and bool(results["torch"][1]) == (num_blocks == 12)
+
+
+def test_default_is_torch_on_cpu_triton_on_cuda():
+    assert resolve_attention_backend(None, "cpu") == "torch"
+    assert resolve_attention_backend(None, torch.device("cuda")) == "triton"  # naming a device needs no GPU
+
+
+def test_unknown_backend_lists_the_known_ones(tiny):
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: torch, triton"):
+        LLMEngine(tiny, EngineConfig(num_blocks=8, attention_backend="flash"))
+
+
+def test_triton_on_cpu_without_the_interpreter_names_the_fix(tiny, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        LLMEngine(tiny, EngineConfig(num_blocks=8, attention_backend="triton"))
+
+
+def test_a_kernel_compiled_for_a_gpu_is_not_launched_on_the_cpu(monkeypatch):
+    """A kernel defined while TRITON_INTERPRET was unset (say the module was imported before it was set)
+    would be compiled for a GPU at its first launch: refused, with the fix."""
+    import triton
+
+    from nanoserve.kernels import triton_store_kv
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    compiled = triton.jit(triton_store_kv.store_kv_kernel.fn)  # the same kernel, defined without the interpreter
+    monkeypatch.setattr(triton_store_kv, "store_kv_kernel", compiled)
+    k = torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_store_kv.store_kv(k, k, torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="store_kv_kernel"):
+        check_launchable(compiled, torch.device("cpu"))
+
+
+def test_the_torch_backend_never_imports_triton(tmp_path):
+    """Without a GPU and without asking for triton, nothing of Triton is even imported."""
+    code = ("import sys, torch\n"
+            "from nanoserve.engine.llm_engine import EngineConfig, LLMEngine\n"
+            "from nanoserve.model import Llama, LlamaConfig\n"
+            "from nanoserve.sampling import SamplingParams\n"
+            "e = LLMEngine(Llama(LlamaConfig.tiny()), EngineConfig(num_blocks=8, block_size=4))\n"
+            "e.add_request('a', [1, 2, 3], SamplingParams(max_tokens=2))\n"
+            "while e.has_unfinished_requests(): e.step()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("backend, unset, message", [
+    ("triton", True, "TRITON_INTERPRET=1"),
+    ("flash", False, "unknown attention backend 'flash'; known: torch, triton"),
+])
+def test_batch_cli_refuses_a_bad_backend_before_loading_the_model(backend, unset, message, tmp_path, monkeypatch,
+                                                                   capsys):
+    import nanoserve.model
+
+    from nanoserve.cli import main
+
+    if unset:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda *a: pytest.fail("the model was loaded"))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "Hi", "max_tokens": 2}) + "\n")
+    code = main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--attention-backend", backend])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_student_flag_runs_the_learners_kernel(tiny, monkeypatch):
+    """With student=True and triton, the engine launches the learner's exercises/07 kernel (here the
+    reference stands in for a finished one); an unfinished one falls back to the reference, with a warning."""
+    import importlib
+
+    from nanoserve.engine import llm_engine
+    from nanoserve.student import load_student
+
+    finished = importlib.import_module("nanoserve.kernels.triton_paged_attention")
+    calls = []
+    monkeypatch.setattr(finished, "paged_attention", _counting(finished.paged_attention, calls))
+    monkeypatch.setattr(llm_engine, "load_student", lambda name: finished if "kernels" in name else
+                        importlib.import_module(name))
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student=True))
+    tokens, _ = run(engine, prompts()[:2], max_tokens=3)
+    assert len(calls) > 1  # the probe, then every layer of every step
+    monkeypatch.setattr(llm_engine, "load_student", lambda name: load_student(name) if "kernels" in name else
+                        importlib.import_module(name))  # the pristine stub in exercises/07
+    with pytest.warns(UserWarning, match="Exercise 7.1"):
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student=True))
+    assert run(engine, prompts()[:2], max_tokens=3)[0] == tokens
+
+
+def _counting(fn, calls):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Name a colour."}]]
+
+
+@pytest.mark.slow
+def test_real_model_batch_cli_triton_gives_the_torch_backends_tokens(smollm2, tmp_path):
+    """`TRITON_INTERPRET=1 python -m nanoserve batch --attention-backend triton`: 2 chats x 4 greedy tokens."""
+    from nanoserve.llm import LLM
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"messages": m, "max_tokens": 4, "temperature": 0}) + "\n" for m in CHATS))
+    cmd = [sys.executable, "-m", "nanoserve", "batch", "--attention-backend", "triton", "--input", str(src),
+           "--output", str(dst), "--num-blocks", "16", "--no-progress"]
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads(line)["token_ids"] for line in dst.read_text().splitlines()]
+    llm = LLM(smollm2, num_blocks=16, attention_backend="torch")
+    expected = [o.token_ids for o in llm.generate(CHATS, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)]
+    assert got == expected and all(len(t) == 4 for t in got)
+
+
+def test_bench_attention_on_a_cpu(monkeypatch, capsys):
+    """No GPU: with the interpreter a sanity run (parity and seconds per call), without it a refusal."""
+    from nanoserve.cli import main
+
+    assert main(["bench", "attention"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "NOT GPU speed" in out and "SmolLM2 prefill" in out
+    errors = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("tiny", "SmolLM2"))]
+    assert len(errors) == 4 and max(errors) < 1e-4
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert main(["bench", "attention"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "TRITON_INTERPRET=1" in err[0]
