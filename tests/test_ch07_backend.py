@@ -127,40 +127,34 @@ def test_batch_cli_refuses_a_bad_backend_before_loading_the_model(backend, unset
     monkeypatch.setattr(nanoserve.model, "load_gguf", lambda *a: pytest.fail("the model was loaded"))
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"prompt": "Hi", "max_tokens": 2}) + "\n")
-    code = main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--attention-backend", backend])
+    with pytest.raises(SystemExit) as exit:  # refused while argparse reads the command line
+        main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--attention-backend", backend])
+    code = exit.value.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_student_flag_runs_the_learners_kernel(tiny, monkeypatch):
+def test_student_flag_runs_the_learners_kernel(tiny, tmp_path, monkeypatch):
     """With student=True and triton, the engine launches the learner's exercises/07 kernel (here the
-    reference stands in for a finished one); an unfinished one falls back to the reference, with a warning."""
+    reference copied into a temporary exercises folder stands in for a finished one); the pristine stub
+    falls back to the reference, with a warning naming Exercise 7.1."""
     import importlib
+    import shutil
 
-    from nanoserve.engine import llm_engine
-    from nanoserve.student import load_student
+    from nanoserve import student
 
-    finished = importlib.import_module("nanoserve.kernels.triton_paged_attention")
-    calls = []
-    monkeypatch.setattr(finished, "paged_attention", _counting(finished.paged_attention, calls))
-    monkeypatch.setattr(llm_engine, "load_student", lambda name: finished if "kernels" in name else
-                        importlib.import_module(name))
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student=True))
-    tokens, _ = run(engine, prompts()[:2], max_tokens=3)
-    assert len(calls) > 1  # the probe, then every layer of every step
-    monkeypatch.setattr(llm_engine, "load_student", lambda name: load_student(name) if "kernels" in name else
-                        importlib.import_module(name))  # the pristine stub in exercises/07
+    root = tmp_path / "exercises"
+    shutil.copytree(student.EXERCISES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(student, "EXERCISES", root)
     with pytest.warns(UserWarning, match="Exercise 7.1"):
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student=True))
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
+    tokens, _ = run(engine, prompts()[:2], max_tokens=3)
+    module = "nanoserve.kernels.triton_paged_attention"
+    shutil.copy(importlib.import_module(module).__file__, root / student.STUDENT_FILES[module])
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
     assert run(engine, prompts()[:2], max_tokens=3)[0] == tokens
-
-
-def _counting(fn, calls):
-    def wrapper(*args, **kwargs):
-        calls.append(1)
-        return fn(*args, **kwargs)
-    return wrapper
+    assert engine.student.calls["paged_attention"] > 1  # every layer of every step ran the learner's kernel
 
 
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
