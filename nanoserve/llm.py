@@ -25,14 +25,25 @@ def _is_chat(item) -> bool:
 class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False,
+                 weights: str | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
-        (its tokenizer is then the embedded one)."""
+        (its tokenizer is then the embedded one). weights: "fp32" (default), "int8" or "q4" (chapter 10),
+        how the weights are kept when the model is loaded here."""
         from nanoserve.model import load_gguf
+        from nanoserve.model.quant import check_weight_format
         from nanoserve.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
-        self.model = load_gguf(path) if model is None or path is not None else model
+        if weights is not None:
+            check_weight_format(weights)  # before the model loads
+        if model is None or path is not None:
+            self.model = load_gguf(path, weights or "fp32")
+        elif weights is not None and weights != getattr(model, "weight_format", "fp32"):
+            raise ValueError(f"weights={weights!r} but the model given is already loaded as "
+                             f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
+        else:
+            self.model = model
         self.tokenizer = Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student)

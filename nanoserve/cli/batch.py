@@ -38,6 +38,7 @@ def add_engine_args(p):
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/")
+    p.add_argument("--weights", default="fp32", help="fp32, int8 or q4: how the weights are kept (chapter 10)")
 
 
 def llm_from_args(args):
@@ -46,7 +47,8 @@ def llm_from_args(args):
     return LLM(getattr(args, "model", None), block_size=args.block_size,
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-               enable_prefix_caching=not args.no_prefix_caching, student=args.student)
+               enable_prefix_caching=not args.no_prefix_caching, student=args.student,
+               weights=args.weights)
 
 
 def parse_line(line: str):
@@ -72,7 +74,11 @@ def parse_line(line: str):
 
 
 def run(args):
-    llm = llm_from_args(args)
+    try:
+        llm = llm_from_args(args)
+    except ValueError as e:  # a bad --weights (checked before the model loads), a bad GGUF file
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with open(args.input) as f:
         lines = f.read().splitlines()
     records: list[dict] = []

@@ -36,21 +36,24 @@ def register(sub):
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
+    p.add_argument("--weights", default="fp32", help="fp32, int8 or q4: how the weights are kept (chapter 10)")
     p.set_defaults(func=run)
 
 
 def run(args):
     from nanoserve.generate import generate
     from nanoserve.model import load_gguf
+    from nanoserve.model.quant import check_weight_format
     from nanoserve.tokenizer import Tokenizer
 
     try:
         params = sampling_params(args)
+        check_weight_format(args.weights)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tokenizer = Tokenizer.from_gguf(args.gguf)
-    model = load_gguf(args.gguf)
+    model = load_gguf(args.gguf, args.weights)
     if args.chat:
         prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
