@@ -119,12 +119,13 @@ def our_name(gguf_name: str) -> str:
     return GGUF_TO_NANOSERVE[gguf_name]
 
 
-def load_gguf(path: str | Path | None = None, weights: str = "fp32") -> Llama:
+def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=None) -> Llama:
     """Build a `Llama` from a GGUF file (default: the embedded SmolLM2-135M-Instruct).
 
     weights: "fp32" (everything dequantized to float32), "int8" (chapter 10: the decoder's Linear layers
     quantized per output row from the float32 weights) or "q4" (chapter 10: the file's Q4_1 blocks kept
-    as they are, no float32 round trip). See nanoserve/model/quant.py.
+    as they are, no float32 round trip). See nanoserve/model/quant.py; `quantizer` is the module whose
+    quantize_int8 / unpack_q4_1 make the weights (default: that one).
     """
     from gguf import GGMLQuantizationType, dequantize
 
@@ -161,4 +162,4 @@ def load_gguf(path: str | Path | None = None, weights: str = "fp32") -> Llama:
                and m.removesuffix(".weight") not in q4_blocks]
     if missing or unexpected:
         raise ValueError(f"{reader.data.filename}: tensors missing {missing}, unexpected {unexpected}")
-    return quantize_model(model, weights, q4_blocks).eval()
+    return quantize_model(model, weights, q4_blocks, quantizer).eval()

@@ -31,6 +31,8 @@ per row only, so they are re-quantized per row (int8, one matrix shared by the l
 kept float32, that one matrix (113 MB) would be read per token more bytes than all 30 q4 layers together.
 """
 
+import sys
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -131,8 +133,8 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # (out,)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, name: str = "") -> "Int8Linear":
-        return cls(*quantize_int8(weight.detach()), name)
+    def from_float(cls, weight: torch.Tensor, name: str = "", quantize=quantize_int8) -> "Int8Linear":
+        return cls(*quantize(weight.detach()), name)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) bf16 -> (num_tokens, out) bf16
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
@@ -147,14 +149,15 @@ class Int8Linear(QuantLinear):
 class Q4Linear(QuantLinear):
     """A Linear served from Q4_1 blocks: the 4-bit integers and the block's (d, m) as the GGUF stores them.
 
-    Kept: `quants` (out, in/32, 16), the file's nibble bytes (the prefill path unpacks them), `packed`
+    Kept: `blocks` (out, in/32, 20), the file's bytes (the prefill path unpacks their nibbles), `packed`
     (out, in/2), the same integers in torch's int4 kernel layout (a layout private to the kernel), and
-    `scale_and_zero` (in/32, out, 2) bf16 = (d, m + 8·d), the kernel's argument.
+    `scale_and_zero` (in/32, out, 2) bf16 = (d, m + 8·d), the kernel's argument. bf16 because the kernel
+    takes its scales in the activations' dtype: d loses its 3 lowest bits of float16 mantissa there.
     """
 
-    def __init__(self, blocks: torch.Tensor, name: str = ""):
+    def __init__(self, blocks: torch.Tensor, name: str = "", unpack=unpack_q4_1):
         try:
-            q, d, m = unpack_q4_1(blocks)
+            q, d, m = unpack(blocks)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         out, inp = q.shape
@@ -162,7 +165,7 @@ class Q4Linear(QuantLinear):
             raise ValueError(f"{name}: torch's int4 CPU kernel needs out_features divisible by 16, got {out}; "
                              f"serve this model with weights='int8' or 'fp32'")
         super().__init__(inp, out, name)
-        self.register_buffer("quants", blocks[..., 4:].contiguous(), persistent=False)
+        self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32), INT4_INNER_K_TILES), persistent=False)
         scale_and_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # (in/32, out, 2)
@@ -173,7 +176,7 @@ class Q4Linear(QuantLinear):
 
     def unpacked(self) -> torch.Tensor:
         """The 4-bit integers (out, in) uint8 in 0..15, from the file's bytes."""
-        qs = self.quants
+        qs = self.blocks[..., 4:]
         return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(self.out_features, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -200,15 +203,18 @@ class Int8Embedding(nn.Module):
         return self.qweight[ids].float() * self.scale[ids].float()[:, None]
 
 
-def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | None = None):
+def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | None = None, functions=None):
     """Swap a float32 Llama's Linear layers for quantized ones, in place; returns the model.
 
     int8: every decoder Linear from its float32 weight. q4: every decoder Linear from `q4_blocks`
     (module name -> its GGUF Q4_1 blocks (out, in/32, 20)). Both: embedding and LM head int8 per row.
+    functions: a module with `quantize_int8` and `unpack_q4_1` (default: this one; exercise 10's
+    file when the learner's quantizer serves, see `LLM(student=True)`).
     """
     from nanoserve.model.layers import Linear
 
     check_weight_format(weights)
+    f = functions or sys.modules[__name__]
     model.weight_format = weights
     if weights == "fp32":
         return model
@@ -218,15 +224,16 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
         if weights == "q4":
             if name not in (q4_blocks or {}):
                 raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
-            new = Q4Linear(q4_blocks[name], name)
+            new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1)
         else:
-            new = Int8Linear.from_float(module.weight, name)
+            new = Int8Linear.from_float(module.weight, name, f.quantize_int8)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     tied = model.lm_head.weight is model.embed_tokens.weight
-    q, scale = quantize_int8(model.embed_tokens.weight.detach())
+    q, scale = f.quantize_int8(model.embed_tokens.weight.detach())
     model.embed_tokens = Int8Embedding(q, scale)
-    model.lm_head = Int8Linear(q, scale, "lm_head") if tied else Int8Linear.from_float(model.lm_head.weight, "lm_head")
+    model.lm_head = (Int8Linear(q, scale, "lm_head") if tied
+                     else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8))
     return model
 
 
