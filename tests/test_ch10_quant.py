@@ -200,8 +200,36 @@ def test_quantized_tiny_model_stays_near_float32(tiny_pair, weights):
             assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+@pytest.mark.parametrize("weights", ["fp32", "int8", "q4"])
+def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weights):
+    """memory.weight_bytes (counted from the config) == decode_bytes (counted over the model's tensors)."""
+    import copy
+
+    from nanoserve.memory import weight_bytes
+    from nanoserve.model.quant import decode_bytes
+
+    model = quantize_model(copy.deepcopy(tiny_pair[0]), weights, tiny_pair[1])
+    assert decode_bytes(model) == weight_bytes(LlamaConfig.tiny(), weights)
+
+
 def test_q4_without_blocks_names_the_layer(tiny_pair):
     import copy
 
     with pytest.raises(ValueError, match="layers.0.self_attn.q_proj.*Q4_1"):
         quantize_model(copy.deepcopy(tiny_pair[0]), "q4", {})
+
+
+def test_llm_and_cli_refuse_unknown_weights_before_loading(tiny_pair, tmp_path, capsys):
+    from nanoserve.cli import main
+    from nanoserve.llm import LLM
+
+    with pytest.raises(ValueError, match="known: fp32, int8, q4"):
+        LLM(weights="int3")  # raised before the GGUF is opened
+    with pytest.raises(ValueError, match="already loaded as 'fp32'"):
+        LLM(tiny_pair[0], weights="q4")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    assert main(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--weights", "fp8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: unknown weights 'fp8'; known: fp32, int8, q4"]
+    assert main(["generate", "--prompt", "hi", "--weights", "nf4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: unknown weights 'nf4'; known: fp32, int8, q4"]
