@@ -3,7 +3,7 @@
 Your version of the four functions of nanoserve/model/quant.py that make a quantized model's weights:
 same names, same signatures. The layers that use them (Int8Linear, Q4Linear, the embedding) and
 `quantize_model` are given, imported below. Replace each `raise NotImplementedError`, then run
-`make grade CH=10`; then serve with YOUR weights: `python -m nanoserve generate --weights q4 --student ...`.
+`make grade CH=10`; then serve with YOUR weights: `python -m nanoserve batch --weights q4 --student ...`.
 
     int8:  s = max|w_row| / 127 (rounded to bf16),  q = round(w / s) in -127..127,  w ≈ q · s
     Q4_1:  a block of 20 bytes = d (float16) | m (float16) | 16 bytes of nibbles;  w = d · q + m
