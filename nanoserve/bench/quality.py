@@ -8,6 +8,9 @@ For each weight format, against the float32 model loaded from the same GGUF:
   perplexity         exp(mean negative log-likelihood) of heldout.txt (written for this repo, not seen in
                      training), one forward pass
   logit difference   on the same pass: the largest |Δlogit| vs float32, and how often the top-1 token agrees
+
+With q4 it also runs "q4+fp32head": the same q4 layers with float32's embedding and LM head, which shows
+how much of the difference is the int8 LM head's (nanoserve/model/quant.py says why it is int8).
 """
 
 import math
@@ -48,7 +51,7 @@ def greedy_outputs(model, tokenizer, prompts: list[str], max_tokens: int) -> lis
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    llm = LLM(model)
+    llm = LLM(model, num_blocks=len(prompts) * (8 + max_tokens // 16))  # a chat prompt fits in 8 blocks of 16
     chats = [[{"role": "user", "content": p}] for p in prompts]
     outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [o.token_ids for o in outs]
@@ -97,14 +100,17 @@ def run(args):
         return 2
     tokenizer = Tokenizer.from_gguf()
     models = {w: load_gguf(weights=w) for w in ["fp32", *formats]}
+    if "q4" in formats:  # what the int8 LM head costs: the same q4 layers with float32's embedding and head
+        models["q4+fp32head"] = load_gguf(weights="q4")
+        models["q4+fp32head"].embed_tokens, models["q4+fp32head"].lm_head = models["fp32"].embed_tokens, models["fp32"].lm_head
     prompts = CHAT_PROMPTS[:args.num_prompts]
     rows = compare(models, tokenizer, prompts, args.max_tokens)
     n_ids = len(tokenizer.encode(HELDOUT.read_text()))
     print(f"command: python -m nanoserve bench quality --weights {' '.join(args.weights)} "
           f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}")
     print(f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens; held-out text: {HELDOUT.name}, {n_ids} tokens")
-    print(f"{'weights':8s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
+    print(f"{'weights':12s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
           f"{'max |dlogit|':>13s} {'top-1 = fp32':>13s}")
     for name, r in rows.items():
-        print(f"{name:8s} {r['agreement']:10.1%} {r['first_divergence']:13.1f} {r['identical']:5d}/{len(prompts):<4d} "
+        print(f"{name:12s} {r['agreement']:10.1%} {r['first_divergence']:13.1f} {r['identical']:5d}/{len(prompts):<4d} "
               f"{r['ppl']:11.3f} {r['max_dlogit']:13.3f} {r['top1']:13.1%}")
