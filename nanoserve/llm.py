@@ -28,10 +28,11 @@ class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False,
-                 weights: str | None = None):
+                 weights: str | None = None, degrade_under_load: int | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). weights: "fp32" (default), "int8" or "q4" (chapter 10),
-        how the weights are kept when the model is loaded here."""
+        how the weights are kept when the model is loaded here. degrade_under_load: with this many requests
+        waiting, steps run on a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2)."""
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
         from nanoserve.tokenizer import Tokenizer
@@ -49,10 +50,16 @@ class LLM:
                              f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
         else:
             self.model = model
+        degraded = None
+        if degrade_under_load is not None:
+            if not (model is None or path is not None) or (weights or "fp32") == "q4":
+                raise ValueError("degrade_under_load loads a q4 copy of the GGUF beside fp32 or int8 weights: "
+                                 "give a GGUF path (or none) and weights 'fp32' or 'int8'")
+            degraded = load_gguf(path, "q4")
         self.tokenizer = Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-                              enable_chunked_prefill, enable_prefix_caching, student)
-        self.engine = LLMEngine(self.model, config, self.tokenizer)
+                              enable_chunked_prefill, enable_prefix_caching, student, degrade_under_load)
+        self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         self._next_id = 0
 
     def prompt_token_ids(self, item) -> list[int]:

@@ -39,6 +39,8 @@ def add_engine_args(p):
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/")
     p.add_argument("--weights", default="fp32", help="fp32, int8 or q4: how the weights are kept (chapter 10)")
+    p.add_argument("--degrade-under-load", type=int, default=None, metavar="N",
+                   help="with N requests waiting, run steps on a q4 copy of the weights until N/2 wait (chapter 10)")
 
 
 def llm_from_args(args):
@@ -48,7 +50,7 @@ def llm_from_args(args):
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
                enable_prefix_caching=not args.no_prefix_caching, student=args.student,
-               weights=args.weights)
+               weights=args.weights, degrade_under_load=args.degrade_under_load)
 
 
 def parse_line(line: str):

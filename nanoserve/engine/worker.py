@@ -36,9 +36,10 @@ def keep_freed_host_memory() -> bool:
 
 
 class Worker:
-    def __init__(self, model, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, dtype: torch.dtype = torch.float32, degraded_model=None):
         keep_freed_host_memory()
         self.model = model.eval()
+        self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
@@ -48,7 +49,7 @@ class Worker:
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.model.config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype)
-        self.model_runner = ModelRunner(self.model, cache)
+        self.model_runner = ModelRunner(self.model, cache, self.degraded_model)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
+        return self.model_runner.execute_model(scheduler_output, degraded)
