@@ -14,7 +14,6 @@ how much of the difference is the int8 LM head's (nanoserve/model/quant.py says 
 """
 
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -90,14 +89,13 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 def run(args):
     from nanoserve.model import load_gguf
-    from nanoserve.model.quant import check_weight_format
+    from nanoserve.cli import weight_formats
     from nanoserve.tokenizer import Tokenizer
 
-    try:
-        formats = [check_weight_format(w) for w in args.weights if w != "fp32"]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    formats = weight_formats(args.weights)
+    if formats is None:
         return 2
+    formats = [w for w in formats if w != "fp32"]
     tokenizer = Tokenizer.from_gguf()
     models = {w: load_gguf(weights=w) for w in ["fp32", *formats]}
     if "q4" in formats:  # what the int8 LM head costs: the same q4 layers with float32's embedding and head

@@ -6,7 +6,7 @@
                 dequantize-then-F.linear; at 1 token also the kernels with float32 activations.
                 This is the measurement behind QUANT_MAX_TOKENS (nanoserve/model/quant.py).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
-                16-request workload (prompts 20–200, 128 output tokens each), through one engine per format
+                16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format
 
 The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
 timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
@@ -28,6 +28,7 @@ def register(sub):
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--workload-requests", type=int, default=16, help="chapter 06's workload; 0 skips it")
+    p.add_argument("--workload-output-len", type=int, default=128, help="output tokens per workload request")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = the cores)")
     p.set_defaults(func=run)
 
@@ -112,7 +113,6 @@ def median(xs: list[float]) -> float:
 
 def run(args):
     import random
-    import sys
 
     from nanoserve.bench.model import timed
     from nanoserve.bench.offline import make_workload
@@ -120,12 +120,11 @@ def run(args):
     from nanoserve.engine.worker import keep_freed_host_memory
     from nanoserve.memory import parameter_counts
     from nanoserve.model import load_gguf
-    from nanoserve.model.quant import check_weight_format, decode_bytes, resident_bytes
+    from nanoserve.cli import weight_formats
+    from nanoserve.model.quant import decode_bytes, resident_bytes
 
-    try:
-        formats = [check_weight_format(w) for w in args.weights]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    formats = weight_formats(args.weights)
+    if formats is None:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,7 +134,7 @@ def run(args):
     print("command: python -m nanoserve bench weights " + " ".join(
         [f"--weights {' '.join(formats)}", f"--tokens {' '.join(map(str, args.tokens))}", f"--repeats {args.repeats}",
          f"--decode-steps {args.decode_steps}", f"--prefill-len {args.prefill_len}",
-         f"--workload-requests {args.workload_requests}"] + ([f"--threads {args.threads}"] if args.threads else [])))
+         f"--workload-requests {args.workload_requests}", f"--workload-output-len {args.workload_output_len}"] + ([f"--threads {args.threads}"] if args.threads else [])))
     print(f"threads: {torch.get_num_threads()}")
     n_weights = parameter_counts(config)["total"]
     print(f"\nmemory ({n_weights:,} weights; a decode step reads every product's weights once, not the embedding)")
@@ -165,7 +164,8 @@ def run(args):
                 prefill[n] = min(prefill[n], timed(lambda: m.compute_logits(m(prompt)[-1:]), 1))
         workload = None
         if args.workload_requests:
-            workload = make_workload(args.workload_requests, (20, 200), (128, 128), 0, config.vocab_size)
+            n = args.workload_output_len
+            workload = make_workload(args.workload_requests, (20, 200), (n, n), 0, config.vocab_size)
             wall = {n: sum(t) for n, t in lockstep(engines, workload).items()}
             out_tokens = sum(n for _, n in workload)
 
@@ -182,4 +182,4 @@ def run(args):
         ratios = [values[n] / values[base] if higher_is_better else values[base] / values[n] for n in models if n != base]
         print(f"{label:34s}" + "".join(f"{values[n]:10.1f}" for n in models) + "".join(f"{r:11.2f}x" for r in ratios))
     print(f"(ratios: how many times faster than {base}; the {len(workload) if workload else 0}-request workload: "
-          f"prompts 20-200, 128 output tokens each, EOS ignored, seed 0)")
+          f"prompts 20-200, {args.workload_output_len} output tokens each, EOS ignored, seed 0)")

@@ -6,8 +6,20 @@ function that runs it with the parsed arguments.
 
 import argparse
 import importlib
+import sys
 
 COMMANDS = ["info", "bench", "serve", "memory", "batch", "generate"]
+
+
+def weight_formats(names: list[str]) -> list[str] | None:
+    """`--weights` names checked before any model loads (chapter 10); None after printing the one error line."""
+    from nanoserve.model.quant import check_weight_format
+
+    try:
+        return [check_weight_format(name) for name in names]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,6 @@
     python -m nanoserve info --weights fp32 int8 q4     # chapter 10: bytes per weight and per decoded token
 """
 
-import sys
-
 from nanoserve.memory import DTYPE_BYTES, format_bytes, parameter_counts, weight_bytes
 
 
@@ -18,12 +16,10 @@ def register(sub):
 
 def run(args):
     from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, open_gguf
-    from nanoserve.model.quant import check_weight_format
+    from nanoserve.cli import weight_formats
 
-    try:
-        formats = [check_weight_format(w) for w in args.weights]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    formats = weight_formats(args.weights)
+    if formats is None:
         return 2
 
     path = args.gguf or embedded_gguf_path()

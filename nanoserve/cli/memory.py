@@ -4,8 +4,6 @@
     python -m nanoserve memory --model llama-3-8b --device-gb 24 --weights int8 q4   # chapter 10: smaller weights
 """
 
-import sys
-
 from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts,
                               weight_bytes)
 from nanoserve.model.known_configs import KNOWN_CONFIGS
@@ -24,12 +22,10 @@ def register(sub):
 
 
 def run(args):
-    from nanoserve.model.quant import check_weight_format
+    from nanoserve.cli import weight_formats
 
-    try:
-        formats = [check_weight_format(w) for w in args.weights]
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    formats = weight_formats(args.weights)
+    if formats is None:
         return 2
     config = KNOWN_CONFIGS[args.model]
     plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
