@@ -233,3 +233,21 @@ def test_llm_and_cli_refuse_unknown_weights_before_loading(tiny_pair, tmp_path, 
     assert capsys.readouterr().err.strip().splitlines() == ["error: unknown weights 'fp8'; known: fp32, int8, q4"]
     assert main(["generate", "--prompt", "hi", "--weights", "nf4"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == ["error: unknown weights 'nf4'; known: fp32, int8, q4"]
+
+
+def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pair):
+    """The plug for exercise 10 (LLM(student=True) passes the learner's module): every weight comes from it."""
+    import copy
+    from types import SimpleNamespace
+
+    from nanoserve.model import quant as reference
+
+    calls = []
+    def counted(fn):
+        return lambda *a: calls.append(fn.__name__) or fn(*a)
+    functions = SimpleNamespace(quantize_int8=counted(reference.quantize_int8), unpack_q4_1=counted(reference.unpack_q4_1))
+    quantize_model(copy.deepcopy(tiny_pair[0]), "q4", tiny_pair[1], functions)
+    assert calls.count("unpack_q4_1") == 14 and calls.count("quantize_int8") == 1  # 2 layers x 7; the tied head
+    calls.clear()
+    quantize_model(copy.deepcopy(tiny_pair[0]), "int8", None, functions)
+    assert calls == ["quantize_int8"] * 15
