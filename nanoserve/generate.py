@@ -69,7 +69,7 @@ def generate(model, prompt_token_ids: list[int], params: SamplingParams, eos_tok
     cache = None
     if use_cache:  # reserved up front for the longest this request can get
         max_len = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
-        cache = NaiveKVCache(model.config, max_len, dtype=model.embed_tokens.weight.dtype)
+        cache = NaiveKVCache(model.config, max_len, dtype=model.norm.weight.dtype)  # the activations' dtype
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need text: pass a tokenizer")
     generator = make_generator(params)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
+from nanoserve.student import StudentCode
 
 
 def _is_chat(item) -> bool:
@@ -27,25 +28,45 @@ class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
-                 student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None):
+                 student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
+                 weights: str | None = None, degrade_under_load: int | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
         tokenizer: one already loaded (default: the model file's). attention_backend: "torch" or "triton"
         (chapter 07; on a CPU "triton" needs TRITON_INTERPRET=1), None for the device's default — checked
-        before the model loads."""
+        before the model loads. weights: "fp32" (default), "int8" or "q4" (chapter 10), how the weights are
+        kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
+        a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2)."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
+        from nanoserve.model.quant import check_weight_format
         from nanoserve.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
-        if model is None or path is not None:  # a GGUF loads on the CPU: fail fast, before the load
-            resolve_attention_backend(attention_backend, "cpu")
-        self.model = load_gguf(path) if model is None or path is not None else model
+        if weights is not None:
+            check_weight_format(weights)  # before the model loads
+        if model is None or path is not None:
+            resolve_attention_backend(attention_backend, "cpu")  # a GGUF loads on the CPU: fail fast, before the load
+            # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), once finished
+            quantizer = StudentCode(student).module("nanoserve.model.quant") if weights in ("int8", "q4") else None
+            self.model = load_gguf(path, weights or "fp32", quantizer)
+        elif weights is not None and weights != getattr(model, "weight_format", "fp32"):
+            raise ValueError(f"weights={weights!r} but the model given is already loaded as "
+                             f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
+        else:
+            self.model = model
+        degraded = None
+        if degrade_under_load is not None:
+            if not (model is None or path is not None) or (weights or "fp32") == "q4":
+                raise ValueError("degrade_under_load loads a q4 copy of the GGUF beside fp32 or int8 weights: "
+                                 "give a GGUF path (or none) and weights 'fp32' or 'int8'")
+            degraded = load_gguf(path, "q4")
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-                              enable_chunked_prefill, enable_prefix_caching, student, attention_backend)
-        self.engine = LLMEngine(self.model, config, self.tokenizer)
+                              enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
+                              degrade_under_load)
+        self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         self._next_id = 0
 
     def prompt_token_ids(self, item) -> list[int]:

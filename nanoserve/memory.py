@@ -43,6 +43,35 @@ def parameter_counts(config: LlamaConfig) -> dict[str, int]:
     return counts
 
 
+def weight_bytes(config: LlamaConfig, weights: str = "fp32") -> float:
+    """Chapter 10: bytes of the weights in one of nanoserve's formats, scales and zeros included — what a
+    decode step reads (every weight once; the embedding table counts once, as the tied LM head).
+
+      fp32  4 B per weight
+      int8  decoder Linears 1 B per weight + a bf16 scale per output row; embedding / LM head the same
+      q4    decoder Linears 0.5 B per weight + a bf16 scale and zero per 32 (= 0.625 B per weight);
+            embedding / LM head int8 as above (nanoserve/model/quant.py says why)
+    Norms stay float32 in every format. SmolLM2: 538.1 MB, 135.0 MB, 94.9 MB.
+    """
+    from nanoserve.model.quant import check_weight_format
+
+    check_weight_format(weights)
+    counts = parameter_counts(config)
+    if weights == "fp32":
+        return counts["total"] * 4
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    rows = config.num_attention_heads * d + 2 * config.num_key_value_heads * d + h + 2 * inter + h  # q k v o gate up down
+    linear = counts["all_layers"] - 2 * h * config.num_hidden_layers  # the decoder's Linear weights
+    if weights == "int8":
+        layers = linear * 1 + 2 * rows * config.num_hidden_layers
+    else:
+        layers = linear * (0.5 + 4 / 32)
+    heads = 2 if counts["lm_head"] else 1
+    vocab_matrices = heads * (config.vocab_size * h + 2 * config.vocab_size)
+    norms = (2 * config.num_hidden_layers + 1) * h * 4
+    return layers + vocab_matrices + norms
+
+
 def format_bytes(n: float) -> str:
     for unit in ["B", "KiB", "MiB", "GiB", "TiB"]:
         if abs(n) < 1024 or unit == "TiB":

@@ -57,6 +57,10 @@ def add_engine_args(p):
     p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
                         "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
+    p.add_argument("--weights", default="fp32", type=checks.weight_format,
+                   help="fp32, int8 or q4: how the weights are kept (chapter 10)")
+    p.add_argument("--degrade-under-load", type=checks.positive_int, default=None, metavar="N",
+                   help="with N requests waiting, run steps on a q4 copy of the weights until N/2 wait (chapter 10)")
 
 
 def llm_from_args(args, tokenizer=None):
@@ -66,7 +70,8 @@ def llm_from_args(args, tokenizer=None):
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
                enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer,
-               attention_backend=args.attention_backend)
+               attention_backend=args.attention_backend, weights=args.weights,
+               degrade_under_load=args.degrade_under_load)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

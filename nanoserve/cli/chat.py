@@ -131,7 +131,8 @@ def run(args):
 
         if interactive:
             print("loading the model ...", flush=True)
-        reply = local_reply(load_gguf(args.gguf), Tokenizer.from_gguf(args.gguf), params, use_cache=not args.no_cache)
+        reply = local_reply(load_gguf(args.gguf, args.weights), Tokenizer.from_gguf(args.gguf), params,
+                            use_cache=not args.no_cache)
         banner = "nanoserve chat: SmolLM2-135M-Instruct."
     if interactive:
         print(banner + " Type a message; 'exit' or Ctrl-D to quit.")

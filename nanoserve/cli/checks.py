@@ -156,3 +156,13 @@ def attention_backend(text: str) -> str:
         return resolve_attention_backend(text, "cpu")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def weight_format(text: str) -> str:
+    """--weights: fp32, int8 or q4 (chapter 10), refused while the command line is read."""
+    from nanoserve.model.quant import check_weight_format
+
+    try:
+        return check_weight_format(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -22,6 +22,8 @@ def add_sampling_args(p):
     p.add_argument("--gguf", type=checks.input_file, help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole sequence every step (chapter 03) instead of using chapter 04's KV cache")
+    p.add_argument("--weights", default="fp32", type=checks.weight_format,
+                   help="fp32, int8 or q4: how the weights are kept (chapter 10)")
 
 
 def sampling_params(args):
@@ -53,7 +55,7 @@ def run(args):
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     checks.check_fits(len(prompt_ids), params.max_tokens, checks.context_length(args.gguf), "--prompt")
-    model = load_gguf(args.gguf)
+    model = load_gguf(args.gguf, args.weights)
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
     out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream,
                    use_cache=not args.no_cache)

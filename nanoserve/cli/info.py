@@ -1,17 +1,23 @@
-"""`python -m nanoserve info`: the embedded model's config, parameter count and weight bytes per dtype."""
+"""`python -m nanoserve info`: the embedded model's config, parameter count and weight bytes per dtype.
 
-from nanoserve.cli.checks import UsageError, input_file
-from nanoserve.memory import DTYPE_BYTES, format_bytes, parameter_counts
+    python -m nanoserve info --weights fp32 int8 q4     # chapter 10: bytes per weight and per decoded token
+"""
+
+from nanoserve.cli.checks import UsageError, input_file, weight_format
+from nanoserve.memory import DTYPE_BYTES, format_bytes, parameter_counts, weight_bytes
 
 
 def register(sub):
     p = sub.add_parser("info", help="print the model's config, parameter count and weight bytes per dtype")
     p.add_argument("--gguf", type=input_file, help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--weights", nargs="+", default=[], type=weight_format,
+                   help="fp32, int8, q4: also print what nanoserve's weight formats cost (chapter 10)")
     p.set_defaults(func=run)
 
 
 def run(args):
     from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, open_gguf
+    formats = args.weights
 
     path = args.gguf or embedded_gguf_path()
     try:
@@ -29,3 +35,11 @@ def run(args):
     print("\nweight bytes:")
     for dtype, nbytes in DTYPE_BYTES.items():
         print(f"  {dtype:6s} {format_bytes(counts['total'] * nbytes):>10s}")
+    if formats:
+        print("\nweight formats (scales and zeros included; a batch-1 decode step reads all of it once per token,")
+        print("a batch of B decodes reads it once for B tokens):")
+        print(f"  {'weights':8s} {'bytes':>10s} {'bytes/weight':>13s} {'per token, batch 1':>19s} {'batch 16':>10s}")
+        for w in formats:
+            n = weight_bytes(config, w)
+            print(f"  {w:8s} {format_bytes(n):>10s} {n / counts['total']:13.3f} {format_bytes(n):>19s} "
+                  f"{format_bytes(n / 16):>10s}")

@@ -1,10 +1,12 @@
 """`python -m nanoserve memory`: how many concurrent sequences of a given length fit on a device (chapter 04).
 
     python -m nanoserve memory --model llama-3-8b --device-gb 80 --seq-len 4096 --dtype bf16
+    python -m nanoserve memory --model llama-3-8b --device-gb 24 --weights int8 q4   # chapter 10: smaller weights
 """
 
-from nanoserve.cli.checks import UsageError, fraction, positive_float, positive_int
-from nanoserve.memory import DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts
+from nanoserve.cli.checks import UsageError, fraction, positive_float, positive_int, weight_format
+from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts,
+                              weight_bytes)
 from nanoserve.model.known_configs import KNOWN_CONFIGS
 
 
@@ -15,10 +17,13 @@ def register(sub):
     p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence (prompt + output)")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of both weights and KV cache")
     p.add_argument("--reserve", type=fraction, default=RESERVE_FRACTION, help="fraction of the device kept free, in [0, 1)")
+    p.add_argument("--weights", nargs="+", default=[], type=weight_format,
+                   help="int8, q4, fp32: how many more sequences fit with the weights in these formats (chapter 10)")
     p.set_defaults(func=run)
 
 
 def run(args):
+    formats = args.weights
     config = KNOWN_CONFIGS[args.model]
     try:
         plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
@@ -30,7 +35,8 @@ def run(args):
         return f"  {label:34s} {n:>18,.0f} B  {format_bytes(n):>10s}"
 
     print(f"command: python -m nanoserve memory --model {args.model} --device-gb {args.device_gb:g} "
-          f"--seq-len {args.seq_len} --dtype {args.dtype} --reserve {args.reserve:g}")
+          f"--seq-len {args.seq_len} --dtype {args.dtype} --reserve {args.reserve:g}"
+          + (f" --weights {' '.join(formats)}" if formats else ""))
     print(f"model {args.model}: {parameter_counts(config)['total']:,} parameters, {L} layers, "
           f"{Hkv} kv heads × head_dim {D}, context {config.max_position_embeddings}")
     print("\nKV cache")
@@ -43,6 +49,14 @@ def run(args):
     print(row(f"− weights ({args.dtype})", plan.weights))
     print(row(f"− activations ({args.seq_len}-token prefill)", plan.activations))
     print(row("= left for the KV cache", plan.kv_budget))
+    if formats:
+        print(f"\nsmaller weights (the KV cache and activations stay {args.dtype}):")
+        print(f"  {'weights':8s} {'weight bytes':>13s} {'left for KV':>12s} {'sequences':>10s} {'vs ' + args.dtype:>8s}")
+        for w in formats:
+            budget = plan.kv_budget + plan.weights - weight_bytes(config, w)
+            n = max(0, int(budget // plan.kv_per_sequence))
+            print(f"  {w:8s} {format_bytes(weight_bytes(config, w)):>13s} {format_bytes(budget):>12s} {n:10d} "
+                  f"{n - plan.num_sequences:+8d}")
     if plan.num_sequences == 0:
         print(f"\nnot even one sequence of {args.seq_len} tokens fits: a smaller dtype, a bigger device, or more devices")
         return 1

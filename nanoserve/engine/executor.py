@@ -26,6 +26,6 @@ class Executor:
         for w in self.workers:
             w.init_kv_cache(num_blocks, block_size)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        results = [w.execute_model(scheduler_output) for w in self.workers]
+    def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
+        results = [w.execute_model(scheduler_output, degraded) for w in self.workers]
         return results[0]

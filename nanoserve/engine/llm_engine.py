@@ -45,6 +45,9 @@ class EngineConfig:
     # True = every chapter, "05,06" or ["05"] = those chapters, False = none
     student: bool | str | list[str] = False
     attention_backend: str | None = None  # "torch" | "triton" (chapter 07); None: triton on CUDA, torch on CPU
+    # Chapter 10: with at least this many requests waiting, steps run on the degraded (quantized) copy of the
+    # weights, until the queue falls to half of it (hysteresis). None: off, nothing changes.
+    degrade_under_load: int | None = None
 
 
 @dataclass
@@ -61,9 +64,18 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None):
+    def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None,
+                 degraded_model=None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
+        if (config.degrade_under_load is None) != (degraded_model is None):
+            raise ValueError("degrade_under_load and degraded_model go together: the threshold says when to run "
+                             "on the degraded copy of the weights, which the worker must hold")
+        if config.degrade_under_load is not None and config.degrade_under_load < 1:
+            raise ValueError(f"degrade_under_load must be >= 1 waiting requests, got {config.degrade_under_load}")
+        self.degraded = False  # does the current step run on the degraded copy?
+        self.precision_names = (getattr(model, "weight_format", "fp32"), getattr(degraded_model, "weight_format", None))
+        self.token_precisions: dict[str, list[str]] = {}  # with degradation on: per request, per token
         # with config.student: the learner's finished exercises where selected, the reference's elsewhere
         self.student = student = StudentCode(config.student)
         # the attention backend (chapter 07), checked before anything is built; with "triton" and chapter 07
@@ -71,7 +83,8 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
         kernel = (student.module("nanoserve.kernels.triton_paged_attention")
                   if self.attention_backend == "triton" else None)
-        self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel)])
+        self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel,
+                                          degraded_model=degraded_model)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
@@ -141,11 +154,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
-        sampled = self.executor.execute_model(scheduler_output)
+        if self.config.degrade_under_load is None:
+            sampled = self.executor.execute_model(scheduler_output)
+        else:
+            self._update_precision()
+            sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
         outputs = []
         for seq in self.scheduler.update_from_output(scheduler_output, sampled, now):
             token_id = seq.output_token_ids[-1]
+            if self.config.degrade_under_load is not None:
+                self.token_precisions.setdefault(seq.seq_id, []).append(self.precision_names[self.degraded])
             status, new_text = self._check_stop(seq, token_id)
             if status is None:
                 outputs.append(self._output(seq, [token_id], new_text))
@@ -153,6 +172,15 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
                 outputs.append(self._finish(seq, [token_id], new_text, now))
         return outputs
+
+    def _update_precision(self) -> None:
+        """Degrade when `degrade_under_load` requests wait; come back once the queue is down to half of it
+        (hysteresis: one request more or less must not flip the mode every step)."""
+        waiting, threshold = len(self.scheduler.waiting), self.config.degrade_under_load
+        if not self.degraded and waiting >= threshold:
+            self.degraded = True
+        elif self.degraded and waiting <= threshold // 2:
+            self.degraded = False
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, str]:
         """(finish status or None, the text delta to emit), by chapter 03's rules (nanoserve/stop.py):
@@ -180,12 +208,19 @@ class LLMEngine:
             new_text=new_text,
             finished=seq.is_finished,
             finish_reason=seq.status.finish_reason,
-            metrics=seq.metrics() if seq.is_finished else {},
+            metrics=self._metrics(seq) if seq.is_finished else {},
         )
+
+    def _metrics(self, seq: Sequence) -> dict:
+        metrics = seq.metrics()
+        if self.config.degrade_under_load is not None:  # the precision each generated token was computed in
+            metrics["token_precisions"] = self.token_precisions.get(seq.seq_id, [])
+        return metrics
 
     def _finish(self, seq: Sequence, new_token_ids: list[int], new_text: str, now: float | None = None) -> RequestOutput:
         seq.finished_time = now or time.perf_counter()
         out = self._output(seq, new_token_ids, new_text)
         self.detokenizers.pop(seq.seq_id, None)
+        self.token_precisions.pop(seq.seq_id, None)
         del self.texts[seq.seq_id]
         return out

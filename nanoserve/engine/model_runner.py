@@ -44,9 +44,10 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention):
+    def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention, degraded_model=None):
         """attention: cls(kv_cache, metadata) -> AttentionFn (nanoserve.kernels.backend.attention_class)."""
         self.model = model
+        self.degraded_model = degraded_model  # chapter 10: the quantized copy, for steps under overload
         self.kv_cache = kv_cache
         self.attention = attention
         self.device = kv_cache.k_cache[0].device
@@ -76,17 +77,19 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run the step; return {seq_id: sampled token} for the sequences that sample."""
+    def execute_model(self, out: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
+        """Run the step (on the degraded model's weights if `degraded`); return {seq_id: sampled token}
+        for the sequences that sample."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
+        model = self.degraded_model if degraded else self.model
+        hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not batch.sampled_seqs:
             return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices.to(self.device)]).cpu()  # (num_sampled, vocab)
+        logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)]).cpu()  # (num_sampled, vocab)
         return self.sample(batch.sampled_seqs, logits)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:

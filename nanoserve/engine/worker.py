@@ -38,11 +38,12 @@ def keep_freed_host_memory() -> bool:
 
 class Worker:
     def __init__(self, model, dtype: torch.dtype = torch.float32, attention_backend: str = "torch",
-                 paged_attention=None):
+                 paged_attention=None, degraded_model=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention: the Triton kernel module for "triton" (None: the reference)."""
         keep_freed_host_memory()
         self.model = model.eval()
+        self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype
         self.device = next(model.parameters()).device  # the pool lives where the weights do
         self.attention = attention_class(attention_backend, paged_attention)
@@ -55,7 +56,7 @@ class Worker:
         c = self.model.config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                              self.device)
-        self.model_runner = ModelRunner(self.model, cache, self.attention)
+        self.model_runner = ModelRunner(self.model, cache, self.attention, self.degraded_model)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
+        return self.model_runner.execute_model(scheduler_output, degraded)

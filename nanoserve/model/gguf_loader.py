@@ -2,8 +2,8 @@
 
 A GGUF file is a header of key/value metadata (the config, the tokenizer, the chat template)
 followed by tensors, most of them quantized. Here every block of 32 weights in Q4_1 is stored
-as 4-bit integers plus a float16 scale and minimum: w = scale * q + min. We dequantize all of
-it to float32 once at load time; the course runs float32 on the CPU.
+as 4-bit integers plus a float16 scale and minimum: w = scale * q + min. By default we dequantize
+all of it to float32 once at load time; chapter 10 (`weights="q4"`) serves the blocks as they are.
 
 One trap: llama.cpp's converter permutes the rows of every Q and K weight so that its RoPE
 kernel can rotate *adjacent* pairs (x0, x1), (x2, x3), ... HF Llama (and we) rotate the two
@@ -119,25 +119,47 @@ def our_name(gguf_name: str) -> str:
     return GGUF_TO_NANOSERVE[gguf_name]
 
 
-def load_gguf(path: str | Path | None = None) -> Llama:
-    """Build a float32 `Llama` from a GGUF file (default: the embedded SmolLM2-135M-Instruct)."""
-    from gguf import dequantize
+def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=None) -> Llama:
+    """Build a `Llama` from a GGUF file (default: the embedded SmolLM2-135M-Instruct).
 
+    weights: "fp32" (everything dequantized to float32), "int8" (chapter 10: the decoder's Linear layers
+    quantized per output row from the float32 weights) or "q4" (chapter 10: the file's Q4_1 blocks kept
+    as they are, no float32 round trip). See nanoserve/model/quant.py; `quantizer` is the module whose
+    quantize_int8 / unpack_q4_1 make the weights (default: that one).
+    """
+    from gguf import GGMLQuantizationType, dequantize
+
+    from nanoserve.model.quant import Q4_1_BLOCK_BYTES, check_weight_format, quantize_model
+
+    check_weight_format(weights)
     reader = open_gguf(path or embedded_gguf_path())
     config = config_from_gguf(reader)
-    state = {}
+    state, q4_blocks = {}, {}
     for t in reader.tensors:
+        name = our_name(t.name)
         # GGUF lists dims fastest-first, so a (out, in) matrix is stored as shape [in, out];
         # dequantize gives back the row-major (out, in) array.
-        w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(tuple(reversed(t.shape.tolist())))
+        out_in = tuple(reversed(t.shape.tolist()))
+        if weights == "q4" and name.endswith("_proj.weight"):
+            if t.tensor_type != GGMLQuantizationType.Q4_1:
+                raise ValueError(f"{reader.data.filename}: {t.name} is {t.tensor_type.name}, not Q4_1; weights='q4' "
+                                 f"serves the file's Q4_1 blocks as they are (use weights='int8' or 'fp32')")
+            w = np.array(t.data).reshape(out_in[0], -1)  # (out, in/32 * 20) bytes: whole blocks per row
+        else:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(out_in)
+        # whole rows move, so the un-permutation is the same on float32 weights and on rows of blocks
         if t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config.num_attention_heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config.num_key_value_heads)
-        state[our_name(t.name)] = torch.from_numpy(w)
+        if w.dtype == np.uint8:
+            q4_blocks[name.removesuffix(".weight")] = torch.from_numpy(w.reshape(out_in[0], -1, Q4_1_BLOCK_BYTES))
+        else:
+            state[name] = torch.from_numpy(w)
     model = Llama(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)
+               and m.removesuffix(".weight") not in q4_blocks]
     if missing or unexpected:
         raise ValueError(f"{reader.data.filename}: tensors missing {missing}, unexpected {unexpected}")
-    return model.eval()
+    return quantize_model(model, weights, q4_blocks, quantizer).eval()

@@ -1,0 +1,114 @@
+"""`python -m nanoserve bench quality`: what quantized weights cost in quality, against float32 (chapter 10).
+
+For each weight format, against the float32 model loaded from the same GGUF:
+
+  greedy agreement   each chat prompt of CHAT_PROMPTS generates --max-tokens tokens greedily (through
+                     the engine); agreement = share of the first N tokens identical to float32's, where a
+                     sequence counts up to its first divergence (after it the two continue different texts)
+  perplexity         exp(mean negative log-likelihood) of heldout.txt (written for this repo, not seen in
+                     training), one forward pass
+  logit difference   on the same pass: the largest |Δlogit| vs float32, and how often the top-1 token agrees
+
+With q4 it also runs "q4+fp32head": the same q4 layers with float32's embedding and LM head, which shows
+how much of the difference is the int8 LM head's (nanoserve/model/quant.py says why it is int8).
+"""
+
+import math
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+HELDOUT = Path(__file__).with_name("heldout.txt")
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "Write a haiku about the sea.",
+    "Explain what a prime number is to a child.",
+    "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?",
+    "Suggest a name for a grey cat.",
+    "Translate 'good morning' into Spanish and French.",
+    "Why is the sky blue?",
+    "List the planets of the solar system in order.",
+    "What is the difference between weather and climate?",
+    "Summarise the story of Cinderella in two sentences.",
+]
+
+
+def register(sub):
+    p = sub.add_parser("quality", help="greedy agreement, perplexity and logit error of int8 / q4 vs fp32 (chapter 10)")
+    p.add_argument("--weights", nargs="+", default=["int8", "q4"], help="formats to compare with fp32")
+    p.add_argument("--max-tokens", type=int, default=32, help="N: greedy tokens per chat prompt")
+    p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
+    p.set_defaults(func=run)
+
+
+def greedy_outputs(model, tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids per chat prompt, all prompts batched through the engine; EOS ignored (N tokens each)."""
+    from nanoserve.llm import LLM
+    from nanoserve.sampling import SamplingParams
+
+    llm = LLM(model, num_blocks=len(prompts) * (8 + max_tokens // 16))  # a chat prompt fits in 8 blocks of 16
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """The first position where two generations differ (len(a) when they never do)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@torch.inference_mode()
+def heldout_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(model(ids))  # (T, vocab)
+
+
+def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    return math.exp(F.cross_entropy(logits[:-1].float(), ids[1:]).item())
+
+
+def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dict[str, dict]:
+    """{format: {agreement, first_divergence (mean), identical (prompts), ppl, max_dlogit, top1}}, fp32 first."""
+    ids = torch.tensor(tokenizer.encode(HELDOUT.read_text()))
+    ref_logits = heldout_logits(models["fp32"], ids)
+    ref_gen = greedy_outputs(models["fp32"], tokenizer, prompts, max_tokens)
+    rows = {}
+    for name, model in models.items():
+        logits = ref_logits if name == "fp32" else heldout_logits(model, ids)
+        gen = ref_gen if name == "fp32" else greedy_outputs(model, tokenizer, prompts, max_tokens)
+        div = [first_divergence(a, b) for a, b in zip(gen, ref_gen)]
+        rows[name] = dict(agreement=sum(div) / (max_tokens * len(prompts)), first_divergence=sum(div) / len(div),
+                          identical=sum(d == max_tokens for d in div), ppl=perplexity(logits, ids),
+                          max_dlogit=(logits - ref_logits).abs().max().item(),
+                          top1=(logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item())
+    return rows
+
+
+def run(args):
+    from nanoserve.model import load_gguf
+    from nanoserve.cli import weight_formats
+    from nanoserve.tokenizer import Tokenizer
+
+    formats = weight_formats(args.weights)
+    if formats is None:
+        return 2
+    formats = [w for w in formats if w != "fp32"]
+    tokenizer = Tokenizer.from_gguf()
+    models = {w: load_gguf(weights=w) for w in ["fp32", *formats]}
+    if "q4" in formats:  # what the int8 LM head costs: the same q4 layers with float32's embedding and head
+        models["q4+fp32head"] = load_gguf(weights="q4")
+        models["q4+fp32head"].embed_tokens, models["q4+fp32head"].lm_head = models["fp32"].embed_tokens, models["fp32"].lm_head
+    prompts = CHAT_PROMPTS[:args.num_prompts]
+    rows = compare(models, tokenizer, prompts, args.max_tokens)
+    n_ids = len(tokenizer.encode(HELDOUT.read_text()))
+    print(f"command: python -m nanoserve bench quality --weights {' '.join(args.weights)} "
+          f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}")
+    print(f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens; held-out text: {HELDOUT.name}, {n_ids} tokens")
+    print(f"{'weights':12s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
+          f"{'max |dlogit|':>13s} {'top-1 = fp32':>13s}")
+    for name, r in rows.items():
+        print(f"{name:12s} {r['agreement']:10.1%} {r['first_divergence']:13.1f} {r['identical']:5d}/{len(prompts):<4d} "
+              f"{r['ppl']:11.3f} {r['max_dlogit']:13.3f} {r['top1']:13.1%}")

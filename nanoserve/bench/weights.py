@@ -1,0 +1,185 @@
+"""`python -m nanoserve bench weights`: fp32 vs int8 vs q4 weights, side by side in one run (chapter 10).
+
+  memory        bytes per weight and per decode step (scales and zeros included), bytes held
+  products      every Linear of the model once over a batch of T tokens, cold from memory, best of
+                --repeats: the float32 product vs each quantized kernel (bf16 activations) vs
+                dequantize-then-F.linear; at 1 token also the kernels with float32 activations.
+                This is the measurement behind QUANT_MAX_TOKENS (nanoserve/model/quant.py).
+  engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
+                16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format
+
+The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
+timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
+"""
+
+import time
+
+import torch
+from torch.nn import functional as F
+
+FORMATS = ["fp32", "int8", "q4"]
+
+
+def register(sub):
+    p = sub.add_parser("weights", help="speed and memory of fp32 / int8 / q4 weights, side by side (chapter 10)")
+    p.add_argument("--weights", nargs="+", default=FORMATS, help="formats to compare (default: all three)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes of the product table")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch size")
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--workload-requests", type=int, default=16, help="chapter 06's workload; 0 skips it")
+    p.add_argument("--workload-output-len", type=int, default=128, help="output tokens per workload request")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = the cores)")
+    p.set_defaults(func=run)
+
+
+# ---- products -----------------------------------------------------------------------------------------
+
+def products(model) -> list:
+    """The model's Linear layers (30 × q, k, v, o, gate, up, down, then the LM head), as modules."""
+    from nanoserve.model.layers import Linear
+    from nanoserve.model.quant import QuantLinear
+
+    return [m for m in model.modules() if isinstance(m, (Linear, QuantLinear))]
+
+
+def time_pass(layers, inputs, call) -> float:
+    t0 = time.perf_counter()
+    for layer in layers:
+        call(layer, inputs[layer.in_features])
+    return time.perf_counter() - t0
+
+
+def float32_kernel(layer, x):
+    """The quantized kernel fed float32 activations (its scales then must be float32 too)."""
+    if hasattr(layer, "qweight"):
+        return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scale.float())
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scale_and_zero.float())
+
+
+def product_table(models: dict, tokens: list[int], repeats: int):
+    layers = {name: products(m) for name, m in models.items()}
+    calls = {"fp32": ("fp32", lambda layer, x: layer(x))}
+    for name in models:
+        if name != "fp32":
+            calls[f"{name} kernel"] = (name, lambda layer, x: layer.kernel(x.to(torch.bfloat16)))
+            calls[f"{name} dequant"] = (name, lambda layer, x: F.linear(x, layer.dequantize()))
+    print(f"\nproducts: all {len(next(iter(layers.values())))} Linear layers "
+          f"once, ms (best of {repeats}, interleaved); kernels take bf16 activations")
+    print(f"{'tokens':>7s}" + "".join(f"{c:>15s}" for c in calls))
+    for T in tokens:
+        inputs = {n: torch.randn(T, n) for n in {576, 1536, 192}}
+        best = {c: float("inf") for c in calls}
+        for _ in range(repeats + 1):  # the first round warms up
+            for c, (name, call) in calls.items():
+                best[c] = min(best[c], time_pass(layers[name], inputs, call))
+        print(f"{T:7d}" + "".join(f"{best[c] * 1e3:15.1f}" for c in calls))
+    quantized = [n for n in models if n != "fp32"]
+    if quantized:
+        inputs = {n: torch.randn(1, n) for n in {576, 1536, 192}}
+        ms = {n: min(time_pass(layers[n], inputs, float32_kernel) for _ in range(2)) * 1e3 for n in quantized}
+        print("  1 token, the kernels with float32 activations (and scales): "
+              + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
+
+
+# ---- engine measurements, in lockstep ---------------------------------------------------------------
+
+def lockstep(engines: dict, requests: list, decode_only: bool = False) -> dict[str, list[float]]:
+    """Submit `requests` [(prompt ids, max_tokens)] to every engine, then step them in turn until all are idle.
+    Returns each engine's step times (seconds); with decode_only, only steps in which every token was a decode."""
+    from nanoserve.bench.offline import params
+
+    for engine in engines.values():
+        for i, (prompt, n) in enumerate(requests):
+            engine.add_request(str(i), prompt, params(n))
+    times = {name: [] for name in engines}
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            out = engine.last_scheduler_output
+            if not decode_only or out.total_num_scheduled_tokens == len(out.scheduled_seqs):
+                times[name].append(dt)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def run(args):
+    import random
+
+    from nanoserve.bench.model import timed
+    from nanoserve.bench.offline import make_workload
+    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.worker import keep_freed_host_memory
+    from nanoserve.memory import parameter_counts
+    from nanoserve.model import load_gguf
+    from nanoserve.cli import weight_formats
+    from nanoserve.model.quant import decode_bytes, resident_bytes
+
+    formats = weight_formats(args.weights)
+    if formats is None:
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_host_memory()
+    models = {w: load_gguf(weights=w) for w in formats}
+    config = next(iter(models.values())).config
+    print("command: python -m nanoserve bench weights " + " ".join(
+        [f"--weights {' '.join(formats)}", f"--tokens {' '.join(map(str, args.tokens))}", f"--repeats {args.repeats}",
+         f"--decode-steps {args.decode_steps}", f"--prefill-len {args.prefill_len}",
+         f"--workload-requests {args.workload_requests}", f"--workload-output-len {args.workload_output_len}"] + ([f"--threads {args.threads}"] if args.threads else [])))
+    print(f"threads: {torch.get_num_threads()}")
+    n_weights = parameter_counts(config)["total"]
+    print(f"\nmemory ({n_weights:,} weights; a decode step reads every product's weights once, not the embedding)")
+    print(f"{'weights':8s} {'read per decode step':>21s} {'bytes/weight':>13s} {'held in memory':>15s}")
+    per_step = {}
+    for name, model in models.items():
+        per_step[name] = decode_bytes(model)
+        print(f"{name:8s} {per_step[name] / 1e6:17.1f} MB {per_step[name] / n_weights:13.3f} "
+              f"{resident_bytes(model) / 1e6:12.1f} MB")
+
+    product_table(models, args.tokens, args.repeats)
+
+    with torch.inference_mode():
+        engines = {n: LLMEngine(m, EngineConfig(kv_cache_memory=384 << 20)) for n, m in models.items()}
+        lockstep(engines, make_workload(4, (8, 16), (2, 4), 1, config.vocab_size))  # warm up
+        rng = random.Random(0)
+        print(f"\nengine (one engine per format, stepped in lockstep; median decode step of {args.decode_steps})")
+        decode = {}
+        for batch in (1, 16, 64):
+            requests = [([rng.randrange(config.vocab_size) for _ in range(16)], args.decode_steps + 1)
+                        for _ in range(batch)]
+            decode[batch] = {n: median(t) for n, t in lockstep(engines, requests, decode_only=True).items()}
+        prompt = torch.randint(0, config.vocab_size, (args.prefill_len,), generator=torch.Generator().manual_seed(0))
+        prefill = {n: float("inf") for n in models}
+        for _ in range(args.repeats):
+            for n, m in models.items():
+                prefill[n] = min(prefill[n], timed(lambda: m.compute_logits(m(prompt)[-1:]), 1))
+        workload = None
+        if args.workload_requests:
+            n = args.workload_output_len
+            workload = make_workload(args.workload_requests, (20, 200), (n, n), 0, config.vocab_size)
+            wall = {n: sum(t) for n, t in lockstep(engines, workload).items()}
+            out_tokens = sum(n for _, n in workload)
+
+    base = "fp32" if "fp32" in models else formats[0]
+    rows = [("batch-1 decode, tok/s", {n: 1 / decode[1][n] for n in models}, True),
+            ("batch-1 decode, MB/s of weights", {n: per_step[n] / decode[1][n] / 1e6 for n in models}, True),
+            ("batch-16 decode step, ms", {n: decode[16][n] * 1e3 for n in models}, False),
+            ("batch-64 decode step, ms", {n: decode[64][n] * 1e3 for n in models}, False),
+            (f"prefill {args.prefill_len} tokens, tok/s", {n: args.prefill_len / prefill[n] for n in models}, True)]
+    if workload:
+        rows.append((f"{len(workload)}-request workload, out tok/s", {n: out_tokens / wall[n] for n in models}, True))
+    print(f"{'':34s}" + "".join(f"{n:>10s}" for n in models) + "".join(f"{n + '/' + base:>12s}" for n in models if n != base))
+    for label, values, higher_is_better in rows:
+        ratios = [values[n] / values[base] if higher_is_better else values[base] / values[n] for n in models if n != base]
+        print(f"{label:34s}" + "".join(f"{values[n]:10.1f}" for n in models) + "".join(f"{r:11.2f}x" for r in ratios))
+    print(f"(ratios: how many times faster than {base}; the {len(workload) if workload else 0}-request workload: "
+          f"prompts 20-200, {args.workload_output_len} output tokens each, EOS ignored, seed 0)")

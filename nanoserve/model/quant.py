@@ -1,0 +1,257 @@
+"""Chapter 10 — weight-only quantization: Linear layers whose weights stay small in memory.
+
+Batch-1 decode reads every weight once per token, so its speed is bytes per token over memory
+bandwidth. SmolLM2 in float32 is 538 MB per token; int8, 135 MB; q4 (with an int8 LM head), 95 MB.
+Only the *weights* shrink here; activations, the KV cache and the residual stream stay float32.
+
+Two formats, each a Linear that keeps its weight quantized and dequantizes inside the product:
+
+  int8   symmetric, one scale per output row, quantized at load time from the float32 weights:
+             s = max|w_row| / 127,   q = round(w / s) in -127..127,   w ≈ q · s
+         torch's kernel: torch.ops.aten._weight_int8pack_mm(x, q, s)
+  q4     the GGUF's own Q4_1 blocks, taken as they are: per group of 32 weights in a row,
+             w = d · q + m,   q in 0..15,   d and m float16
+         torch's kernel computes w = (q − 8) · scale + zero per group, so scale = d, zero = m + 8·d:
+             _convert_weight_to_int4pack_for_cpu(q) once, _weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+
+Both kernels are fast on this CPU only with **bfloat16 activations** (with float32 ones they are slower
+than float32 MKL: `python -m nanoserve bench weights`), and they take their scales in the activation's
+dtype. So a quantized layer computes, whatever path it takes:
+
+    bf16(x) · dequantize(W)ᵀ, accumulated in float32, rounded to bf16, returned as float32
+
+with `dequantize` using the bf16 scales. For decode-sized products (up to QUANT_MAX_TOKENS tokens) that
+is the kernel; for prefill-sized ones the kernels are several times slower than MKL, so the layer
+dequantizes its weight to float32 for that one call and multiplies with F.linear (a few % of a prefill's
+time, against 4 bytes per weight for a float32 copy kept beside it). Both paths see the same inputs and
+the same weights; only the order of the float32 additions differs.
+
+The embedding and LM head are Q8_0 in the GGUF (int8 in groups of 32). torch's int8 kernel has one scale
+per row only, so they are re-quantized per row (int8, one matrix shared by the lookup and the LM head):
+kept float32, that one matrix (113 MB) would be read per token more bytes than all 30 q4 layers together.
+"""
+
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
+
+WEIGHT_FORMATS = ("fp32", "int8", "q4")
+Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
+# Up to this many tokens a product runs in the quantized kernel; beyond, dequantize-then-F.linear.
+# The same crossover as swap AB's: decode steps (≤ 64 sequences) on one side, prefill chunks on the other.
+QUANT_MAX_TOKENS = SWAP_AB_MAX_TOKENS
+INT4_INNER_K_TILES = 2  # a layout parameter of the packing; the CPU kernel accepts 1, 2, 4, 8
+
+
+def check_weight_format(weights: str) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    return weights
+
+
+# ---- int8, symmetric, per output channel -------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> q (out, in) int8 in -127..127 and scale (out,) bfloat16, w ≈ q · scale.
+
+    The scale is rounded to bf16 *before* q is computed, so q is the best int8 for the scale the kernel
+    will actually multiply by. Example, one row [0.5, -1.27, 0.01]: s = 1.27 / 127 = 0.01 (bf16: 0.010009...),
+    q = [50, -127, 1], error ≤ s / 2 per weight.
+    """
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-30).to(torch.bfloat16)  # (out,); an all-zero row gets q = 0
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]  # (out, in)
+
+
+# ---- Q4_1 blocks, as the GGUF stores them ------------------------------------------------------------
+
+def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1 bytes (rows, in/32, 20) uint8 -> q (rows, in) uint8 in 0..15, d and m (rows, in/32) float32.
+
+    One block of 20 bytes:  d (2 bytes, float16) | m (2 bytes, float16) | qs (16 bytes)
+    byte j of qs holds weight j in its low nibble and weight j + 16 in its high nibble.
+    """
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[-1] != Q4_1_BLOCK_BYTES:
+        raise ValueError(f"Q4_1 blocks must be a (rows, in/32, {Q4_1_BLOCK_BYTES}) uint8 tensor, "
+                         f"got {tuple(blocks.shape)} {blocks.dtype}")
+    rows, num_blocks, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()  # (rows, num_blocks)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    qs = blocks[..., 4:]  # (rows, num_blocks, 16)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (rows, num_blocks, 32): weights 0..15, then 16..31
+    return q.reshape(rows, num_blocks * Q4_GROUP_SIZE), d, m
+
+
+def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32. q (out, in), scale/zero (out, in/32)."""
+    out, inp = q.shape
+    groups = (q.view(out, inp // Q4_GROUP_SIZE, Q4_GROUP_SIZE).float() - 8) * scale.float()[..., None]
+    return (groups + zero.float()[..., None]).view(out, inp)
+
+
+# ---- the layers ------------------------------------------------------------------------------------
+
+class QuantLinear(nn.Module):
+    """What both formats share: bf16 at the boundary, the kernel for small batches, dequantize for big ones.
+
+    Subclasses give `kernel(x_bf16)` and `dequantize()`; `name` (e.g. "layers.3.mlp.up_proj") is for errors.
+    The quantized tensors are non-persistent buffers: they are built from the GGUF, not from a state_dict.
+    """
+
+    def __init__(self, in_features: int, out_features: int, name: str):
+        super().__init__()
+        self.in_features, self.out_features, self.name = in_features, out_features, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), in x's dtype
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (num_tokens, in)
+        if x2.shape[0] <= QUANT_MAX_TOKENS:
+            y = self.kernel(x2)
+        else:  # prefill-sized: one dequantized float32 copy of the weight, for this call only
+            y = F.linear(x2.float(), self.dequantize()).to(torch.bfloat16)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: in={self.in_features}, out={self.out_features}"
+
+
+class Int8Linear(QuantLinear):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, name: str = ""):
+        if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != qweight.shape[:1]:
+            raise ValueError(f"{name}: int8 weights must be (out, in) int8 with (out,) scales, "
+                             f"got {tuple(qweight.shape)} {qweight.dtype} and {tuple(scale.shape)}")
+        super().__init__(qweight.shape[1], qweight.shape[0], name)
+        self.register_buffer("qweight", qweight, persistent=False)  # (out, in) int8
+        self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # (out,)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, name: str = "", quantize=quantize_int8) -> "Int8Linear":
+        return cls(*quantize(weight.detach()), name)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) bf16 -> (num_tokens, out) bf16
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.scale)
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + 2 * self.scale.numel()
+
+
+class Q4Linear(QuantLinear):
+    """A Linear served from Q4_1 blocks: the 4-bit integers and the block's (d, m) as the GGUF stores them.
+
+    Kept: `blocks` (out, in/32, 20), the file's bytes (the prefill path unpacks their nibbles), `packed`
+    (out, in/2), the same integers in torch's int4 kernel layout (a layout private to the kernel), and
+    `scale_and_zero` (in/32, out, 2) bf16 = (d, m + 8·d), the kernel's argument. bf16 because the kernel
+    takes its scales in the activations' dtype: d loses its 3 lowest bits of float16 mantissa there.
+    """
+
+    def __init__(self, blocks: torch.Tensor, name: str = "", unpack=unpack_q4_1):
+        try:
+            q, d, m = unpack(blocks)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        out, inp = q.shape
+        if out % 16:  # _convert_weight_to_int4pack_for_cpu refuses it; say so here, with the layer's name
+            raise ValueError(f"{name}: torch's int4 CPU kernel needs out_features divisible by 16, got {out}; "
+                             f"serve this model with weights='int8' or 'fp32'")
+        super().__init__(inp, out, name)
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32), INT4_INNER_K_TILES), persistent=False)
+        scale_and_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # (in/32, out, 2)
+        self.register_buffer("scale_and_zero", scale_and_zero.contiguous().to(torch.bfloat16), persistent=False)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, Q4_GROUP_SIZE, self.scale_and_zero)
+
+    def unpacked(self) -> torch.Tensor:
+        """The 4-bit integers (out, in) uint8 in 0..15, from the file's bytes."""
+        qs = self.blocks[..., 4:]
+        return torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        scale, zero = self.scale_and_zero.transpose(0, 1).unbind(-1)  # (out, in/32) each
+        return dequantize_q4(self.unpacked(), scale, zero)
+
+    def nbytes(self) -> int:
+        """Bytes a decode step reads: the packed integers and the bf16 scales and zeros."""
+        return self.packed.numel() + 2 * self.scale_and_zero.numel()
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table kept as int8 rows with one scale each: row i = q[i] · scale[i].
+
+    Its tensors are shared with the LM head's Int8Linear when the model ties them (SmolLM2 does).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("qweight", qweight, persistent=False)  # (vocab, hidden) int8
+        self.register_buffer("scale", scale, persistent=False)  # (vocab,) bf16
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, hidden) float32
+        return self.qweight[ids].float() * self.scale[ids].float()[:, None]
+
+
+def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | None = None, functions=None):
+    """Swap a float32 Llama's Linear layers for quantized ones, in place; returns the model.
+
+    int8: every decoder Linear from its float32 weight. q4: every decoder Linear from `q4_blocks`
+    (module name -> its GGUF Q4_1 blocks (out, in/32, 20)). Both: embedding and LM head int8 per row.
+    functions: a module with `quantize_int8` and `unpack_q4_1` (default: this one; exercise 10's
+    file when the learner's quantizer serves, see `LLM(student=True)`).
+    """
+    from nanoserve.model.layers import Linear
+
+    check_weight_format(weights)
+    f = functions or sys.modules[__name__]
+    model.weight_format = weights
+    if weights == "fp32":
+        return model
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or name == "lm_head":
+            continue
+        if weights == "q4":
+            if name not in (q4_blocks or {}):
+                raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
+            new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1)
+        else:
+            new = Int8Linear.from_float(module.weight, name, f.quantize_int8)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    q, scale = f.quantize_int8(model.embed_tokens.weight.detach())
+    model.embed_tokens = Int8Embedding(q, scale)
+    model.lm_head = (Int8Linear(q, scale, "lm_head") if tied
+                     else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8))
+    return model
+
+
+def resident_bytes(model) -> int:
+    """Bytes of every tensor the model holds (a tensor shared by two modules counted once)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def decode_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every product's weights once (a q4 layer's kernel copy,
+    scales and zeros included) and the norms; the embedding is left out (a lookup reads one row)."""
+    from nanoserve.model.layers import Linear, RMSNorm
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.nbytes()
+        elif isinstance(module, (Linear, RMSNorm)):
+            total += module.weight.numel() * module.weight.element_size()
+    return total

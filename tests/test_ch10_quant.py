@@ -1,0 +1,253 @@
+"""Chapter 10 — quantized weights on random data and a tiny random model (fast).
+
+References: int8 against hand-computed values and a dequantize-then-matmul written here; Q4_1 against
+the `gguf` package's own quantizer and dequantizer (independent of nanoserve); the quantized kernels
+against plain float32 products. Graded tests (exercise 10.1, 10.2) run on the learner's code too.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from torch.nn import functional as F
+
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.model.quant import (QUANT_MAX_TOKENS, Int8Linear, Q4Linear, check_weight_format, quantize_model,
+                                   unpack_q4_1)
+from nanoserve.student import implementation
+
+Q4_1 = GGMLQuantizationType.Q4_1
+
+
+def quant():
+    return implementation("nanoserve.model.quant")
+
+
+def q4_1_blocks(w: np.ndarray) -> torch.Tensor:
+    """(out, in) float32 -> the GGUF's Q4_1 bytes (out, in/32, 20), made by the gguf package."""
+    return torch.from_numpy(gguf_quantize(w, Q4_1).reshape(w.shape[0], -1, 20))
+
+
+def bf16_close(y: torch.Tensor, ref: torch.Tensor, rel: float):
+    """|y − ref| within `rel` of the output's scale: bf16 has 8 bits of mantissa (2^-8 = 0.4 %)."""
+    err = (y.float() - ref).abs().max().item()
+    assert err <= rel * ref.abs().max().item(), f"max error {err:.4g} vs max |ref| {ref.abs().max().item():.4g}"
+
+
+# ---- 10.1: int8 per output channel --------------------------------------------------------------------
+
+@pytest.mark.exercise("10.1")
+def test_int8_by_hand():
+    w = torch.tensor([[0.5, -1.27, 0.01], [0.0, 0.0, 0.0], [2.54, 1.0, -2.0]])
+    q, scale = quant().quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (3,)
+    s = torch.tensor([1.27 / 127, 0.0, 2.54 / 127]).to(torch.bfloat16).float()  # rounded to bf16 first
+    assert torch.equal(scale.float()[[0, 2]], s[[0, 2]])
+    expected = torch.round(w[[0, 2]] / s[[0, 2], None]).clamp(-127, 127)
+    assert torch.equal(q[[0, 2]].float(), expected)
+    assert q[0].tolist() == [50, -127, 1] and q[1].tolist() == [0, 0, 0]  # an all-zero row stays zero, no NaN
+
+
+@pytest.mark.exercise("10.1")
+def test_int8_round_trip_error_is_at_most_half_a_step():
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * torch.rand(64, 1) * 3
+    q, scale = quant().quantize_int8(w)
+    assert int(q.abs().max()) <= 127
+    w_hat = quant().dequantize_int8(q, scale)
+    assert w_hat.dtype == torch.float32 and torch.equal(w_hat, q.float() * scale.float()[:, None])
+    step = scale.float()[:, None]
+    assert ((w_hat - w).abs() <= step / 2 + 1e-6).all()  # rounding to the nearest step, or the clamp at 127
+
+
+# ---- 10.2: Q4_1 blocks ----------------------------------------------------------------------------------
+
+@pytest.mark.exercise("10.2")
+def test_unpack_q4_1_gives_the_quantizers_integers_scales_and_minimums():
+    w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    q, d, m = quant().unpack_q4_1(q4_1_blocks(w))
+    assert q.shape == (16, 64) and q.dtype == torch.uint8 and d.shape == m.shape == (16, 2)
+    # What gguf's Q4_1 quantizer computes, written out: per block of 32, d = (max - min) / 15 stored as float16,
+    # m = min stored as float16, q = trunc((w - min) / d + 0.5) with the unrounded d.
+    blocks = w.reshape(16, 2, 32)
+    lo, hi = blocks.min(-1, keepdims=True), blocks.max(-1, keepdims=True)
+    d_exact = (hi - lo) / 15
+    q_expected = np.trunc((blocks - lo) * (1 / d_exact) + np.float32(0.5)).clip(0, 15).reshape(16, 64)
+    assert np.array_equal(q.numpy(), q_expected.astype(np.uint8))
+    assert np.array_equal(d.numpy(), d_exact[..., 0].astype(np.float16).astype(np.float32))
+    assert np.array_equal(m.numpy(), lo[..., 0].astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.exercise("10.2")
+def test_q4_1_values_equal_ggufs_own_dequantization_exactly():
+    w = np.random.default_rng(1).standard_normal((32, 96)).astype(np.float32)
+    blocks = q4_1_blocks(w)
+    q, d, m = quant().unpack_q4_1(blocks)
+    theirs = gguf_dequantize(blocks.numpy().reshape(32, -1), Q4_1)  # (32, 96)
+    ours = d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)
+    assert np.array_equal(ours.numpy(), theirs)
+    # the kernel's form, (q - 8) * d + (m + 8d): the same values up to float32 rounding of m + 8d
+    torch.testing.assert_close(quant().dequantize_q4(q, d, m + 8 * d), torch.from_numpy(theirs), rtol=0, atol=1e-6)
+
+
+@pytest.mark.exercise("10.2")
+def test_unpack_q4_1_refuses_other_shapes():
+    with pytest.raises(ValueError, match="20"):
+        quant().unpack_q4_1(torch.zeros(4, 2, 18, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        quant().unpack_q4_1(torch.zeros(4, 2, 20, dtype=torch.int32))
+
+
+# ---- the layers against plain-torch references ------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens", [1, 7, QUANT_MAX_TOKENS, QUANT_MAX_TOKENS + 1, 200])
+def test_int8_linear_equals_dequantize_then_matmul(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(tokens, 64, generator=g)
+    layer = Int8Linear.from_float(w, "test.int8")
+    q, scale = layer.qweight, layer.scale
+    ref = x.to(torch.bfloat16).float() @ (q.float() * scale.float()[:, None]).t()  # written out, in float32
+    y = layer(x)
+    assert y.shape == (tokens, 96) and y.dtype == torch.float32
+    bf16_close(y, ref, 2**-8)
+    bf16_close(y, F.linear(x, w), 0.02)  # and near the float32 product (int8 + bf16 rounding)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, QUANT_MAX_TOKENS, QUANT_MAX_TOKENS + 1, 200])
+def test_q4_linear_equals_ggufs_dequantized_weights_times_x(tokens):
+    rng = np.random.default_rng(tokens)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    blocks = q4_1_blocks(w)
+    layer = Q4Linear(blocks, "test.q4")
+    x = torch.from_numpy(rng.standard_normal((tokens, 128)).astype(np.float32))
+    w_gguf = torch.from_numpy(gguf_dequantize(blocks.numpy().reshape(48, -1), Q4_1))
+    y = layer(x)
+    assert y.shape == (tokens, 48) and y.dtype == torch.float32
+    # bf16 input and output rounding, and the bf16 scales and zeros of the kernel (2^-9 relative each)
+    bf16_close(y, x.to(torch.bfloat16).float() @ w_gguf.t(), 2**-7)
+
+
+def test_q4_linear_keeps_the_files_integers_and_the_kernels_scales():
+    w = np.random.default_rng(3).standard_normal((32, 64)).astype(np.float32)
+    blocks = q4_1_blocks(w)
+    layer = Q4Linear(blocks, "test.q4")
+    q, d, m = unpack_q4_1(blocks)
+    assert torch.equal(layer.blocks, blocks) and torch.equal(layer.unpacked(), q)
+    scale, zero = layer.scale_and_zero.transpose(0, 1).unbind(-1)  # (out, in/32) each, bf16
+    assert torch.equal(scale, d.to(torch.bfloat16)) and torch.equal(zero, (m + 8 * d).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("make", ["int8", "q4"])
+def test_kernel_rows_do_not_depend_on_the_batch_up_to_quant_max_tokens(make):
+    """Batch invariance of the layer: row i of a product is the same bits whether 1 or 64 rows go in.
+    Beyond QUANT_MAX_TOKENS the layer takes the other path (dequantize + F.linear): same inputs and
+    weights, other order of additions, so equal only to float rounding — that is where it cannot hold."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    layer = Int8Linear.from_float(w) if make == "int8" else Q4Linear(q4_1_blocks(w.numpy()))
+    x = torch.randn(QUANT_MAX_TOKENS + 1, 128, generator=g)
+    batched = layer(x[:QUANT_MAX_TOKENS])
+    for n in (1, 2, 5, 17, 33):
+        assert torch.equal(layer(x[:n]), batched[:n])
+    other_path = layer(x)[:QUANT_MAX_TOKENS]
+    bf16_close(other_path, batched, 2**-7)
+
+
+def test_unsupported_shapes_and_formats_name_the_layer():
+    w = np.random.default_rng(0).standard_normal((24, 64)).astype(np.float32)  # 24 rows: not a multiple of 16
+    with pytest.raises(ValueError, match="layers.0.mlp.up_proj.*divisible by 16"):
+        Q4Linear(q4_1_blocks(w), "layers.0.mlp.up_proj")
+    with pytest.raises(ValueError, match="layers.1.self_attn.q_proj"):
+        Q4Linear(torch.zeros(16, 2, 18, dtype=torch.uint8), "layers.1.self_attn.q_proj")
+    with pytest.raises(ValueError, match="lm_head"):
+        Int8Linear(torch.zeros(4, 4), torch.ones(4), "lm_head")  # float, not int8
+    with pytest.raises(ValueError, match="known: fp32, int8, q4"):
+        check_weight_format("int4")
+
+
+# ---- a whole tiny model -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A tiny float32 Llama whose weights are Q4_1 values, and the Q4_1 blocks they came from."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    blocks = {}
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 0.02)
+        for name, module in model.named_modules():
+            if name.endswith("_proj"):
+                blocks[name] = q4_1_blocks(module.weight.numpy())
+                module.weight.copy_(torch.from_numpy(gguf_dequantize(blocks[name].numpy().reshape(len(module.weight), -1), Q4_1)))
+    return model, blocks
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_quantized_tiny_model_stays_near_float32(tiny_pair, weights):
+    import copy
+
+    model, blocks = tiny_pair
+    qmodel = quantize_model(copy.deepcopy(model), weights, blocks)
+    assert qmodel.weight_format == weights
+    assert qmodel.lm_head.qweight is qmodel.embed_tokens.qweight  # tied: one int8 matrix read both ways
+    kinds = {type(m).__name__ for n, m in qmodel.named_modules() if n.endswith("_proj")}
+    assert kinds == {"Q4Linear" if weights == "q4" else "Int8Linear"}
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        for n in (5, 80):  # the kernel path and the dequantize path
+            ref, got = model.compute_logits(model(ids[:n])), qmodel.compute_logits(qmodel(ids[:n]))
+            assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "q4"])
+def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weights):
+    """memory.weight_bytes (counted from the config) == decode_bytes (counted over the model's tensors)."""
+    import copy
+
+    from nanoserve.memory import weight_bytes
+    from nanoserve.model.quant import decode_bytes
+
+    model = quantize_model(copy.deepcopy(tiny_pair[0]), weights, tiny_pair[1])
+    assert decode_bytes(model) == weight_bytes(LlamaConfig.tiny(), weights)
+
+
+def test_q4_without_blocks_names_the_layer(tiny_pair):
+    import copy
+
+    with pytest.raises(ValueError, match="layers.0.self_attn.q_proj.*Q4_1"):
+        quantize_model(copy.deepcopy(tiny_pair[0]), "q4", {})
+
+
+def test_llm_and_cli_refuse_unknown_weights_before_loading(tiny_pair, tmp_path, capsys):
+    from nanoserve.cli import main
+    from nanoserve.llm import LLM
+
+    with pytest.raises(ValueError, match="known: fp32, int8, q4"):
+        LLM(weights="int3")  # raised before the GGUF is opened
+    with pytest.raises(ValueError, match="already loaded as 'fp32'"):
+        LLM(tiny_pair[0], weights="q4")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    assert main(["batch", "--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--weights", "fp8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: unknown weights 'fp8'; known: fp32, int8, q4"]
+    assert main(["generate", "--prompt", "hi", "--weights", "nf4"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: unknown weights 'nf4'; known: fp32, int8, q4"]
+
+
+def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pair):
+    """The plug for exercise 10 (LLM(student=True) passes the learner's module): every weight comes from it."""
+    import copy
+    from types import SimpleNamespace
+
+    from nanoserve.model import quant as reference
+
+    calls = []
+    def counted(fn):
+        return lambda *a: calls.append(fn.__name__) or fn(*a)
+    functions = SimpleNamespace(quantize_int8=counted(reference.quantize_int8), unpack_q4_1=counted(reference.unpack_q4_1))
+    quantize_model(copy.deepcopy(tiny_pair[0]), "q4", tiny_pair[1], functions)
+    assert calls.count("unpack_q4_1") == 14 and calls.count("quantize_int8") == 1  # 2 layers x 7; the tied head
+    calls.clear()
+    quantize_model(copy.deepcopy(tiny_pair[0]), "int8", None, functions)
+    assert calls == ["quantize_int8"] * 15
