@@ -1,5 +1,5 @@
 # nanoserve — the two commands a learner needs:
-#   make serve   serve the embedded SmolLM2-135M-Instruct
+#   make serve   serve the embedded SmolLM2-135M-Instruct over HTTP (OpenAI-compatible) on 127.0.0.1:8000
 #   make test    run everything: unit and chapter tests, exercise self-checks, every notebook
 # Both set up .venv on first use (and only then).
 
@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 # Written last by the set-up, so an interrupted install is redone on the next call.
 READY  := $(VENV)/.nanoserve-ready
 
-.PHONY: test serve grade setup clean
+.PHONY: test serve chat grade setup clean
 
 $(READY): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,11 @@ test: $(READY)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 serve: $(READY)
-	$(PY) -m nanoserve serve
+	$(PY) -m nanoserve serve --host 127.0.0.1 --port 8000
+
+# a terminal chat with the model in this process (`python -m nanoserve chat --url URL` for a server)
+chat: $(READY)
+	$(PY) -m nanoserve chat
 
 # make grade CH=05: run chapter 05's graded tests against YOUR code in exercises/05-*/
 grade: $(READY)

@@ -113,7 +113,7 @@ def test_streamed_deltas_add_up_to_the_text(tok):
 
 
 def test_terminal_chat_keeps_the_conversation_and_stops_at_exit(tok):
-    from nanoserve.cli.serve import chat
+    from nanoserve.cli.chat import chat
 
     reply = tok.encode("Hello there!") + [tok.eos_token_id]
     model = ScriptedModel(reply + reply)

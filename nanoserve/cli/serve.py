@@ -1,79 +1,112 @@
-"""`python -m nanoserve serve` (what `make serve` runs): chat with the embedded model in the terminal.
+"""`python -m nanoserve serve` (what `make serve` runs): the OpenAI-compatible HTTP server (chapter 08).
 
-Each line you type is a user message; the conversation so far is rendered with the chat template,
-and the reply streams as it is generated (chapter 03's loop with chapter 04's KV cache;
-`--no-cache` shows how slow it is without one). Quit with 'exit', Ctrl-D or Ctrl-C. Lines can also be piped in:
+    python -m nanoserve serve --host 127.0.0.1 --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-    printf 'Hi!\\nWhat is 2+2?\\n' | python -m nanoserve serve --temperature 0
-
-Chapter 08 replaces this with an HTTP server.
+The engine knobs are the ones `batch` and `bench offline` take (nanoserve/cli/batch.py's
+add_engine_args). SIGTERM or Ctrl-C drains: running streams get up to --shutdown-timeout seconds,
+then the rest are aborted, and the process exits 0. The terminal chat is `python -m nanoserve chat`.
 """
 
+import os
+import socket
 import sys
 
-from nanoserve.cli.generate import add_sampling_args, sampling_params
+from nanoserve.cli.batch import add_engine_args, llm_from_args
 
 
 def register(sub):
-    p = sub.add_parser("serve", help="chat with the embedded model in the terminal (HTTP comes in chapter 08)")
-    add_sampling_args(p)
-    p.set_defaults(func=run, max_tokens=256)
+    p = sub.add_parser("serve", help="serve the model over HTTP, OpenAI-compatible (chapter 08)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct", help="the name clients ask for")
+    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $NANOSERVE_API_KEY)")
+    p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the key too")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 + Retry-After while this many requests wait (default: no bound)")
+    p.add_argument("--rate-limit", type=float, default=None, help="requests per second per key or client (429 above)")
+    p.add_argument("--rate-burst", type=int, default=10, help="requests a client may send at once under --rate-limit")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running streams may take to finish at shutdown before they are aborted")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    p.set_defaults(func=run)
 
 
-def chat(model, tokenizer, params, lines, write, use_cache: bool = True) -> None:
-    """The chat loop: `lines` yields user input, `write` shows text. Keeps the conversation."""
-    from nanoserve.generate import generate
-
-    messages = []
-    for line in lines:
-        line = line.strip()
-        if line in ("exit", "quit"):
-            return
-        if not line:
-            continue
-        messages.append({"role": "user", "content": line})
-        write("assistant> ")
-        try:
-            out = generate(model, tokenizer.encode_chat(messages), params, tokenizer.eos_token_id, tokenizer,
-                           on_text=write, use_cache=use_cache)
-        except ValueError as e:  # the conversation outgrew the context: start afresh
-            write(f"[{e}; starting a new conversation]\n")
-            messages = []
-            continue
-        messages.append({"role": "assistant", "content": out.text})
-        write("\n" if out.finish_reason == "stop" else " [max tokens]\n")
+def check_args(args) -> str | None:
+    """The first bad argument, in words (before the model loads), or None."""
+    positive = {"--max-num-seqs": args.max_num_seqs, "--max-num-batched-tokens": args.max_num_batched_tokens,
+                "--block-size": args.block_size, "--kv-cache-mib": args.kv_cache_mib, "--rate-burst": args.rate_burst,
+                "--max-body-bytes": args.max_body_bytes, "--num-blocks": args.num_blocks or 1}
+    for flag, value in positive.items():
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        return f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
+    if args.rate_limit is not None and args.rate_limit <= 0:
+        return f"--rate-limit must be > 0 requests/s, got {args.rate_limit}"
+    if args.shutdown_timeout < 0:
+        return f"--shutdown-timeout must be >= 0 s, got {args.shutdown_timeout}"
+    if args.api_key is not None and not args.api_key.strip():
+        return "--api-key (or NANOSERVE_API_KEY) is empty"
+    return None
 
 
-def read_lines(interactive: bool):
-    while True:
-        try:
-            line = input("you> ") if interactive else sys.stdin.readline()
-        except EOFError:
-            return
-        if not interactive:
-            if not line:
-                return  # end of piped input
-            print(f"you> {line}", end="" if line.endswith("\n") else "\n")
-        yield line
+def how_to_call(url: str, model: str, api_key: bool) -> str:
+    """A curl line and a 5-line openai snippet that work as printed."""
+    auth = " -H \"Authorization: Bearer $NANOSERVE_API_KEY\"" if api_key else ""
+    key = 'os.environ["NANOSERVE_API_KEY"]' if api_key else '"none"'
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}]}' % model
+    return "\n".join([
+        f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+        "",
+        "import os" if api_key else "# or in Python:",
+        "from openai import OpenAI",
+        f'client = OpenAI(base_url="{url}/v1", api_key={key})',
+        f'reply = client.chat.completions.create(model="{model}",',
+        '                                        messages=[{"role": "user", "content": "Hi"}])',
+        "print(reply.choices[0].message.content)",
+    ])
 
 
 def run(args):
-    from nanoserve.model import load_gguf
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+    from nanoserve.server.api_server import ServerConfig, ServerState
+    from nanoserve.server.metrics import PrometheusStatLogger
+    from nanoserve.server.runner import Server
 
-    params = sampling_params(args)
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print("loading the model ...", flush=True)
-    tokenizer, model = Tokenizer.from_gguf(args.gguf), load_gguf(args.gguf)
-    if interactive:
-        print("nanoserve chat: SmolLM2-135M-Instruct. Type a message; 'exit' or Ctrl-D to quit.")
-
-    def write(text):
-        print(text, end="", flush=True)
-
+    problem = check_args(args)
+    if problem is None:
+        try:  # bind now: a port in use is an error before minutes of model loading
+            sock = socket.create_server((args.host, args.port))
+        except OSError as e:
+            problem = f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'} ...", flush=True)
     try:
-        chat(model, tokenizer, params, read_lines(interactive), write, use_cache=not args.no_cache)
-    except KeyboardInterrupt:
-        print()
+        llm = llm_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stat_logger = PrometheusStatLogger(args.served_model_name)
+    config = ServerConfig(args.served_model_name, args.api_key, args.metrics_need_key, args.max_waiting_requests,
+                          args.rate_limit, args.rate_burst, args.max_body_bytes)
+    state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+
+    def ready():
+        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop). Try:\n", flush=True)
+        print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
+
+    Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
+    print("nanoserve: stopped", flush=True)
     return 0

@@ -1,0 +1,216 @@
+"""Chapter 08 — AsyncLLMEngine: the engine loop in its own thread, one async stream per request.
+
+    engine = AsyncLLMEngine(LLMEngine(model, config, tokenizer))
+    engine.start()
+    async for out in engine.generate("req-1", prompt_token_ids, SamplingParams(max_tokens=16)):
+        print(out.new_text, end="")        # a RequestOutput per step the request took part in
+    engine.shutdown()
+
+Why a thread: a step is one forward pass (tens to hundreds of milliseconds of torch work). Run on
+the server's asyncio event loop, it would freeze every connection for that long: no new request
+accepted, no token sent. So the loop that calls `step()` lives in a thread of its own, and the two
+worlds meet at two thread-safe points:
+
+    event loop  ──add / abort──▶  inbox (a list under a lock)  ──drained at each step boundary──▶  LLMEngine
+    event loop  ◀──RequestOutput── each request's asyncio.Queue ◀──call_soon_threadsafe──  engine thread
+
+Only the engine thread ever touches the LLMEngine, so the engine itself needs no lock. An abort is
+an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
+When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
+A step that raises fails the requests that were in it (their streams raise) and the loop goes on.
+"""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
+from nanoserve.sampling import SamplingParams
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was part of it; the request is aborted."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput, or an exception that ends the stream
+    added: asyncio.Future  # resolved once the engine took the request (or refused it)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, stat_logger=None):
+        """stat_logger: optional, `stat_logger.record(engine, outputs)` runs in the engine thread after
+        every step (the server's Prometheus metrics)."""
+        self.engine = engine
+        self.stat_logger = stat_logger
+        self._lock = threading.Lock()  # guards the inbox and the stream table
+        self._inbox_adds: list[tuple[str, list[int], SamplingParams, int]] = []
+        self._inbox_aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        # snapshots the engine thread publishes after every step (read by the server without a lock)
+        self.num_requests_running = 0
+        self.num_requests_waiting = 0
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the thread after its current step; requests still in flight are aborted."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the event loop's side -----------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Hand a request to the engine; returns its output stream once the engine took it (at the next
+        step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
+        so a server can answer 400 before it starts streaming."""
+        if not self.is_running:
+            raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), loop.create_future())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+            self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority))
+        self._wakeup.set()
+        try:
+            await stream.added
+        except asyncio.CancelledError:  # the caller went away before the engine saw the request
+            self.abort(request_id)
+            raise
+        return self._outputs(request_id, stream.queue)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """add_request and its stream in one: `async for out in engine.generate(...)`."""
+        async for out in await self.add_request(request_id, prompt_token_ids, sampling_params, priority):
+            yield out
+
+    async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, one per step it got a token in; the last one has finished=True.
+        Leaving early (break, an exception, a cancelled task: a client that disconnected) aborts it."""
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread or coroutine; it takes effect at the next step boundary,
+        when its KV blocks go back to the pool. Unknown or finished ids are ignored."""
+        with self._lock:
+            self._inbox_aborts.append(request_id)
+        self._wakeup.set()
+
+    def num_unfinished_requests(self) -> int:
+        """Requests the server handed over that have not finished (queued in the inbox included)."""
+        with self._lock:
+            return len(self._streams)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wakeup.clear()  # before draining: an add that lands after this sets it again
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._publish()
+                self._wakeup.wait()
+                continue
+            self.engine.last_scheduler_output = None
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 — a bad step must not take the server down
+                self._fail_step(e)
+                continue
+            self._publish()
+            if self.stat_logger is not None:
+                self.stat_logger.record(self.engine, outputs)
+            self._deliver(outputs)
+        self._drain_inbox()
+        for request_id in list(self.engine.scheduler.seqs):  # shutting down: nothing keeps its blocks
+            self._deliver([self.engine.abort_request(request_id)])
+        with self._lock:
+            leftovers = list(self._streams)
+        for request_id in leftovers:  # never entered the engine
+            self._end(request_id, RuntimeError("the engine shut down"))
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            adds, self._inbox_adds = self._inbox_adds, []
+            aborts, self._inbox_aborts = self._inbox_aborts, []
+        for request_id, prompt_token_ids, params, priority in adds:
+            stream = self._streams[request_id]
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, priority)
+            except Exception as e:  # noqa: BLE001 — refused: the caller's add_request raises it
+                with self._lock:
+                    del self._streams[request_id]
+                stream.loop.call_soon_threadsafe(_resolve, stream.added, e)
+                continue
+            stream.loop.call_soon_threadsafe(_resolve, stream.added, None)
+        for request_id in aborts:
+            out = self.engine.abort_request(request_id)
+            if out is not None:
+                self._deliver([out])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _end(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(_resolve, stream.added, None)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+    def _fail_step(self, error: Exception) -> None:
+        """The requests of the failed step are aborted (blocks freed) and their streams raise."""
+        planned = self.engine.last_scheduler_output
+        # schedule() itself failed: no plan to blame, so every request is suspect
+        victims = [s.seq_id for s in planned.scheduled_seqs] if planned is not None else list(self.engine.scheduler.seqs)
+        for request_id in victims:
+            self.engine.abort_request(request_id)
+            self._end(request_id, EngineStepError(f"request {request_id!r} failed in an engine step: {error!r}"))
+        self._publish()
+
+    def _publish(self) -> None:
+        scheduler = self.engine.scheduler
+        self.num_requests_running, self.num_requests_waiting = len(scheduler.running), len(scheduler.waiting)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the waiting coroutine was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

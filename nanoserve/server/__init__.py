@@ -1,0 +1,1 @@
+"""Chapter 08 — the HTTP layer: an OpenAI-compatible API in front of the AsyncLLMEngine."""

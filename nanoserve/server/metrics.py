@@ -1,0 +1,90 @@
+"""Chapter 08 — what an operator scrapes from GET /metrics (Prometheus text format).
+
+vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one read the other:
+
+    nanoserve:num_requests_running / num_requests_waiting      gauges: the scheduler's two queues
+    nanoserve:kv_cache_usage_perc                              gauge: fraction of KV blocks held (0..1)
+    nanoserve:prefix_cache_queries_total / _hits_total         counters, in prompt tokens
+    nanoserve:num_preemptions_total                            counter: recompute preemptions
+    nanoserve:prompt_tokens_total / generation_tokens_total    counters
+    nanoserve:request_success_total{finished_reason=...}       counter: stop, length, abort
+    nanoserve:time_to_first_token_seconds, inter_token_latency_seconds,
+    nanoserve:request_time_per_output_token_seconds, e2e_request_latency_seconds,
+    nanoserve:request_queue_time_seconds                       histograms
+
+`record` runs in the engine thread after every step (prometheus_client is thread-safe); each
+server owns its registry, so two servers in one process (tests, the notebook) do not mix.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # no `_created` twin of every counter: the scrape reads as the table above
+
+PREFIX = "nanoserve:"
+# seconds: from a fast decode step on a quiet machine to a long queue under overload
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": self.registry}
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, **label).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, **label).labels(model_name)
+
+        def histogram(name, doc):
+            return Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, **label).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running set (they hold KV blocks).")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones too).")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Recompute preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
+        self.tpot = histogram("request_time_per_output_token_seconds", "Mean gap per output token after the first.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.model_name = model_name
+        self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
+
+    def record(self, engine, outputs) -> None:
+        """Called after every engine step with that step's RequestOutputs."""
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        self.num_requests_running.set(len(scheduler.running))
+        self.num_requests_waiting.set(len(scheduler.waiting))
+        self.kv_cache_usage.set(blocks.usage)
+        queried, hit = blocks.stats.queried_tokens, blocks.stats.hit_tokens
+        self.prefix_cache_queries.inc(queried - self._prefix_seen[0])
+        self.prefix_cache_hits.inc(hit - self._prefix_seen[1])
+        self._prefix_seen = (queried, hit)
+        if engine.last_scheduler_output is not None:
+            self.num_preemptions.inc(len(engine.last_scheduler_output.preempted_seq_ids))
+        for out in outputs:
+            self.generation_tokens.inc(len(out.new_token_ids))
+            if len(out.token_ids) == len(out.new_token_ids):  # its first token: the prompt was prefilled
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            if out.finished:
+                self.record_finished(out)
+
+    def record_finished(self, out) -> None:
+        m = out.metrics
+        self.request_success.labels(self.model_name, out.finish_reason).inc()
+        for histogram, value in ((self.ttft, m.get("ttft")), (self.tpot, m.get("tpot")), (self.e2e, m.get("e2e")),
+                                 (self.queue_time, m.get("queue_time"))):
+            if value is not None:
+                histogram.observe(value)
+        for gap in m.get("itl", []):
+            self.itl.observe(gap)
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,76 @@
+"""Chapter 08 — running the server: uvicorn around the app, with a graceful shutdown.
+
+    state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, ServerConfig(), stat_logger)
+    server = Server(state, "127.0.0.1", 8000, shutdown_timeout=10)
+    server.run()                          # the CLI: blocks until SIGTERM / Ctrl-C
+    # or, in a test or a notebook:
+    port = server.start_in_thread(); ...; server.stop()
+
+Shutdown, in order: the app starts answering 503 (`draining`), uvicorn stops listening and waits
+for running responses — streams finish — up to `shutdown_timeout` seconds, then cancels what is
+left (each cancelled stream aborts its request), and last the engine thread stops.
+"""
+
+import signal
+import threading
+import time
+
+import uvicorn
+
+from nanoserve.server.api_server import ServerState, build_app
+
+
+class Server(uvicorn.Server):
+    def __init__(self, state: ServerState, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 10.0,
+                 log_level: str = "warning", on_ready=None):
+        config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=shutdown_timeout)
+        super().__init__(config)
+        self.state = state
+        self.on_ready = on_ready  # called once the socket accepts connections
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one the OS picked when asked for port 0)."""
+        return self.servers[0].sockets[0].getsockname()[1]
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.draining = True  # requests still arriving on open connections get 503
+        await super().shutdown(sockets)
+
+    def run(self, sockets=None) -> None:
+        """Serve until SIGTERM or Ctrl-C (or `should_exit`); then drain, stop the engine, return."""
+        self.state.engine.start()
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn re-raises the signal it caught once it is done; with these no-op handlers
+            # in place that ends nothing, and the process exits 0 after a clean drain.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: None)
+        try:
+            super().run(sockets)
+        finally:
+            self.state.engine.shutdown()
+
+    def start_in_thread(self, timeout: float = 30.0) -> int:
+        """Serve from a background thread; returns the port once it accepts connections."""
+        self._thread = threading.Thread(target=self.run, name="nanoserve-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (is the port free?)")
+            time.sleep(0.01)
+        return self.port
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """A graceful shutdown of a server started with start_in_thread (as SIGTERM would)."""
+        self.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None

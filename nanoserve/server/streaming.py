@@ -1,0 +1,92 @@
+"""Chapter 08 — one request's stream: engine outputs in, OpenAI's server-sent events out.
+
+The engine hands us a RequestOutput per step, each carrying the text so far. The client wants
+*deltas*, as SSE lines in OpenAI's chunk format, and never the start of a stop string:
+
+    engine text so far        stop=["\\nUser:"]   sent        held back
+    "Hello"                                      "Hello"     ""
+    "Hello.\\nUs"                                 "."         "\\nUs"     (could become "\\nUser:")
+    "Hello.\\nUser:" finished, cut to "Hello."    ""          -          (it did: never shown)
+
+so the stream reads
+
+    data: {"object": "chat.completion.chunk", "choices": [{"delta": {"role": "assistant", "content": ""}, ...}]}
+    data: {... "choices": [{"delta": {"content": "Hello"}, "finish_reason": null}]}
+    data: {... "choices": [{"delta": {"content": "."}, "finish_reason": null}]}
+    data: {... "choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]}
+    data: [DONE]
+
+Holding back only while the tail could still grow into a stop string keeps the sent text a prefix
+of the final text at every step, so the deltas concatenate to exactly the non-streamed answer.
+"""
+
+import json
+from collections.abc import AsyncIterator
+
+from nanoserve.engine.llm_engine import RequestOutput
+from nanoserve.server.protocol import error_body
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def stop_hold_back(text: str, stop: list[str]) -> int:
+    """How many characters at the end of `text` could still be the start of a stop string.
+
+        >>> stop_hold_back("Hello.\\nUs", ["\\nUser:"]), stop_hold_back("Hello", ["\\nUser:"])
+        (3, 0)
+    """
+    longest = 0
+    for s in stop:
+        # a proper prefix only: a whole stop string would already have finished the request
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+async def text_deltas(outputs: AsyncIterator[RequestOutput], stop: list[str]) -> AsyncIterator[tuple[str, RequestOutput]]:
+    """(text to send now, the output) per engine output; nothing held back once it is finished.
+    Outputs that free no text are skipped, except the last (it carries the finish_reason)."""
+    sent = 0
+    async for out in outputs:
+        end = len(out.text) if out.finished else len(out.text) - stop_hold_back(out.text, stop)
+        delta = out.text[sent:end]
+        sent = max(sent, end)
+        if delta or out.finished:
+            yield delta, out
+
+
+async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], kind: str, chunk: dict,
+                        include_usage: bool = False) -> AsyncIterator[str]:
+    """The SSE lines of one request. kind: "chat" (choices carry a `delta`; the first chunk the role)
+    or "completion" (choices carry `text`). chunk: the fields every chunk repeats (id, object, created,
+    model). An engine error after the stream began is one `data: {"error": ...}` line, then [DONE]."""
+
+    def event(choices: list[dict], **extra) -> str:
+        return sse({**chunk, "choices": choices, **({"usage": None} if include_usage else {}), **extra})
+
+    def choice(text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if kind == "chat":
+            delta = {"role": "assistant", "content": text} if role else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    if kind == "chat":
+        yield event([choice("", None, role=True)])
+    try:
+        async for delta, out in text_deltas(outputs, stop):
+            yield event([choice(delta, out.finish_reason)])
+        if include_usage:
+            yield event([], usage=usage(out))
+    except Exception as e:  # noqa: BLE001 — the status line is long gone: the error travels in the stream
+        yield sse(error_body(str(e), 500))
+    yield sse("[DONE]")
