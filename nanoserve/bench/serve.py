@@ -227,52 +227,70 @@ def command_line(args) -> str:
     return "python -m nanoserve bench serve " + " ".join(flags)
 
 
+def measure(args, metrics) -> dict:
+    """Run the benchmark `args` describe; return the result (what --result-json holds). ValueError for bad input."""
+    slos = parse_goodput(args.goodput)
+    tokenizer = model_tokenizer()  # random prompts, and counting tokens for servers that send no usage
+    items = load_dataset(args, tokenizer)
+    raw = asyncio.run(benchmark(args, items, lambda text: len(tokenizer.encode(text))))
+    records = raw["records"]
+    for record, item in zip(records, items):
+        if record.success and not record.prompt_tokens:  # no usage: the prompt as our template renders it
+            record.prompt_tokens = len(tokenizer.encode_chat(item["messages"]))
+    latencies = [metrics.request_latencies(r) for r in records]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "url": args.url, "model": raw["model"], "endpoint": args.endpoint, "dataset": args.dataset,
+        "command": command_line(args), "num_prompts": args.num_prompts,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,
+        "slos_ms": {k: v * 1000 for k, v in slos.items()}, "student_metrics": args.student,
+        **metrics.summarize(records, raw["duration"], slos),
+        "client_wait_ms": metrics.stats([w * 1000 for w in raw["client_wait"]]),
+        "input_lens": [r.prompt_tokens for r in records], "output_lens": [r.output_tokens for r in records],
+        "ttfts": [m["ttft"] for m in latencies], "tpots": [m["tpot"] for m in latencies],
+        "e2els": [m["e2e"] for m in latencies], "itls": [m["itl"] for m in latencies],
+        "errors": [r.error for r in records],
+    }
+
+
+def serve_args(url: str, **options):
+    """The arguments of `bench serve --url URL`, defaults filled in, `options` (flag names with _) on top."""
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    args = sub.choices["serve"].parse_args(["--url", url])
+    unknown = set(options) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown bench serve option(s) {sorted(unknown)}")
+    vars(args).update(options)
+    return args
+
+
 def run(args):
     try:
         check_args(args)
-        slos = parse_goodput(args.goodput)
+        parse_goodput(args.goodput)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     metrics = load_student_metrics() if args.student else importlib.import_module("nanoserve.metrics")
     if metrics is None:
         return 2
-    tokenizer = model_tokenizer()  # random prompts, and counting tokens for servers that send no usage
     try:
-        items = load_dataset(args, tokenizer)
-        raw = asyncio.run(benchmark(args, items, lambda text: len(tokenizer.encode(text))))
+        result = measure(args, metrics)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    records = raw["records"]
-    for record, item in zip(records, items):
-        if record.success and not record.prompt_tokens:  # no usage: the prompt as our template renders it
-            record.prompt_tokens = len(tokenizer.encode_chat(item["messages"]))
-    summary = metrics.summarize(records, raw["duration"], slos)
-    client_wait_ms = metrics.stats([w * 1000 for w in raw["client_wait"]])
-    errors = [r.error for r in records if not r.success]
     print("command: " + command_line(args))
-    print(f"server: {args.url}  model: {raw['model']}  endpoint: {args.endpoint}  dataset: {args.dataset}  "
+    print(f"server: {args.url}  model: {result['model']}  endpoint: {args.endpoint}  dataset: {args.dataset}  "
           f"rate: {args.request_rate:g}/s  concurrency: {args.max_concurrency or 'unlimited'}")
-    print_summary(summary, client_wait_ms, slos, errors)
+    print_summary(result, result["client_wait_ms"], parse_goodput(args.goodput), [e for e in result["errors"] if e])
     if args.result_json:
-        latencies = [metrics.request_latencies(r) for r in records]
-        result = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-            "url": args.url, "model": raw["model"], "endpoint": args.endpoint, "dataset": args.dataset,
-            "command": command_line(args), "num_prompts": args.num_prompts,
-            "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
-            "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,
-            "slos_ms": {k: v * 1000 for k, v in slos.items()}, "student_metrics": args.student,
-            **summary, "client_wait_ms": client_wait_ms,
-            "input_lens": [r.prompt_tokens for r in records], "output_lens": [r.output_tokens for r in records],
-            "ttfts": [m["ttft"] for m in latencies], "tpots": [m["tpot"] for m in latencies],
-            "e2els": [m["e2e"] for m in latencies], "itls": [m["itl"] for m in latencies],
-            "errors": [r.error for r in records],
-        }
         os.makedirs(os.path.dirname(os.path.abspath(args.result_json)), exist_ok=True)
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.result_json}")
-    return 1 if summary["failed"] else 0
+    return 1 if result["failed"] else 0

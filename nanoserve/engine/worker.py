@@ -36,10 +36,10 @@ def keep_freed_host_memory() -> bool:
 
 
 class Worker:
-    def __init__(self, model, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, dtype: torch.dtype | None = None):
         keep_freed_host_memory()
         self.model = model.eval()
-        self.dtype = dtype
+        self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
