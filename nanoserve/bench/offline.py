@@ -82,13 +82,7 @@ def run_nanoserve(engine, workload, side_jobs=(), every: int = 1):
     steps = preemptions = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        now = time.perf_counter() - t0 - side_seconds  # nanoserve's clock
-        for out in outputs:
-            record = records[out.request_id]
-            record.chunk_times.append(now)
-            record.output_tokens = len(out.token_ids)
-            if out.finished:
-                record.end = now
+        stamp_outputs(records, outputs, time.perf_counter() - t0 - side_seconds)  # on nanoserve's clock
         steps += 1
         preemptions += len(engine.last_scheduler_output.preempted_seq_ids)
         if jobs and (steps - 1) % every == 0:
@@ -96,6 +90,16 @@ def run_nanoserve(engine, workload, side_jobs=(), every: int = 1):
     seconds = time.perf_counter() - t0 - side_seconds
     side_seconds += sum(timed(job, 1) for job in jobs)
     return seconds, side_seconds, steps, preemptions, list(records.values())
+
+
+def stamp_outputs(records: dict, outputs, now: float) -> None:
+    """One engine step's RequestOutputs into their RequestRecords: a chunk at `now` for each, the end if finished."""
+    for out in outputs:
+        record = records[out.request_id]
+        record.chunk_times.append(now)
+        record.output_tokens = len(out.token_ids)
+        if out.finished:
+            record.end = now
 
 
 def one_at_a_time_jobs(model, workload) -> list:

@@ -3,7 +3,10 @@
     python -m nanoserve memory --model llama-3-8b --device-gb 80 --seq-len 4096 --dtype bf16
 """
 
-from nanoserve.memory import DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts
+import sys
+
+from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, paged_memory_plan,
+                              parameter_counts)
 from nanoserve.model.known_configs import KNOWN_CONFIGS
 
 
@@ -14,10 +17,17 @@ def register(sub):
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (prompt + output), default 4096")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of both weights and KV cache")
     p.add_argument("--reserve", type=float, default=RESERVE_FRACTION, help="fraction of the device kept free")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the paged pool (chapter 05)")
+    p.add_argument("--kv-fill", type=float, default=None,
+                   help="the share of used KV slots that held tokens in a real run (bench experiment overload "
+                        "prints it), to see what the pool holds in practice")
     p.set_defaults(func=run)
 
 
 def run(args):
+    if args.block_size < 1 or (args.kv_fill is not None and not 0 < args.kv_fill <= 1):
+        print("error: --block-size must be >= 1 and --kv-fill in (0, 1]", file=sys.stderr)
+        return 2
     config = KNOWN_CONFIGS[args.model]
     plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
     L, Hkv, D, nbytes = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, DTYPE_BYTES[args.dtype]
@@ -45,3 +55,11 @@ def run(args):
     print(f"\nconcurrent sequences of {args.seq_len} tokens: {plan.num_sequences}"
           f"  (= {plan.kv_budget:,.0f} // {plan.kv_per_sequence:,.0f})")
     print(f"tokens in the KV cache at once: {plan.num_sequences * args.seq_len:,}")
+    paged = paged_memory_plan(config, args.device_gb * GiB, args.seq_len, args.block_size, args.dtype, args.reserve)
+    print(f"\npaged, blocks of {args.block_size} tokens ({format_bytes(paged.block_bytes)} each): {paged.num_blocks:,} blocks; "
+          f"a sequence takes {paged.blocks_per_sequence} ({paged.wasted_slots_per_sequence} slots of its last block unused)")
+    print(f"concurrent sequences of {args.seq_len} tokens in whole blocks: {paged.num_sequences}")
+    if args.kv_fill is not None:
+        live = int(paged.num_blocks * args.block_size * args.kv_fill)
+        print(f"at the measured fill of {args.kv_fill:.0%} of used slots: {live:,} live tokens, "
+              f"{live // args.seq_len} sequences of {args.seq_len} tokens")
