@@ -34,7 +34,8 @@ def stand_in_app(state: dict):
         body = await request.json()
         state["bodies"].append(body)
         state["auth"].add(request.headers.get("authorization"))
-        if "FAIL" in body["messages"][-1]["content"]:
+        content = body["messages"][-1]["content"]
+        if "FAIL" in content:
             return JSONResponse({"error": {"message": "asked to fail", "type": "server_error"}}, status_code=500)
         n = body["max_tokens"]  # always n tokens (as if ignore_eos), two per chunk
 
@@ -51,7 +52,8 @@ def stand_in_app(state: dict):
                 if state["usage"] and body.get("stream_options", {}).get("include_usage"):
                     usage = {"prompt_tokens": 11, "completion_tokens": n, "total_tokens": 11 + n}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
+                if "CUT" not in content:  # CUT: the stream stops short, as a dropped connection would
+                    yield "data: [DONE]\n\n"
             finally:
                 state["in_flight"] -= 1
 
@@ -120,15 +122,16 @@ def test_against_stand_in(stand_in, tmp_path, capsys):
 def test_failures_are_counted_and_shown(stand_in, tmp_path, capsys):
     url, _ = stand_in
     data = tmp_path / "prompts.jsonl"
-    data.write_text('{"prompt": "hello", "output_len": 4}\n{"messages": [{"role": "user", "content": "FAIL now"}]}\n')
+    data.write_text('{"prompt": "hello", "output_len": 4}\n{"messages": [{"role": "user", "content": "FAIL now"}]}\n'
+                    '{"prompt": "CUT short", "output_len": 4}\n')
     out = tmp_path / "r.json"
     rc, io = bench(["--url", url, "--model", "stand-in", "--dataset", str(data), "--num-prompts", "6",
                     "--warmup", "0", "--goodput", "ttft:60000", "--result-json", str(out)], capsys)
     assert rc == 1  # failures make the run exit non-zero
     result = json.loads(out.read_text())
-    assert (result["completed"], result["failed"]) == (3, 3)
-    assert result["errors"][1] == "HTTP 500: asked to fail" and result["errors"][0] == ""
-    assert result["goodput"] == pytest.approx(3 / result["duration_s"])  # failed requests never meet an SLO
+    assert (result["completed"], result["failed"]) == (2, 4)
+    assert result["errors"][:3] == ["", "HTTP 500: asked to fail", "RuntimeError: the stream ended before data: [DONE]"]
+    assert result["goodput"] == pytest.approx(2 / result["duration_s"])  # failed requests never meet an SLO
     assert "failed: HTTP 500: asked to fail" in io.out
 
 

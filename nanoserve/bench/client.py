@@ -45,7 +45,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, count_tokens=Non
     """(the request's RequestRecord, its generated text). Never raises for a failed request: the record says so."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     record, text = RequestRecord(start=time.perf_counter()), []
-    usage = None
+    usage, done = None, False
     try:
         async with client.stream("POST", url.rstrip("/") + path, json=body) as response:
             if response.status_code != 200:
@@ -56,6 +56,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, count_tokens=Non
                     continue  # blank separators, comments, "event:" lines
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -67,6 +68,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, count_tokens=Non
                         record.chunk_times.append(time.perf_counter())
                         text.append(delta)
         record.end = time.perf_counter()
+        if not done:  # cut off (llama-cpp-python's server drops a stream when a newer request interrupts it)
+            raise RuntimeError("the stream ended before data: [DONE]")
     except (httpx.HTTPError, RuntimeError, ValueError) as e:
         record.success, record.error = False, f"{type(e).__name__}: {e}"
         return record, "".join(text)
