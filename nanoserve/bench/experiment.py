@@ -437,7 +437,8 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.tokenizer import Tokenizer
 
-    model, tokenizer = load_gguf(), Tokenizer.from_gguf()
+    http_only = args.name == "servers" or (args.name == "concurrency" and args.url)
+    model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     print(f"command: {command}\nthreads: {torch.get_num_threads()}")
     result, figure = RUNNERS[args.name](args, model, tokenizer)
