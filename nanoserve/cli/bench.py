@@ -7,7 +7,7 @@ reports ratios measured side by side in one run.
 
 import importlib
 
-BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "serve", "profile", "experiment"]
+BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "http", "serve", "profile", "experiment"]
 
 
 def register(sub):

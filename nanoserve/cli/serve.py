@@ -98,7 +98,7 @@ def run(args):
         return 2
     stat_logger = PrometheusStatLogger(args.served_model_name)
     config = ServerConfig(args.served_model_name, args.api_key, args.metrics_need_key, args.max_waiting_requests,
-                          args.rate_limit, args.rate_burst, args.max_body_bytes)
+                          args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student)
     state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
