@@ -151,11 +151,25 @@ def test_without_usage_counts_tokens_with_the_tokenizer(stand_in, tmp_path, caps
     assert json.loads(out.read_text())["output_lens"] == [expected, expected]
 
 
-def test_student_metrics_plug_in(stand_in, tmp_path, capsys):
-    """--student reports with exercises/09-measuring/metrics.py: untouched, it says so and exits 2."""
+def test_student_metrics_plug_in(stand_in, tmp_path, capsys, monkeypatch):
+    """--student reports with exercises/09-measuring/metrics.py: untouched, it says so and exits 2; finished (here:
+    a copy of the reference in a stand-in exercises folder), its numbers are the report."""
+    import shutil
+
+    import nanoserve.student
+
     url, _ = stand_in
     rc, io = bench(["--url", url, "--num-prompts", "1", "--student"], capsys)
     assert rc == 2 and "error: exercises/09-measuring/metrics.py is not finished" in io.err
+    (tmp_path / "09-measuring").mkdir()
+    source = (tmp_path / "09-measuring" / "metrics.py")
+    shutil.copy(nanoserve.student.EXERCISES.parent / "nanoserve" / "metrics.py", source)
+    source.write_text(source.read_text().replace('"completed": len(ok)', '"completed": len(ok), "by": "student"'))
+    monkeypatch.setattr(nanoserve.student, "EXERCISES", tmp_path)
+    out = tmp_path / "r.json"
+    rc, io = bench(["--url", url, "--num-prompts", "2", "--student", "--result-json", str(out)], capsys)
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["by"] == "student" and result["student_metrics"] and result["completed"] == 2
 
 
 @pytest.mark.parametrize("argv, message", [
