@@ -145,3 +145,36 @@ def memory_plan(config: LlamaConfig, device_bytes: float, seq_len: int, dtype: s
     return MemoryPlan(device=device_bytes, reserve=reserve, weights=weights, activations=activations,
                       kv_budget=kv_budget, kv_per_token=kv_bytes_per_token(config, dtype),
                       kv_per_sequence=per_sequence, num_sequences=max(0, int(kv_budget // per_sequence)))
+
+
+# ---- Chapter 09: the plan in blocks ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PagedMemoryPlan:
+    """The KV budget of a MemoryPlan cut into blocks of `block_size` tokens (chapter 05's pool)."""
+
+    block_size: int
+    block_bytes: float  # block_size × kv_per_token
+    num_blocks: int  # kv_budget // block_bytes
+    blocks_per_sequence: int  # ceil(seq_len / block_size): a partly filled last block still costs a whole block
+    num_sequences: int  # num_blocks // blocks_per_sequence
+    wasted_slots_per_sequence: int  # blocks_per_sequence × block_size − seq_len
+
+
+def paged_memory_plan(config: LlamaConfig, device_bytes: float, seq_len: int, block_size: int = 16,
+                      dtype: str = "bf16", reserve_fraction: float = RESERVE_FRACTION) -> PagedMemoryPlan:
+    """How many sequences of `seq_len` tokens a paged pool on this device holds at once, in whole blocks.
+
+    SmolLM2 fp32 on a 2 GiB device, 1000-token sequences, blocks of 16: the KV budget is 2 GiB − 10 % − 538 MB
+    weights − 29 MB activations = 1,365,491,251 B; a block is 16 · 46,080 = 737,280 B, so 1852 blocks. A sequence
+    needs ceil(1000 / 16) = 63 blocks (8 slots wasted): 1852 // 63 = 29 sequences.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    plan = memory_plan(config, device_bytes, seq_len, dtype, reserve_fraction)
+    block_bytes = block_size * plan.kv_per_token
+    num_blocks = max(0, int(plan.kv_budget // block_bytes))
+    per_sequence = -(-seq_len // block_size)
+    return PagedMemoryPlan(block_size=block_size, block_bytes=block_bytes, num_blocks=num_blocks,
+                           blocks_per_sequence=per_sequence, num_sequences=num_blocks // per_sequence,
+                           wasted_slots_per_sequence=per_sequence * block_size - seq_len)

@@ -54,6 +54,7 @@ STUDENT_FILES = {
     "nanoserve.server.streaming": "08-http-serving/streaming.py",
     "nanoserve.kernels.triton_paged_attention": "07-triton-paged-attention/triton_paged_attention.py",
     "nanoserve.model.quant": "10-quantization/quant.py",
+    "nanoserve.metrics": "09-measuring/metrics.py",
 }
 
 

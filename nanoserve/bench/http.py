@@ -11,18 +11,18 @@ ids of 20-200 tokens, 128 output tokens each, greedy, EOS ignored) runs twice:
 Each system has an engine of its own on the same model, and each round a fresh workload, so neither
 profits from the other's prefix cache. The order alternates between rounds (offline first, then HTTP
 first) so the machine's drift cancels from the ratio. Reported: aggregate output tokens/s (all output
-tokens / wall time from the first request to the last token), TTFT and ITL p50/p99 as
-nanoserve/engine/sequence.py's Sequence.metrics() defines them (arrival -> first token, gaps between
-consecutive tokens); for HTTP measured at the client, one SSE chunk = one arrival.
+tokens / wall time from the first request to the last token), TTFT and ITL p50/p99 by chapter 09's one
+definition (nanoserve/metrics.py): for offline from Sequence.metrics() on the engine's clock, for HTTP
+from `bench serve`'s client (nanoserve/bench/client.py) on the client's clock.
 """
 
 import asyncio
-import json
 import random
-import statistics
 import time
 
 import torch
+
+from nanoserve.metrics import percentile
 
 
 def register(sub):
@@ -54,40 +54,32 @@ def run_offline(engine, prompts, params) -> tuple[float, list[dict]]:
     return time.perf_counter() - t0, metrics
 
 
-async def stream_one(client, prompt, max_tokens: int) -> dict:
-    """One streaming request; ttft / itl on the client's clock, output tokens from the usage chunk."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    sent, arrivals, num_tokens = time.perf_counter(), [], 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
-    return {"ttft": arrivals[0] - sent, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
-            "num_output_tokens": num_tokens}
-
-
 def run_http(url: str, prompts, max_tokens: int) -> tuple[float, list[dict]]:
+    """(wall seconds, per-request latencies): C clients at once, each streaming one request through chapter 09's
+    client (nanoserve/bench/client.py: the client's clock, output tokens from the usage chunk)."""
     import httpx
+
+    from nanoserve.bench.client import send
+    from nanoserve.metrics import request_latencies
 
     async def main():
         limits = httpx.Limits(max_connections=len(prompts))
-        async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-            return await asyncio.gather(*(stream_one(client, p, max_tokens) for p in prompts))
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            return await asyncio.gather(*(send(client, url, {
+                "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) for p in prompts))
 
     t0 = time.perf_counter()
-    metrics = asyncio.run(main())
-    return time.perf_counter() - t0, metrics
+    results = asyncio.run(main())
+    seconds = time.perf_counter() - t0
+    failed = [record.error for record, _ in results if not record.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} HTTP request(s) failed, the first: {failed[0]}")
+    return seconds, [{**request_latencies(record), "num_output_tokens": record.output_tokens} for record, _ in results]
 
 
 def percentiles(values: list[float]) -> str:
-    q = statistics.quantiles(values, n=100, method="inclusive")
-    return f"{q[49] * 1000:7.0f} / {q[98] * 1000:7.0f}"
+    return f"{percentile(values, 50) * 1000:7.0f} / {percentile(values, 99) * 1000:7.0f}"
 
 
 def run(args):

@@ -10,7 +10,9 @@ EOS ignored) through three systems:
 
 The baselines are slow, so by default they run on the first --sequential-requests / --hf-requests
 requests of the workload; their tokens/s are then compared with nanoserve's tokens/s on the whole
-workload (output tokens per second of wall time, the same measure for all three).
+workload (output tokens per second of wall time, the same measure for all three). nanoserve's TTFT,
+TPOT, ITL and E2E percentiles (chapter 09's definitions, nanoserve/metrics.py) are printed beside its
+tokens/s; every request arrives at once, so TTFT includes the time queued behind the others' prefills.
 
 This machine's speed drifts by tens of per cent over minutes, so the one-at-a-time requests do not
 run after nanoserve's run but inside it: one between every few engine steps, each system's time
@@ -25,6 +27,7 @@ from functools import partial
 import torch
 
 from nanoserve.bench.model import timed
+from nanoserve.metrics import summarize
 
 
 def register(sub):
@@ -60,26 +63,43 @@ def params(num_output_tokens: int):
     return SamplingParams(temperature=0, max_tokens=num_output_tokens, ignore_eos=True)
 
 
-def run_nanoserve(engine, workload, side_jobs=(), every: int = 1) -> tuple[float, float, int, int]:
-    """(seconds nanoserve took to finish every request, seconds of the side jobs, engine steps, preemptions).
+def run_nanoserve(engine, workload, side_jobs=(), every: int = 1):
+    """(seconds nanoserve took to finish every request, seconds of the side jobs, engine steps, preemptions,
+    one RequestRecord per request).
 
     side_jobs: callables run one after step 1, 1 + every, 1 + 2·every, ... (any left over at the end), each
-    timed on a clock of its own, which nanoserve's seconds leave out. The engine ends empty.
+    timed on a clock of its own, which nanoserve's seconds leave out. The records are stamped on nanoserve's
+    clock too (wall time minus the side jobs so far), so their TTFT and TPOT are not inflated by the pauses.
+    The engine ends empty.
     """
+    from nanoserve.metrics import RequestRecord
+
     jobs, side_seconds = list(side_jobs), 0.0
     t0 = time.perf_counter()
+    records = {str(i): RequestRecord(start=0.0, prompt_tokens=len(prompt)) for i, (prompt, _) in enumerate(workload)}
     for i, (prompt, n) in enumerate(workload):
         engine.add_request(str(i), prompt, params(n))
     steps = preemptions = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        outputs = engine.step()
+        stamp_outputs(records, outputs, time.perf_counter() - t0 - side_seconds)  # on nanoserve's clock
         steps += 1
         preemptions += len(engine.last_scheduler_output.preempted_seq_ids)
         if jobs and (steps - 1) % every == 0:
             side_seconds += timed(jobs.pop(0), 1)
     seconds = time.perf_counter() - t0 - side_seconds
     side_seconds += sum(timed(job, 1) for job in jobs)
-    return seconds, side_seconds, steps, preemptions
+    return seconds, side_seconds, steps, preemptions, list(records.values())
+
+
+def stamp_outputs(records: dict, outputs, now: float) -> None:
+    """One engine step's RequestOutputs into their RequestRecords: a chunk at `now` for each, the end if finished."""
+    for out in outputs:
+        record = records[out.request_id]
+        record.chunk_times.append(now)
+        record.output_tokens = len(out.token_ids)
+        if out.finished:
+            record.end = now
 
 
 def one_at_a_time_jobs(model, workload) -> list:
@@ -112,6 +132,15 @@ def report(name: str, workload, seconds: float) -> float:
     return rate
 
 
+def print_latencies(summary: dict, indent: str = "") -> None:
+    """TTFT / TPOT / ITL / E2E rows (ms) of a metrics.summarize() result."""
+    print(f"{indent}{'ms':6s}" + "".join(f"{k:>10s}" for k in ("mean", "median", "p90", "p99")))
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        row = summary[f"{name}_ms"]
+        print(f"{indent}{name.upper():6s}" + "".join(
+            f"{row[k]:10.1f}" if row[k] is not None else f"{'-':>10s}" for k in ("mean", "median", "p90", "p99")))
+
+
 def run(args):
     from nanoserve.cli.batch import llm_from_args
 
@@ -134,10 +163,11 @@ def run(args):
     sequential = subset(args.sequential_requests) if args.sequential_requests else []
     # spread the sequential requests over the run, which takes at least as many steps as the longest output
     every = max(1, max(n for _, n in workload) // max(1, len(sequential)))
-    seconds, sequential_seconds, steps, preemptions = run_nanoserve(
+    seconds, sequential_seconds, steps, preemptions, records = run_nanoserve(
         llm.engine, workload, one_at_a_time_jobs(model, sequential), every)
     ours = report("nanoserve (continuous)", workload, seconds)
     print(f"    {steps} engine steps, {preemptions} preemptions")
+    print_latencies(summarize(records, seconds), "    ")
     if sequential:
         rate = report("one at a time (ch04 cache)", sequential, sequential_seconds)
         print(f"    nanoserve / one at a time: {ours / rate:5.1f}x output tokens/s "

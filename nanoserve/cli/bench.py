@@ -7,7 +7,8 @@ reports ratios measured side by side in one run.
 
 import importlib
 
-BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention", "http", "weights", "quality"]
+BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention", "http", "serve", "profile",
+              "experiment", "weights", "quality"]
 
 
 def register(sub):

@@ -5,8 +5,8 @@
 """
 
 from nanoserve.cli.checks import UsageError, fraction, positive_float, positive_int, weight_format
-from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, parameter_counts,
-                              weight_bytes)
+from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, paged_memory_plan,
+                              parameter_counts, weight_bytes)
 from nanoserve.model.known_configs import KNOWN_CONFIGS
 
 
@@ -19,11 +19,17 @@ def register(sub):
     p.add_argument("--reserve", type=fraction, default=RESERVE_FRACTION, help="fraction of the device kept free, in [0, 1)")
     p.add_argument("--weights", nargs="+", default=[], type=weight_format,
                    help="int8, q4, fp32: how many more sequences fit with the weights in these formats (chapter 10)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block of the paged pool (chapter 05)")
+    p.add_argument("--kv-fill", type=float, default=None,
+                   help="the share of used KV slots that held tokens in a real run (bench experiment overload "
+                        "prints it), to see what the pool holds in practice")
     p.set_defaults(func=run)
 
 
 def run(args):
     formats = args.weights
+    if args.kv_fill is not None and not 0 < args.kv_fill <= 1:
+        raise UsageError(f"--kv-fill must be in (0, 1], got {args.kv_fill}")
     config = KNOWN_CONFIGS[args.model]
     try:
         plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
@@ -63,3 +69,11 @@ def run(args):
     print(f"\nconcurrent sequences of {args.seq_len} tokens: {plan.num_sequences}"
           f"  (= {plan.kv_budget:,.0f} // {plan.kv_per_sequence:,.0f})")
     print(f"tokens in the KV cache at once: {plan.num_sequences * args.seq_len:,}")
+    paged = paged_memory_plan(config, args.device_gb * GiB, args.seq_len, args.block_size, args.dtype, args.reserve)
+    print(f"\npaged, blocks of {args.block_size} tokens ({format_bytes(paged.block_bytes)} each): {paged.num_blocks:,} blocks; "
+          f"a sequence takes {paged.blocks_per_sequence} ({paged.wasted_slots_per_sequence} slots of its last block unused)")
+    print(f"concurrent sequences of {args.seq_len} tokens in whole blocks: {paged.num_sequences}")
+    if args.kv_fill is not None:
+        live = int(paged.num_blocks * args.block_size * args.kv_fill)
+        print(f"at the measured fill of {args.kv_fill:.0%} of used slots: {live:,} live tokens, "
+              f"{live // args.seq_len} sequences of {args.seq_len} tokens")

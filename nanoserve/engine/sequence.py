@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoserve.metrics import e2e, itl, tpot, ttft
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -102,19 +104,20 @@ class Sequence:
         self.token_times.append(now)
 
     def metrics(self) -> dict:
-        """Per-request latencies in seconds (None where not reached yet).
+        """Per-request latencies in seconds (None where not reached yet), by chapter 09's definitions
+        (nanoserve/metrics.py) on the engine's clock: from arrival, one timestamp per generated token.
 
         queue_time: arrival -> first scheduled      ttft: arrival -> first token
-        tpot: mean time per output token after the first   itl: gaps between consecutive tokens
+        tpot: (e2e - ttft) / (tokens - 1)           itl: gaps between consecutive tokens
         e2e: arrival -> finished
         """
-        itl = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        first, total = ttft(self.arrival_time, self.token_times), e2e(self.arrival_time, self.finished_time)
         return {
             "queue_time": None if self.scheduled_time is None else self.scheduled_time - self.arrival_time,
-            "ttft": None if self.first_token_time is None else self.first_token_time - self.arrival_time,
-            "tpot": sum(itl) / len(itl) if itl else None,
-            "itl": itl,
-            "e2e": None if self.finished_time is None else self.finished_time - self.arrival_time,
+            "ttft": first,
+            "tpot": tpot(first, total, self.num_output_tokens),
+            "itl": itl(self.token_times),
+            "e2e": total,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_output_tokens": self.num_output_tokens,
             "num_preemptions": self.num_preemptions,

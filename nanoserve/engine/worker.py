@@ -37,14 +37,14 @@ def keep_freed_host_memory() -> bool:
 
 
 class Worker:
-    def __init__(self, model, dtype: torch.dtype = torch.float32, attention_backend: str = "torch",
+    def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention: the Triton kernel module for "triton" (None: the reference)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
-        self.dtype = dtype
+        self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
         self.attention = attention_class(attention_backend, paged_attention)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized

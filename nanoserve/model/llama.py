@@ -50,8 +50,9 @@ class Llama(nn.Module):
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's context of {self.config.max_position_embeddings} tokens"
             )
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (N, D) each
         x = self.embed_tokens(input_ids)  # (N, hidden)
+        # angles computed in float32, applied in the model's dtype (a bf16 model keeps bf16 q and k)
+        cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))  # (N, D)
         for block in self.layers:
             x = block(x, cos, sin, attn or causal_self_attention)
         return self.norm(x)

@@ -1,0 +1,455 @@
+"""`python -m nanoserve bench experiment NAME`: chapter 09's comparison experiments, one command each.
+
+Each writes results/experiments/NAME.json and NAME.png and prints its table. The offline ones drive the
+engine step by step (requests added at given steps, every output stamped on one clock, metrics from
+nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
+
+  chunked-prefill  TTFT of a lone prompt vs its length, chunked prefill on / off; and the ITL spike a long
+                   prompt arriving causes to 4 running streams, on / off
+  overload         an undersized KV pool: blocks used, waiting queue and preemptions, step by step
+  prefix-caching   requests sharing a 175-token system prompt, prefix caching on / off: TTFT and throughput
+  block-size       8 / 16 / 32 tokens per block: the slots wasted in partly filled blocks vs tokens/s
+  dtype            float32 vs bfloat16 weights and KV on this CPU: tokens/s and greedy agreement
+  concurrency      through HTTP: throughput, TTFT and TPOT vs the number of concurrent clients (1 -> 64)
+  servers          through HTTP: `bench serve` against several servers, interleaved round by round
+
+Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+EXPERIMENTS = ["chunked-prefill", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers"]
+
+
+def register(sub):
+    p = sub.add_parser("experiment", help="one of chapter 09's experiments: JSON + figure (see its help)")
+    p.add_argument("name", choices=EXPERIMENTS)
+    p.add_argument("--out-dir", default="results/experiments")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per system (the best is kept)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--url", action="append", default=None,
+                   help="concurrency / servers: a server to measure (repeat for servers; NAME=URL names it). "
+                        "concurrency without --url starts nanoserve in this process")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
+    p.set_defaults(func=run)
+
+
+# ---- driving the engine --------------------------------------------------------------------------------------
+
+def greedy(n: int):
+    from nanoserve.sampling import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict, list[dict]]:
+    """Run `arrivals` [(step, request id, prompt ids, output tokens)] to the end: each request is added just
+    before engine step `step`. Returns ({id: RequestRecord}, one trace row per step)."""
+    from nanoserve.bench.offline import stamp_outputs
+    from nanoserve.metrics import RequestRecord
+
+    pending = sorted(arrivals, key=lambda a: a[0])
+    records, trace, step, t0 = {}, [], 0, time.perf_counter()
+    preemptions = 0
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            step = max(step, pending[0][0])  # idle: jump to the next arrival
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, n = pending.pop(0)
+            records[rid] = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
+            engine.add_request(rid, prompt, greedy(n))
+        before = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter() - t0
+        stamp_outputs(records, outputs, now)
+        out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
+        preemptions += len(out.preempted_seq_ids)
+        used = blocks.num_blocks - blocks.get_num_free_blocks()
+        trace.append({"step": step, "t": now, "step_ms": (now - (before - t0)) * 1000,
+                      "num_tokens": sum(out.num_scheduled_tokens.values()), "running": len(sched.running),
+                      "waiting": len(sched.waiting), "blocks_used": used, "num_blocks": blocks.num_blocks,
+                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions})
+        step += 1
+    return records, trace
+
+
+def engine_for(model, tokenizer=None, **config):
+    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+
+    return LLMEngine(model, EngineConfig(**config), tokenizer)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(20, vocab) for _ in range(n)]
+
+
+def interleaved(rounds: int, systems: dict, measure) -> dict:
+    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift."""
+    results = {name: [] for name in systems}
+    for r in range(rounds):
+        for name, system in systems.items():
+            results[name].append(measure(name, system, r))
+            print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
+    return results
+
+
+# ---- the experiments -------------------------------------------------------------------------------------------
+
+def chunked_prefill(args, model, tokenizer) -> dict:
+    from nanoserve.metrics import itl, ttft
+
+    vocab, rng = model.config.vocab_size, random.Random(0)
+    lengths = [256, 1024, 2048]
+    configs = {"chunked (budget 512)": dict(enable_chunked_prefill=True, max_num_batched_tokens=512),
+               "whole prompts (budget 4096)": dict(enable_chunked_prefill=False, max_num_batched_tokens=4096)}
+    prompts = {n: random_prompt(rng, n, vocab) for n in lengths}
+    streams = [random_prompt(rng, 32, vocab) for _ in range(4)]
+    long_prompt = random_prompt(rng, 2048, vocab)
+    n_out = args.output_len or 48
+
+    def measure(name, config, r):
+        engine = engine_for(model, num_blocks=1024, enable_prefix_caching=False, **config)
+        lone = {}
+        for n in lengths:
+            records, _ = drive(engine, [(0, f"p{n}", prompts[n], 1)])
+            lone[n] = ttft(records[f"p{n}"].start, records[f"p{n}"].chunk_times) * 1000
+        arrivals = [(0, f"s{i}", p, n_out) for i, p in enumerate(streams)] + [(12, "long", long_prompt, 4)]
+        records, trace = drive(engine, arrivals)
+        gaps = [(t, g * 1000) for i in range(4) for t, g in zip(records[f"s{i}"].chunk_times[1:], itl(records[f"s{i}"].chunk_times))]
+        long = records["long"]
+        return {"ttft_ms_by_prompt_len": lone, "stream_itl_ms": gaps, "max_stream_itl_ms": max(g for _, g in gaps),
+                "long_prompt_arrived_s": long.start, "long_prompt_ttft_ms": ttft(long.start, long.chunk_times) * 1000}
+
+    results = interleaved(args.rounds, configs, measure)
+    best = {name: min(runs, key=lambda x: x["max_stream_itl_ms"]) for name, runs in results.items()}
+    for name, x in best.items():
+        x["ttft_ms_by_prompt_len"] = {n: min(run["ttft_ms_by_prompt_len"][n] for run in results[name]) for n in lengths}
+    print(f"{'':28s}" + "".join(f"TTFT {n:>5d} tok" for n in lengths) + "   max ITL of 4 streams   long prompt TTFT")
+    for name, x in best.items():
+        print(f"{name:28s}" + "".join(f"{x['ttft_ms_by_prompt_len'][n]:11.0f} ms" for n in lengths)
+              + f"   {x['max_stream_itl_ms']:10.0f} ms   {x['long_prompt_ttft_ms']:12.0f} ms")
+
+    def figure(plt):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for name, x in best.items():
+            a.plot(lengths, [x["ttft_ms_by_prompt_len"][n] for n in lengths], "o-", label=name)
+            t, g = zip(*sorted(x["stream_itl_ms"]))
+            line = b.plot([v - x["long_prompt_arrived_s"] for v in t], g, ".-", label=name, alpha=0.8)[0]
+            b.axvline(0, color=line.get_color(), ls=":", lw=1)
+        a.set(xlabel="prompt tokens (alone)", ylabel="TTFT (ms)", title="TTFT vs prompt length")
+        b.set(xlabel="s since a 2048-token prompt arrived", ylabel="ITL of the 4 running streams (ms)",
+              title="the ITL spike a long prompt causes")
+        a.legend(), b.legend()
+        return fig
+
+    return {"results": results, "best": best}, figure
+
+
+def overload(args, model, tokenizer) -> dict:
+    vocab, rng = model.config.vocab_size, random.Random(1)
+    num_blocks, n_out = 64, args.output_len or 96
+    arrivals = [(0, f"r{i}", random_prompt(rng, rng.randint(64, 128), vocab), n_out) for i in range(24)]
+    engine = engine_for(model, num_blocks=num_blocks, block_size=16, enable_prefix_caching=False)
+    records, trace = drive(engine, arrivals)
+    usage = [row["blocks_used"] / num_blocks for row in trace]
+    summary = {"num_blocks": num_blocks, "block_size": 16, "requests": len(arrivals), "steps": len(trace),
+               "preemptions": trace[-1]["preemptions"], "peak_kv_usage": max(usage),
+               "mean_kv_usage": sum(usage) / len(usage),
+               "mean_kv_usage_while_waiting": _mean([u for u, row in zip(usage, trace) if row["waiting"]]),
+               "token_fill_of_used_blocks": _mean([row["tokens_held"] / (row["blocks_used"] * 16)
+                                                   for row in trace if row["blocks_used"]])}
+    print(f"pool {num_blocks} blocks x 16 tokens, {len(arrivals)} requests of 64-128 + {n_out} tokens at once: "
+          f"{summary['preemptions']} preemptions in {len(trace)} steps; KV usage peak {summary['peak_kv_usage']:.0%}, "
+          f"mean {summary['mean_kv_usage']:.0%} ({summary['mean_kv_usage_while_waiting']:.0%} while requests waited); "
+          f"used blocks {summary['token_fill_of_used_blocks']:.0%} filled with tokens")
+
+    def figure(plt):
+        fig, axes = plt.subplots(3, 1, figsize=(9, 6.5), sharex=True)
+        t = [row["t"] for row in trace]
+        axes[0].plot(t, [100 * u for u in usage]), axes[0].set_ylabel("KV blocks used (%)")
+        axes[1].plot(t, [row["running"] for row in trace], label="running")
+        axes[1].plot(t, [row["waiting"] for row in trace], label="waiting"), axes[1].legend()
+        axes[1].set_ylabel("requests")
+        axes[2].plot(t, [row["preemptions"] for row in trace]), axes[2].set_ylabel("preemptions (total)")
+        axes[2].set_xlabel("s")
+        axes[0].set_title(f"an overloaded pool: {num_blocks} blocks, {len(arrivals)} requests at once")
+        return fig
+
+    return {"summary": summary, "trace": trace}, figure
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def prefix_caching(args, model, tokenizer) -> dict:
+    from nanoserve.bench.prompts import course_prompts
+    from nanoserve.metrics import summarize
+
+    items = course_prompts(16, seed=0, kinds=["system"])
+    prompts = [tokenizer.encode_chat(item["messages"]) for item in items]
+    n_out = args.output_len or 16
+    arrivals = [(2 * i, f"r{i}", p, n_out) for i, p in enumerate(prompts)]  # one every 2 steps
+
+    def measure(name, on, r):
+        engine = engine_for(model, num_blocks=512, enable_prefix_caching=on)
+        records, trace = drive(engine, arrivals)
+        s = summarize(list(records.values()), trace[-1]["t"])
+        stats = engine.block_manager.stats
+        return {"ttft_ms": s["ttft_ms"], "output_throughput": s["output_throughput"], "seconds": trace[-1]["t"],
+                "prompt_tokens": sum(map(len, prompts)), "prompt_tokens_computed": sum(map(len, prompts)) - stats.hit_tokens}
+
+    results = interleaved(args.rounds, {"prefix caching on": True, "prefix caching off": False}, measure)
+    best = {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
+    print(f"16 requests sharing a 175-token system prompt, one every 2 steps, {n_out} output tokens each")
+    for name, x in best.items():
+        print(f"  {name:20s} TTFT mean {x['ttft_ms']['mean']:7.0f} ms  median {x['ttft_ms']['median']:7.0f} ms  "
+              f"{x['output_throughput']:6.1f} out tok/s  prompt tokens computed {x['prompt_tokens_computed']}/{x['prompt_tokens']}")
+
+    def figure(plt):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+        names = list(best)
+        a.bar(names, [best[n]["ttft_ms"]["median"] for n in names]), a.set_ylabel("median TTFT (ms)")
+        b.bar(names, [best[n]["prompt_tokens_computed"] for n in names]), b.set_ylabel("prompt tokens computed")
+        fig.suptitle("a shared system prompt, prefix caching on / off")
+        return fig
+
+    return {"results": results, "best": best}, figure
+
+
+def block_size(args, model, tokenizer) -> dict:
+    from nanoserve.bench.offline import make_workload
+    from nanoserve.metrics import summarize
+
+    workload = make_workload(24, (20, 200), (16, args.output_len or 64), 0, model.config.vocab_size)
+    arrivals = [(0, str(i), p, n) for i, (p, n) in enumerate(workload)]
+    budget = 64 << 20  # the same bytes for every block size
+
+    def measure(name, bs, r):
+        engine = engine_for(model, block_size=bs, kv_cache_memory=budget, enable_prefix_caching=False)
+        records, trace = drive(engine, arrivals)
+        waste = [1 - row["tokens_held"] / (row["blocks_used"] * bs) for row in trace if row["blocks_used"]]
+        s = summarize(list(records.values()), trace[-1]["t"])
+        return {"output_throughput": s["output_throughput"], "tpot_ms": s["tpot_ms"]["median"],
+                "mean_waste": _mean(waste), "seconds": trace[-1]["t"]}
+
+    results = interleaved(args.rounds, {f"block {bs}": bs for bs in (8, 16, 32)}, measure)
+    best = {name: max(runs, key=lambda x: x["output_throughput"]) for name, runs in results.items()}
+    print("24 requests (prompts 20-200, outputs 16-64) at once, the same 64 MiB pool")
+    for name, x in best.items():
+        print(f"  {name:9s} {x['output_throughput']:7.1f} out tok/s  median TPOT {x['tpot_ms']:6.1f} ms  "
+              f"slots wasted in partly filled blocks {x['mean_waste']:.1%}")
+
+    def figure(plt):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+        names = list(best)
+        a.bar(names, [best[n]["output_throughput"] for n in names]), a.set_ylabel("output tokens/s")
+        b.bar(names, [100 * best[n]["mean_waste"] for n in names]), b.set_ylabel("KV slots wasted (%)")
+        fig.suptitle("block size: speed vs waste")
+        return fig
+
+    return {"results": results, "best": best}, figure
+
+
+def dtype(args, model, tokenizer) -> dict:
+    from nanoserve.bench.offline import make_workload
+    from nanoserve.metrics import summarize
+
+    workload = make_workload(16, (32, 256), (args.output_len or 32,) * 2, 0, model.config.vocab_size)
+    arrivals = [(0, str(i), p, n) for i, (p, n) in enumerate(workload)]
+    models = {"float32": model, "bfloat16": _bf16_copy(model)}
+
+    def measure(name, m, r):
+        engine = engine_for(m, num_blocks=512, enable_prefix_caching=False)
+        records, trace = drive(engine, arrivals)
+        s = summarize(list(records.values()), trace[-1]["t"])
+        return {"output_throughput": s["output_throughput"], "tpot_ms": s["tpot_ms"]["median"],
+                "ttft_ms": s["ttft_ms"]["median"], "weights_bytes": sum(p.nbytes for p in m.parameters())}
+
+    results = interleaved(args.rounds, models, measure)
+    best = {name: max(runs, key=lambda x: x["output_throughput"]) for name, runs in results.items()}
+    same = _greedy_agreement(models, workload[:4], 32)
+    print(f"16 requests (prompts 32-256, {args.output_len or 32} tokens) at once")
+    for name, x in best.items():
+        print(f"  {name:9s} {x['output_throughput']:7.1f} out tok/s  median TPOT {x['tpot_ms']:6.1f} ms  "
+              f"median TTFT {x['ttft_ms']:6.0f} ms  weights {x['weights_bytes'] / 2**20:.0f} MiB")
+    print(f"  greedy tokens bfloat16 shares with float32 before the first difference: {same:.0%} (4 prompts x 32)")
+
+    def figure(plt):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar(list(best), [best[n]["output_throughput"] for n in best]), ax.set_ylabel("output tokens/s")
+        ax.set_title("float32 vs bfloat16 on this CPU")
+        return fig
+
+    return {"results": results, "best": best, "greedy_agreement": same}, figure
+
+
+def _bf16_copy(model):
+    import copy
+
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
+def _greedy_agreement(models: dict, workload, n: int) -> float:
+    """The share of bfloat16's greedy tokens that match float32's, up to each prompt's first difference."""
+    outs = {}
+    for name, m in models.items():
+        engine = engine_for(m, num_blocks=256, enable_prefix_caching=False)
+        for i, (p, _) in enumerate(workload):
+            engine.add_request(str(i), p, greedy(n))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        outs[name] = done
+    a, b = outs.values()
+    agree = 0
+    for key in a:
+        for x, y in zip(a[key], b[key]):
+            if x != y:
+                break
+            agree += 1
+    return agree / (n * len(a))
+
+
+def concurrency(args, model, tokenizer) -> dict:
+    from nanoserve.bench.serve import measure, serve_args
+
+    server = None
+    if args.url:
+        url = args.url[0].split("=", 1)[-1]
+    else:
+        server, url = start_server(model, tokenizer)
+    n_out = args.output_len or 32
+    try:
+        runs = []
+        for c in args.concurrency:
+            result = measure(serve_args(url, num_prompts=max(4, 2 * c), max_concurrency=c, output_len=n_out,
+                                        ignore_eos=True, no_progress=True), _metrics())
+            runs.append({"concurrency": c, **{k: result[k] for k in ("output_throughput", "request_throughput",
+                                                                      "ttft_ms", "tpot_ms", "itl_ms", "failed")}})
+            print(f"  {c:3d} clients: {result['output_throughput']:7.1f} out tok/s  TTFT p50 {result['ttft_ms']['median']:7.0f} "
+                  f"p99 {result['ttft_ms']['p99']:7.0f} ms  TPOT p50 {result['tpot_ms']['median']:6.0f} ms", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+
+    def figure(plt):
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+        cs = [r["concurrency"] for r in runs]
+        axes[0].plot(cs, [r["output_throughput"] for r in runs], "o-"), axes[0].set_ylabel("output tokens/s")
+        axes[1].plot(cs, [r["ttft_ms"]["median"] for r in runs], "o-", label="median")
+        axes[1].plot(cs, [r["ttft_ms"]["p99"] for r in runs], "o--", label="p99"), axes[1].set_ylabel("TTFT (ms)")
+        axes[2].plot(cs, [r["tpot_ms"]["median"] for r in runs], "o-", label="median")
+        axes[2].plot(cs, [r["tpot_ms"]["p99"] for r in runs], "o--", label="p99"), axes[2].set_ylabel("TPOT (ms)")
+        for ax in axes:
+            ax.set_xscale("log", base=2), ax.set_xlabel("concurrent clients")
+        axes[1].legend(), axes[2].legend()
+        fig.suptitle(f"through HTTP, {n_out} output tokens per request")
+        return fig
+
+    return {"url": url, "runs": runs}, figure
+
+
+def start_server(model, tokenizer, **engine_config):
+    """nanoserve's HTTP server in this process, on a free loopback port: (server, url)."""
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+    from nanoserve.server.api_server import ServerConfig, ServerState
+    from nanoserve.server.metrics import PrometheusStatLogger
+    from nanoserve.server.runner import Server
+
+    engine = engine_for(model, tokenizer, **{"num_blocks": 2048, **engine_config})
+    stat_logger = PrometheusStatLogger("SmolLM2-135M-Instruct")
+    state = ServerState(AsyncLLMEngine(engine, stat_logger), tokenizer, ServerConfig(), stat_logger)
+    server = Server(state, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.start_in_thread()}"
+
+
+def servers(args, model, tokenizer) -> dict:
+    from nanoserve.bench.serve import measure, serve_args
+
+    if not args.url or len(args.url) < 2:
+        raise ValueError("servers needs two or more --url NAME=URL")
+    urls = dict(u.split("=", 1) if "=" in u else (u, u) for u in args.url)
+    n_out = args.output_len or 128
+
+    def one(name, url, r):
+        result = measure(serve_args(url, num_prompts=args.num_prompts, max_concurrency=args.num_prompts,
+                                    output_len=n_out, ignore_eos=True, no_progress=True, seed=r), _metrics())
+        print(f"  round {r + 1} {name:12s} {result['output_throughput']:7.1f} out tok/s  TTFT p50 "
+              f"{result['ttft_ms']['median']:7.0f} ms  TPOT p50 {result['tpot_ms']['median']:6.1f} ms  "
+              f"failed {result['failed']}", flush=True)
+        return {k: result[k] for k in ("output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "failed",
+                                       "total_output_tokens", "output_lens")}
+
+    results = interleaved(args.rounds, urls, one)
+    best = {name: max(runs, key=lambda x: x["output_throughput"]) for name, runs in results.items()}
+    first = next(iter(best))
+    for name, x in best.items():
+        print(f"{name:12s} best {x['output_throughput']:7.1f} out tok/s = {x['output_throughput'] / best[first]['output_throughput']:.2f}x {first}")
+
+    def figure(plt):
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
+        names = list(best)
+        axes[0].bar(names, [best[n]["output_throughput"] for n in names]), axes[0].set_ylabel("output tokens/s")
+        axes[1].bar(names, [best[n]["ttft_ms"]["median"] for n in names]), axes[1].set_ylabel("median TTFT (ms)")
+        axes[2].bar(names, [best[n]["tpot_ms"]["median"] for n in names]), axes[2].set_ylabel("median TPOT (ms)")
+        fig.suptitle(f"{args.num_prompts} concurrent clients x {n_out} tokens, best of {args.rounds} interleaved rounds")
+        return fig
+
+    return {"urls": urls, "results": results, "best": best}, figure
+
+
+def _metrics():
+    import importlib
+
+    return importlib.import_module("nanoserve.metrics")
+
+
+RUNNERS = {"chunked-prefill": chunked_prefill, "overload": overload, "prefix-caching": prefix_caching,
+           "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers}
+
+
+def run(args):
+    import datetime
+    import platform
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if args.rounds < 1:
+        print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.name == "servers" and (not args.url or len(args.url) < 2):
+        print("error: servers needs two or more --url NAME=URL", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from nanoserve.model import load_gguf
+    from nanoserve.tokenizer import Tokenizer
+
+    http_only = args.name == "servers" or (args.name == "concurrency" and args.url)
+    model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
+    command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
+    print(f"command: {command}\nthreads: {torch.get_num_threads()}")
+    result, figure = RUNNERS[args.name](args, model, tokenizer)
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, args.name)
+    with open(path + ".json", "w") as f:
+        json.dump({"experiment": args.name, "command": command, "threads": torch.get_num_threads(),
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, **result}, f, indent=1)
+    fig = figure(plt)
+    fig.tight_layout()
+    fig.savefig(path + ".png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}.json and {path}.png")

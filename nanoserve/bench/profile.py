@@ -1,0 +1,272 @@
+"""`python -m nanoserve bench profile`: where one engine step spends its time (chapter 09).
+
+For each batch size B (default 1, 16, 64) the engine gets B fresh random prompts of --prompt-len tokens
+and runs them under `torch.profiler`: step 1 prefills all B prompts at once (B · prompt-len tokens), the
+next steps decode one token for each of the B sequences. Each step's time is split into the course's parts:
+
+  linear            every Linear: q/k/v/o, gate/up/down, the LM head (chapter 02)
+  attention         the attention of prefill chunks and decode groups (chapter 05), less its gathers
+  K/V gather/store  writing new K/V into the pool and gathering blocks out of it (index ops)
+  norms/RoPE/act    RMSNorm, RoPE, SiLU · up, residual adds, the embedding lookup
+  sampling          argmax / sampling of the next tokens (chapter 03)
+  scheduler/Python  schedule(), input preparation, the attention metadata, and Python between the ops
+
+How: for the profile only, the methods of those parts are wrapped in `record_function` ranges (the code
+itself is not changed). A part's time is its ranges' time minus the labelled ranges nested inside them;
+whatever of the step no range claims is Python bookkeeping. The profiler adds a few microseconds per op, so
+the step time without it is measured too (same steps, unprofiled) and printed beside.
+
+The roofline: the same command measures this machine's read bandwidth (sum of a 256 MiB tensor) and its
+float32 GEMM peak (a 2048³ matmul). A step must read every weight once (and the K/V it attends to), and do
+2 FLOPs per weight per token: its time is at least max(bytes / bandwidth, FLOPs / peak). The larger term
+says which resource bounds the step; measured time far above both, with a large scheduler/Python share,
+means overhead bounds it.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import random
+import time
+
+import torch
+
+PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "sampling", "scheduler/Python"]
+GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading blocks out of the pool
+
+
+def register(sub):
+    p = sub.add_parser("profile", help="where a prefill and a decode step spend their time, plus the roofline (chapter 09)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=3, help="decode steps profiled per batch size")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--out-dir", default="results/profile", help="profile.json and profile.png go here")
+    p.set_defaults(func=run)
+
+
+def labelled_methods():
+    """(owner, method name, part) of everything the profile labels."""
+    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.engine.scheduler import Scheduler
+    from nanoserve.kv.paged_attention import PagedAttention, PagedKVCache
+    from nanoserve.model.block import DecoderBlock, LlamaAttention
+    from nanoserve.model.layers import MLP, Linear, RMSNorm
+    from nanoserve.model.llama import Llama
+
+    return [(Linear, "forward", "linear"), (PagedAttention, "__call__", "attention"),
+            (PagedKVCache, "store_kv", "K/V gather/store"),
+            (RMSNorm, "forward", "norms/RoPE/act"), (MLP, "forward", "norms/RoPE/act"),
+            (LlamaAttention, "forward", "norms/RoPE/act"), (DecoderBlock, "forward", "norms/RoPE/act"),
+            (Llama, "forward", "norms/RoPE/act"), (ModelRunner, "sample", "sampling"),
+            (Scheduler, "schedule", "scheduler/Python"), (Scheduler, "update_from_output", "scheduler/Python"),
+            (ModelRunner, "prepare_inputs", "scheduler/Python"), (PagedAttention, "__init__", "scheduler/Python")]
+
+
+@contextlib.contextmanager
+def labelled():
+    """Wrap each labelled method in a record_function range named 'ns|part|Owner.method'; undone on exit."""
+    originals = []
+    for owner, name, part in labelled_methods():
+        fn = owner.__dict__[name]
+
+        def wrapper(*args, _fn=fn, _label=f"ns|{part}|{owner.__name__}.{name}", **kwargs):
+            with torch.profiler.record_function(_label):
+                return _fn(*args, **kwargs)
+
+        originals.append((owner, name, fn))
+        setattr(owner, name, functools.wraps(fn)(wrapper))
+    try:
+        yield
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def part_of(event) -> str | None:
+    return event.name.split("|")[1] if event.name.startswith("ns|") else None
+
+
+def breakdown(events, step_label: str) -> list[dict[str, float]]:
+    """Per profiled step (a range named step_label): {part: milliseconds}, the parts summing to the step."""
+    steps = []
+    for step in (e for e in events if e.name == step_label):
+        own = {p: 0.0 for p in PARTS}
+
+        def walk(event, owner):  # owner: the part of the nearest labelled range above `event`
+            for child in event.cpu_children:
+                part, ms = part_of(child), child.cpu_time_total / 1000
+                if part is not None:
+                    own[part] += ms
+                    own[owner] -= ms  # the parent's time, less what its labelled children claim
+                    walk(child, part)
+                elif owner == "attention" and child.name in GATHER_OPS:
+                    own["attention"] -= ms
+                    own["K/V gather/store"] += ms
+                else:
+                    walk(child, owner)
+
+        own["scheduler/Python"] = step.cpu_time_total / 1000  # the step's time nobody else claims
+        walk(step, "scheduler/Python")
+        steps.append(own)
+    return steps
+
+
+def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Read bandwidth in bytes/s: the best of `repeats` sums of an nbytes float32 tensor."""
+    x = torch.ones(nbytes // 4)
+    best = min(_timed(x.sum) for _ in range(repeats))
+    return nbytes / best
+
+
+def measure_gemm_peak(n: int = 2048, repeats: int = 3) -> float:
+    """float32 matmul FLOP/s: the best of `repeats` (n, n) @ (n, n) products (2 n³ FLOPs each)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def step_cost(config, num_tokens: int, num_sampled: int, contexts: list[int], new_per_seq: int) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one float32 step: every weight once, the K/V attended to; 2 FLOPs per weight per
+    token, 2·2·H·D per (query, key) pair for attention. contexts: each sequence's keys after the step."""
+    from nanoserve.memory import kv_bytes_per_token, layer_parameter_counts
+
+    L, H, D = config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    layer_weights = sum(layer_parameter_counts(config).values()) * L
+    head = config.vocab_size * config.hidden_size
+    weights_bytes = (layer_weights + head) * 4  # the (tied) LM head / embedding matrix read once
+    kv_bytes = sum(contexts) * kv_bytes_per_token(config, "fp32")
+    # a sequence's q queries see ctx - q + 1 .. ctx keys (causal): q · (ctx - (q - 1) / 2) pairs
+    pairs = sum(new_per_seq * (c - (new_per_seq - 1) / 2) for c in contexts)
+    flops = 2 * num_tokens * layer_weights + 2 * num_sampled * head + 4 * L * H * D * pairs
+    return weights_bytes + kv_bytes, flops
+
+
+def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict:
+    """Profile one prefill step of `batch` prompts and `decode_steps` decode steps of `batch` sequences."""
+    from nanoserve.sampling import SamplingParams
+
+    engine, vocab = llm.engine, llm.model.config.vocab_size
+    rng = random.Random(seed)
+
+    def add_batch(tag):
+        for i in range(batch):
+            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                               SamplingParams(temperature=0, max_tokens=decode_steps + 3, ignore_eos=True))
+
+    def steps(n):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("ns-step"):
+                engine.step()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def finish():
+        for seq_id in list(engine.scheduler.seqs):
+            engine.abort_request(seq_id)
+
+    # unprofiled: the honest step times (and a warm-up of every shape)
+    add_batch("warm")
+    prefill_s = steps(1)[0]
+    decode_s = min(steps(decode_steps))
+    finish()
+    add_batch("prof")
+    with labelled(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        steps(1 + decode_steps)
+    finish()
+    parts = breakdown(prof.events(), "ns-step")
+    decode = {p: sum(s[p] for s in parts[1:]) / decode_steps for p in PARTS}
+    config = llm.model.config
+    return {
+        "batch": batch,
+        "prefill": {"tokens": batch * prompt_len, "step_ms": prefill_s * 1000, "parts_ms": parts[0],
+                    "cost": step_cost(config, batch * prompt_len, batch, [prompt_len] * batch, prompt_len)},
+        "decode": {"tokens": batch, "step_ms": decode_s * 1000, "parts_ms": decode,
+                   "cost": step_cost(config, batch, batch, [prompt_len + 2] * batch, 1)},
+    }
+
+
+def bound(phase: dict, bandwidth: float, peak: float) -> dict:
+    nbytes, flops = phase["cost"]
+    memory_ms, compute_ms = nbytes / bandwidth * 1000, flops / peak * 1000
+    overhead = phase["parts_ms"]["scheduler/Python"] / sum(phase["parts_ms"].values())
+    verdict = "overhead" if overhead > 0.3 else ("memory" if memory_ms > compute_ms else "compute")
+    return {"memory_ms": memory_ms, "compute_ms": compute_ms, "roofline_ms": max(memory_ms, compute_ms),
+            "of_roofline": max(memory_ms, compute_ms) / phase["step_ms"], "overhead_share": overhead,
+            "bound": verdict, "intensity_flop_per_byte": flops / nbytes}
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.get_cmap("tab10").colors
+    for ax, phase in zip(axes, ["decode", "prefill"]):
+        labels = [f"B={r['batch']}\n{r[phase]['tokens']} tok" for r in results]
+        bottom = [0.0] * len(results)
+        for color, part in zip(colors, PARTS):
+            share = [100 * r[phase]["parts_ms"][part] / sum(r[phase]["parts_ms"].values()) for r in results]
+            ax.bar(labels, share, bottom=bottom, label=part, color=color)
+            bottom = [b + s for b, s in zip(bottom, share)]
+        for i, r in enumerate(results):
+            ax.text(i, 101, f"{r[phase]['step_ms']:.0f} ms", ha="center", va="bottom", fontsize=9)
+        ax.set_ylim(0, 112)
+        ax.set_title(f"one {phase} step: where the time goes")
+        ax.set_ylabel("% of the profiled step")
+    axes[1].legend(loc="center left", bbox_to_anchor=(1, 0.5), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args):
+    import sys
+
+    from nanoserve.llm import LLM
+
+    if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.decode_steps < 1:
+        print("error: --batch-sizes, --prompt-len and --decode-steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    biggest = max(args.batch_sizes)
+    llm = LLM(max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
+              num_blocks=biggest * (args.prompt_len // 16 + 2) + 8)
+    bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
+    results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, seed=b) for b in args.batch_sizes]
+    bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
+    print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
+          f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps}" + (f" --threads {args.threads}" if args.threads else ""))
+    print(f"threads: {torch.get_num_threads()}, float32; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"GEMM peak {peak / 1e9:.1f} GFLOP/s (ridge at {peak / bandwidth:.1f} FLOP/byte)")
+    for r in results:
+        for phase in ("decode", "prefill"):
+            r[phase]["roofline"] = bound(r[phase], bandwidth, peak)
+    header = f"{'step':>16s} {'ms':>8s} " + " ".join(f"{p[:12]:>12s}" for p in PARTS) + "   roofline ms (mem/compute)  bound"
+    print(header)
+    for phase in ("decode", "prefill"):
+        for r in results:
+            x, roof = r[phase], r[phase]["roofline"]
+            total = sum(x["parts_ms"].values())
+            print(f"{phase + ' B=' + str(r['batch']):>16s} {x['step_ms']:8.1f} "
+                  + " ".join(f"{100 * x['parts_ms'][p] / total:11.0f}%" for p in PARTS)
+                  + f"   {roof['memory_ms']:8.1f} / {roof['compute_ms']:8.1f}       {roof['bound']}")
+    print("(parts: % of the profiled step; ms: the same step without the profiler)")
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "profile.json"), "w") as f:
+        json.dump({"bandwidth_bytes_per_s": bandwidth, "gemm_flop_per_s": peak, "threads": torch.get_num_threads(),
+                   "prompt_len": args.prompt_len, "results": results}, f, indent=1)
+    plot(results, os.path.join(args.out_dir, "profile.png"))
+    print(f"wrote {args.out_dir}/profile.json and profile.png")

@@ -1,0 +1,296 @@
+"""`python -m nanoserve bench serve`: a load generator for any OpenAI-compatible server (chapter 09).
+
+    python -m nanoserve bench serve --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4 \\
+        --max-concurrency 16 --dataset course --goodput ttft:500 tpot:100 --result-json results/serve.json
+
+Arrivals: request i is *scheduled* at the sum of i gaps drawn from a gamma distribution with shape
+`burstiness` and mean 1 / request_rate (burstiness 1: a Poisson process; below 1: burstier; above 1:
+steadier), as `vllm bench serve` draws them; `--request-rate inf` sends all at once. `--max-concurrency`
+caps the requests in flight, like a pool of that many users. Each request streams (client.py) and is
+summarised by the one metric module (nanoserve/metrics.py; `--student`: exercise 09's).
+
+Coordinated omission: a request held back by --max-concurrency is *sent* late; its latency is timed from
+the send, as vLLM does, and the time it waited in the client is reported apart ("client wait"), so an
+overloaded server cannot hide its queue in the load generator's.
+"""
+
+import asyncio
+import datetime
+import functools
+import importlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+import time
+
+PERCENTILE_ROWS = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                   ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")]
+GOODPUT_NAMES = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2e"}
+
+
+def register(sub):
+    p = sub.add_parser("serve", help="load-test any OpenAI-compatible server: TTFT, TPOT, ITL, E2E, goodput (chapter 09)")
+    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--model", default=None, help="the model name to send (default: the first of GET /v1/models)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, or inf (all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--dataset", default="course", help="'course' (the shipped prompt set), 'random', or a JSONL file")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens of --dataset random")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="max_tokens of every request (default: each item's own; 128 for random)")
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (vLLM's extension)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs in ms, any of ttft:MS tpot:MS e2el:MS; goodput = requests/s meeting all of them")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the run")
+    p.add_argument("--result-json", default=None, help="write the summary and per-request figures here")
+    p.add_argument("--student", action="store_true", help="report with YOUR metric code (exercises/09-measuring)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def parse_goodput(specs: list[str] | None) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 0.5, "tpot": 0.05} (seconds, metrics.py's names)."""
+    slos = {}
+    for spec in specs or []:
+        name, _, ms = spec.partition(":")
+        if name not in GOODPUT_NAMES:
+            raise ValueError(f"--goodput {spec!r}: unknown SLO {name!r}; known: {', '.join(GOODPUT_NAMES)}")
+        try:
+            value = float(ms)
+        except ValueError:
+            raise ValueError(f"--goodput {spec!r}: expected NAME:MILLISECONDS, e.g. ttft:500") from None
+        if not value > 0:
+            raise ValueError(f"--goodput {spec!r}: the limit must be > 0 ms")
+        slos[GOODPUT_NAMES[name]] = value / 1000
+    return slos
+
+
+def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is scheduled: 0 for all when rate is inf."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng, t, times = random.Random(seed), 0.0, []
+    theta = 1.0 / (rate * burstiness)  # gamma(shape k, scale θ) has mean k·θ = 1 / rate
+    for _ in range(num):
+        times.append(t)
+        t += rng.gammavariate(burstiness, theta)
+    return times
+
+
+def check_args(args) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.output_len is not None and args.output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
+    if args.input_len < 1:
+        raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
+    if not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.dataset not in ("course", "random") and not os.path.isfile(args.dataset):
+        raise ValueError(f"--dataset {args.dataset!r}: not 'course', 'random' or an existing JSONL file")
+
+
+def load_dataset(args, tokenizer) -> list[dict]:
+    from nanoserve.bench import prompts
+
+    if args.dataset == "course":
+        items = prompts.course_prompts(args.num_prompts, args.seed)
+    elif args.dataset == "random":
+        items = prompts.random_prompts(tokenizer, args.num_prompts, args.input_len, args.output_len or 128, args.seed)
+    else:
+        items = prompts.load_prompts(args.dataset)
+        items = [items[i % len(items)] for i in range(args.num_prompts)]  # cycle through the file
+    for item in items:
+        item["max_tokens"] = args.output_len or item["output_len"] or 128
+    return items
+
+
+async def first_model(client, url: str) -> str:
+    response = await client.get(url.rstrip("/") + "/v1/models")
+    if response.status_code != 200:
+        raise ValueError(f"GET {url}/v1/models answered {response.status_code}; give --model")
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"{url}/v1/models lists no model; give --model")
+    return models[0]["id"]
+
+
+async def benchmark(args, items: list[dict], count_tokens) -> dict:
+    """Send every item on its schedule; return the raw results: records, texts, client waits, duration."""
+    import httpx
+    from tqdm import tqdm
+
+    from nanoserve.bench.client import request_body, send
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10), limits=limits) as client:
+        model = args.model or await first_model(client, args.url)
+        bodies = [request_body(item, model, args.endpoint, item["max_tokens"], args.ignore_eos) for item in items]
+        for body in bodies[:args.warmup]:  # the first request pays for connections and lazy set-up: not counted
+            record, _ = await send(client, args.url, body, count_tokens)
+            if not record.success:
+                raise ValueError(f"the warm-up request failed: {record.error}")
+        limit = asyncio.Semaphore(args.max_concurrency or len(items))
+        bar = tqdm(total=len(items), disable=args.no_progress, desc="requests", file=sys.stderr)
+        t0 = time.perf_counter()
+
+        async def one(body, at):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            scheduled = time.perf_counter()
+            async with limit:
+                waited = time.perf_counter() - scheduled
+                record, text = await send(client, args.url, body, count_tokens)
+            bar.update(1)
+            return record, text, waited
+
+        schedule = arrival_times(len(items), args.request_rate, args.burstiness, args.seed)
+        results = await asyncio.gather(*(one(body, at) for body, at in zip(bodies, schedule)))
+        duration = time.perf_counter() - t0
+        bar.close()
+    records, texts, waits = (list(x) for x in zip(*results))
+    return {"model": model, "records": records, "texts": texts, "client_wait": waits, "duration": duration}
+
+
+def print_summary(summary: dict, client_wait_ms: dict, slos: dict, errors: list[str]) -> None:
+    line = lambda label, value: print(f"{label:<40s}{value:>12}")  # noqa: E731
+    print("{s:{c}^52}".format(s=" Serving Benchmark Result ", c="="))
+    line("Successful requests:", summary["completed"])
+    line("Failed requests:", summary["failed"])
+    line("Benchmark duration (s):", f"{summary['duration_s']:.2f}")
+    line("Total input tokens:", summary["total_input_tokens"])
+    line("Total generated tokens:", summary["total_output_tokens"])
+    line("Request throughput (req/s):", f"{summary['request_throughput']:.2f}")
+    line("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}")
+    line("Total token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}")
+    if slos:
+        line("Request goodput (req/s):", f"{summary['goodput']:.2f}")
+        print("  SLOs: " + ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in slos.items()))
+    for key, title in PERCENTILE_ROWS + [("client_wait", "Client wait (--max-concurrency queue)")]:
+        row = client_wait_ms if key == "client_wait" else summary[f"{key}_ms"]
+        print("{s:{c}^52}".format(s=f" {title} ", c="-"))
+        for stat in ("mean", "median", "p90", "p99"):
+            value = row[stat]
+            line(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {key.upper()} (ms):",
+                 "-" if value is None else f"{value:.2f}")
+    print("=" * 52)
+    for error in errors[:5]:
+        print(f"failed: {error}")
+    if len(errors) > 5:
+        print(f"... and {len(errors) - 5} more failures (all in the result JSON)")
+
+
+@functools.cache
+def model_tokenizer():
+    """The embedded model's tokenizer, loaded once per process."""
+    from nanoserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf()
+
+
+def load_student_metrics():
+    """exercises/09-measuring/metrics.py, or None (and an error line) while it is unfinished."""
+    from nanoserve.student import load_student
+
+    metrics = load_student("nanoserve.metrics")
+    try:
+        metrics.summarize([metrics.RequestRecord(0.0, [0.1, 0.2], 0.2, output_tokens=2)], 1.0)
+    except NotImplementedError as e:
+        print(f"error: exercises/09-measuring/metrics.py is not finished ({e}); run without --student", file=sys.stderr)
+        return None
+    return metrics
+
+
+def command_line(args) -> str:
+    flags = [f"--url {args.url}", f"--endpoint {args.endpoint}", f"--num-prompts {args.num_prompts}",
+             f"--request-rate {args.request_rate:g}", f"--burstiness {args.burstiness:g}", f"--dataset {args.dataset}",
+             f"--seed {args.seed}"]
+    flags += [f"--max-concurrency {args.max_concurrency}"] if args.max_concurrency else []
+    flags += [f"--input-len {args.input_len}"] if args.dataset == "random" else []
+    flags += [f"--output-len {args.output_len}"] if args.output_len else []
+    flags += ["--ignore-eos"] if args.ignore_eos else []
+    flags += ["--goodput " + " ".join(args.goodput)] if args.goodput else []
+    return "python -m nanoserve bench serve " + " ".join(flags)
+
+
+def measure(args, metrics) -> dict:
+    """Run the benchmark `args` describe; return the result (what --result-json holds). ValueError for bad input."""
+    slos = parse_goodput(args.goodput)
+    tokenizer = model_tokenizer()  # random prompts, and counting tokens for servers that send no usage
+    items = load_dataset(args, tokenizer)
+    raw = asyncio.run(benchmark(args, items, lambda text: len(tokenizer.encode(text))))
+    records = raw["records"]
+    for record, item in zip(records, items):
+        if record.success and not record.prompt_tokens:  # no usage: the prompt as our template renders it
+            record.prompt_tokens = len(tokenizer.encode_chat(item["messages"]))
+    latencies = [metrics.request_latencies(r) for r in records]
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "url": args.url, "model": raw["model"], "endpoint": args.endpoint, "dataset": args.dataset,
+        "command": command_line(args), "num_prompts": args.num_prompts,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,
+        "slos_ms": {k: v * 1000 for k, v in slos.items()}, "student_metrics": args.student,
+        **metrics.summarize(records, raw["duration"], slos),
+        "client_wait_ms": metrics.stats([w * 1000 for w in raw["client_wait"]]),
+        "input_lens": [r.prompt_tokens for r in records], "output_lens": [r.output_tokens for r in records],
+        "ttfts": [m["ttft"] for m in latencies], "tpots": [m["tpot"] for m in latencies],
+        "e2els": [m["e2e"] for m in latencies], "itls": [m["itl"] for m in latencies],
+        "errors": [r.error for r in records],
+    }
+
+
+def serve_args(url: str, **options):
+    """The arguments of `bench serve --url URL`, defaults filled in, `options` (flag names with _) on top."""
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    args = sub.choices["serve"].parse_args(["--url", url])
+    unknown = set(options) - set(vars(args))
+    if unknown:
+        raise TypeError(f"unknown bench serve option(s) {sorted(unknown)}")
+    vars(args).update(options)
+    return args
+
+
+def run(args):
+    try:
+        check_args(args)
+        parse_goodput(args.goodput)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    metrics = load_student_metrics() if args.student else importlib.import_module("nanoserve.metrics")
+    if metrics is None:
+        return 2
+    try:
+        result = measure(args, metrics)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("command: " + command_line(args))
+    print(f"server: {args.url}  model: {result['model']}  endpoint: {args.endpoint}  dataset: {args.dataset}  "
+          f"rate: {args.request_rate:g}/s  concurrency: {args.max_concurrency or 'unlimited'}")
+    print_summary(result, result["client_wait_ms"], parse_goodput(args.goodput), [e for e in result["errors"] if e])
+    if args.result_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.result_json)), exist_ok=True)
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.result_json}")
+    return 1 if result["failed"] else 0
