@@ -10,6 +10,9 @@
 
 Everything is submitted at once and the engine batches it continuously; outputs come back in
 input order. The tokenizer lives here, above the engine: the engine sees token ids only.
+
+    with LLM(tensor_parallel_size=3) as llm:              # chapter 11: 2 worker processes + this one
+        llm.generate(...)                                  # leaving the block stops the workers
 """
 
 from pathlib import Path
@@ -25,19 +28,42 @@ def _is_chat(item) -> bool:
 class LLM:
     def __init__(self, model=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False):
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True, student: bool = False,
+                 tensor_parallel_size: int = 1):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
-        (its tokenizer is then the embedded one)."""
+        (its tokenizer is then the embedded one). tensor_parallel_size > 1 starts that many − 1 worker
+        processes, each holding a shard of the weights and KV heads (chapter 11); call close() after."""
         from nanoserve.model import load_gguf
         from nanoserve.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
-        self.model = load_gguf(path) if model is None or path is not None else model
+        self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
+        if tensor_parallel_size > 1:
+            from nanoserve.distributed.multiproc import start_workers
+
+            self.workers, self.model = start_workers(model, tensor_parallel_size, student)
+        else:
+            self.model = load_gguf(path) if model is None or path is not None else model
         self.tokenizer = Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student)
-        self.engine = LLMEngine(self.model, config, self.tokenizer)
+        try:
+            self.engine = LLMEngine(self.model, config, self.tokenizer)
+        except BaseException:
+            self.close()
+            raise
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do at TP 1); idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def prompt_token_ids(self, item) -> list[int]:
         """One input -> prompt ids: a string, a chat (list of {"role", "content"}), or a dict with
@@ -71,11 +97,21 @@ class LLM:
         """Step the engine until it is idle; the final output of each request by id."""
         from tqdm.auto import tqdm
 
+        from nanoserve.distributed.parallel_state import WorkerError
+
         finished = {}
         with tqdm(total=len(request_ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             num_tokens = 0
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except WorkerError as e:  # a tensor-parallel rank died: the group is gone, fail what is in flight
+                    failed = [rid for rid in request_ids if rid not in finished]
+                    for request_id in failed:
+                        self.engine.abort_request(request_id)
+                    self.close()
+                    raise WorkerError(f"requests {failed} failed: {e}") from e
+                for out in outputs:
                     num_tokens += len(out.new_token_ids)
                     if out.finished:
                         finished[out.request_id] = out

@@ -38,6 +38,8 @@ def add_engine_args(p):
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
 
 def llm_from_args(args):
@@ -46,7 +48,8 @@ def llm_from_args(args):
     return LLM(getattr(args, "model", None), block_size=args.block_size,
                num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-               enable_prefix_caching=not args.no_prefix_caching, student=args.student)
+               enable_prefix_caching=not args.no_prefix_caching, student=args.student,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def parse_line(line: str):
@@ -72,7 +75,18 @@ def parse_line(line: str):
 
 
 def run(args):
-    llm = llm_from_args(args)
+    from nanoserve.distributed.parallel_state import WorkerError
+
+    try:
+        llm = llm_from_args(args)  # a model that cannot be split --tensor-parallel-size ways: ValueError
+        with llm:  # with tensor parallelism the worker processes stop at the end, whatever happens
+            return run_requests(args, llm)
+    except (ValueError, WorkerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_requests(args, llm):
     with open(args.input) as f:
         lines = f.read().splitlines()
     records: list[dict] = []

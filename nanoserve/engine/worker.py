@@ -9,6 +9,7 @@ over torch.distributed.
 
 import ctypes
 import ctypes.util
+from dataclasses import replace
 
 import torch
 
@@ -40,13 +41,15 @@ class Worker:
         keep_freed_host_memory()
         self.model = model.eval()
         self.dtype = dtype
+        # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
+        self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
-        return num_blocks_for_budget(self.model.config, kv_cache_bytes, block_size, self.dtype)
+        return num_blocks_for_budget(self.kv_config, kv_cache_bytes, block_size, self.dtype)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        c = self.model.config
+        c = self.kv_config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype)
         self.model_runner = ModelRunner(self.model, cache)
 
