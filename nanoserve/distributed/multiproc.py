@@ -138,17 +138,18 @@ class WorkerProcesses:
                 conn, p = self.conns[rank - 1], self.procs[rank - 1]
                 if conn.poll():  # a message (or EOF) first: a worker that failed reports, then exits
                     kind, text = self._recv(conn, rank)
-                    if kind != "loaded":
+                    if kind != "loaded":  # an error, or EOF
                         raise WorkerError(f"tensor-parallel rank {rank} failed to start: {text}")
                     pending.discard(rank)
                 elif not p.is_alive():
                     raise WorkerError(f"tensor-parallel rank {rank} (pid {p.pid}) {exit_story(p)} before it was loaded")
 
     def _recv(self, conn, rank: int) -> tuple[str, str | None]:
+        """("loaded" | "error" | "eof", text): what the worker said, or that its pipe closed unsaid."""
         try:
             return conn.recv()
         except EOFError:
-            return "error", f"rank {rank} closed its pipe without a word ({exit_story(self.procs[rank - 1])})"
+            return "eof", f"closed its pipe without a word ({exit_story(self.procs[rank - 1])})"
 
     def diagnose(self, wait_s: float = 5.0) -> str:
         """What happened to the workers: each one's error message, or how it exited."""
@@ -157,8 +158,8 @@ class WorkerProcesses:
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
             # a worker that raised reports first and exits next; give it a moment to do both
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-            if conn.poll():
-                kind, text = self._recv(conn, rank)
+            kind, text = self._recv(conn, rank) if conn.poll() else (None, None)
+            if kind == "error":
                 stories.append(f"rank {rank} (pid {p.pid}) raised {text.splitlines()[0]}")
             elif not p.is_alive():
                 stories.append(f"rank {rank} (pid {p.pid}) {exit_story(p)}")
@@ -166,6 +167,8 @@ class WorkerProcesses:
 
     def fail(self, exc: BaseException) -> WorkerError:
         """After a fault in a step: find out which rank failed, end them all, mark the group dead."""
+        if self.closed:  # failed (or closed) before: the group stays dead
+            return WorkerError(f"the tensor-parallel group is shut down: {self.tp.error}")
         reason = self.diagnose()
         self.tp.error = f"{reason} (rank 0 saw {type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
         self._end(graceful=False)
