@@ -84,16 +84,16 @@ def reference63(model63):
     return tokens, list(logits), [llm.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
 
 
+@pytest.fixture(scope="class")
+def tp3(model63):
+    """One TP = 3 group for the tests of TestTP3 (one group per process at a time: closed after the class)."""
+    before = child_pids()
+    with LLM(model63, tensor_parallel_size=3, **POOL) as llm:
+        yield llm
+    assert child_pids() == before
+
+
 class TestTP3:
-    """One TP = 3 group for these tests (one group per process at a time: closed when the class is done)."""
-
-    @pytest.fixture(scope="class")
-    def tp3(self, model63):
-        before = child_pids()
-        with LLM(model63, tensor_parallel_size=3, **POOL) as llm:
-            yield llm
-        assert child_pids() == before
-
     def test_gives_tp1_tokens_and_logits_with_preemption(self, tp3, reference63):
         ref_tokens, ref_logits, _ = reference63
         logits = record_logits(tp3)
