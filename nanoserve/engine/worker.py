@@ -2,9 +2,9 @@
 
 The engine never touches tensors. It asks the worker how many KV blocks fit (so the scheduler's
 BlockManager can count them), then hands it one SchedulerOutput per step and gets token ids back.
-Here the one worker lives in the engine's process and runs on the CPU; a tensor-parallel worker
-would hold a shard of every weight and of every KV block, and the same calls would reach it
-over torch.distributed.
+Here the one worker lives in the engine's process and runs on the CPU. With tensor parallelism
+(chapter 11) every rank runs this same class on its shard of every weight and of every KV block:
+rank 0 here, the others in their own processes, reached over torch.distributed.
 """
 
 import ctypes
