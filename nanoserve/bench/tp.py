@@ -27,6 +27,9 @@ def register(sub):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="torch threads in all, split over the ranks (at least 1 each); on a shared machine 1 is "
+                        "steadier: threads that wait for a busy core spin, and TP 1's two threads suffer most")
     p.add_argument("--real", action="store_true", help="the real SmolLM2 (at the sizes that split 9 heads: 1, 3)")
     p.add_argument("--model-only", action="store_true", help="skip the measurement, print the GPU model")
     p.add_argument("--context", type=int, default=4096, help="GPU model: tokens of context per sequence")
@@ -61,7 +64,7 @@ def measure(model, tp: int, batch: int, prompt_len: int, steps: int) -> dict:
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     return {"step": statistics.median(times), "all_reduce": statistics.median(reduce_times),
-            "bytes": group.all_reduce_bytes, "calls": group.num_all_reduces}
+            "bytes": group.all_reduce_bytes, "calls": group.num_all_reduces}  # of the last timed step
 
 
 def run_measured(args) -> None:
@@ -73,8 +76,9 @@ def run_measured(args) -> None:
         torch.manual_seed(0)
         model, label, sizes = Llama(smollm2_sized()).eval(), "SmolLM2-sized, 12 / 6 heads, random weights", args.sizes
     config = model.config if model is not None else LlamaConfig()
+    torch.set_num_threads(args.threads)  # start_workers gives each of n ranks max(1, threads // n)
     print(f"measured: {label}; a decode step of {args.batch} sequences after {args.prompt_len}-token prompts; "
-          f"{torch.get_num_threads()} threads shared by all ranks; {args.rounds} rounds, each TP size in turn")
+          f"torch threads per rank at TP n: max(1, {args.threads} // n); {args.rounds} rounds, each TP size in turn")
     results = {n: [] for n in sizes}
     for r in range(args.rounds):
         for n in sizes:
@@ -88,7 +92,7 @@ def run_measured(args) -> None:
         ar = statistics.median(m["all_reduce"] for m in results[n])
         last = results[n][-1]
         print(f"{n:>3} {step * 1e3:>9.1f} {step / base:>8.2f}x {ar * 1e3:>14.1f} {ar / step:>6.0%} "
-              f"{last['calls'] // args.steps:>17} {last['bytes'] // args.steps:>11,}")
+              f"{last['calls']:>17} {last['bytes']:>11,}")
     print(f"all-reduced per layer per token: 2 x hidden {config.hidden_size} x 4 B = {per_layer_token:,} B "
           f"(+ one for the embedding per step; rank 0 also gathers {config.vocab_size:,} x 4 B of logits per sequence)")
 
@@ -141,7 +145,7 @@ def plot(rows, path: str) -> None:
 def run(args):
     cmd = "python -m nanoserve bench tp" + (" --real" if args.real else "")
     print(f"command: {cmd} --sizes {' '.join(map(str, args.sizes))} --batch {args.batch} --steps {args.steps} "
-          f"--rounds {args.rounds}")
+          f"--rounds {args.rounds} --threads {args.threads}")
     if not args.model_only:
         run_measured(args)
     rows = run_model(args)
