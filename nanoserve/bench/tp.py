@@ -85,7 +85,7 @@ def run_measured(args) -> None:
             results[n].append(measure(model, n, args.batch, args.prompt_len, args.steps))
     base = statistics.median(m["step"] for m in results[sizes[0]])
     per_layer_token = 2 * config.hidden_size * 4  # two all-reduces of one fp32 hidden vector
-    print(f"{'TP':>3} {'step ms':>9} {'vs TP ' + str(sizes[0]):>9} {'all_reduce ms':>14} {'share':>6} "
+    print(f"{'TP':>3} {'step ms':>9} {'time/TP' + str(sizes[0]):>9} {'all_reduce ms':>14} {'share':>6} "
           f"{'all_reduces/step':>17} {'bytes/step':>11}")
     for n in sizes:
         step = statistics.median(m["step"] for m in results[n])
