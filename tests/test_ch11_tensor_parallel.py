@@ -18,6 +18,10 @@ from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation, use_student
 
+# The tests count this process's children in /proc (Linux); CI runs them always.
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="checks for leftover worker processes "
+                                "through Linux's /proc: run these tests on Linux (the course's CI does)")
+
 POOL = dict(num_blocks=12, block_size=4)  # 48 token slots: the batch below must preempt
 PROMPTS = [{"prompt_token_ids": list(range(3 + i, 13 + i))} for i in range(4)]  # 10 tokens each
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
