@@ -10,6 +10,9 @@
 
 Everything is submitted at once and the engine batches it continuously; outputs come back in
 input order. The tokenizer lives here, above the engine: the engine sees token ids only.
+
+    with LLM(tensor_parallel_size=3) as llm:              # chapter 11: 2 worker processes + this one
+        llm.generate(...)                                  # leaving the block stops the workers
 """
 
 import sys
@@ -29,7 +32,8 @@ class LLM:
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
-                 weights: str | None = None, degrade_under_load: int | None = None):
+                 weights: str | None = None, degrade_under_load: int | None = None,
+                 tensor_parallel_size: int = 1):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -37,7 +41,9 @@ class LLM:
         (chapter 07; on a CPU "triton" needs TRITON_INTERPRET=1), None for the device's default — checked
         before the model loads. weights: "fp32" (default), "int8" or "q4" (chapter 10), how the weights are
         kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
-        a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2)."""
+        a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2).
+        tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
+        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`)."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -46,7 +52,16 @@ class LLM:
         path = model if isinstance(model, (str, Path)) else None
         if weights is not None:
             check_weight_format(weights)  # before the model loads
-        if model is None or path is not None:
+        if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
+                                         or attention_backend == "triton"):
+            raise ValueError("tensor_parallel_size > 1 runs float32 weights with the torch attention backend: "
+                             "weights, degrade_under_load and attention_backend='triton' are single-process only")
+        self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
+        if tensor_parallel_size > 1:
+            from nanoserve.distributed.multiproc import start_workers
+
+            self.workers, self.model = start_workers(model, tensor_parallel_size, student)
+        elif model is None or path is not None:
             resolve_attention_backend(attention_backend, "cpu")  # a GGUF loads on the CPU: fail fast, before the load
             # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), once finished
             quantizer = StudentCode(student).module("nanoserve.model.quant") if weights in ("int8", "q4") else None
@@ -66,8 +81,23 @@ class LLM:
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
                               degrade_under_load)
-        self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
+        try:
+            self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
+        except BaseException:
+            self.close()
+            raise
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do at TP 1); idempotent."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def prompt_token_ids(self, item) -> list[int]:
         """One input -> prompt ids: a string, a chat (list of {"role", "content"}), or a dict with
@@ -102,11 +132,21 @@ class LLM:
         (and each one passed to `on_finished` the step it finishes)."""
         from tqdm.auto import tqdm
 
+        from nanoserve.distributed.parallel_state import WorkerError
+
         finished = {}
         with tqdm(total=len(request_ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
             num_tokens = 0
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except WorkerError as e:  # a tensor-parallel rank died: the group is gone, fail what is in flight
+                    failed = [rid for rid in request_ids if rid not in finished]
+                    for request_id in failed:
+                        self.engine.abort_request(request_id)
+                    self.close()
+                    raise WorkerError(f"requests {failed} failed: {e}") from e
+                for out in outputs:
                     num_tokens += len(out.new_token_ids)
                     if out.finished:
                         finished[out.request_id] = out

@@ -55,6 +55,7 @@ STUDENT_FILES = {
     "nanoserve.kernels.triton_paged_attention": "07-triton-paged-attention/triton_paged_attention.py",
     "nanoserve.model.quant": "10-quantization/quant.py",
     "nanoserve.metrics": "09-measuring/metrics.py",
+    "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
 }
 
 

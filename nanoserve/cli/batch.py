@@ -61,6 +61,8 @@ def add_engine_args(p):
                    help="fp32, int8 or q4: how the weights are kept (chapter 10)")
     p.add_argument("--degrade-under-load", type=checks.positive_int, default=None, metavar="N",
                    help="with N requests waiting, run steps on a q4 copy of the weights until N/2 wait (chapter 10)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
+                   help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
 
 def llm_from_args(args, tokenizer=None):
@@ -71,7 +73,7 @@ def llm_from_args(args, tokenizer=None):
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
                enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer,
                attention_backend=args.attention_backend, weights=args.weights,
-               degrade_under_load=args.degrade_under_load)
+               degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:
@@ -154,9 +156,6 @@ def run(args):
         records[i]["error"] = message
         print(f"error: {args.input}:{records[i]['line']}: {message}", file=sys.stderr)
 
-    p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
-                   help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
-                        "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -172,22 +171,37 @@ def run(args):
     writer = InOrderWriter(args.output, records)
     writer.flush()  # the malformed lines at the top are on disk before the model loads
     if requests:
-        llm = llm_from_args(args, tokenizer)
-        index = {}  # request id -> index in records
-        for i, ids, params, priority in requests:
-            try:
-                index[llm.add_request({"prompt_token_ids": ids}, params, priority)] = i
-            except ValueError as e:  # e.g. more tokens than the whole KV pool holds
-                reject(i, re.sub(r"^request '[^']*':? ", "", str(e)))  # the line number names it better
-
-        def finished(out):
-            records[index[out.request_id]].update(
-                prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, text=out.text,
-                finish_reason=out.finish_reason, metrics=out.metrics)
-            writer.flush()
-
-        llm.run(list(index), use_tqdm=not args.no_progress, on_finished=finished)
+        try:
+            # a model that cannot be split --tensor-parallel-size ways is a ValueError before any process starts
+            llm = llm_from_args(args, tokenizer)
+        except ValueError as e:
+            raise checks.UsageError(str(e)) from None
+        with llm:  # with tensor parallelism (chapter 11) the worker processes stop at the end, whatever happens
+            run_requests(llm, requests, records, writer, reject, not args.no_progress)
     writer.close()
     num_errors = sum("error" in r for r in records)
     print(f"wrote {len(records)} results to {args.output} ({num_errors} malformed line(s))", file=sys.stderr)
     return 1 if num_errors else 0
+
+
+def run_requests(llm, requests, records, writer, reject, use_tqdm: bool) -> None:
+    """Serve the parsed requests; each result is written the moment it and all lines before it are done."""
+    from nanoserve.distributed.parallel_state import WorkerError
+
+    index = {}  # request id -> index in records
+    for i, ids, params, priority in requests:
+        try:
+            index[llm.add_request({"prompt_token_ids": ids}, params, priority)] = i
+        except ValueError as e:  # e.g. more tokens than the whole KV pool holds
+            reject(i, re.sub(r"^request '[^']*':? ", "", str(e)))  # the line number names it better
+
+    def finished(out):
+        records[index[out.request_id]].update(
+            prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids, text=out.text,
+            finish_reason=out.finish_reason, metrics=out.metrics)
+        writer.flush()
+
+    try:
+        llm.run(list(index), use_tqdm=use_tqdm, on_finished=finished)
+    except WorkerError as e:  # a tensor-parallel worker died: its requests failed, the group is shut down
+        raise checks.UsageError(str(e)) from None

@@ -8,7 +8,7 @@ reports ratios measured side by side in one run.
 import importlib
 
 BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention", "http", "serve", "profile",
-              "experiment", "weights", "quality"]
+              "experiment", "weights", "quality", "tp"]
 
 
 def register(sub):

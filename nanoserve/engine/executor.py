@@ -2,12 +2,15 @@
 
     LLMEngine.step() ─▶ Scheduler.schedule() ─▶ Executor.execute_model() ─▶ Worker(s) ─▶ ModelRunner
 
-With one in-process worker it only forwards calls. The seam is there for chapter-later
-parallelism: a tensor-parallel executor starts one worker per device, broadcasts each
-SchedulerOutput to all of them, and returns rank 0's sampled tokens — the engine and the
-scheduler do not change.
+With one in-process worker it only forwards calls. With tensor parallelism (chapter 11,
+`LLM(tensor_parallel_size=n)`) the one worker here is rank 0 of a process group whose ranks
+1 .. n−1 are worker processes (nanoserve/distributed/multiproc.py): the executor tells them to
+build their KV pools, rank 0's model runner broadcasts each step's integers to them, every rank
+runs its shard, and rank 0 returns the sampled tokens — the engine and the scheduler do not change.
+A fault in any rank fails the step with a WorkerError and shuts the group down.
 """
 
+from nanoserve.distributed.parallel_state import INIT_KV_CACHE, get_tp_group
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.worker import Worker
 
@@ -17,15 +20,22 @@ class Executor:
         if not workers:
             raise ValueError("an Executor needs at least one worker")
         self.workers = workers
+        self.tp_group = get_tp_group(workers[0].model)  # size 1 unless it is rank 0's shard (chapter 11)
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
         """The pool must fit on every device: the smallest worker decides."""
         return min(w.num_blocks_for(kv_cache_bytes, block_size) for w in self.workers)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.tp_group.broadcast_command(INIT_KV_CACHE, num_blocks, block_size)  # the worker processes too
         for w in self.workers:
             w.init_kv_cache(num_blocks, block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
-        results = [w.execute_model(scheduler_output, degraded) for w in self.workers]
+        try:
+            results = [w.execute_model(scheduler_output, degraded) for w in self.workers]
+        except Exception as e:
+            if self.tp_group.workers is None:
+                raise
+            raise self.tp_group.workers.fail(e) from e  # a rank died or raised: a WorkerError, the group ended
         return results[0]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
@@ -53,6 +54,7 @@ class ModelRunner:
         self.device = kv_cache.k_cache[0].device
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request
+        self.tp_group = get_tp_group(model)  # chapter 11: rank 0 sends each step to the other ranks
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the step into index tensors, built once per step (never per layer)."""
@@ -85,12 +87,21 @@ class ModelRunner:
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
+        self.tp_group.broadcast_step(batch)  # the other ranks run this step's shard with us (a no-op at TP 1)
+        logits = self.execute_model_input(batch, degraded)
+        return self.sample(batch.sampled_seqs, logits) if batch.sampled_seqs else {}
+
+    @torch.inference_mode()
+    def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
+        """The forward pass (on the degraded copy of the weights if asked, chapter 10); the logits
+        (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
+        ranks > 0, which only help compute them)."""
         model = self.degraded_model if degraded else self.model
         hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
-        if not batch.sampled_seqs:
-            return {}
-        logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)]).cpu()  # (num_sampled, vocab)
-        return self.sample(batch.sampled_seqs, logits)
+        if not len(batch.logits_indices):
+            return None
+        logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # (num_sampled, vocab)
+        return None if logits is None else logits.cpu()
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
         greedy = logits.argmax(-1).tolist()  # one call for every greedy row

@@ -2,13 +2,14 @@
 
 The engine never touches tensors. It asks the worker how many KV blocks fit (so the scheduler's
 BlockManager can count them), then hands it one SchedulerOutput per step and gets token ids back.
-Here the one worker lives in the engine's process and runs on the CPU; a tensor-parallel worker
-would hold a shard of every weight and of every KV block, and the same calls would reach it
-over torch.distributed.
+Here the one worker lives in the engine's process and runs on the CPU. With tensor parallelism
+(chapter 11) every rank runs this same class on its shard of every weight and of every KV block:
+rank 0 here, the others in their own processes, reached over torch.distributed.
 """
 
 import ctypes
 import ctypes.util
+from dataclasses import replace
 
 import torch
 
@@ -47,13 +48,15 @@ class Worker:
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
         self.attention = attention_class(attention_backend, paged_attention)
+        # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
+        self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
-        return num_blocks_for_budget(self.model.config, kv_cache_bytes, block_size, self.dtype)
+        return num_blocks_for_budget(self.kv_config, kv_cache_bytes, block_size, self.dtype)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        c = self.model.config
+        c = self.kv_config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                              self.device)
         self.model_runner = ModelRunner(self.model, cache, self.attention, self.degraded_model)

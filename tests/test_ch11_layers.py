@@ -1,0 +1,120 @@
+"""Chapter 11 — the sharded layers in one process: a fake group stands in for torch.distributed, and every
+rank's shard is run by hand. The reference is the whole layer (an nn.Linear, an nn.Embedding)."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from nanoserve.distributed.shard import HeadSplit, split_heads
+from nanoserve.distributed.vocab import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.model import LlamaConfig
+from nanoserve.student import implementation
+
+
+class FakeGroup:
+    """Rank `rank` of `size`, in one process: all_reduce and gather return this rank's part unchanged,
+    so the test itself adds (or concatenates) the parts — the sum a real all_reduce would compute."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x):
+        return x
+
+    def gather(self, x):
+        return x
+
+
+def ranks(n):
+    return [FakeGroup(r, n) for r in range(n)]
+
+
+@pytest.mark.exercise("11.1")
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_column_parallel_holds_output_rows_and_concatenates(n):
+    L = implementation("nanoserve.distributed.linear")
+    torch.manual_seed(n)
+    W, x = torch.randn(12, 5), torch.randn(4, 5)
+    shards = [L.ColumnParallelLinear(5, 12, tp) for tp in ranks(n)]
+    for s in shards:
+        s.weight_loader(W)
+    assert [tuple(s.weight.shape) for s in shards] == [(12 // n, 5)] * n
+    assert torch.equal(torch.cat([s.weight for s in shards]), W)  # rank r holds rows r·12/n ..
+    out = torch.cat([s(x) for s in shards], dim=-1)  # each rank: its slice of the output features
+    torch.testing.assert_close(out, F.linear(x, W))
+
+
+@pytest.mark.exercise("11.1")
+def test_column_parallel_replicated_kv_slices():
+    """4 ranks over 2 KV heads (head_dim 3): ranks 0, 1 hold KV head 0, ranks 2, 3 KV head 1."""
+    L = implementation("nanoserve.distributed.linear")
+    W = torch.arange(6 * 2, dtype=torch.float32).view(6, 2)
+    for tp in ranks(4):
+        s = L.ColumnParallelLinear(2, 6, tp, num_shards=2, shard_index=tp.rank * 2 // 4)
+        s.weight_loader(W)
+        assert torch.equal(s.weight, W[3 * (tp.rank // 2):3 * (tp.rank // 2) + 3])
+
+
+@pytest.mark.exercise("11.2")
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_row_parallel_partial_sums_add_up(n):
+    L = implementation("nanoserve.distributed.linear")
+    torch.manual_seed(10 + n)
+    W, x = torch.randn(7, 12), torch.randn(4, 12)
+    shards = [L.RowParallelLinear(12, 7, tp) for tp in ranks(n)]
+    for s in shards:
+        s.weight_loader(W)
+    assert [tuple(s.weight.shape) for s in shards] == [(7, 12 // n)] * n
+    assert torch.equal(torch.cat([s.weight for s in shards], dim=1), W)  # rank r holds columns r·12/n ..
+    parts = [s(xr) for s, xr in zip(shards, x.chunk(n, dim=-1))]  # rank r sees its slice of the input
+    assert all(p.shape == (4, 7) for p in parts)
+    torch.testing.assert_close(sum(parts), F.linear(x, W))  # what the all_reduce adds up
+
+
+@pytest.mark.exercise("11.2")
+def test_column_then_row_is_the_whole_mlp():
+    """The Megatron MLP: gate/up column-parallel, SiLU·up per slice, down row-parallel; one sum at the end."""
+    L = implementation("nanoserve.distributed.linear")
+    torch.manual_seed(0)
+    Wg, Wu, Wd, x = torch.randn(8, 6), torch.randn(8, 6), torch.randn(6, 8), torch.randn(3, 6)
+    total = 0
+    for tp in ranks(2):
+        gate, up, down = L.ColumnParallelLinear(6, 8, tp), L.ColumnParallelLinear(6, 8, tp), L.RowParallelLinear(8, 6, tp)
+        for layer, w in ((gate, Wg), (up, Wu), (down, Wd)):
+            layer.weight_loader(w)
+        total = total + down(F.silu(gate(x)) * up(x))
+    torch.testing.assert_close(total, F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd))
+
+
+@pytest.mark.parametrize("vocab,n", [(256, 3), (10, 4), (12, 2)])
+def test_vocab_parallel_embedding_and_lm_head(vocab, n):
+    torch.manual_seed(vocab)
+    W = torch.randn(vocab, 5)
+    ids = torch.tensor([0, vocab - 1, 3, vocab // 2, 3])
+    embeds = [VocabParallelEmbedding(vocab, 5, tp) for tp in ranks(n)]
+    heads = [ParallelLMHead(vocab, 5, tp) for tp in ranks(n)]
+    for layer in embeds + heads:
+        layer.weight_loader(W)
+    per_rank = -(-vocab // n)
+    assert [tuple(e.weight.shape) for e in embeds] == [(per_rank, 5)] * n  # padded to equal shards
+    # every id is looked up by exactly one rank, the others add zeros
+    torch.testing.assert_close(sum(e(ids) for e in embeds), F.embedding(ids, W))
+    h = torch.randn(2, 5)
+    rank0 = torch.cat([torch.nn.functional.linear(h, head.weight) for head in heads], dim=-1)  # the gather
+    torch.testing.assert_close(rank0[:, :vocab], h @ W.T)
+    assert torch.all(rank0[:, vocab:] == 0)  # padding rows: cut off by ParallelLMHead
+
+
+def test_split_heads_shards_replicates_or_refuses():
+    smol = LlamaConfig()  # 9 query / 3 KV heads
+    assert split_heads(smol, 1) == HeadSplit(9, 3, 1)
+    assert split_heads(smol, 3) == HeadSplit(3, 1, 3)
+    assert split_heads(smol, 9) == HeadSplit(1, 1, 3)  # each KV head on 3 ranks
+    assert [split_heads(smol, 9).kv_shard(r, 9) for r in range(9)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_attention_heads=9"):
+        split_heads(smol, 2)
+    tiny = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
+    with pytest.raises(ValueError, match=r"cannot split num_key_value_heads=3 \(num_attention_heads=6\)"):
+        split_heads(tiny, 2)
+    llama8b = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
+    assert [split_heads(llama8b, n).num_kv_heads for n in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]

@@ -1,0 +1,200 @@
+"""Chapter 11 — tensor parallelism for real: worker processes over gloo, compared with TP = 1 (the same
+model in one process, chapter 06's engine), which is the reference for tokens and logits.
+
+Tiny random models keep it affordable on 2 cores: 6 query / 3 KV heads (TP 3: KV heads sharded; TP 2:
+refused) and 6 / 1 (TP 2: the one KV head replicated). One real-model test at TP 3 is marked slow."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from nanoserve.distributed.parallel_state import STEP, WorkerError
+from nanoserve.engine.worker import Worker
+from nanoserve.llm import LLM
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.sampling import SamplingParams
+from nanoserve.student import implementation, use_student
+
+# The tests count this process's children in /proc (Linux); CI runs them always.
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="checks for leftover worker processes "
+                                "through Linux's /proc: run these tests on Linux (the course's CI does)")
+
+POOL = dict(num_blocks=12, block_size=4)  # 48 token slots: the batch below must preempt
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 13 + i))} for i in range(4)]  # 10 tokens each
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def tiny(num_kv_heads):
+    torch.manual_seed(0)
+    config = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=num_kv_heads,
+                              intermediate_size=192)
+    model = Llama(config).eval()
+    with torch.no_grad():  # wide enough that greedy decoding does not just repeat one token
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model
+
+
+def child_pids() -> set[int]:
+    """This process's children, without Python's resource tracker (one per interpreter, started by the
+    first spawn and shared by all of multiprocessing: not ours to stop)."""
+    pids = set()
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+            pids |= {int(p) for p in f.read().split()}
+    return {p for p in pids if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()}
+
+
+def shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def record_logits(llm):
+    """Wrap rank 0's sampler to keep every step's logits (the gathered, full-vocabulary ones)."""
+    runner = llm.engine.executor.workers[0].model_runner
+    seen, sample = [], runner.sample
+    runner.sample = lambda seqs, logits: seen.append(logits.clone()) or sample(seqs, logits)
+    return seen
+
+
+def run_stepwise(llm, prompts, params):
+    """Tokens by request and whether any step preempted."""
+    ids = [llm.add_request(p, params) for p in prompts]
+    preempted = False
+    out = {}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        preempted |= bool(llm.engine.last_scheduler_output.preempted_seq_ids)
+    return [out[i] for i in ids], preempted
+
+
+@pytest.fixture(scope="module")
+def model63():
+    return tiny(3)
+
+
+@pytest.fixture(scope="module")
+def reference63(model63):
+    llm = LLM(model63, **POOL)
+    logits = record_logits(llm)
+    tokens, preempted = run_stepwise(llm, PROMPTS, GREEDY)
+    assert preempted, "the reference batch should preempt: the pool is too small for all four"
+    return tokens, list(logits), [llm.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="class")
+def tp3(model63):
+    """One TP = 3 group for the tests of TestTP3 (one group per process at a time: closed after the class)."""
+    before = child_pids()
+    with LLM(model63, tensor_parallel_size=3, **POOL) as llm:
+        yield llm
+    assert child_pids() == before
+
+
+class TestTP3:
+    def test_gives_tp1_tokens_and_logits_with_preemption(self, tp3, reference63):
+        ref_tokens, ref_logits, _ = reference63
+        logits = record_logits(tp3)
+        tokens, preempted = run_stepwise(tp3, PROMPTS, GREEDY)
+        assert preempted
+        assert tokens == ref_tokens
+        assert len(logits) == len(ref_logits)
+        for got, want in zip(logits, ref_logits):  # float32, summed in another order: a few ulps of the logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+    def test_batch_invariance(self, tp3, reference63):
+        """Each prompt alone at TP 3 gives what it gave in the preempting batch, and what TP 1 gives alone."""
+        ref_tokens, _, ref_alone = reference63
+        alone = [tp3.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+        assert alone == ref_alone == ref_tokens
+
+    def test_kv_pool_holds_one_kv_head_per_rank(self, tp3, model63):
+        """Memory math: 2 (K, V) · 2 layers · 1 KV head · 16 head_dim · 4 B = 256 B per token per rank, a
+        third of TP 1's 768 B: the same bytes hold 3× the blocks."""
+        cache = tp3.engine.executor.workers[0].model_runner.kv_cache
+        assert tuple(cache.k_cache[0].shape) == (1, 12, 4, 16)  # (Hkv per rank, blocks, block_size, head_dim)
+        budget = 1 << 20
+        one, three = Worker(model63).num_blocks_for(budget, 16), tp3.engine.executor.num_blocks_for(budget, 16)
+        assert (one, three) == (budget // (768 * 16), budget // (256 * 16))
+
+
+def test_refused_split_names_the_heads_and_starts_nothing(model63):
+    before = child_pids()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 cannot split num_key_value_heads=3 "
+                                         r"\(num_attention_heads=6\)"):
+        LLM(model63, tensor_parallel_size=2)
+    assert child_pids() == before
+
+
+@pytest.mark.exercise("11.2")
+def test_tp2_replicated_kv_head_gives_tp1_tokens():
+    """6 query heads, 1 KV head: each rank holds 3 query heads and a copy of the KV head. Graded: with
+    `make grade CH=11` both ranks build their layers from YOUR exercises/11-tensor-parallel/linear.py."""
+    layers = implementation("nanoserve.distributed.linear")
+    layers.ColumnParallelLinear(2, 2, type("TP1", (), {"rank": 0, "size": 1})())  # a stub fails here, at once
+    model = tiny(1)
+    want = [o.token_ids for o in LLM(model, **POOL).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    with LLM(model, tensor_parallel_size=2, student=use_student(), **POOL) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    assert got == want
+
+
+def assert_failed_cleanly(llm, before_children, before_shm, excinfo, *words):
+    message = str(excinfo.value)
+    for word in words:
+        assert word in message, message
+    assert not llm.engine.has_unfinished_requests()  # the in-flight requests were failed, not left hanging
+    bm = llm.engine.block_manager
+    assert bm.get_num_free_blocks() == bm.num_blocks
+    assert child_pids() == before_children and shm() == before_shm
+    with pytest.raises(WorkerError, match="shut down"):  # the group stays dead; it does not hang
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    llm.close()  # idempotent
+
+
+def test_killed_worker_fails_the_request_and_leaves_no_process():
+    before_children, before_shm = child_pids(), shm()
+    llm = LLM(tiny(1), tensor_parallel_size=2, **POOL)
+    (pid,) = child_pids() - before_children
+    request_id = llm.add_request(PROMPTS[0], GREEDY)
+    llm.engine.step()  # the prompt is in, a token out: mid-request
+    os.kill(pid, signal.SIGKILL)
+    t = time.perf_counter()
+    with pytest.raises(WorkerError) as excinfo:
+        llm.run([request_id], use_tqdm=False)
+    assert time.perf_counter() - t < 30  # noticed through the closed socket, not a timeout
+    assert_failed_cleanly(llm, before_children, before_shm, excinfo, "rank 1", "SIGKILL", f"['{request_id}']")
+
+
+def test_exception_in_a_workers_forward_fails_the_request():
+    before_children, before_shm = child_pids(), shm()
+    llm = LLM(tiny(1), tensor_parallel_size=2, **POOL)
+    request_id = llm.add_request(PROMPTS[0], GREEDY)
+    # Only rank 1 runs this step: one token at position 10**6, beyond the model's context, so rank 1's
+    # Llama.forward raises before its first collective; it reports the error and exits, and rank 0's
+    # next step finds the group broken.
+    bad = torch.tensor([1, 10**6, 0, 0, 1, 0, 1, 0])  # ids, positions, slots, table, seq_lens, cu_seqlens_q, rows
+    llm.model.tp_group.broadcast_command(STEP, 1, 1, 1, 1, payload=bad)
+    with pytest.raises(WorkerError) as excinfo:
+        llm.run([request_id], use_tqdm=False)
+    assert_failed_cleanly(llm, before_children, before_shm, excinfo, "rank 1", "ValueError: position 1000000",
+                          f"['{request_id}']")
+
+
+@pytest.mark.slow
+def test_real_smollm2_tp3_matches_tp1(smollm2):
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Name a colour."}]]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.token_ids for o in LLM(smollm2).generate(chats, params, use_tqdm=False)]
+    before = child_pids()
+    with LLM(tensor_parallel_size=3) as llm:  # each rank reads its slice of the embedded GGUF
+        got = [o.token_ids for o in llm.generate(chats, params, use_tqdm=False)]
+    assert got == want
+    assert child_pids() == before
