@@ -153,7 +153,7 @@ def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenize
 
 
 def test_rate_limit_is_429_with_retry_after(engine, tokenizer):
-    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.5, rate_burst=2) as (url, _):
+    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.1, rate_burst=2) as (url, _):  # a token per 10 s
         codes = [httpx.get(f"{url}/v1/models").status_code for _ in range(2)]
         r = httpx.get(f"{url}/v1/models")
         assert codes == [200, 200]
@@ -339,8 +339,7 @@ def test_shutdown_past_its_timeout_aborts_what_is_left(engine, tokenizer):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--port", "70000"], "--port"),
-    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),  # our check (each case starts Python and imports torch: few of them)
     (["--rate-limit", "abc"], "--rate-limit"),  # argparse's own refusal, in the same one-line form
 ])
 def test_serve_refuses_bad_arguments_in_one_line_before_loading_the_model(args, message):
@@ -349,3 +348,20 @@ def test_serve_refuses_bad_arguments_in_one_line_before_loading_the_model(args, 
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
     assert "loading" not in r.stdout
+
+
+def test_terminal_chat_through_the_server_keeps_the_conversation(engine, tokenizer):
+    from nanoserve.cli.chat import chat_loop, remote_reply
+    from nanoserve.sampling import SamplingParams
+
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        shown = []
+        chat_loop(iter(["Hi\n", "again\n", "exit\n", "never"]), shown.append,
+                  remote_reply(client, "tiny", SamplingParams(temperature=0, max_tokens=5)))
+        first = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0).choices[0]
+        second = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0, messages=[
+            *HI, {"role": "assistant", "content": first.message.content}, {"role": "user", "content": "again"}]).choices[0]
+    end = {"stop": "\n", "length": " [max tokens]\n"}
+    assert "".join(shown) == (f"assistant> {first.message.content}{end[first.finish_reason]}"
+                              f"assistant> {second.message.content}{end[second.finish_reason]}")

@@ -2,27 +2,17 @@
 
 Mirror of nanoserve/server/streaming.py (same names, same signatures). Read chapter 08, section 4
 ("Streaming without showing a stop string"), then fill in the three functions marked Exercise.
-`sse` and `usage` are given.
+`sse` and `usage` are given (imported from the reference).
 
 Grade it:      make grade CH=08
 See it serve:  python -m nanoserve serve --student     (the server streams with YOUR code)
 """
 
-import json
 from collections.abc import AsyncIterator
 
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.server.protocol import error_body
-
-
-def sse(data: dict | str) -> str:
-    """One server-sent event: `data: <json>` and a blank line."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+from nanoserve.server.protocol import error_body  # noqa: F401 — for 8.3: error_body(message, 500)
+from nanoserve.server.streaming import sse, usage  # noqa: F401 — given: one SSE event; a usage dict
 
 
 def stop_hold_back(text: str, stop: list[str]) -> int:

@@ -47,8 +47,8 @@ def check_args(args) -> str | None:
             return f"{flag} must be >= 1, got {value}"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        return f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        return f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}"
     if args.rate_limit is not None and args.rate_limit <= 0:
         return f"--rate-limit must be > 0 requests/s, got {args.rate_limit}"
     if args.shutdown_timeout < 0:
@@ -104,7 +104,8 @@ def run(args):
     url = f"http://{host}:{sock.getsockname()[1]}"
 
     def ready():
-        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop). Try:\n", flush=True)
+        key_note = " Requests need the API key; these lines read it from $NANOSERVE_API_KEY." if args.api_key else ""
+        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop).{key_note} Try:\n", flush=True)
         print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
 
     Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
