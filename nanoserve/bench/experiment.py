@@ -129,7 +129,7 @@ def chunked_prefill(args, model, tokenizer) -> dict:
                 "long_prompt_arrived_s": long.start, "long_prompt_ttft_ms": ttft(long.start, long.chunk_times) * 1000}
 
     results = interleaved(args.rounds, configs, measure)
-    best = {name: min(runs, key=lambda x: x["max_stream_itl_ms"]) for name, runs in results.items()}
+    best = {name: dict(min(runs, key=lambda x: x["max_stream_itl_ms"])) for name, runs in results.items()}
     for name, x in best.items():
         x["ttft_ms_by_prompt_len"] = {n: min(run["ttft_ms_by_prompt_len"][n] for run in results[name]) for n in lengths}
     print(f"{'':28s}" + "".join(f"TTFT {n:>5d} tok" for n in lengths) + "   max ITL of 4 streams   long prompt TTFT")
