@@ -6,12 +6,14 @@ least urgent). The comments walk through each step.
 """
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nanoserve.engine.event_feed import EventFeed, Subscription
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine import snapshot as reference
 from nanoserve.engine.snapshot import SnapshotBuilder, encode_pool
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
@@ -74,7 +76,8 @@ def test_step_kind_by_hand():
 @pytest.mark.exercise("12.1")
 def test_prefix_hit_shared_then_cached(tiny):
     """block_size 4, 8 blocks. a = 6-token prompt, 3 tokens; b shares a's first block (4 tokens), 2 tokens."""
-    rules = implementation("nanoserve.engine.snapshot")
+    rules = SimpleNamespace(block_owners=implementation("nanoserve.engine.snapshot").block_owners,
+                            step_kind=reference.step_kind)
     engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, max_num_batched_tokens=8))
     builder, step = stepper(engine, rules)
     engine.add_request("a", [1, 2, 3, 4, 5, 6], params(3))
@@ -107,7 +110,8 @@ def test_prefix_hit_shared_then_cached(tiny):
 @pytest.mark.exercise("12.2")
 def test_preemption_then_abort(tiny):
     """block_size 4, 4 blocks, two 4-token prompts with 8 tokens each: the pool fills, b is preempted."""
-    rules = implementation("nanoserve.engine.snapshot")
+    rules = SimpleNamespace(block_owners=reference.block_owners,
+                            step_kind=implementation("nanoserve.engine.snapshot").step_kind)
     engine = LLMEngine(tiny, EngineConfig(num_blocks=4, block_size=4))
     _, step = stepper(engine, rules)
     engine.add_request("a", [1, 2, 3, 4], params(8))
