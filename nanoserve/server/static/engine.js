@@ -276,6 +276,7 @@ $("chat-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const reply = $("reply");
   reply.textContent = "";
+  reply.dataset.state = "streaming";
   try {
     const resp = await fetch("/v1/chat/completions", { method: "POST", body: chatBody($("chat-input").value, true),
                                                       headers: { "Content-Type": "application/json", ...headers() } });
@@ -287,6 +288,7 @@ $("chat-form").addEventListener("submit", async (ev) => {
   } catch (e) {
     reply.textContent += " [the connection broke]";
   }
+  reply.dataset.state = "done";
 });
 
 $("burst-form").addEventListener("submit", async (ev) => {
