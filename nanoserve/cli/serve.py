@@ -106,6 +106,7 @@ def run(args):
     def ready():
         print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop). Try:\n", flush=True)
         print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
+        print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
 
     Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
     print("nanoserve: stopped", flush=True)

@@ -30,18 +30,15 @@ def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blo
     >>> block_owners({"x": [2]}, 3, cached_blocks={0})
     ['cached', 'free', 'x']
     """
-    holders: list[list[str]] = [[] for _ in range(num_blocks)]
+    owners = ["free"] * num_blocks
+    for block_id in cached_blocks:
+        owners[block_id] = "cached"
+    num_holders: dict[int, int] = {}  # held blocks only: past the one C-level fill above, the work grows
+    # with the blocks in use (held or cached), not with the size of the pool
     for seq_id, table in block_tables.items():
         for block_id in table:
-            holders[block_id].append(seq_id)
-    owners = []
-    for block_id, held_by in enumerate(holders):
-        if len(held_by) > 1:
-            owners.append(f"shared:{len(held_by)}")
-        elif held_by:
-            owners.append(held_by[0])
-        else:
-            owners.append("cached" if block_id in cached_blocks else "free")
+            k = num_holders[block_id] = num_holders.get(block_id, 0) + 1
+            owners[block_id] = seq_id if k == 1 else f"shared:{k}"  # held wins over cached
     return owners
 
 
