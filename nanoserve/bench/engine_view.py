@@ -1,4 +1,4 @@
-"""`python -m nanoserve bench engine_view`: what the live page (chapter 12) costs the engine, side by side.
+"""`python -m nanoserve bench engine-view`: what the live page (chapter 12) costs the engine, side by side.
 
 One seeded workload (random prompt ids, EOS ignored) through the same engine three ways, interleaved
 round by round so the machine's drift hits all three alike:
@@ -20,7 +20,7 @@ from nanoserve.bench.offline import make_workload, params
 
 
 def register(sub):
-    p = sub.add_parser("engine_view", help="the engine event feed's cost: page closed vs open vs no feed (chapter 12)")
+    p = sub.add_parser("engine-view", help="the engine event feed's cost: page closed vs open vs no feed (chapter 12)")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
@@ -98,6 +98,6 @@ def run(args):
             line += (f"   {encoded} snapshots, {1000 * in_feed / max(encoded, 1):.2f} ms each in the feed, "
                      f"{100 * in_feed / seconds:.2f} % of the run")
         print(line)
-    cmd = "python -m nanoserve bench engine_view" + (" --tiny" if args.tiny else "")
+    cmd = "python -m nanoserve bench engine-view" + (" --tiny" if args.tiny else "")
     print(f"reproduce: {cmd} --num-requests {args.num_requests} --rounds {args.rounds}")
     return 0

@@ -8,7 +8,7 @@
 Three promises, each one line of the design:
 
   off      record() returns at its first line while there are no subscribers: one attribute read
-           per step (`python -m nanoserve bench engine_view` measures it against no feed at all).
+           per step (`python -m nanoserve bench engine-view` measures it against no feed at all).
   throttled  a full snapshot is built at most once per `min_interval` (0.05 s: 20 a second); the
            steps in between only add a few integers each to the next one's step records.
   bounded  a subscriber holds ONE snapshot. A new one replaces it (counted in `dropped`), so a slow
