@@ -26,6 +26,7 @@ STUDENT_FILES = {
     "nanoserve.engine.scheduler": "06-continuous-batching/scheduler.py",
     "nanoserve.sampling": "03-tokens-and-sampling/sampling.py",
     "nanoserve.detokenizer": "03-tokens-and-sampling/detokenizer.py",
+    "nanoserve.server.streaming": "08-http-serving/streaming.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
 }
 

@@ -37,7 +37,8 @@ def add_engine_args(p):
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/")
+    p.add_argument("--student", action="store_true", help="run YOUR scheduler, block allocator and prefix cache from exercises/ "
+                                                        "(serve: and YOUR SSE streaming, exercise 08)")
 
 
 def llm_from_args(args):

@@ -7,7 +7,7 @@ reports ratios measured side by side in one run.
 
 import importlib
 
-BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "engine_view"]
+BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "http", "engine_view"]
 
 
 def register(sub):

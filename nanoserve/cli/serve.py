@@ -47,8 +47,8 @@ def check_args(args) -> str | None:
             return f"{flag} must be >= 1, got {value}"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-        return f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}"
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        return f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}"
     if args.rate_limit is not None and args.rate_limit <= 0:
         return f"--rate-limit must be > 0 requests/s, got {args.rate_limit}"
     if args.shutdown_timeout < 0:
@@ -98,13 +98,14 @@ def run(args):
         return 2
     stat_logger = PrometheusStatLogger(args.served_model_name)
     config = ServerConfig(args.served_model_name, args.api_key, args.metrics_need_key, args.max_waiting_requests,
-                          args.rate_limit, args.rate_burst, args.max_body_bytes)
+                          args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student)
     state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
     def ready():
-        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop). Try:\n", flush=True)
+        key_note = " Requests need the API key; these lines read it from $NANOSERVE_API_KEY." if args.api_key else ""
+        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop).{key_note} Try:\n", flush=True)
         print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
         print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
 

@@ -44,8 +44,8 @@ class _Stream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, stat_logger=None):
-        """stat_logger: optional, `stat_logger.record(engine, outputs)` runs in the engine thread after
-        every step (the server's Prometheus metrics)."""
+        """stat_logger: optional, `stat_logger.record(engine, outputs, scheduler_output)` runs in the engine
+        thread after every step and every batch of aborts (the server's Prometheus metrics)."""
         self.engine = engine
         self.stat_logger = stat_logger
         self._lock = threading.Lock()  # guards the inbox and the stream table
@@ -135,7 +135,7 @@ class AsyncLLMEngine:
         None after `keepalive` seconds without one (so a server can ping its client). Ends with the engine."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
-        sub = self.event_feed.subscribe(lambda: loop.call_soon_threadsafe(ready.set))
+        sub = self.event_feed.subscribe(lambda: _post(loop, ready.set))
         self._wakeup.set()  # an idle engine sends the current state now
         try:
             while self.is_running and not self._stopping:
@@ -174,12 +174,10 @@ class AsyncLLMEngine:
                 continue
             self.event_feed.record(self.engine, self.engine.last_scheduler_output, outputs, time.perf_counter() - t0)
             self._publish()
-            if self.stat_logger is not None:
-                self.stat_logger.record(self.engine, outputs)
-            self._deliver(outputs)
+            self._emit(outputs, self.engine.last_scheduler_output)
         self._drain_inbox()
-        for request_id in list(self.engine.scheduler.seqs):  # shutting down: nothing keeps its blocks
-            self._deliver([self.engine.abort_request(request_id)])
+        # shutting down: nothing keeps its blocks
+        self._emit([self.engine.abort_request(request_id) for request_id in list(self.engine.scheduler.seqs)])
         with self._lock:
             leftovers = list(self._streams)
         for request_id in leftovers:  # never entered the engine
@@ -196,27 +194,28 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001 — refused: the caller's add_request raises it
                 with self._lock:
                     del self._streams[request_id]
-                stream.loop.call_soon_threadsafe(_resolve, stream.added, e)
+                _post(stream.loop, _resolve, stream.added, e)
                 continue
-            stream.loop.call_soon_threadsafe(_resolve, stream.added, None)
-        for request_id in aborts:
-            out = self.engine.abort_request(request_id)
-            if out is not None:
-                self._deliver([out])
+            _post(stream.loop, _resolve, stream.added, None)
+        aborted = [self.engine.abort_request(request_id) for request_id in aborts]
+        self._emit([out for out in aborted if out is not None])
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _emit(self, outputs: list[RequestOutput], scheduler_output=None) -> None:
+        """Count the outputs in the metrics, then hand each to its request's stream."""
+        if self.stat_logger is not None and (outputs or scheduler_output is not None):
+            self.stat_logger.record(self.engine, outputs, scheduler_output)
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                _post(stream.loop, stream.queue.put_nowait, out)
 
     def _end(self, request_id: str, error: BaseException) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(_resolve, stream.added, None)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+            _post(stream.loop, _resolve, stream.added, None)
+            _post(stream.loop, stream.queue.put_nowait, error)
 
     def _fail_step(self, error: Exception) -> None:
         """The requests of the failed step are aborted (blocks freed) and their streams raise."""
@@ -231,6 +230,14 @@ class AsyncLLMEngine:
     def _publish(self) -> None:
         scheduler = self.engine.scheduler
         self.num_requests_running, self.num_requests_waiting = len(scheduler.running), len(scheduler.waiting)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Run `callback(*args)` on the request's event loop, from the engine thread."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # that loop is closed: nobody is listening any more
+        pass
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

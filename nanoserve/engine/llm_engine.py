@@ -90,6 +90,8 @@ class LLMEngine:
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.scheduler = scheduler_mod.Scheduler(scheduler_config, self.block_manager)
         self.max_model_len = model.config.max_position_embeddings
+        # the longest sequence (prompt + output) this engine can ever hold: the context, or the whole pool
+        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
         self.vocab_size = model.config.vocab_size
         # without a tokenizer (token ids in, token ids out) EOS must be given to stop on it
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", -1)

@@ -30,11 +30,11 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.engine.llm_engine import _module
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import TokenBucketLimiter
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body, parse_body)
-from nanoserve.student import implementation
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ServerConfig:
     rate_burst: int = 10
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1  # what a 503 for a full queue tells the client
+    student: bool = False  # stream with the learner's exercises/08-http-serving/streaming.py
 
 
 class ServerState:
@@ -57,8 +58,9 @@ class ServerState:
         self.limiter = TokenBucketLimiter(config.rate_limit, config.rate_burst) if config.rate_limit else None
         self.draining = False  # set at shutdown: new requests get 503 while running streams finish
         self.max_model_len = engine.engine.max_model_len
-        # with --student the learner's exercises/08-http-serving/streaming.py writes the SSE stream
-        self.streaming = implementation("nanoserve.server.streaming")
+        self.max_seq_len = engine.engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
+        # with --student the learner's exercises/08-http-serving/streaming.py writes the SSE stream (if finished)
+        self.streaming = _module("nanoserve.server.streaming", config.student, lambda m: m.stop_hold_back("a", ["ab"]))
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -130,11 +132,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def generate(request: Request, req, prompt_ids: list[int], kind: str):
         """Hand the ids to the engine; then stream SSE or answer once."""
         max_tokens = req.requested_max_tokens
-        if max_tokens is None:  # as vLLM: whatever the context leaves
-            max_tokens = state.max_model_len - len(prompt_ids)
+        if max_tokens is None:  # as vLLM: whatever the context (here: and the KV pool) leaves
+            max_tokens = state.max_seq_len - len(prompt_ids)
             if max_tokens < 1:
-                raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, the model's context is "
-                                    f"{state.max_model_len}: no room for a reply", "messages")
+                raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, this server holds at most "
+                                    f"{state.max_seq_len} per request: no room for a reply", "messages")
         params = req.sampling_params(max_tokens)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:

@@ -57,8 +57,8 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
 
-    def record(self, engine, outputs) -> None:
-        """Called after every engine step with that step's RequestOutputs."""
+    def record(self, engine, outputs, scheduler_output=None) -> None:
+        """Called in the engine thread after every step (with its plan) and every batch of aborts."""
         scheduler, blocks = engine.scheduler, engine.block_manager
         self.num_requests_running.set(len(scheduler.running))
         self.num_requests_waiting.set(len(scheduler.waiting))
@@ -67,8 +67,8 @@ class PrometheusStatLogger:
         self.prefix_cache_queries.inc(queried - self._prefix_seen[0])
         self.prefix_cache_hits.inc(hit - self._prefix_seen[1])
         self._prefix_seen = (queried, hit)
-        if engine.last_scheduler_output is not None:
-            self.num_preemptions.inc(len(engine.last_scheduler_output.preempted_seq_ids))
+        if scheduler_output is not None:
+            self.num_preemptions.inc(len(scheduler_output.preempted_seq_ids))
         for out in outputs:
             self.generation_tokens.inc(len(out.new_token_ids))
             if len(out.token_ids) == len(out.new_token_ids):  # its first token: the prompt was prefilled

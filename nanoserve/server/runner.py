@@ -1,10 +1,10 @@
 """Chapter 08 — running the server: uvicorn around the app, with a graceful shutdown.
 
     state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, ServerConfig(), stat_logger)
-    server = Server(state, "127.0.0.1", 8000, shutdown_timeout=10)
-    server.run()                          # the CLI: blocks until SIGTERM / Ctrl-C
-    # or, in a test or a notebook:
-    port = server.start_in_thread(); ...; server.stop()
+    Server(state, "127.0.0.1", 8000, shutdown_timeout=10).run()   # the CLI: until SIGTERM / Ctrl-C
+
+    with serving(llm.engine, llm.tokenizer) as (url, server):      # tests, notebooks, benchmarks:
+        ...                                                         # a thread, a free loopback port
 
 Shutdown, in order: the app starts answering 503 (`draining`), uvicorn stops listening and waits
 for running responses — streams finish — up to `shutdown_timeout` seconds, then cancels what is
@@ -15,9 +15,13 @@ import signal
 import threading
 import time
 
+import contextlib
+
 import uvicorn
 
-from nanoserve.server.api_server import ServerState, build_app
+from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.server.api_server import ServerConfig, ServerState, build_app
+from nanoserve.server.metrics import PrometheusStatLogger
 
 
 class Server(uvicorn.Server):
@@ -74,3 +78,18 @@ class Server(uvicorn.Server):
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+
+@contextlib.contextmanager
+def serving(engine, tokenizer, shutdown_timeout: float = 10.0, **config):
+    """Serve an LLMEngine from a thread on a free loopback port: yields (base URL, Server), then shuts
+    down gracefully. `config`: ServerConfig's fields (api_key=..., max_waiting_requests=...)."""
+    config = ServerConfig(**config)
+    stat_logger = PrometheusStatLogger(config.model_name)
+    state = ServerState(AsyncLLMEngine(engine, stat_logger), tokenizer, config, stat_logger)
+    server = Server(state, "127.0.0.1", 0, shutdown_timeout=shutdown_timeout)
+    port = server.start_in_thread()
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.stop()

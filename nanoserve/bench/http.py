@@ -1,0 +1,131 @@
+"""`python -m nanoserve bench http`: what does HTTP cost? The same requests through the offline engine
+and through the server with C concurrent streaming clients, side by side in one run.
+
+For each concurrency C (default 16 and 32) and each round, one workload of C requests (random prompt
+ids of 20-200 tokens, 128 output tokens each, greedy, EOS ignored) runs twice:
+
+  offline   every request handed to an LLMEngine at once, stepped until done (chapter 06)
+  HTTP      C clients at once, each streaming one request from POST /v1/completions (the prompt as
+            token ids, so both systems get the very same ids), server and clients in this process
+
+Each system has an engine of its own on the same model, and each round a fresh workload, so neither
+profits from the other's prefix cache. The order alternates between rounds (offline first, then HTTP
+first) so the machine's drift cancels from the ratio. Reported: aggregate output tokens/s (all output
+tokens / wall time from the first request to the last token), TTFT and ITL p50/p99 as
+nanoserve/engine/sequence.py's Sequence.metrics() defines them (arrival -> first token, gaps between
+consecutive tokens); for HTTP measured at the client, one SSE chunk = one arrival.
+"""
+
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import torch
+
+
+def register(sub):
+    from nanoserve.cli.batch import add_engine_args
+
+    p = sub.add_parser("http", help="HTTP server with C streaming clients vs the offline engine (chapter 08)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32])
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[20, 200], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="workloads per concurrency, alternating the order")
+    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def workload(n: int, prompt_len, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
+
+
+def run_offline(engine, prompts, params) -> tuple[float, list[dict]]:
+    """(wall seconds, per-request Sequence.metrics())."""
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    metrics = []
+    while engine.has_unfinished_requests():
+        metrics += [out.metrics for out in engine.step() if out.finished]
+    return time.perf_counter() - t0, metrics
+
+
+async def stream_one(client, prompt, max_tokens: int) -> dict:
+    """One streaming request; ttft / itl on the client's clock, output tokens from the usage chunk."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    sent, arrivals, num_tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+    return {"ttft": arrivals[0] - sent, "itl": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "num_output_tokens": num_tokens}
+
+
+def run_http(url: str, prompts, max_tokens: int) -> tuple[float, list[dict]]:
+    import httpx
+
+    async def main():
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+            return await asyncio.gather(*(stream_one(client, p, max_tokens) for p in prompts))
+
+    t0 = time.perf_counter()
+    metrics = asyncio.run(main())
+    return time.perf_counter() - t0, metrics
+
+
+def percentiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return f"{q[49] * 1000:7.0f} / {q[98] * 1000:7.0f}"
+
+
+def run(args):
+    from nanoserve.cli.batch import llm_from_args
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.server.runner import serving
+
+    llm = llm_from_args(args)  # its engine runs the offline side
+    served = LLMEngine(llm.model, llm.engine.config, llm.tokenizer)  # the server's own, same model and knobs
+    vocab = llm.model.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    print("command: python -m nanoserve bench http " + " ".join([
+        "--concurrency " + " ".join(map(str, args.concurrency)), f"--prompt-len {args.prompt_len[0]} {args.prompt_len[1]}",
+        f"--output-len {args.output_len}", f"--rounds {args.rounds}", f"--seed {args.seed}",
+        f"--max-num-seqs {args.max_num_seqs}", f"--max-num-batched-tokens {args.max_num_batched_tokens}"]))
+    print(f"threads: {torch.get_num_threads()}, float32, KV pool: {served.block_manager.num_blocks} blocks "
+          f"of {args.block_size} tokens per engine; server and clients in this process")
+    with serving(served, llm.tokenizer) as (url, _):
+        warm = workload(2, (8, 16), vocab, -1)
+        run_offline(llm.engine, warm, SamplingParams(temperature=0, max_tokens=4))
+        run_http(url, warm, 4)
+        print(f"{'C':>3} {'system':8} {'out tok/s':>10} {'TTFT p50 / p99 ms':>18} {'ITL p50 / p99 ms':>18}")
+        for c in args.concurrency:
+            totals = {"offline": [0.0, []], "HTTP": [0.0, []]}  # seconds, metrics
+            for r in range(args.rounds):
+                prompts = workload(c, args.prompt_len, vocab, args.seed + 1000 * c + r)
+                runs = [("offline", lambda: run_offline(llm.engine, prompts, params)),
+                        ("HTTP", lambda: run_http(url, prompts, args.output_len))]
+                for name, go in runs if r % 2 == 0 else runs[::-1]:
+                    seconds, metrics = go()
+                    totals[name][0] += seconds
+                    totals[name][1] += metrics
+            rates = {}
+            for name, (seconds, metrics) in totals.items():
+                rates[name] = sum(m["num_output_tokens"] for m in metrics) / seconds
+                itl = [gap for m in metrics for gap in m["itl"]]
+                print(f"{c:3d} {name:8} {rates[name]:10.1f} {percentiles([m['ttft'] for m in metrics]):>18} "
+                      f"{percentiles(itl):>18}")
+            print(f"    HTTP keeps {100 * rates['HTTP'] / rates['offline']:.1f} % of the offline output tokens/s "
+                  f"({args.rounds} rounds of {c} requests each, order alternating)")

@@ -1,0 +1,185 @@
+"""Chapter 08 — AsyncLLMEngine on a tiny random model: the streams carry exactly what the synchronous
+LLMEngine produces, abort frees blocks at the next step boundary, a failing step fails only its
+requests, the thread sleeps when idle and is gone after shutdown."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 0.02)
+    return model
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+PROMPTS = [[5 + i, 6, 7 + 2 * i, 8] * (1 + i % 3) for i in range(6)]
+
+
+def offline(model, prompts, params):
+    """The reference: the synchronous engine stepped by hand."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def assert_pool_whole(engine: LLMEngine):
+    assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.fixture
+def async_engine(tiny):
+    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=100, block_size=4)))
+    engine.start()
+    yield engine
+    engine.shutdown()
+    assert not engine.is_running
+
+
+def count_steps(engine: AsyncLLMEngine) -> list[int]:
+    """Wrap LLMEngine.step so the test can count the steps the thread took."""
+    steps, step = [0], engine.engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    engine.engine.step = counted
+    return steps
+
+
+def test_concurrent_streams_equal_the_synchronous_engine(tiny, async_engine):
+    expected = offline(tiny, PROMPTS, greedy(12))
+
+    async def one(i):
+        seen = [out async for out in async_engine.generate(f"r{i}", PROMPTS[i], greedy(12))]
+        # one output per step the request sampled in; the deltas add up to the whole
+        assert [t for o in seen for t in o.new_token_ids] == seen[-1].token_ids
+        assert [o.finished for o in seen] == [False] * (len(seen) - 1) + [True]
+        return seen[-1].token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    assert asyncio.run(main()) == expected
+    assert_pool_whole(async_engine.engine)
+
+
+def test_abort_from_a_coroutine_takes_effect_at_the_next_step_boundary(async_engine):
+    steps = count_steps(async_engine)
+    state = {}
+
+    async def main():
+        outputs = await async_engine.add_request("long", [1, 2, 3], greedy(300, ignore_eos=True))
+        async for out in outputs:
+            if len(out.token_ids) == 3:
+                state["steps_at_abort"] = steps[0]
+                async_engine.abort("long")  # from this coroutine, while the thread keeps stepping
+            state["last"] = out
+        return state["last"]
+
+    last = asyncio.run(main())
+    assert last.finished and last.finish_reason == "abort"
+    assert len(last.token_ids) <= 3 + 1  # at most the step that was already running when abort() came
+    assert steps[0] - state["steps_at_abort"] <= 1
+    assert_pool_whole(async_engine.engine)
+
+
+def test_leaving_a_stream_early_aborts_the_request(async_engine):
+    async def main():
+        async for out in async_engine.generate("quitter", [1, 2, 3], greedy(300, ignore_eos=True)):
+            if len(out.token_ids) == 2:
+                break  # the generator's finally aborts, as a cancelled HTTP handler does
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 5
+    while async_engine.num_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # let the thread finish the step it was in
+    assert async_engine.num_unfinished_requests() == 0
+    assert_pool_whole(async_engine.engine)
+
+
+def test_a_refused_request_raises_in_add_request_and_leaves_nothing(async_engine):
+    async def main():
+        with pytest.raises(ValueError, match="can never fit"):
+            await async_engine.add_request("huge", [1] * 300, greedy(150))  # 450 tokens > 100 blocks of 4
+        with pytest.raises(ValueError, match="context"):
+            await async_engine.add_request("long", [1] * 500, greedy(20))
+
+    asyncio.run(main())
+    assert async_engine.num_unfinished_requests() == 0
+    assert_pool_whole(async_engine.engine)
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(async_engine):
+    executor = async_engine.engine.executor
+    real = executor.execute_model
+
+    def flaky(scheduler_output):
+        if any(s.seq_id == "doomed" for s in scheduler_output.scheduled_seqs):
+            raise RuntimeError("simulated kernel failure")
+        return real(scheduler_output)
+
+    executor.execute_model = flaky
+
+    async def main():
+        with pytest.raises(EngineStepError, match="doomed.*simulated kernel failure"):
+            async for _ in async_engine.generate("doomed", [1, 2, 3], greedy(5)):
+                pass
+        # the same engine keeps serving
+        return [out async for out in async_engine.generate("fine", [4, 5, 6], greedy(5))][-1]
+
+    assert asyncio.run(main()).finish_reason == "length"
+    assert async_engine.is_running
+    assert_pool_whole(async_engine.engine)
+
+
+def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
+    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=100, block_size=4)))
+    steps = count_steps(engine)
+    engine.start()
+    time.sleep(0.2)
+    assert steps[0] == 0  # no request, no step: it waits on an Event instead of spinning
+    got = []
+
+    async def main():
+        outputs = await engine.add_request("cut", [1, 2, 3], greedy(300, ignore_eos=True))
+        async for out in outputs:
+            if len(out.token_ids) == 2:
+                threading.Thread(target=engine.shutdown).start()
+            got.append(out)
+
+    asyncio.run(main())
+    assert got[-1].finish_reason == "abort"
+    deadline = time.monotonic() + 5
+    while engine.is_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.is_running and not any(t.name == "nanoserve-engine" for t in threading.enumerate())
+    assert_pool_whole(engine.engine)
+
+    async def after():
+        with pytest.raises(RuntimeError, match="not running"):
+            await engine.add_request("late", [1, 2], greedy(2))
+
+    asyncio.run(after())

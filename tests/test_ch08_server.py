@@ -1,0 +1,368 @@
+"""Chapter 08 — the HTTP server on a tiny random model (the real tokenizer, so the chat template and
+the ids are the real ones): a real uvicorn server on a free loopback port per test, raw HTTP through
+httpx and the official openai client. Auth, backpressure (503 / 429 / 413), malformed input,
+disconnects, metrics, errors in a step, graceful shutdown, and the CLI's refusals."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.server.runner import serving
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from nanoserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny(vocab_size=49152, max_position_embeddings=1024)).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 0.02)
+    return model
+
+
+@pytest.fixture
+def engine(tiny, tokenizer):
+    return LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer)
+
+
+def slow_steps(engine, seconds=0.01):
+    """Pace the tiny model's steps like a real one's, so a stream lasts long enough to interrupt."""
+    execute = engine.executor.execute_model
+
+    def paced(scheduler_output):
+        time.sleep(seconds)
+        return execute(scheduler_output)
+
+    engine.executor.execute_model = paced
+
+
+def assert_pool_whole(engine, timeout=5.0):
+    """Within a few steps (an abort lands at the next step boundary) nothing is left."""
+    deadline = time.monotonic() + timeout
+    while (engine.scheduler.seqs or engine.block_manager.get_num_free_blocks() != engine.block_manager.num_blocks) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.scheduler.seqs, f"requests left behind: {list(engine.scheduler.seqs)}"
+    assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": HI, "max_tokens": 4, "temperature": 0, **kw}
+
+
+def assert_openai_error(r: httpx.Response, status: int):
+    assert r.status_code == status, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["code"] == status
+    return error
+
+
+def test_models_health_tokenize_detokenize(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        models = openai.OpenAI(base_url=f"{url}/v1", api_key="none").models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        r = httpx.post(f"{url}/tokenize", json={"messages": HI}).json()
+        assert r["tokens"] == tokenizer.encode_chat(HI) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
+        assert tokenizer.decode(r["tokens"]).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        assert httpx.post(f"{url}/detokenize", json={"tokens": tokenizer.encode("Hello world")}).json() == \
+            {"prompt": "Hello world"}
+
+
+def test_chat_and_completions_with_the_openai_client(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens <= 6
+        assert reply.usage.prompt_tokens == len(tokenizer.encode_chat(HI))
+        stream = client.chat.completions.create(model="tiny", messages=HI, max_tokens=6, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == reply.choices[0].message.content
+        # the list-of-parts form of content reads as the same text
+        parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+        again = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+        assert again.choices[0].message.content == reply.choices[0].message.content
+        done = client.completions.create(model="tiny", prompt="Once upon", max_tokens=5, temperature=0)
+        streamed = client.completions.create(model="tiny", prompt="Once upon", max_tokens=5, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+        assert done.usage.prompt_tokens == len(tokenizer.encode("Once upon"))
+    assert_pool_whole(engine)
+
+
+def test_api_key(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", api_key="s3cret", metrics_need_key=False) as (url, _):
+        assert_openai_error(httpx.post(f"{url}/v1/chat/completions", json=chat_body()), 401)
+        assert_openai_error(httpx.post(f"{url}/v1/chat/completions", json=chat_body(),
+                                       headers={"Authorization": "Bearer s3cre"}), 401)
+        assert_openai_error(httpx.post(f"{url}/tokenize", json={"prompt": "x"}), 401)
+        assert_openai_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").models.list()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
+        assert client.chat.completions.create(model="tiny", messages=HI, max_tokens=2).choices
+        assert httpx.get(f"{url}/health").status_code == 200  # open: load balancers probe it
+        assert httpx.get(f"{url}/metrics").status_code == 200
+    with serving(engine, tokenizer, model_name="tiny", api_key="s3cret", metrics_need_key=True) as (url, _):
+        assert_openai_error(httpx.get(f"{url}/metrics"), 401)
+        assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenizer, monkeypatch):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=1), tokenizer)
+    slow_steps(engine)
+    with serving(engine, tokenizer, model_name="tiny", max_waiting_requests=1) as (url, server):
+        long = chat_body(max_tokens=400, ignore_eos=True, stream=True)
+        async_engine = server.state.engine
+
+        def wait_for(condition):
+            deadline = time.monotonic() + 10
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        with httpx.Client() as a, httpx.Client() as b, \
+                a.stream("POST", f"{url}/v1/chat/completions", json=long) as running:
+            wait_for(lambda: async_engine.num_requests_running == 1)
+            with b.stream("POST", f"{url}/v1/chat/completions", json=long) as waiting:
+                assert running.status_code == waiting.status_code == 200
+                wait_for(lambda: async_engine.num_requests_waiting == 1)
+                calls = []
+                monkeypatch.setattr(tokenizer, "encode_chat", lambda *a, **k: calls.append(a))
+                r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+                assert_openai_error(r, 503)
+                assert r.headers["retry-after"] == "1" and calls == []
+                monkeypatch.undo()
+        # both clients hung up: their requests are aborted
+    assert_pool_whole(engine)
+
+
+def test_rate_limit_is_429_with_retry_after(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.1, rate_burst=2) as (url, _):  # a token per 10 s
+        codes = [httpx.get(f"{url}/v1/models").status_code for _ in range(2)]
+        r = httpx.get(f"{url}/v1/models")
+        assert codes == [200, 200]
+        assert_openai_error(r, 429)
+        assert int(r.headers["retry-after"]) >= 1
+        assert httpx.get(f"{url}/health").status_code == 200  # health is not rate limited
+
+
+MALFORMED = [  # (body, expected status, expected param or None)
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'"hello"', 400, None),
+    (b"", 400, None),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),  # invalid UTF-8
+    ({}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": "Hi"}, 400, "messages"),
+    ({"messages": ["Hi"]}, 400, "messages[0]"),
+    ({"messages": [{"content": "Hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "wizard", "content": "Hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content"),
+    (chat_body(temperature="hot"), 400, "temperature"),
+    (chat_body(temperature=-1), 400, "temperature"),
+    (chat_body(top_p=0), 400, "top_p"),
+    (chat_body(top_p=1.5), 400, "top_p"),
+    (chat_body(top_k="3"), 400, "top_k"),
+    (chat_body(max_tokens=0), 400, "max_tokens"),
+    (chat_body(max_tokens="10"), 400, "max_tokens"),
+    (chat_body(max_tokens=2.5), 400, "max_tokens"),
+    (chat_body(max_tokens=True), 400, "max_tokens"),
+    (chat_body(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (chat_body(seed="x"), 400, "seed"),
+    (chat_body(stop=5), 400, "stop"),
+    (chat_body(stop=[""]), 400, "stop"),
+    (chat_body(n=2), 400, "n"),
+    (chat_body(stream="yes"), 400, "stream"),
+    (chat_body(stream_options={"include_usage": "yes"}), 400, "stream_options.include_usage"),
+    (chat_body(ignore_eos="no"), 400, "ignore_eos"),
+    (chat_body(user=7), 400, "user"),
+    (chat_body(model="gpt-4"), 404, "model"),
+    (chat_body(max_tokens=5000), 400, "max_tokens"),  # beyond the 1024-token context
+    (chat_body(max_tokens=900), 400, "max_tokens"),   # fits the context, never the 48 x 16 = 768-token pool
+]
+
+
+def test_malformed_requests_get_openai_errors_and_leave_nothing_behind(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", max_body_bytes=4096) as (url, _):
+        with httpx.Client(base_url=url) as http:
+            for body, status, param in MALFORMED:
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                r = http.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
+                error = assert_openai_error(r, status)
+                assert error["param"] == param, (body, error)
+            context = assert_openai_error(http.post("/v1/chat/completions", json=chat_body(max_tokens=5000)), 400)
+            assert "5000" in context["message"] and "1024" in context["message"]  # names both numbers
+            others = [
+                (http.post("/v1/chat/completions", content=b"x" * 5000), 413),          # oversized body
+                (http.post("/v1/completions", json={"prompt": 5}), 400),
+                (http.post("/v1/completions", json={"prompt": [1, 49152], "max_tokens": 2}), 400),  # not a token id
+                (http.post("/v1/completions", json={"max_tokens": 2}), 400),
+                (http.post("/tokenize", json={}), 400),
+                (http.post("/detokenize", json={"tokens": [-1]}), 400),
+                (http.post("/detokenize", json={"tokens": "abc"}), 400),
+                (http.get("/v1/chat/completions"), 405),
+                (http.post("/v1/nowhere", json={}), 404),
+            ]
+            for r, status in others:
+                assert_openai_error(r, status)
+            assert len(MALFORMED) + len(others) >= 25
+            good = http.post("/v1/chat/completions", json=chat_body(unknown_field="ignored, as OpenAI does"))
+            assert good.status_code == 200 and good.json()["choices"][0]["message"]["role"] == "assistant"
+    assert_pool_whole(engine)
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(engine, tokenizer):
+    slow_steps(engine)
+    with serving(engine, tokenizer, model_name="tiny") as (url, server):
+        aborted = []
+        abort = server.state.engine.abort
+        server.state.engine.abort = lambda request_id: (aborted.append(request_id), abort(request_id))
+        with httpx.Client() as http:
+            with http.stream("POST", f"{url}/v1/chat/completions",
+                             json=chat_body(max_tokens=400, ignore_eos=True, stream=True)) as r:
+                lines = r.iter_lines()
+                assert [next(lines) for _ in range(6)]  # a few chunks, then hang up mid-stream
+        assert_pool_whole(engine)
+        assert len(aborted) == 1 and aborted[0].startswith("chatcmpl-")
+        # a non-streaming request whose client gives up is aborted too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=400, ignore_eos=True), timeout=0.5)
+        assert_pool_whole(engine)
+        assert len(aborted) == 2
+        scrape = httpx.get(f"{url}/metrics").text
+        assert 'nanoserve:request_success_total{finished_reason="abort",model_name="tiny"} 2.0' in scrape
+
+
+def metric_samples(text: str) -> dict:
+    """{(name, frozenset(labels)): value} from a Prometheus scrape, parsed by prometheus_client's parser."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_count_a_request(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        before = metric_samples(httpx.get(f"{url}/metrics").text)
+        reply = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=5, ignore_eos=True)).json()
+        after = metric_samples(httpx.get(f"{url}/metrics").text)
+    model = frozenset({("model_name", "tiny")})
+
+    def moved(name, labels=model):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("nanoserve:generation_tokens_total") == reply["usage"]["completion_tokens"] == 5
+    assert moved("nanoserve:prompt_tokens_total") == reply["usage"]["prompt_tokens"]
+    assert moved("nanoserve:request_success_total", model | {("finished_reason", "length")}) == 1
+    assert moved("nanoserve:prefix_cache_queries_total") == reply["usage"]["prompt_tokens"]
+    assert moved("nanoserve:time_to_first_token_seconds_count") == 1
+    assert moved("nanoserve:inter_token_latency_seconds_count") == 4  # 5 tokens, 4 gaps
+    assert moved("nanoserve:e2e_request_latency_seconds_count") == 1
+    assert after[("nanoserve:num_requests_running", model)] == 0
+    assert after[("nanoserve:kv_cache_usage_perc", model)] == 0
+    assert ("nanoserve:num_preemptions_total", model) in after and ("nanoserve:num_requests_waiting", model) in after
+
+
+def test_an_engine_error_mid_stream_is_an_error_event_and_the_server_keeps_serving(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        execute, steps = engine.executor.execute_model, [0]
+
+        def fails_on_the_third_step(scheduler_output):
+            steps[0] += 1
+            if steps[0] == 3:
+                raise RuntimeError("simulated device fault")
+            return execute(scheduler_output)
+
+        engine.executor.execute_model = fails_on_the_third_step
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(max_tokens=50, ignore_eos=True, stream=True)) as r:
+            events = [line[len("data: "):] for line in r.iter_lines() if line]
+        assert events[-1] == "[DONE]" and "simulated device fault" in json.loads(events[-2])["error"]["message"]
+        engine.executor.execute_model = execute
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat_body()).status_code == 200
+    assert_pool_whole(engine)
+
+
+def test_graceful_shutdown_drains_a_running_stream(engine, tokenizer):
+    slow_steps(engine)
+    with serving(engine, tokenizer, model_name="tiny", shutdown_timeout=30) as (url, server):
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(max_tokens=40, ignore_eos=True, stream=True)) as r:
+            lines = r.iter_lines()
+            first = [next(lines) for _ in range(3)]
+            stopper = threading.Thread(target=server.stop)
+            stopper.start()  # as SIGTERM would: stop listening, let running streams finish
+            rest = [line for line in lines if line]
+        events = [line[len("data: "):] for line in first + rest if line]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content") is not None) - 1 <= 40
+        stopper.join(30)
+        assert not stopper.is_alive() and not server.state.engine.is_running
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(f"{url}/health")
+    assert_pool_whole(engine)
+    assert not [t.name for t in threading.enumerate() if t.name in ("nanoserve-engine", "nanoserve-http")]
+
+
+def test_shutdown_past_its_timeout_aborts_what_is_left(engine, tokenizer):
+    slow_steps(engine)
+    with serving(engine, tokenizer, model_name="tiny", shutdown_timeout=0.3) as (url, server):
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(max_tokens=400, ignore_eos=True, stream=True)) as r:
+            lines = r.iter_lines()
+            next(lines)
+            started = time.monotonic()
+            server.stop()
+            assert time.monotonic() - started < 10  # did not wait for 400 tokens
+            with pytest.raises(httpx.HTTPError):
+                list(lines)  # the stream was cut
+    assert_pool_whole(engine)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "--port"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--rate-limit", "abc"], "--rate-limit"),  # argparse's own refusal, in the same one-line form
+])
+def test_serve_refuses_bad_arguments_in_one_line_before_loading_the_model(args, message):
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "serve", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert "loading" not in r.stdout
+
+
+def test_terminal_chat_through_the_server_keeps_the_conversation(engine, tokenizer):
+    from nanoserve.cli.chat import chat_loop, remote_reply
+    from nanoserve.sampling import SamplingParams
+
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        shown = []
+        chat_loop(iter(["Hi\n", "again\n", "exit\n", "never"]), shown.append,
+                  remote_reply(client, "tiny", SamplingParams(temperature=0, max_tokens=5)))
+        first = client.chat.completions.create(model="tiny", messages=HI, max_tokens=5, temperature=0).choices[0]
+        second = client.chat.completions.create(model="tiny", max_tokens=5, temperature=0, messages=[
+            *HI, {"role": "assistant", "content": first.message.content}, {"role": "user", "content": "again"}]).choices[0]
+    end = {"stop": "\n", "length": " [max tokens]\n"}
+    assert "".join(shown) == (f"assistant> {first.message.content}{end[first.finish_reason]}"
+                              f"assistant> {second.message.content}{end[second.finish_reason]}")
