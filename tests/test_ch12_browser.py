@@ -45,7 +45,10 @@ def model_and_tokenizer():
     from nanoserve.tokenizer import Tokenizer
 
     torch.manual_seed(0)
-    return Llama(LlamaConfig.tiny(vocab_size=49152)).eval(), Tokenizer.from_gguf()
+    model = Llama(LlamaConfig.tiny(vocab_size=49152)).eval()
+    with torch.no_grad():  # small embeddings: near-uniform logits, so a reply is varied text, not one token repeated
+        model.embed_tokens.weight.normal_(0, 0.02)
+    return model, Tokenizer.from_gguf()
 
 
 def serve(model_and_tokenizer, port=0):

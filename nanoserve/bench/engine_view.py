@@ -7,8 +7,9 @@ round by round so the machine's drift hits all three alike:
   page closed the loop AsyncLLMEngine runs: each step timed and handed to EventFeed.record, nobody subscribed
   page open   the same with one viewer that takes every snapshot and JSON-encodes it, as /engine/events does
 
-Reported: output tokens/s of each (best of --rounds) and its ratio to "no feed", and for "page open" the
-seconds spent inside the feed (building snapshots and encoding them) as a share of the run.
+Reported: output tokens/s of each (best of --rounds) and its ratio to "no feed"; and, timed directly (on a
+shared machine the tokens/s of whole runs wander by more than the feed costs), the time spent inside the feed:
+per step with the page closed, per snapshot (built and encoded) with it open, and as a share of the run.
 """
 
 import json
@@ -34,11 +35,11 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, float, int]:
-    """(seconds, output tokens, seconds inside the feed, snapshots encoded) for the whole workload."""
+def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, float, int, int]:
+    """(seconds, output tokens, seconds inside the feed, snapshots encoded, steps) for the whole workload."""
     for i, (prompt, n) in enumerate(workload):
         engine.add_request(str(i), prompt, params(n))
-    tokens, in_feed, encoded = 0, 0.0, 0
+    tokens, in_feed, encoded, steps = 0, 0.0, 0, 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         if feed is None:
@@ -53,7 +54,8 @@ def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, floa
                 encoded += 1
             in_feed += time.perf_counter() - f0
         tokens += sum(len(o.new_token_ids) for o in outputs)
-    return time.perf_counter() - t0, tokens, in_feed, encoded
+        steps += 1
+    return time.perf_counter() - t0, tokens, in_feed, encoded, steps
 
 
 @torch.inference_mode()
@@ -86,14 +88,17 @@ def run(args):
     for r in range(args.rounds):
         for name in names[r % 3:] + names[:r % 3]:  # rotate the order: none always goes first
             result = run_once(engine, workload, **systems[name])
+            print(f"  round {r + 1} {name:12s} {result[1] / result[0]:9.1f} tok/s", flush=True)
             if best[name] is None or result[0] < best[name][0]:
                 best[name] = result
     which = "a tiny random model" if args.tiny else "SmolLM2-135M"
     print(f"{args.num_requests} requests on {which}, {engine.block_manager.num_blocks} KV blocks, "
           f"best of {args.rounds} interleaved rounds (torch threads: {torch.get_num_threads()})")
     base = best["no feed"][1] / best["no feed"][0]
-    for name, (seconds, tokens, in_feed, encoded) in best.items():
+    for name, (seconds, tokens, in_feed, encoded, steps) in best.items():
         line = f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed"
+        if name == "page closed":
+            line += f"   {1e6 * in_feed / steps:.2f} µs per step in the feed, {100 * in_feed / seconds:.4f} % of the run"
         if name == "page open":
             line += (f"   {encoded} snapshots, {1000 * in_feed / max(encoded, 1):.2f} ms each in the feed, "
                      f"{100 * in_feed / seconds:.2f} % of the run")
