@@ -192,3 +192,23 @@ def test_feed_throttles_and_flushes(tiny):
     assert owners(last) == ["cached"] + ["free"] * 15
     feed.unsubscribe(sub)
     assert not feed.watched
+
+
+def test_a_failing_view_never_stops_the_engine(tiny):
+    """A bug in the snapshot code (say a learner's block_owners under --student) skips snapshots, with a warning."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4))
+    feed = EventFeed(min_interval=0)
+    sub = feed.subscribe()
+
+    def broken(*args):
+        raise KeyError("a bug")
+
+    feed._builder = SnapshotBuilder(engine, SimpleNamespace(block_owners=broken, step_kind=reference.step_kind))
+    engine.add_request("a", [1, 2, 3], params(3))
+    outputs = engine.step()
+    with pytest.warns(UserWarning, match="event feed failed"):
+        feed.record(engine, engine.last_scheduler_output, outputs, 0.0)
+    assert sub.take() is None
+    outputs = engine.step()  # the next step builds a fresh builder with the reference rules
+    feed.record(engine, engine.last_scheduler_output, outputs, 0.0)
+    assert owners(sub.take()) == ["a"] + ["free"] * 7  # 3 prompt tokens + 1 computed by step 2: one block

@@ -21,6 +21,7 @@ the final state, so a viewer sees the pool empty again rather than the last thro
 
 import threading
 import time
+import warnings
 
 from nanoserve.engine.llm_engine import _module
 from nanoserve.engine.snapshot import SnapshotBuilder
@@ -86,19 +87,31 @@ class EventFeed:
         if not self._subscribers:
             self._builder = None  # the next viewer starts a fresh one (no stale ids, no stale counters)
             return
-        if self._builder is None:
-            self._builder = _builder(engine)
-        self._builder.observe_step(scheduler_output, outputs, step_seconds)
-        self._pending = True
-        self._emit_if_due(engine)
+        try:
+            if self._builder is None:
+                self._builder = _builder(engine)
+            self._builder.observe_step(scheduler_output, outputs, step_seconds)
+            self._pending = True
+            self._emit_if_due(engine)
+        except Exception as e:  # noqa: BLE001 — a bug in the view (say a learner's block_owners) must not stop serving
+            self._failed(e)
 
     def flush(self, engine) -> float | None:
         """When the engine is idle: send what is pending as soon as the throttle allows. Returns the
         seconds until it may (the idle loop sleeps at most that long), or None when nothing is pending."""
         if not self._subscribers or not self._pending:
             return None
-        wait = self._emit_if_due(engine)
+        try:
+            wait = self._emit_if_due(engine)
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return None
         return wait if self._pending else None
+
+    def _failed(self, error: Exception) -> None:
+        """Drop the builder (the next step starts a fresh one) and say why; the engine goes on."""
+        self._builder, self._pending = None, False
+        warnings.warn(f"the engine event feed failed, a snapshot is skipped: {error!r}")
 
     def _emit_if_due(self, engine) -> float:
         now = time.perf_counter()
