@@ -23,6 +23,7 @@ A step that raises fails the requests that were in it (their streams raise) and 
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -203,7 +204,10 @@ class AsyncLLMEngine:
     def _emit(self, outputs: list[RequestOutput], scheduler_output=None) -> None:
         """Count the outputs in the metrics, then hand each to its request's stream."""
         if self.stat_logger is not None and (outputs or scheduler_output is not None):
-            self.stat_logger.record(self.engine, outputs, scheduler_output)
+            try:
+                self.stat_logger.record(self.engine, outputs, scheduler_output)
+            except Exception as e:  # noqa: BLE001 — a metrics bug must not stop the serving
+                warnings.warn(f"stat logger failed: {e!r}")
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)

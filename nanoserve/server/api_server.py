@@ -88,7 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), cfg.api_key.encode()):
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None)
 
-    def guard(request: Request) -> None:
+    async def guard(request: Request) -> None:  # async: run on the event loop, not in a thread pool
         """Cheap refusals first, before any tokenizing: draining, auth, rate limit."""
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(cfg.retry_after_s)})
