@@ -13,6 +13,7 @@ per step with the page closed, per snapshot (built and encoded) with it open, an
 """
 
 import json
+import sys
 import time
 
 import torch
@@ -103,6 +104,5 @@ def run(args):
             line += (f"   {encoded} snapshots, {1000 * in_feed / max(encoded, 1):.2f} ms each in the feed, "
                      f"{100 * in_feed / seconds:.2f} % of the run")
         print(line)
-    cmd = "python -m nanoserve bench engine-view" + (" --tiny" if args.tiny else "")
-    print(f"reproduce: {cmd} --num-requests {args.num_requests} --rounds {args.rounds}")
+    print("reproduce: python -m nanoserve " + " ".join(sys.argv[1:]))
     return 0
