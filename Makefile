@@ -1,5 +1,6 @@
 # nanoserve — the two commands a learner needs:
-#   make serve   serve the embedded SmolLM2-135M-Instruct over HTTP (OpenAI-compatible) on 127.0.0.1:8000
+#   make serve   serve the embedded SmolLM2-135M-Instruct over HTTP (OpenAI-compatible) on 127.0.0.1:8000;
+#                it prints the address of the live engine page, http://127.0.0.1:8000/engine (chapter 12)
 #   make test    run everything: unit and chapter tests, exercise self-checks, every notebook
 # Both set up .venv on first use (and only then).
 

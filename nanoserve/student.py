@@ -56,6 +56,7 @@ STUDENT_FILES = {
     "nanoserve.model.quant": "10-quantization/quant.py",
     "nanoserve.metrics": "09-measuring/metrics.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
+    "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
 }
 
 

@@ -8,7 +8,8 @@ reports ratios measured side by side in one run.
 import importlib
 
 BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention", "http", "serve", "profile",
-              "experiment", "weights", "quality", "tp"]
+              "experiment", "weights", "quality", "tp",
+              "engine_view"]
 
 
 def register(sub):

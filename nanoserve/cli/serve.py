@@ -107,6 +107,7 @@ def run(args):
         key_note = " Requests need the API key; these lines read it from $NANOSERVE_API_KEY." if args.api_key else ""
         print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop).{key_note} Try:\n", flush=True)
         print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
+        print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
 
     Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
     print("nanoserve: stopped", flush=True)

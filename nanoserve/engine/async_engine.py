@@ -22,10 +22,12 @@ A step that raises fails the requests that were in it (their streams raise) and 
 
 import asyncio
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from nanoserve.engine.event_feed import EventFeed
 from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
 
@@ -57,6 +59,7 @@ class AsyncLLMEngine:
         # snapshots the engine thread publishes after every step (read by the server without a lock)
         self.num_requests_running = 0
         self.num_requests_waiting = 0
+        self.event_feed = EventFeed()  # chapter 12: snapshots for the live page, off while nobody watches
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +131,27 @@ class AsyncLLMEngine:
             self._inbox_aborts.append(request_id)
         self._wakeup.set()
 
+    async def watch(self, keepalive: float = 1.0) -> AsyncIterator[dict | None]:
+        """The engine's snapshots (chapter 12) while this runs: the latest one each time, never a backlog;
+        None after `keepalive` seconds without one (so a server can ping its client). Ends with the engine."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        sub = self.event_feed.subscribe(lambda: _post(loop, ready.set))
+        self._wakeup.set()  # an idle engine sends the current state now
+        try:
+            while self.is_running and not self._stopping:
+                ready.clear()
+                snap = sub.take()
+                if snap is None:
+                    try:
+                        await asyncio.wait_for(ready.wait(), keepalive)
+                        continue
+                    except TimeoutError:
+                        pass
+                yield snap
+        finally:
+            self.event_feed.unsubscribe(sub)
+
     def num_unfinished_requests(self) -> int:
         """Requests the server handed over that have not finished (queued in the inbox included)."""
         with self._lock:
@@ -140,14 +164,16 @@ class AsyncLLMEngine:
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 self._publish()
-                self._wakeup.wait()
+                self._wakeup.wait(self.event_feed.flush(self.engine))  # a viewer gets the idle state too
                 continue
             self.engine.last_scheduler_output = None
+            t0 = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 — a bad step must not take the server down
                 self._fail_step(e)
                 continue
+            self.event_feed.record(self.engine, self.engine.last_scheduler_output, outputs, time.perf_counter() - t0)
             self._publish()
             self._emit(outputs, self.engine.last_scheduler_output)
         self._drain_inbox()

@@ -30,6 +30,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import TokenBucketLimiter
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -213,6 +214,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    add_engine_view(app, state, check_key)  # chapter 12: GET /engine, the live page, and its /engine/events
     return app
 
 

@@ -1,0 +1,108 @@
+"""`python -m nanoserve bench engine-view`: what the live page (chapter 12) costs the engine, side by side.
+
+One seeded workload (random prompt ids, EOS ignored) through the same engine three ways, interleaved
+round by round so the machine's drift hits all three alike:
+
+  no feed     the bare loop: step(), step(), ...                       (the engine before chapter 12)
+  page closed the loop AsyncLLMEngine runs: each step timed and handed to EventFeed.record, nobody subscribed
+  page open   the same with one viewer that takes every snapshot and JSON-encodes it, as /engine/events does
+
+Reported: output tokens/s of each (best of --rounds) and its ratio to "no feed"; and, timed directly (on a
+shared machine the tokens/s of whole runs wander by more than the feed costs), the time spent inside the feed:
+per step with the page closed, per snapshot (built and encoded) with it open, and as a share of the run.
+"""
+
+import json
+import sys
+import time
+
+import torch
+
+from nanoserve.bench.offline import make_workload, params
+
+
+def register(sub):
+    p = sub.add_parser("engine-view", help="the engine event feed's cost: page closed vs open vs no feed (chapter 12)")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
+    p.add_argument("--rounds", type=int, default=3, help="each system runs the workload this many times, interleaved")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-mib)")
+    p.add_argument("--kv-cache-mib", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tiny", action="store_true",
+                   help="a tiny random-weight model instead of SmolLM2: steps of a millisecond, the worst case for the feed")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=run)
+
+
+def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, float, int, int]:
+    """(seconds, output tokens, seconds inside the feed, snapshots encoded, steps) for the whole workload."""
+    for i, (prompt, n) in enumerate(workload):
+        engine.add_request(str(i), prompt, params(n))
+    tokens, in_feed, encoded, steps = 0, 0.0, 0, 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if feed is None:
+            outputs = engine.step()
+        else:
+            s0 = time.perf_counter()
+            outputs = engine.step()
+            f0 = time.perf_counter()
+            feed.record(engine, engine.last_scheduler_output, outputs, f0 - s0)
+            if viewer is not None and (snap := viewer.take()) is not None:
+                json.dumps(snap, separators=(",", ":"))
+                encoded += 1
+            in_feed += time.perf_counter() - f0
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+        steps += 1
+    return time.perf_counter() - t0, tokens, in_feed, encoded, steps
+
+
+@torch.inference_mode()
+def run(args):
+    from nanoserve.engine.event_feed import EventFeed
+    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.memory import kv_bytes_per_token
+    from nanoserve.model import Llama, LlamaConfig, load_gguf
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    num_blocks = args.num_blocks
+    if args.tiny:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig.tiny()).eval()
+        # the pool SmolLM2 would get from the same bytes: the snapshot's size depends on the number of blocks
+        num_blocks = num_blocks or int((args.kv_cache_mib << 20) // (kv_bytes_per_token(LlamaConfig(), "fp32")
+                                                                     * args.block_size))
+    else:
+        model = load_gguf()
+    config = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, kv_cache_memory=args.kv_cache_mib << 20)
+    engine = LLMEngine(model, config)
+    workload = make_workload(args.num_requests, args.prompt_len, args.output_len, 0, model.config.vocab_size)
+    closed, open_feed = EventFeed(), EventFeed()
+    viewer = open_feed.subscribe()
+    systems = {"no feed": {}, "page closed": {"feed": closed}, "page open": {"feed": open_feed, "viewer": viewer}}
+    best = {name: None for name in systems}
+    names = list(systems)
+    run_once(engine, workload[:2])  # warm-up
+    for r in range(args.rounds):
+        for name in names[r % 3:] + names[:r % 3]:  # rotate the order: none always goes first
+            result = run_once(engine, workload, **systems[name])
+            print(f"  round {r + 1} {name:12s} {result[1] / result[0]:9.1f} tok/s", flush=True)
+            if best[name] is None or result[0] < best[name][0]:
+                best[name] = result
+    which = "a tiny random model" if args.tiny else "SmolLM2-135M"
+    print(f"{args.num_requests} requests on {which}, {engine.block_manager.num_blocks} KV blocks, "
+          f"best of {args.rounds} interleaved rounds (torch threads: {torch.get_num_threads()})")
+    base = best["no feed"][1] / best["no feed"][0]
+    for name, (seconds, tokens, in_feed, encoded, steps) in best.items():
+        line = f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed"
+        if name == "page closed":
+            line += f"   {1e6 * in_feed / steps:.2f} µs per step in the feed, {100 * in_feed / seconds:.4f} % of the run"
+        if name == "page open":
+            line += (f"   {encoded} snapshots, {1000 * in_feed / max(encoded, 1):.2f} ms each in the feed, "
+                     f"{100 * in_feed / seconds:.2f} % of the run")
+        print(line)
+    print("reproduce: python -m nanoserve " + " ".join(sys.argv[1:]))
+    return 0

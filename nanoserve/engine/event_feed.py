@@ -1,0 +1,126 @@
+"""Chapter 12 — the engine event feed: snapshots for whoever watches, at no cost when nobody does.
+
+    feed = EventFeed()                                  # the engine thread calls, after every step:
+    feed.record(engine, scheduler_output, outputs, step_seconds)
+    sub = feed.subscribe(notify=wake_me)                # a viewer (any thread)
+    snap = sub.take()                                   # the latest snapshot, or None
+
+Three promises, each one line of the design:
+
+  off      record() returns at its first line while there are no subscribers: one attribute read
+           per step (`python -m nanoserve bench engine-view` measures it against no feed at all).
+  throttled  a full snapshot is built at most once per `min_interval` (0.05 s: 20 a second); the
+           steps in between only add a few integers each to the next one's step records.
+  bounded  a subscriber holds ONE snapshot. A new one replaces it (counted in `dropped`), so a slow
+           viewer skips to the latest state; the engine never waits for a viewer, and memory does not
+           grow with how far behind it is.
+
+After the last step of a burst the engine goes idle; `flush` (called by the idle engine loop) sends
+the final state, so a viewer sees the pool empty again rather than the last throttled frame.
+"""
+
+import threading
+import time
+import warnings
+
+from nanoserve.engine.snapshot import SnapshotBuilder
+
+
+def _builder(engine) -> SnapshotBuilder:
+    """With chapter 12 selected in --student: the learner's block_owners and step_kind (exercises/12-engine-view/),
+    once written."""
+    rules = engine.student.module("nanoserve.engine.snapshot")
+    return SnapshotBuilder(engine, rules)
+
+
+class Subscription:
+    """One viewer's mailbox: the latest snapshot only."""
+
+    def __init__(self, notify=None):
+        self._lock = threading.Lock()
+        self._latest: dict | None = None
+        self._notify = notify  # called (from the engine thread) when the mailbox goes from empty to full
+        self.dropped = 0  # snapshots replaced before the viewer took them
+
+    def put(self, snap: dict) -> None:
+        with self._lock:
+            was_empty = self._latest is None
+            self.dropped += not was_empty
+            self._latest = snap
+        if was_empty and self._notify is not None:  # a full mailbox already has a wake-up on its way
+            self._notify()
+
+    def take(self) -> dict | None:
+        with self._lock:
+            snap, self._latest = self._latest, None
+        return snap
+
+
+class EventFeed:
+    def __init__(self, min_interval: float = 0.05):
+        self.min_interval = min_interval
+        self._lock = threading.Lock()
+        self._subscribers: tuple[Subscription, ...] = ()  # replaced, never mutated: the engine reads it unlocked
+        self._builder: SnapshotBuilder | None = None
+        self._last_emit = float("-inf")
+        self._pending = False  # steps observed since the last snapshot, or a new viewer wants one
+
+    @property
+    def watched(self) -> bool:
+        return bool(self._subscribers)
+
+    def subscribe(self, notify=None) -> Subscription:
+        sub = Subscription(notify)
+        with self._lock:
+            self._subscribers = (*self._subscribers, sub)
+        self._pending = True  # a new viewer gets the current state at the engine's next boundary
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subscribers = tuple(s for s in self._subscribers if s is not sub)
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+    def record(self, engine, scheduler_output, outputs, step_seconds: float) -> None:
+        """After every step. Nobody watching: nothing happens."""
+        if not self._subscribers:
+            self._builder = None  # the next viewer starts a fresh one (no stale ids, no stale counters)
+            return
+        try:
+            if self._builder is None:
+                self._builder = _builder(engine)
+            self._builder.observe_step(scheduler_output, outputs, step_seconds)
+            self._pending = True
+            self._emit_if_due(engine)
+        except Exception as e:  # noqa: BLE001 — a bug in the view (say a learner's block_owners) must not stop serving
+            self._failed(e)
+
+    def flush(self, engine) -> float | None:
+        """When the engine is idle: send what is pending as soon as the throttle allows. Returns the
+        seconds until it may (the idle loop sleeps at most that long), or None when nothing is pending."""
+        if not self._subscribers or not self._pending:
+            return None
+        try:
+            wait = self._emit_if_due(engine)
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
+            return None
+        return wait if self._pending else None
+
+    def _failed(self, error: Exception) -> None:
+        """Drop the builder (the next step starts a fresh one) and say why; the engine goes on."""
+        self._builder, self._pending = None, False
+        warnings.warn(f"the engine event feed failed, a snapshot is skipped: {error!r}")
+
+    def _emit_if_due(self, engine) -> float:
+        now = time.perf_counter()
+        wait = self._last_emit + self.min_interval - now
+        if wait > 0:
+            return wait
+        if self._builder is None:
+            self._builder = _builder(engine)
+        snap = self._builder.snapshot()
+        self._last_emit, self._pending = now, False
+        for sub in self._subscribers:
+            sub.put(snap)  # the same dict for all: viewers only read it
+        return 0.0

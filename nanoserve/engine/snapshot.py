@@ -1,0 +1,160 @@
+"""Chapter 12 — the engine after a step, as a small dict of integers and ids: what the live page draws.
+
+Everything here is read from state the engine already keeps (the scheduler's queues, each sequence's
+counters, the block manager's tables, the prefix cache's stats); nothing is a tensor, nothing is new
+bookkeeping inside the engine. Worked example: block_size 4, a pool of 6 blocks, request "a" holds
+blocks [0, 1], request "b" got a prefix hit on block 0 and holds [0, 2], block 3 keeps the contents of
+a finished request (its hash is still in the prefix cache), blocks 4 and 5 were never written:
+
+    block_owners({"a": [0, 1], "b": [0, 2]}, 6, cached_blocks={3})
+    -> ["shared:2", "a", "b", "cached", "free", "free"]
+
+One owner per block: "free" (on the free list, nothing worth keeping), "cached" (on the free list
+too, but a prefix hit can revive it; the allocator hands it out last), a request id (held by that
+one block table), or "shared:k" (held by k tables: a prefix hit, or a fork).
+
+`SnapshotBuilder` turns steps into snapshots. `observe_step` runs after every step while someone
+watches (cheap: a few integers per scheduled sequence); `snapshot` runs at most ~20 times a second
+and adds the full picture: queues, pool, and the events and step records gathered since the last one.
+"""
+
+import sys
+import time
+
+MAX_STEPS_PER_SNAPSHOT = 256  # step records kept between two snapshots; older ones are counted, not kept
+
+
+def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blocks) -> list[str]:
+    """The owner of every block of the pool, by block id (see the module docstring for the names).
+
+    >>> block_owners({"x": [2]}, 3, cached_blocks={0})
+    ['cached', 'free', 'x']
+    """
+    owners = ["free"] * num_blocks
+    for block_id in cached_blocks:
+        owners[block_id] = "cached"
+    num_holders: dict[int, int] = {}  # held blocks only: past the one C-level fill above, the work grows
+    # with the blocks in use (held or cached), not with the size of the pool
+    for seq_id, table in block_tables.items():
+        for block_id in table:
+            k = num_holders[block_id] = num_holders.get(block_id, 0) + 1
+            owners[block_id] = seq_id if k == 1 else f"shared:{k}"  # held wins over cached
+    return owners
+
+
+def encode_pool(owners: list[str]) -> dict:
+    """Compact form for the wire: each distinct owner once, and one small int per block.
+
+    >>> encode_pool(["free", "a", "a", "free"])
+    {'owners': ['free', 'a'], 'blocks': [0, 1, 1, 0]}
+    """
+    index: dict[str, int] = {}
+    blocks = [index.setdefault(owner, len(index)) for owner in owners]
+    return {"owners": list(index), "blocks": blocks}
+
+
+def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: int, num_prompt_tokens: int) -> str:
+    """"decode" when the step computes exactly one generated token, the sequence's last; else "prefill"
+    (a prompt chunk, or the recompute of a preempted sequence, which re-prefills its outputs too).
+
+    >>> step_kind(10, 1, 11, 10), step_kind(0, 8, 10, 10), step_kind(9, 1, 10, 10)
+    ('decode', 'prefill', 'prefill')
+    """
+    last_token_only = num_scheduled == 1 and num_computed_before == num_tokens_before - 1
+    return "decode" if last_token_only and num_computed_before >= num_prompt_tokens else "prefill"
+
+
+def _seq_view(seq, scheduled: int = 0, kind: str | None = None) -> dict:
+    return {"id": seq.seq_id, "state": seq.status.value, "priority": seq.priority,
+            "prompt": seq.num_prompt_tokens, "output": seq.num_output_tokens, "max_tokens": seq.max_tokens,
+            "computed": seq.num_computed_tokens, "total": seq.num_tokens, "preemptions": seq.num_preemptions,
+            "scheduled": scheduled, "kind": kind}
+
+
+class SnapshotBuilder:
+    def __init__(self, engine, rules=None):
+        """rules: the module whose block_owners and step_kind are used: this one, or the learner's
+        exercises/12-engine-view/snapshot.py (EventFeed picks it when the engine runs with student=True)."""
+        self.engine = engine
+        self.rules = rules if rules is not None else sys.modules[__name__]
+        self.step = 0  # steps observed since this builder started
+        self.t0 = time.time()
+        self._live = set(engine.scheduler.seqs)  # ids alive after the last observed step
+        self._stats_seen = self._stats()
+        self._reset_events()
+        self._last_step: dict[str, tuple[int, str]] = {}  # seq id -> (tokens, kind) of the latest step
+
+    def _stats(self) -> tuple[int, int, int, int]:
+        s = self.engine.block_manager.stats
+        return s.queried_tokens, s.hit_tokens, s.hit_blocks, s.evicted_blocks
+
+    def _reset_events(self) -> None:
+        self.steps: list[list] = []
+        self.dropped_steps = 0
+        self.preempted: list[str] = []
+        self.finished: list[dict] = []
+        self.aborted: list[str] = []
+
+    def _note_gone(self, finished_ids: set[str]) -> None:
+        """Ids that left the engine without finishing in a step were aborted (between steps)."""
+        live = set(self.engine.scheduler.seqs)
+        self.aborted.extend(sorted(self._live - live - finished_ids))
+        self._live = live
+
+    def observe_step(self, scheduler_output, outputs, step_seconds: float) -> None:
+        """After LLMEngine.step(): record the step's tokens and events. `outputs` are the step's RequestOutputs."""
+        self.step += 1
+        sampled = {out.request_id for out in outputs if out.new_token_ids}
+        num_prefill = num_decode = 0
+        self._last_step = {}
+        for seq in scheduler_output.scheduled_seqs:
+            n = scheduler_output.num_scheduled_tokens[seq.seq_id]
+            got = seq.seq_id in sampled
+            kind = self.rules.step_kind(seq.num_computed_tokens - n, n, seq.num_tokens - got, seq.num_prompt_tokens)
+            self._last_step[seq.seq_id] = (n, kind)
+            if kind == "decode":
+                num_decode += n
+            else:
+                num_prefill += n
+        finished = [out for out in outputs if out.finished]
+        for out in finished:
+            m = out.metrics
+            self.finished.append({"id": out.request_id, "reason": out.finish_reason, "ttft": m.get("ttft"),
+                                  "tpot": m.get("tpot"), "e2e": m.get("e2e"), "output": len(out.token_ids)})
+        self.preempted.extend(scheduler_output.preempted_seq_ids)
+        self._note_gone({out.request_id for out in finished})
+        bm = self.engine.block_manager
+        record = [self.step, round(time.time() - self.t0, 4), num_prefill, num_decode,
+                  len(scheduler_output.scheduled_seqs), round(step_seconds * 1000, 3), len(sampled),
+                  round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)]
+        self.steps.append(record)
+        if len(self.steps) > MAX_STEPS_PER_SNAPSHOT:
+            self.steps.pop(0)
+            self.dropped_steps += 1
+
+    def snapshot(self) -> dict:
+        """The engine now, plus what happened since the previous snapshot (then forgotten)."""
+        self._note_gone(set())
+        engine, scheduler, bm = self.engine, self.engine.scheduler, self.engine.block_manager
+        running = [_seq_view(seq, *self._last_step.get(seq.seq_id, (0, None))) for seq in scheduler.running]
+        waiting = [_seq_view(seq) for seq in scheduler.waiting]
+        # a finished block keeps its K/V (and its hash) until the allocator hands it out again
+        cached = getattr(bm.prefix_cache, "entries", ())
+        owners = self.rules.block_owners(bm.block_tables, bm.num_blocks, cached)
+        stats = self._stats()
+        queried, hit, hit_blocks, evicted = (now - seen for now, seen in zip(stats, self._stats_seen))
+        self._stats_seen = stats
+        cfg = engine.config
+        snap = {
+            "step": self.step, "time": round(time.time() - self.t0, 4),
+            "config": {"block_size": bm.block_size, "num_blocks": bm.num_blocks, "max_num_seqs": cfg.max_num_seqs,
+                       "max_num_batched_tokens": cfg.max_num_batched_tokens},
+            "running": running, "waiting": waiting,
+            "preempted": self.preempted, "finished": self.finished, "aborted": self.aborted,
+            "prefix": {"queried_tokens": queried, "hit_tokens": hit, "hit_blocks": hit_blocks, "evicted_blocks": evicted},
+            "pool": {**encode_pool(owners), "num_free": bm.get_num_free_blocks(),
+                     "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
+            "steps": self.steps, "dropped_steps": self.dropped_steps,
+        }
+        self._reset_events()
+        return snap

@@ -1,0 +1,130 @@
+"""Chapter 12 — GET /engine/events through httpx, on a real server with a tiny random model (token ids in).
+
+What a viewer receives must be the engine's own story: every step exactly once (as a step record),
+every request that finished, owners that are the running requests, and an empty pool once idle; at
+most ~20 snapshots a second; the key when the server has one; and nothing left subscribed when the
+viewer goes, nor a stream that holds up a graceful shutdown.
+"""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.model import Llama, LlamaConfig
+from tests.engine_view_server import start_server
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.tiny()).eval()
+
+
+@pytest.fixture
+def server(tiny):
+    server = start_server(LLMEngine(tiny, EngineConfig(num_blocks=24, block_size=4)))
+    yield server
+    server.stop()
+
+
+def url(server, path):
+    return f"http://127.0.0.1:{server.port}{path}"
+
+
+def snapshots(response):
+    """The data events of an SSE response, parsed (comments skipped)."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield json.loads(line[len("data: "):])
+
+
+def complete(server, prompt, max_tokens, ids):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    ids.append(httpx.post(url(server, "/v1/completions"), json=body, timeout=120).json()["id"])
+
+
+def test_a_burst_seen_step_by_step(server):
+    feed = server.state.engine.event_feed
+    assert not feed.watched  # nobody connected: the engine builds nothing
+    prompts = [[3 + i, 7, 11, 2 * i + 1, 5, 9][: 3 + i] for i in range(4)]  # 3..6 tokens
+    ids, snaps = [], []
+    with httpx.stream("GET", url(server, "/engine/events"), timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        stream = snapshots(r)
+        first = next(stream)  # on connect: the idle engine, empty pool
+        assert first["running"] == first["waiting"] == [] and first["pool"]["num_free"] == 24
+        assert feed.watched
+        senders = [threading.Thread(target=complete, args=(server, p, 10, ids)) for p in prompts]
+        for t in senders:
+            t.start()
+        for snap in stream:
+            snaps.append(snap)
+            if sum(len(s["finished"]) for s in snaps) == 4 and not snap["running"] and not snap["waiting"]:
+                break
+        for t in senders:
+            t.join()
+    steps = [rec for s in snaps for rec in s["steps"]]
+    assert all(s["dropped_steps"] == 0 for s in snaps)
+    assert [rec[0] for rec in steps] == list(range(1, len(steps) + 1))  # every step once, in order
+    # tokens: each prompt prefilled once (no preemption in 24 blocks), 9 decodes each after the first token
+    assert sum(rec[2] for rec in steps) == sum(map(len, prompts))
+    assert sum(rec[3] for rec in steps) == 4 * 9 and sum(rec[6] for rec in steps) == 4 * 10
+    assert sorted(f["id"] for s in snaps for f in s["finished"]) == sorted(ids)
+    for s in snaps:
+        running = {seq["id"] for seq in s["running"]}
+        held = {o for o in s["pool"]["owners"] if o not in ("free", "cached") and not o.startswith("shared:")}
+        assert held <= running  # a block is held by a running request, nobody else
+    assert any(s["running"] for s in snaps)
+    assert set(snaps[-1]["pool"]["owners"]) <= {"free", "cached"} and snaps[-1]["pool"]["num_free"] == 24
+    times = [first["time"]] + [s["time"] for s in snaps]
+    assert min(b - a for a, b in zip(times, times[1:])) >= 0.04  # throttled to ~20 a second
+    deadline = time.monotonic() + 10
+    while feed.watched and time.monotonic() < deadline:  # the viewer left: its subscription goes with it
+        time.sleep(0.05)
+    assert not feed.watched
+
+
+def test_events_need_the_key_when_there_is_one(tiny):
+    server = start_server(LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4)), api_key="sekret")
+    try:
+        r = httpx.get(url(server, "/engine/events"))
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        wrong = httpx.get(url(server, "/engine/events"), headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        with httpx.stream("GET", url(server, "/engine/events"), headers={"Authorization": "Bearer sekret"}) as r:
+            assert r.status_code == 200 and next(snapshots(r))["step"] == 0
+        assert httpx.get(url(server, "/engine")).status_code == 200  # the page itself holds no data
+    finally:
+        server.stop()
+
+
+def test_page_and_static_files(server):
+    page = httpx.get(url(server, "/engine"))
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for name, kind in (("engine.js", "text/javascript"), ("engine.css", "text/css")):
+        r = httpx.get(url(server, f"/engine/static/{name}"))
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and f"/engine/static/{name}" in page.text
+    missing = httpx.get(url(server, "/engine/static/api_server.py"))
+    assert missing.status_code == 404 and "error" in missing.json()
+    for text in (page.text, *(httpx.get(url(server, f"/engine/static/{n}")).text for n in ("engine.js", "engine.css"))):
+        assert "http://" not in text and "https://" not in text  # nothing fetched from outside: no CDN
+
+
+def test_an_open_stream_does_not_hold_up_shutdown(server):
+    with httpx.stream("GET", url(server, "/engine/events"), timeout=30) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        # the stream ends by itself, as a complete response: httpx raises RemoteProtocolError on one cut off
+        # at the drain timeout (which would also have made every shutdown wait that long)
+        for _ in lines:
+            pass
+        assert server.state.draining
+        stopper.join()
+    assert not server.state.engine.is_running

@@ -1,0 +1,214 @@
+"""Chapter 12 — the snapshot builder and the event feed, on scripted schedules of a tiny random model.
+
+Every expectation below is worked out by hand from chapter 05's allocator (free list in LRU order,
+last block freed first) and chapter 06's scheduler (running first, then the waiting head; preempt the
+least urgent). The comments walk through each step.
+"""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nanoserve.engine.event_feed import EventFeed, Subscription
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine import snapshot as reference
+from nanoserve.engine.snapshot import SnapshotBuilder, encode_pool
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.sampling import SamplingParams
+from nanoserve.student import implementation
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.tiny()).eval()
+
+
+def params(max_tokens):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def stepper(engine, rules=None):
+    """A step function that returns the snapshot taken right after the step (unthrottled)."""
+    builder = SnapshotBuilder(engine, rules)
+
+    def step():
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        builder.observe_step(engine.last_scheduler_output, outputs, time.perf_counter() - t0)
+        return builder.snapshot()
+
+    return builder, step
+
+
+def owners(snap) -> list[str]:
+    return [snap["pool"]["owners"][i] for i in snap["pool"]["blocks"]]
+
+
+def brief(seqs) -> list[tuple]:
+    return [(s["id"], s["state"], s["scheduled"], s["kind"], s["computed"], s["total"]) for s in seqs]
+
+
+# ---- exercise 12.1: block_owners ------------------------------------------------------------------------
+@pytest.mark.exercise("12.1")
+def test_block_owners_by_hand():
+    block_owners = implementation("nanoserve.engine.snapshot").block_owners
+    assert block_owners({"a": [0, 1], "b": [0, 2]}, 6, {3}) == ["shared:2", "a", "b", "cached", "free", "free"]
+    assert block_owners({}, 3, set()) == ["free"] * 3
+    # a held block stays its holder's even if its hash is in the prefix cache; three tables share block 1
+    assert block_owners({"x": [1, 0], "y": [1], "z": [1, 2]}, 4, {0, 3}) == ["x", "shared:3", "z", "cached"]
+
+
+@pytest.mark.exercise("12.2")
+def test_step_kind_by_hand():
+    step_kind = implementation("nanoserve.engine.snapshot").step_kind
+    assert step_kind(10, 1, 11, 10) == "decode"  # 10-token prompt + 1 generated: compute the generated one
+    assert step_kind(0, 10, 10, 10) == "prefill"  # the whole prompt in one step
+    assert step_kind(4, 6, 10, 10) == "prefill"  # the last chunk of a chunked prompt
+    assert step_kind(9, 1, 10, 10) == "prefill"  # a 1-token last chunk is still the prompt
+    assert step_kind(0, 13, 13, 10) == "prefill"  # a preempted sequence recomputes prompt + 3 outputs
+    assert step_kind(8, 4, 13, 10) == "prefill"  # ... in chunks
+
+
+# ---- the builder on scripted schedules ----------------------------------------------------------------
+@pytest.mark.exercise("12.1")
+def test_prefix_hit_shared_then_cached(tiny):
+    """block_size 4, 8 blocks. a = 6-token prompt, 3 tokens; b shares a's first block (4 tokens), 2 tokens."""
+    rules = SimpleNamespace(block_owners=implementation("nanoserve.engine.snapshot").block_owners,
+                            step_kind=reference.step_kind)
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, max_num_batched_tokens=8))
+    builder, step = stepper(engine, rules)
+    engine.add_request("a", [1, 2, 3, 4, 5, 6], params(3))
+
+    # step 1: a's whole prompt (6 tokens) in blocks [0, 1]; it samples its first token; block 0 is full: hashed
+    s = step()
+    assert brief(s["running"]) == [("a", "running", 6, "prefill", 6, 7)]
+    assert s["steps"] == [[1, s["steps"][0][1], 6, 0, 1, s["steps"][0][5], 1, 0.25]]
+    assert owners(s) == ["a", "a"] + ["free"] * 6
+    assert s["pool"]["num_free"] == 6 and s["pool"]["usage"] == 0.25
+
+    # step 2: a decodes; b's first 4 tokens hit block 0 (shared now), its 2 others go to a new block 2
+    engine.add_request("b", [1, 2, 3, 4, 9, 10], params(2))
+    s = step()
+    assert brief(s["running"]) == [("a", "running", 1, "decode", 7, 8), ("b", "running", 2, "prefill", 6, 7)]
+    assert owners(s) == ["shared:2", "a", "b"] + ["free"] * 5
+    assert s["prefix"] == {"queried_tokens": 6, "hit_tokens": 4, "hit_blocks": 1, "evicted_blocks": 0}
+    assert [r[2:5] for r in s["steps"]] == [[2, 1, 2]]  # 2 prefill + 1 decode tokens, 2 sequences
+
+    # step 3: both decode and both finish (length). a's block 1 (full, hashed) and block 0 stay cached;
+    # b's block 2 holds a partial block (7 tokens = 1 full block + 3): never hashed, so simply free
+    s = step()
+    assert [(f["id"], f["reason"], f["output"]) for f in s["finished"]] == [("a", "length", 3), ("b", "length", 2)]
+    assert s["running"] == [] and s["waiting"] == [] and s["aborted"] == []
+    assert owners(s) == ["cached", "cached"] + ["free"] * 6
+    assert s["pool"]["num_free"] == 8 and s["pool"]["usage"] == 0.0
+    assert builder.step == 3
+
+
+@pytest.mark.exercise("12.2")
+def test_preemption_then_abort(tiny):
+    """block_size 4, 4 blocks, two 4-token prompts with 8 tokens each: the pool fills, b is preempted."""
+    rules = SimpleNamespace(block_owners=reference.block_owners,
+                            step_kind=implementation("nanoserve.engine.snapshot").step_kind)
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=4, block_size=4))
+    _, step = stepper(engine, rules)
+    engine.add_request("a", [1, 2, 3, 4], params(8))
+    engine.add_request("b", [5, 6, 7, 8], params(8))
+    s = step()  # both prompts: a in block 0, b in block 1
+    assert brief(s["running"]) == [("a", "running", 4, "prefill", 4, 5), ("b", "running", 4, "prefill", 4, 5)]
+    assert owners(s) == ["a", "b", "free", "free"]
+    s = step()  # position 4 of each needs a second block: a gets 2, b gets 3; the pool is full
+    assert owners(s) == ["a", "b", "a", "b"] and s["pool"]["num_free"] == 0
+    assert [r[2:4] for r in s["steps"]] == [[0, 2]]
+    for _ in range(3):  # positions 5, 6, 7 fit in the second blocks
+        s = step()
+    assert s["preempted"] == []
+    # step 6: a's position 8 needs a third block, none is free: b (later arrival) is preempted by
+    # recompute. Its blocks are freed last-first (3, then 1) and a takes block 3 — evicting b's cached
+    # second block; b's first block (its prompt, hashed) stays cached.
+    s = step()
+    assert s["preempted"] == ["b"]
+    assert brief(s["running"]) == [("a", "running", 1, "decode", 9, 10)]
+    assert [(w["id"], w["state"], w["computed"], w["total"], w["preemptions"]) for w in s["waiting"]] == [
+        ("b", "preempted", 0, 9, 1)]
+    assert owners(s) == ["a", "cached", "a", "a"]
+    assert s["prefix"]["evicted_blocks"] == 1
+    # an abort between steps is reported by the next snapshot; nothing else left the engine
+    engine.abort_request("b")
+    s = step()
+    assert s["aborted"] == ["b"] and s["finished"] == [] and s["waiting"] == []
+
+
+def test_encode_pool_round_trips():
+    pool = ["free", "x", "shared:2", "x", "cached", "free"]
+    enc = encode_pool(pool)
+    assert enc["owners"] == ["free", "x", "shared:2", "cached"]
+    assert [enc["owners"][i] for i in enc["blocks"]] == pool
+
+
+# ---- the feed: off, throttled, bounded ------------------------------------------------------------------
+def test_feed_is_off_without_subscribers():
+    feed = EventFeed()
+    # with nobody watching record() must not even look at its arguments
+    for _ in range(3):
+        feed.record(None, None, None, 0.0)
+    assert not feed.watched and feed.flush(None) is None
+
+
+def test_subscription_keeps_only_the_latest():
+    woken = []
+    sub = Subscription(notify=lambda: woken.append(1))
+    for i in range(100):
+        sub.put({"step": i})
+    assert sub.take() == {"step": 99} and sub.dropped == 99
+    assert woken == [1]  # one wake-up for a full mailbox, not one per snapshot
+    assert sub.take() is None
+    sub.put({"step": 100})
+    assert woken == [1, 1]
+
+
+def test_feed_throttles_and_flushes(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4))
+    feed = EventFeed(min_interval=3600)  # one snapshot an hour: everything after the first is held back
+    sub = feed.subscribe()
+    engine.add_request("a", [1, 2, 3], params(4))
+    snaps = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
+        snap = sub.take()
+        if snap is not None:
+            snaps.append(snap)
+    assert [s["step"] for s in snaps] == [1]  # 4 steps, 1 snapshot
+    assert 3500 < feed.flush(engine) <= 3600  # the idle loop is told how long to wait
+    feed.min_interval = 0
+    assert feed.flush(engine) is None  # sent now: nothing pending any more
+    last = sub.take()
+    # the held-back steps arrive as step records, with the finish: nothing is lost in between
+    assert [r[0] for r in last["steps"]] == [2, 3, 4] and [f["id"] for f in last["finished"]] == ["a"]
+    # 3 + 4 = 7 tokens: block 0 (positions 0..3) was full and hashed, block 1 was not
+    assert owners(last) == ["cached"] + ["free"] * 15
+    feed.unsubscribe(sub)
+    assert not feed.watched
+
+
+def test_a_failing_view_never_stops_the_engine(tiny):
+    """A bug in the snapshot code (say a learner's block_owners under --student) skips snapshots, with a warning."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4))
+    feed = EventFeed(min_interval=0)
+    sub = feed.subscribe()
+
+    def broken(*args):
+        raise KeyError("a bug")
+
+    feed._builder = SnapshotBuilder(engine, SimpleNamespace(block_owners=broken, step_kind=reference.step_kind))
+    engine.add_request("a", [1, 2, 3], params(3))
+    outputs = engine.step()
+    with pytest.warns(UserWarning, match="event feed failed"):
+        feed.record(engine, engine.last_scheduler_output, outputs, 0.0)
+    assert sub.take() is None
+    outputs = engine.step()  # the next step builds a fresh builder with the reference rules
+    feed.record(engine, engine.last_scheduler_output, outputs, 0.0)
+    assert owners(sub.take()) == ["a"] + ["free"] * 7  # 3 prompt tokens + 1 computed by step 2: one block
