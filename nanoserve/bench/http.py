@@ -95,7 +95,8 @@ def run(args):
     print("command: python -m nanoserve bench http " + " ".join([
         "--concurrency " + " ".join(map(str, args.concurrency)), f"--prompt-len {args.prompt_len[0]} {args.prompt_len[1]}",
         f"--output-len {args.output_len}", f"--rounds {args.rounds}", f"--seed {args.seed}",
-        f"--max-num-seqs {args.max_num_seqs}", f"--max-num-batched-tokens {args.max_num_batched_tokens}"]))
+        f"--max-num-seqs {args.max_num_seqs}", f"--max-num-batched-tokens {args.max_num_batched_tokens}",
+        f"--kv-cache-mib {args.kv_cache_mib}"]))
     print(f"threads: {torch.get_num_threads()}, float32, KV pool: {served.block_manager.num_blocks} blocks "
           f"of {args.block_size} tokens per engine; server and clients in this process")
     with serving(served, llm.tokenizer) as (url, _):
