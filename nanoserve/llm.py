@@ -58,7 +58,8 @@ class LLM:
             degraded = load_gguf(path, "q4")
         self.tokenizer = Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-                              enable_chunked_prefill, enable_prefix_caching, student, degrade_under_load)
+                              enable_chunked_prefill, enable_prefix_caching, student,
+                              degrade_under_load=degrade_under_load)
         self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         self._next_id = 0
 
