@@ -134,7 +134,7 @@ def run(args):
     models = {w: load_gguf(weights=w) for w in formats}
     config = next(iter(models.values())).config
     print("command: python -m nanoserve bench weights " + " ".join(
-        [f"--weights {' '.join(formats)}", f"--tokens {' '.join(map(str, args.tokens))}", f"--repeats {args.repeats}",
+        [f"--weights {' '.join(formats)}", f"--tokens {' '.join(map(str, args.tokens))}".rstrip(), f"--repeats {args.repeats}",
          f"--decode-batches {' '.join(map(str, args.decode_batches))}", f"--decode-steps {args.decode_steps}",
          f"--prefill-len {args.prefill_len}",
          f"--workload-requests {args.workload_requests}", f"--workload-output-len {args.workload_output_len}"]
