@@ -80,7 +80,7 @@ class LLM:
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
-                              degrade_under_load)
+                              degrade_under_load=degrade_under_load)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         except BaseException:

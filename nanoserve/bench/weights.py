@@ -23,7 +23,9 @@ FORMATS = ["fp32", "int8", "q4"]
 def register(sub):
     p = sub.add_parser("weights", help="speed and memory of fp32 / int8 / q4 weights, side by side (chapter 10)")
     p.add_argument("--weights", nargs="+", default=FORMATS, help="formats to compare (default: all three)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256], help="batch sizes of the product table")
+    p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256],
+                   help="batch sizes of the product table (none: skip it)")
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes timed")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--prefill-len", type=int, default=512)
@@ -132,9 +134,11 @@ def run(args):
     models = {w: load_gguf(weights=w) for w in formats}
     config = next(iter(models.values())).config
     print("command: python -m nanoserve bench weights " + " ".join(
-        [f"--weights {' '.join(formats)}", f"--tokens {' '.join(map(str, args.tokens))}", f"--repeats {args.repeats}",
-         f"--decode-steps {args.decode_steps}", f"--prefill-len {args.prefill_len}",
-         f"--workload-requests {args.workload_requests}", f"--workload-output-len {args.workload_output_len}"] + ([f"--threads {args.threads}"] if args.threads else [])))
+        [f"--weights {' '.join(formats)}", f"--tokens {' '.join(map(str, args.tokens))}".rstrip(), f"--repeats {args.repeats}",
+         f"--decode-batches {' '.join(map(str, args.decode_batches))}", f"--decode-steps {args.decode_steps}",
+         f"--prefill-len {args.prefill_len}",
+         f"--workload-requests {args.workload_requests}", f"--workload-output-len {args.workload_output_len}"]
+        + ([f"--threads {args.threads}"] if args.threads else [])))
     print(f"threads: {torch.get_num_threads()}")
     n_weights = parameter_counts(config)["total"]
     print(f"\nmemory ({n_weights:,} weights; a decode step reads every product's weights once, not the embedding)")
@@ -145,7 +149,8 @@ def run(args):
         print(f"{name:8s} {per_step[name] / 1e6:17.1f} MB {per_step[name] / n_weights:13.3f} "
               f"{resident_bytes(model) / 1e6:12.1f} MB")
 
-    product_table(models, args.tokens, args.repeats)
+    if args.tokens:
+        product_table(models, args.tokens, args.repeats)
 
     with torch.inference_mode():
         engines = {n: LLMEngine(m, EngineConfig(kv_cache_memory=384 << 20)) for n, m in models.items()}
@@ -153,7 +158,7 @@ def run(args):
         rng = random.Random(0)
         print(f"\nengine (one engine per format, stepped in lockstep; median decode step of {args.decode_steps})")
         decode = {}
-        for batch in (1, 16, 64):
+        for batch in args.decode_batches:
             requests = [([rng.randrange(config.vocab_size) for _ in range(16)], args.decode_steps + 1)
                         for _ in range(batch)]
             decode[batch] = {n: median(t) for n, t in lockstep(engines, requests, decode_only=True).items()}
@@ -164,17 +169,19 @@ def run(args):
                 prefill[n] = min(prefill[n], timed(lambda: m.compute_logits(m(prompt)[-1:]), 1))
         workload = None
         if args.workload_requests:
-            n = args.workload_output_len
-            workload = make_workload(args.workload_requests, (20, 200), (n, n), 0, config.vocab_size)
+            out_len = args.workload_output_len
+            workload = make_workload(args.workload_requests, (20, 200), (out_len, out_len), 0, config.vocab_size)
             wall = {n: sum(t) for n, t in lockstep(engines, workload).items()}
             out_tokens = sum(n for _, n in workload)
 
     base = "fp32" if "fp32" in models else formats[0]
-    rows = [("batch-1 decode, tok/s", {n: 1 / decode[1][n] for n in models}, True),
-            ("batch-1 decode, MB/s of weights", {n: per_step[n] / decode[1][n] / 1e6 for n in models}, True),
-            ("batch-16 decode step, ms", {n: decode[16][n] * 1e3 for n in models}, False),
-            ("batch-64 decode step, ms", {n: decode[64][n] * 1e3 for n in models}, False),
-            (f"prefill {args.prefill_len} tokens, tok/s", {n: args.prefill_len / prefill[n] for n in models}, True)]
+    rows = []
+    for batch, times in decode.items():
+        rows.append((f"batch-{batch} decode step, ms", {n: times[n] * 1e3 for n in models}, False))
+        rows.append((f"batch-{batch} decode, tok/s", {n: batch / times[n] for n in models}, True))
+    if 1 in decode:
+        rows.append(("batch-1 decode, MB/s of weights", {n: per_step[n] / decode[1][n] / 1e6 for n in models}, True))
+    rows += [(f"prefill {args.prefill_len} tokens, tok/s", {n: args.prefill_len / prefill[n] for n in models}, True)]
     if workload:
         rows.append((f"{len(workload)}-request workload, out tok/s", {n: out_tokens / wall[n] for n in models}, True))
     print(f"{'':34s}" + "".join(f"{n:>10s}" for n in models) + "".join(f"{n + '/' + base:>12s}" for n in models if n != base))
