@@ -152,7 +152,8 @@ class AsyncLLMEngine:
             self._emit(outputs, self.engine.last_scheduler_output)
         self._drain_inbox()
         # shutting down: nothing keeps its blocks
-        self._emit([self.engine.abort_request(request_id) for request_id in list(self.engine.scheduler.seqs)])
+        aborted = [self.engine.abort_request(seq_id) for seq_id in list(self.engine.scheduler.seqs)]
+        self._emit([out for out in aborted if out is not None])  # None: a completion aborted with its request
         with self._lock:
             leftovers = list(self._streams)
         for request_id in leftovers:  # never entered the engine

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.sampling import make_generator, sample
 
@@ -82,6 +82,7 @@ class ModelRunner:
         for the sequences that sample."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        self.kv_cache.copy_blocks(out.blocks_to_copy)  # copy-on-write: before anyone writes into the copies
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
@@ -93,14 +94,20 @@ class ModelRunner:
         return self.sample(batch.sampled_seqs, logits)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+        """{seq_id: token}. A prompt with n > 1 samples its first token n times from its one row of logits:
+        completion i under child_seq_id(request_id, i), with its own generator (the engine forks it)."""
         greedy = logits.argmax(-1).tolist()  # one call for every greedy row
         sampled = {}
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if params.temperature == 0:
-                sampled[seq.seq_id] = greedy[row]
-                continue
-            if seq.seq_id not in self.generators:
-                self.generators[seq.seq_id] = make_generator(params)
-            sampled[seq.seq_id] = sample(logits[row], params, self.generators[seq.seq_id])
+            completions = [(seq.seq_id, params)]
+            if params.n > 1 and seq.num_output_tokens == 0:
+                completions += [(child_seq_id(seq.request_id, i), params.for_completion(i)) for i in range(1, params.n)]
+            for seq_id, p in completions:
+                if p.temperature == 0:
+                    sampled[seq_id] = greedy[row]
+                    continue
+                if seq_id not in self.generators:
+                    self.generators[seq_id] = make_generator(p)
+                sampled[seq_id] = sample(logits[row], p, self.generators[seq_id])
         return sampled

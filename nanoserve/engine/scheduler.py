@@ -61,6 +61,9 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # the worker cannot see the BlockManager
     preempted_seq_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)  # since the last step: workers drop their state
+    # (src, dst) whole-block copies the worker does before the forward pass: copy-on-write of a shared
+    # last block after a fork (BlockManager.take_copies; vLLM v0's blocks_to_copy)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -163,6 +166,18 @@ class Scheduler:
         out.scheduled_seqs.append(seq)
         out.num_scheduled_tokens[seq.seq_id] = n
         out.block_tables[seq.seq_id] = list(self.block_manager.block_table(seq.seq_id))  # a snapshot
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Parallel sampling: `child` joins the running set holding the parent's blocks (BlockManager.fork:
+        ref counts up, nothing copied) and the parent's computed tokens."""
+        if child.seq_id in self.seqs:
+            raise ValueError(f"request id {child.seq_id!r} is already in flight")
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.scheduled_time = parent.scheduled_time
+        self.seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=_urgency)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the cache, keep the tokens, go back to the front of the class."""

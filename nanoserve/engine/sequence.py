@@ -27,6 +27,11 @@ from typing import Any
 from nanoserve.metrics import e2e, itl, tpot, ttft
 
 
+def child_seq_id(request_id: str, index: int) -> str:
+    """The sequence id of completion `index` >= 1 of a request with n > 1 (completion 0 is the request id)."""
+    return f"{request_id}#{index}"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +60,9 @@ class Sequence:
     priority: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     sampling_params: Any = None  # the engine's SamplingParams; the scheduler never reads it
+    # parallel sampling (n > 1): the request this sequence is completion `index` of; "" = seq_id
+    request_id: str = ""
+    index: int = 0
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -71,6 +79,7 @@ class Sequence:
             raise ValueError(f"request {self.seq_id!r}: prompt_token_ids is empty")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.seq_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        self.request_id = self.request_id or self.seq_id
 
     @property
     def token_ids(self) -> list[int]:
