@@ -120,3 +120,5 @@ def test_n_one_token_and_bad_n(tiny):
     assert_pool_whole(engine)
     with pytest.raises(ValueError, match="n must be"):
         SamplingParams(n=0)
+    with pytest.raises(ValueError, match="max_num_seqs is 2"):
+        engine_for(tiny, max_num_seqs=2).add_request("r", PROMPT, params(n=3))

@@ -129,6 +129,9 @@ class LLMEngine:
             )
         if request_id in self.num_live:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"request {request_id!r}: n={sampling_params.n} completions need as many seats, "
+                             f"max_num_seqs is {self.config.max_num_seqs}")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
