@@ -4,12 +4,12 @@ The scheduler said "sequence s computes tokens [num_computed_tokens, +n)". The r
 those tokens end to end — prefill chunks and decodes alike — and describes where each one
 belongs with chapter 05's metadata:
 
-    A decodes 1 token at position 9, B prefills a 3-token chunk at 0..2, C decodes at 4
+    A decodes 1 token at position 9, B prefills a 3-token chunk at [0, 3), C decodes at 4
     input_ids     [a9 | b0 b1 b2 | c4]           (num_tokens,) = (5,)
     positions     [ 9 |  0  1  2 |  4]
     cu_seqlens_q  [0, 1, 4, 5]                   where each sequence's queries start/end
     seq_lens      [10, 3, 5]                     keys each sequence attends to (cached + new)
-    slot_mapping  [slot of A's 9, B's 0..2, C's 4]   where the new K/V are written in the pool
+    slot_mapping  [slot of A's 9, B's [0, 3), C's 4]   where the new K/V are written in the pool
     block_tables  (3, max_blocks), padded         the pool blocks of each sequence
 
 Logits are computed only for the rows that complete a sequence's known tokens (a decode, or the

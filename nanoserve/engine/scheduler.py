@@ -7,8 +7,8 @@ a decode are the same request — "compute n more tokens of this sequence" — s
 can mix the decodes of running sequences with (chunks of) the prompts of new ones:
 
     max_num_batched_tokens = 8, block_size = 4; A decoding, B's 10-token prompt arrives
-    step 1:  A: 1 token (decode)   B: 7 tokens (chunk 0..7, samples nothing)
-    step 2:  A: 1 token (decode)   B: 3 tokens (chunk 7..10, samples B's first token)
+    step 1:  A: 1 token (decode)   B: 7 tokens (chunk [0, 7), samples nothing)
+    step 2:  A: 1 token (decode)   B: 3 tokens (chunk [7, 10), samples B's first token)
     step 3:  A: 1 token            B: 1 token                 — both decoding
 
 The policy, in order:
