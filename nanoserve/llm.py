@@ -122,6 +122,9 @@ class LLM:
 
     def add_request(self, item, sampling_params: SamplingParams, priority: int = 0) -> str:
         """Tokenize one input and queue it; returns its request id."""
+        if sampling_params.n > 1:  # run() keeps one final output per request
+            raise ValueError(f"n={sampling_params.n}: LLM returns one output per input; for parallel sampling "
+                             "step LLMEngine or ask the server")
         request_id = str(self._next_id)
         self.engine.add_request(request_id, self.prompt_token_ids(item), sampling_params, priority)
         self._next_id += 1

@@ -16,7 +16,7 @@ Every request draws from its *own* `torch.Generator` when it has a seed, so its 
 depend on which other requests share the batch or in which order they are sampled.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,7 +27,8 @@ class SamplingParams:
 
     temperature: 0 = greedy; top_k: 0 or -1 = off; top_p: 1.0 = off; seed: None = the global RNG;
     max_tokens: most new tokens; stop: strings that end the output (the text is cut before them);
-    stop_token_ids: ids that end the output; ignore_eos: keep going past the EOS token.
+    stop_token_ids: ids that end the output; ignore_eos: keep going past the EOS token;
+    n: completions of the same prompt (parallel sampling: the prompt is computed once, chapter 06).
     """
 
     temperature: float = 1.0
@@ -38,6 +39,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -52,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to disable it, got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -62,6 +66,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def for_completion(self, index: int) -> "SamplingParams":
+        """Completion `index` of n: one completion, seed + index, so completion i of a seeded request
+        draws exactly what the same prompt with seed + i would draw alone."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 def _is_int(x) -> bool:

@@ -160,3 +160,30 @@ def test_batch_cli_keeps_order_and_reports_bad_lines(llm, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert "in.jsonl:2:" in err and "in.jsonl:4:" in err and "in.jsonl:5:" in err
     assert_pool_whole(llm.engine)
+
+
+@pytest.mark.parametrize("prefix_caching, recomputed", [(True, 5), (False, 13)])
+def test_readmission_after_preemption_recomputes_only_the_uncached_tail(tiny, prefix_caching, recomputed):
+    """Worked by hand, block_size 4, a 6-block pool; A and B: 8-token prompts, 8 new tokens each.
+    Steps 1-5: both prefill (2 blocks each), then decode; at step 5 each takes its 3rd block: the pool is full.
+    Step 6: A's position 12 needs a 4th block: B (later arrival) is preempted with 13 tokens (8 + 5 generated);
+    its blocks go to the free list tail-first, so A's new block evicts B's [8, 12) and B's [0, 4), [4, 8) stay
+    cached. After A finishes B returns: with prefix caching it hits its own 2 freed blocks and recomputes
+    13 - 8 = 5 tokens; without, all 13. Either way B's tokens are those of a pool that never preempts."""
+    def run(num_blocks):
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=num_blocks, block_size=4, enable_prefix_caching=prefix_caching))
+        for rid, first in (("A", 10), ("B", 20)):
+            engine.add_request(rid, list(range(first, first + 8)), greedy(8, ignore_eos=True))
+        done, scheduled_b = {}, []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            plan = engine.last_scheduler_output
+            scheduled_b.append(plan.num_scheduled_tokens.get("B", 0) if "B" not in plan.preempted_seq_ids else "preempted")
+        assert_pool_whole(engine)
+        return done, scheduled_b
+
+    done, scheduled_b = run(6)
+    assert scheduled_b == [8, 1, 1, 1, 1, "preempted", 0, 0, recomputed, 1, 1]
+    assert done == run(64)[0]

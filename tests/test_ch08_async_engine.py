@@ -155,6 +155,42 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(async_engine):
     assert_pool_whole(async_engine.engine)
 
 
+def test_n_completions_stream_with_their_index_and_a_failing_completion_fails_the_request(async_engine):
+    """n=3: one stream carries every completion (by index) and ends after the last; when a step fails with
+    only a forked completion in it ("par#2": completion 0 already stopped), the request's stream raises and
+    every block comes back."""
+    executor = async_engine.engine.executor
+    real = executor.execute_model
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, n=3)
+    sync = LLMEngine(async_engine.engine.executor.workers[0].model, EngineConfig(num_blocks=100, block_size=4))
+    sync.add_request("probe", [1, 2, 3, 4, 5], params)
+    done = {}
+    while sync.has_unfinished_requests():
+        done.update({o.index: o.token_ids for o in sync.step() if o.finish_reason})
+    # a stop id that ends completion 0 at its first token and no other completion early
+    stop = done[0][0]
+    assert all(stop not in done[i] for i in (1, 2)), done
+    stopping = SamplingParams(**{**params.__dict__, "stop_token_ids": [stop]})
+
+    def flaky(scheduler_output):
+        if any(s.seq_id == "par#2" for s in scheduler_output.scheduled_seqs):
+            raise RuntimeError("simulated kernel failure")
+        return real(scheduler_output)
+
+    async def main():
+        outs = [out async for out in async_engine.generate("ok", [1, 2, 3, 4, 5], params)]
+        executor.execute_model = flaky
+        with pytest.raises(EngineStepError, match="par.*simulated kernel failure"):
+            async for _ in async_engine.generate("par", [1, 2, 3, 4, 5], stopping):
+                pass
+        return outs
+
+    outs = asyncio.run(asyncio.wait_for(main(), 60))  # a stream nobody ends would hang: fail instead
+    assert sorted(o.index for o in outs if o.finish_reason) == [0, 1, 2] and outs[-1].finished
+    assert sum(o.finished for o in outs) == 1 and all(len(o.token_ids) == 4 for o in outs if o.finish_reason)
+    assert_pool_whole(async_engine.engine)
+
+
 def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
     engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=100, block_size=4)))
     steps = count_steps(engine)

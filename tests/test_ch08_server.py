@@ -106,6 +106,33 @@ def test_chat_and_completions_with_the_openai_client(engine, tokenizer):
     assert_pool_whole(engine)
 
 
+def test_n_completions_are_their_seeds_alone_streamed_or_not(engine, tokenizer):
+    """n=3 (parallel sampling, chapter 06): choice i is what seed + i gets alone; streamed choices carry
+    their index and concatenate to the same texts; usage counts every completion's tokens."""
+    sampling = {"max_tokens": 5, "temperature": 0.8, "seed": 11, "extra_body": {"ignore_eos": True}}
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny", messages=HI, n=3, **sampling)
+        assert [c.index for c in reply.choices] == [0, 1, 2] and reply.usage.completion_tokens == 3 * 5
+        alone = [client.chat.completions.create(model="tiny", messages=HI, **{**sampling, "seed": 11 + i})
+                 .choices[0].message.content for i in range(3)]
+        assert [c.message.content for c in reply.choices] == alone
+        texts, reasons, roles = {}, {}, []
+        for chunk in client.chat.completions.create(model="tiny", messages=HI, n=3, stream=True, **sampling):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                roles += [c.index] if c.delta.role else []
+                reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        assert [texts[i] for i in range(3)] == alone and sorted(roles) == [0, 1, 2]
+        assert reasons == {0: "length", 1: "length", 2: "length"}
+        done = client.completions.create(model="tiny", prompt="Once upon", n=2, **sampling)
+        streamed = {}
+        for chunk in client.completions.create(model="tiny", prompt="Once upon", n=2, stream=True, **sampling):
+            streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
+        assert [streamed[0], streamed[1]] == [c.text for c in done.choices]
+    assert_pool_whole(engine)
+
+
 def test_api_key(engine, tokenizer):
     with serving(engine, tokenizer, model_name="tiny", api_key="s3cret", metrics_need_key=False) as (url, _):
         assert_openai_error(httpx.post(f"{url}/v1/chat/completions", json=chat_body()), 401)
@@ -191,7 +218,7 @@ MALFORMED = [  # (body, expected status, expected param or None)
     (chat_body(seed="x"), 400, "seed"),
     (chat_body(stop=5), 400, "stop"),
     (chat_body(stop=[""]), 400, "stop"),
-    (chat_body(n=2), 400, "n"),
+    (chat_body(n=0), 400, "n"),
     (chat_body(stream="yes"), 400, "stream"),
     (chat_body(stream_options={"include_usage": "yes"}), 400, "stream_options.include_usage"),
     (chat_body(ignore_eos="no"), 400, "ignore_eos"),

@@ -178,7 +178,8 @@ class AsyncLLMEngine:
             self._emit(outputs, self.engine.last_scheduler_output)
         self._drain_inbox()
         # shutting down: nothing keeps its blocks
-        self._emit([self.engine.abort_request(request_id) for request_id in list(self.engine.scheduler.seqs)])
+        aborted = [self.engine.abort_request(seq_id) for seq_id in list(self.engine.scheduler.seqs)]
+        self._emit([out for out in aborted if out is not None])  # None: a completion aborted with its request
         with self._lock:
             leftovers = list(self._streams)
         for request_id in leftovers:  # never entered the engine
@@ -225,7 +226,8 @@ class AsyncLLMEngine:
         """The requests of the failed step are aborted (blocks freed) and their streams raise."""
         planned = self.engine.last_scheduler_output
         # schedule() itself failed: no plan to blame, so every request is suspect
-        victims = [s.seq_id for s in planned.scheduled_seqs] if planned is not None else list(self.engine.scheduler.seqs)
+        seqs = planned.scheduled_seqs if planned is not None else list(self.engine.scheduler.seqs.values())
+        victims = dict.fromkeys(s.request_id for s in seqs)  # n > 1: a completion's failure fails its request
         for request_id in victims:
             self.engine.abort_request(request_id)
             self._end(request_id, EngineStepError(f"request {request_id!r} failed in an engine step: {error!r}"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
-from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
 from nanoserve.kv.block_manager import BlockManager
 from nanoserve.kernels.backend import resolve_attention_backend
@@ -61,6 +61,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort"
     metrics: dict = field(default_factory=dict)
+    # n > 1: one output per completion and step, `index` says which; `finished` turns True on the last
+    # output of the whole request, each completion's own end is its finish_reason
+    index: int = 0
 
 
 class LLMEngine:
@@ -108,6 +111,7 @@ class LLMEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", -1)
         self.detokenizers = {}  # request_id -> IncrementalDetokenizer
         self.texts: dict[str, str] = {}
+        self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
 
     # ---- requests -------------------------------------------------------------------------
@@ -123,6 +127,11 @@ class LLMEngine:
                 f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                 f"({sampling_params.max_tokens}) exceeds the model's context of {self.max_model_len}"
             )
+        if request_id in self.num_live:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"request {request_id!r}: n={sampling_params.n} completions need as many seats, "
+                             f"max_num_seqs is {self.config.max_num_seqs}")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
@@ -132,13 +141,22 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
+        self.num_live[request_id] = sampling_params.n
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a waiting or running request now: its blocks are back in the pool on return."""
-        if request_id not in self.scheduler.seqs:
+        """Stop a waiting or running request (every completion of it; a completion's sequence id also
+        names its request) now: its blocks are back in the pool on return. Returns the last output."""
+        seq = self.scheduler.seqs.get(request_id)
+        request_id = seq.request_id if seq is not None else request_id
+        if request_id not in self.num_live:
             return None
-        seq = self.scheduler.finish_seq(request_id, SequenceStatus.FINISHED_ABORTED)
-        return self._finish(seq, [], "")
+        out = None
+        for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
+            if seq.index == 0 and seq.num_output_tokens == 0:
+                self.num_live[request_id] = 1  # not forked yet: the other completions never existed
+            self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
+            out = self._finish(seq, [], "")
+        return out
 
     def student_proof(self) -> str:
         """With config.student: one line saying how much of the learner's code served so far."""
@@ -148,11 +166,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished_seqs()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.seqs)
+        return len(self.num_live)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
+        # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
+        scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         self.last_scheduler_output = scheduler_output
         if self.config.degrade_under_load is None:
             sampled = self.executor.execute_model(scheduler_output)
@@ -161,17 +181,38 @@ class LLMEngine:
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
         outputs = []
-        for seq in self.scheduler.update_from_output(scheduler_output, sampled, now):
-            token_id = seq.output_token_ids[-1]
-            if self.config.degrade_under_load is not None:
-                self.token_precisions.setdefault(seq.seq_id, []).append(self.precision_names[self.degraded])
-            status, new_text = self._check_stop(seq, token_id)
-            if status is None:
-                outputs.append(self._output(seq, [token_id], new_text))
-            else:
-                self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
-                outputs.append(self._finish(seq, [token_id], new_text, now))
+        for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
+            for seq in [parent] + self._fork(parent, sampled, now):
+                token_id = seq.output_token_ids[-1]
+                if self.config.degrade_under_load is not None:
+                    self.token_precisions.setdefault(seq.seq_id, []).append(self.precision_names[self.degraded])
+                status, new_text = self._check_stop(seq, token_id)
+                if status is None:
+                    outputs.append(self._output(seq, [token_id], new_text))
+                else:
+                    self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
+                    outputs.append(self._finish(seq, [token_id], new_text, now))
         return outputs
+
+    def _fork(self, seq: Sequence, sampled: dict[str, int], now: float) -> list[Sequence]:
+        """Parallel sampling: once the prompt of a request with n > 1 is computed and its first token
+        sampled, completions 1..n-1 start as forks holding the same blocks (the runner sampled their first
+        tokens from the same logits). A shared, partially filled last block is copied when a completion
+        first writes into it (BlockManager.allocate_slots -> SchedulerOutput.blocks_to_copy)."""
+        params = seq.sampling_params
+        if params.n == 1 or seq.index != 0 or seq.num_output_tokens != 1:
+            return []
+        children = []
+        for i in range(1, params.n):
+            child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
+                             seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i)
+            self.scheduler.fork_seq(seq, child)
+            child.append_token(sampled[child.seq_id], now)
+            if self.tokenizer is not None:
+                self.detokenizers[child.seq_id] = self.detokenizer_class(self.tokenizer)
+            self.texts[child.seq_id] = ""
+            children.append(child)
+        return children
 
     def _update_precision(self) -> None:
         """Degrade when `degrade_under_load` requests wait; come back once the queue is down to half of it
@@ -200,15 +241,16 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_token_ids: list[int], new_text: str) -> RequestOutput:
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids),
             new_token_ids=new_token_ids,
             text=self.texts[seq.seq_id],
             new_text=new_text,
-            finished=seq.is_finished,
+            finished=seq.is_finished and seq.request_id not in self.num_live,
             finish_reason=seq.status.finish_reason,
             metrics=self._metrics(seq) if seq.is_finished else {},
+            index=seq.index,
         )
 
     def _metrics(self, seq: Sequence) -> dict:
@@ -219,6 +261,9 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, new_token_ids: list[int], new_text: str, now: float | None = None) -> RequestOutput:
         seq.finished_time = now or time.perf_counter()
+        self.num_live[seq.request_id] -= 1
+        if not self.num_live[seq.request_id]:
+            del self.num_live[seq.request_id]
         out = self._output(seq, new_token_ids, new_text)
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)

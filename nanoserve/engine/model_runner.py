@@ -4,12 +4,12 @@ The scheduler said "sequence s computes tokens [num_computed_tokens, +n)". The r
 those tokens end to end — prefill chunks and decodes alike — and describes where each one
 belongs with chapter 05's metadata:
 
-    A decodes 1 token at position 9, B prefills a 3-token chunk at 0..2, C decodes at 4
+    A decodes 1 token at position 9, B prefills a 3-token chunk at [0, 3), C decodes at 4
     input_ids     [a9 | b0 b1 b2 | c4]           (num_tokens,) = (5,)
     positions     [ 9 |  0  1  2 |  4]
     cu_seqlens_q  [0, 1, 4, 5]                   where each sequence's queries start/end
     seq_lens      [10, 3, 5]                     keys each sequence attends to (cached + new)
-    slot_mapping  [slot of A's 9, B's 0..2, C's 4]   where the new K/V are written in the pool
+    slot_mapping  [slot of A's 9, B's [0, 3), C's 4]   where the new K/V are written in the pool
     block_tables  (3, max_blocks), padded         the pool blocks of each sequence
 
 Logits are computed only for the rows that complete a sequence's known tokens (a decode, or the
@@ -30,7 +30,7 @@ import torch
 
 from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.sampling import make_generator, sample
 
@@ -84,6 +84,7 @@ class ModelRunner:
         for the sequences that sample."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        self.kv_cache.copy_blocks(out.blocks_to_copy)  # copy-on-write: before anyone writes into the copies
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
@@ -104,14 +105,20 @@ class ModelRunner:
         return None if logits is None else logits.cpu()
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+        """{seq_id: token}. A prompt with n > 1 samples its first token n times from its one row of logits:
+        completion i under child_seq_id(request_id, i), with its own generator (the engine forks it)."""
         greedy = logits.argmax(-1).tolist()  # one call for every greedy row
         sampled = {}
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if params.temperature == 0:
-                sampled[seq.seq_id] = greedy[row]
-                continue
-            if seq.seq_id not in self.generators:
-                self.generators[seq.seq_id] = make_generator(params)
-            sampled[seq.seq_id] = sample(logits[row], params, self.generators[seq.seq_id])
+            completions = [(seq.seq_id, params)]
+            if params.n > 1 and seq.num_output_tokens == 0:
+                completions += [(child_seq_id(seq.request_id, i), params.for_completion(i)) for i in range(1, params.n)]
+            for seq_id, p in completions:
+                if p.temperature == 0:
+                    sampled[seq_id] = greedy[row]
+                    continue
+                if seq_id not in self.generators:
+                    self.generators[seq_id] = make_generator(p)
+                sampled[seq_id] = sample(logits[row], p, self.generators[seq_id])
         return sampled

@@ -7,8 +7,8 @@ a decode are the same request — "compute n more tokens of this sequence" — s
 can mix the decodes of running sequences with (chunks of) the prompts of new ones:
 
     max_num_batched_tokens = 8, block_size = 4; A decoding, B's 10-token prompt arrives
-    step 1:  A: 1 token (decode)   B: 7 tokens (chunk 0..7, samples nothing)
-    step 2:  A: 1 token (decode)   B: 3 tokens (chunk 7..10, samples B's first token)
+    step 1:  A: 1 token (decode)   B: 7 tokens (chunk [0, 7), samples nothing)
+    step 2:  A: 1 token (decode)   B: 3 tokens (chunk [7, 10), samples B's first token)
     step 3:  A: 1 token            B: 1 token                 — both decoding
 
 The policy, in order:
@@ -61,6 +61,9 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # the worker cannot see the BlockManager
     preempted_seq_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)  # since the last step: workers drop their state
+    # (src, dst) whole-block copies the worker does before the forward pass: copy-on-write of a shared
+    # last block after a fork (BlockManager.take_copies; vLLM v0's blocks_to_copy)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -163,6 +166,18 @@ class Scheduler:
         out.scheduled_seqs.append(seq)
         out.num_scheduled_tokens[seq.seq_id] = n
         out.block_tables[seq.seq_id] = list(self.block_manager.block_table(seq.seq_id))  # a snapshot
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Parallel sampling: `child` joins the running set holding the parent's blocks (BlockManager.fork:
+        ref counts up, nothing copied) and the parent's computed tokens."""
+        if child.seq_id in self.seqs:
+            raise ValueError(f"request id {child.seq_id!r} is already in flight")
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.scheduled_time = parent.scheduled_time
+        self.seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=_urgency)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the cache, keep the tokens, go back to the front of the class."""

@@ -8,7 +8,7 @@ them in order, so token position p lives in
 
 Worked example, block_size 4, a 6-token prompt then 3 decode steps, free list [0, 1, 2, ...]:
 
-    allocate_slots(7, prompt, 6)       block table [0, 1]       positions 0..5 -> slots 0 1 2 3 4 5
+    allocate_slots(7, prompt, 6)       block table [0, 1]       positions [0, 6) -> slots 0 1 2 3 4 5
     allocate_slots(7, prompt + [a], 7) block table [0, 1]       position 6 -> slot 6
     allocate_slots(7, ... + [b], 8)    block table [0, 1]       position 7 -> slot 7
     allocate_slots(7, ... + [c], 9)    block table [0, 1, 2]    position 8 -> slot 8 (a new block)

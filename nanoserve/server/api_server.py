@@ -149,17 +149,16 @@ def build_app(state: ServerState) -> FastAPI:
             lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage)
             return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            final = await until_done_or_disconnect(request, outputs)
+            finals = await until_done_or_disconnect(request, outputs)
         except EngineStepError as e:
             raise APIError(500, str(e)) from None
-        if final is None:
+        if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        text = final.text
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if kind == "chat"
-                  else {"index": 0, "text": text})
+        choices = [({"index": f.index, "message": {"role": "assistant", "content": f.text}} if kind == "chat"
+                    else {"index": f.index, "text": f.text}) | {"logprobs": None, "finish_reason": f.finish_reason}
+                   for f in finals]
         body = {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "choices": [{**choice, "logprobs": None, "finish_reason": final.finish_reason}],
-                "usage": state.streaming.usage(final)}
+                "choices": choices, "usage": state.streaming.usage(*finals)}
         return JSONResponse(body)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
@@ -219,13 +218,14 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def until_done_or_disconnect(request: Request, outputs):
-    """The final RequestOutput, or None if the client went away first (the request is then aborted)."""
+    """The final RequestOutput of each completion, by index (one unless n > 1), or None if the client went
+    away first (the request is then aborted)."""
 
     async def last():
-        final = None
+        finals = {}
         async for out in outputs:
-            final = out
-        return final
+            finals[out.index] = out
+        return [finals[i] for i in sorted(finals)]
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":

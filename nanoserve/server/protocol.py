@@ -68,18 +68,17 @@ class _SamplingFields(BaseModel):
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1)  # completions of the prompt (parallel sampling, chapter 06)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: only n=1 is supported", "n")
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                  max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos)
+                                  max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
+                                  n=self.n)
         except ValueError as e:  # what the models cannot say, SamplingParams does (an empty stop string)
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
 

@@ -32,8 +32,9 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(*outs: RequestOutput) -> dict:
+    """OpenAI's usage of one request from the final output of each of its completions (n of them)."""
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -55,13 +56,15 @@ def stop_hold_back(text: str, stop: list[str]) -> int:
 
 async def text_deltas(outputs: AsyncIterator[RequestOutput], stop: list[str]) -> AsyncIterator[tuple[str, RequestOutput]]:
     """(text to send now, the output) per engine output; nothing held back once it is finished.
-    Outputs that free no text are skipped, except the last (it carries the finish_reason)."""
-    sent = 0
+    Outputs that free no text are skipped, except the last (it carries the finish_reason).
+    With n > 1 the outputs of the completions interleave: each has its own text (out.index)."""
+    sent = {}  # index -> characters sent
     async for out in outputs:
-        end = len(out.text) if out.finished else len(out.text) - stop_hold_back(out.text, stop)
-        delta = out.text[sent:end]
-        sent = max(sent, end)
-        if delta or out.finished:
+        done = out.finish_reason is not None  # this completion's end (`finished`: the whole request's)
+        end = len(out.text) if done else len(out.text) - stop_hold_back(out.text, stop)
+        delta = out.text[sent.get(out.index, 0):end]
+        sent[out.index] = max(sent.get(out.index, 0), end)
+        if delta or done:
             yield delta, out
 
 
@@ -74,19 +77,23 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
     def event(choices: list[dict], **extra) -> str:
         return sse({**chunk, "choices": choices, **({"usage": None} if include_usage else {}), **extra})
 
-    def choice(text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def choice(text: str | None, finish_reason: str | None, role: bool = False, index: int = 0) -> dict:
         if kind == "chat":
             delta = {"role": "assistant", "content": text} if role else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
     if kind == "chat":
         yield event([choice("", None, role=True)])
+    finals = {}  # index -> the last output of each completion (n > 1: one chunk's choice carries its index)
     try:
         async for delta, out in text_deltas(outputs, stop):
-            yield event([choice(delta, out.finish_reason)])
+            if kind == "chat" and out.index not in finals and out.index != 0:
+                yield event([choice("", None, role=True, index=out.index)])
+            finals[out.index] = out
+            yield event([choice(delta, out.finish_reason, index=out.index)])
         if include_usage:
-            yield event([], usage=usage(out))
+            yield event([], usage=usage(*finals.values()))
     except Exception as e:  # noqa: BLE001 — the status line is long gone: the error travels in the stream
         yield sse(error_body(str(e), 500))
     yield sse("[DONE]")
