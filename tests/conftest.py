@@ -1,5 +1,12 @@
 """Shared fixtures. The real model and its transformers twin load once per test session."""
 
+import os
+
+# Chapter 07's kernels run on the CPU in Triton's interpreter, which must be on before triton itself is first
+# imported — transformers imports it, and a kernel launched in an interpreter switched on later cannot call the
+# tile update it is given ("Cannot call @triton.jit'd outside of the scope of a kernel").
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 
