@@ -4,11 +4,10 @@
 import json
 
 import pytest
-import torch
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
+from tests.tiny_model import tiny_llama
 
 
 def assert_pool_whole(engine):
@@ -17,11 +16,7 @@ def assert_pool_whole(engine):
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny()).eval()
-    with torch.no_grad():  # HF's init (std 0.02): with N(0, 1) the tied head just repeats the last token
-        model.embed_tokens.weight.normal_(0, 0.02)
-    return model
+    return tiny_llama()
 
 
 def greedy(max_tokens, **kw):

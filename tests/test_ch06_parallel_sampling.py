@@ -7,19 +7,15 @@ import pytest
 import torch
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
+from tests.tiny_model import tiny_llama
 
 PROMPT = [5, 9, 2, 7, 11, 3, 8, 4, 6, 10]  # 10 tokens: blocks of 4 hold 4 + 4 + 2, the last one partial
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny()).eval()
-    with torch.no_grad():  # HF's init (std 0.02): with N(0, 1) the tied head just repeats the last token
-        model.embed_tokens.weight.normal_(0, 0.02)
-    return model
+    return tiny_llama()
 
 
 def params(n=1, seed=7, max_tokens=6):

@@ -18,17 +18,14 @@ from nanoserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from nanoserve.kernels.backend import check_launchable, resolve_attention_backend  # noqa: E402
 from nanoserve.model import Llama, LlamaConfig  # noqa: E402
 from nanoserve.sampling import SamplingParams  # noqa: E402
+from tests.tiny_model import tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny()).eval()
-    with torch.no_grad():  # HF's init (std 0.02), so greedy tokens vary (see test_ch06_llm.py)
-        model.embed_tokens.weight.normal_(0, 0.02)
-    return model
+    return tiny_llama()
 
 
 def run(engine, prompts, max_tokens=8):

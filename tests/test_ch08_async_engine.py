@@ -7,21 +7,16 @@ import threading
 import time
 
 import pytest
-import torch
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
+from tests.tiny_model import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny()).eval()
-    with torch.no_grad():
-        model.embed_tokens.weight.normal_(0, 0.02)
-    return model
+    return tiny_llama()
 
 
 def greedy(max_tokens, **kw):

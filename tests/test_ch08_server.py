@@ -16,8 +16,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.server.runner import serving
+from tests.tiny_model import tiny_llama
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -31,11 +31,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny(vocab_size=49152, max_position_embeddings=1024)).eval()
-    with torch.no_grad():
-        model.embed_tokens.weight.normal_(0, 0.02)
-    return model
+    return tiny_llama(vocab_size=49152, max_position_embeddings=1024)
 
 
 @pytest.fixture

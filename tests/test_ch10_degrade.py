@@ -8,20 +8,16 @@ engine's, token for token, and carries no precision metrics.
 import copy
 
 import pytest
-import torch
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.model.quant import quantize_model
 from nanoserve.sampling import SamplingParams
+from tests.tiny_model import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def models():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny()).eval()
-    with torch.no_grad():
-        model.embed_tokens.weight.normal_(0, 0.02)
+    model = tiny_llama()
     model.weight_format = "fp32"
     return model, quantize_model(copy.deepcopy(model), "int8")
 

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from tests.engine_view_server import start_server
+from tests.tiny_model import tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +43,7 @@ FREE = ("free", "cached")
 def model_and_tokenizer():
     from nanoserve.tokenizer import Tokenizer
 
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny(vocab_size=49152)).eval()
-    with torch.no_grad():  # small embeddings: near-uniform logits, so a reply is varied text, not one token repeated
-        model.embed_tokens.weight.normal_(0, 0.02)
+    model = tiny_llama(vocab_size=49152)
     return model, Tokenizer.from_gguf()
 
 

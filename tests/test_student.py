@@ -11,22 +11,17 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanoserve import student
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import STUDENT_FILES, StudentCode, parse_selection, unfinished
+from tests.tiny_model import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig.tiny()).eval()
-    with torch.no_grad():
-        model.embed_tokens.weight.normal_(0, 0.02)
-    return model
+    return tiny_llama()
 
 
 @pytest.fixture
