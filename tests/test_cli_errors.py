@@ -120,7 +120,7 @@ def test_help_shows_the_defaults(capsys):
 def test_batch_names_line_and_field_and_runs_the_good_lines(smollm2, tokenizer, files, monkeypatch, capsys):
     import nanoserve.model
 
-    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None: smollm2)
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest: smollm2)  # (path, weights, quantizer)
     monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer)
     lines = [
         json.dumps({"prompt": "The sky is", "max_tokens": 3, "temperature": 0, "id": "a"}),

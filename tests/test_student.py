@@ -140,7 +140,7 @@ def test_batch_cli_serves_with_the_learners_allocator_and_says_so(smollm2, smoll
 
     exercises("nanoserve.kv.block_allocator")
     exercises("nanoserve.kv.prefix_cache")
-    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None: smollm2)
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest: smollm2)  # (path, weights, quantizer)
     monkeypatch.setattr(checks, "load_tokenizer", lambda path: smollm2_tokenizer)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4, "temperature": 0}
