@@ -109,6 +109,7 @@ def run(args):
         print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
         print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
 
-    Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
+    with llm:  # with --tensor-parallel-size the worker processes stop with the server (chapter 11)
+        Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
     print("nanoserve: stopped", flush=True)
     return 0
