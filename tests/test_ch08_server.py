@@ -362,7 +362,7 @@ def test_shutdown_past_its_timeout_aborts_what_is_left(engine, tokenizer):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max-num-seqs", "0"], "--max-num-seqs"),  # our check (each case starts Python and imports torch: few of them)
+    (["--max-num-seqs", "0"], "--max-num-seqs"),  # refused by argparse (each case starts Python and imports torch: few of them)
     (["--rate-limit", "abc"], "--rate-limit"),  # argparse's own refusal, in the same one-line form
 ])
 def test_serve_refuses_bad_arguments_in_one_line_before_loading_the_model(args, message):

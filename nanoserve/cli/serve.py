@@ -39,9 +39,8 @@ def register(sub):
 
 def check_args(args) -> str | None:
     """The first bad argument, in words (before the model loads), or None."""
-    positive = {"--max-num-seqs": args.max_num_seqs, "--max-num-batched-tokens": args.max_num_batched_tokens,
-                "--block-size": args.block_size, "--kv-cache-mib": args.kv_cache_mib, "--rate-burst": args.rate_burst,
-                "--max-body-bytes": args.max_body_bytes, "--num-blocks": args.num_blocks or 1}
+    # the engine's own flags (add_engine_args) are refused while argparse reads them; these are the server's
+    positive = {"--rate-burst": args.rate_burst, "--max-body-bytes": args.max_body_bytes}
     for flag, value in positive.items():
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
