@@ -38,14 +38,15 @@ serve: $(READY)
 chat: $(READY)
 	$(PY) -m nanoserve chat
 
-# make grade CH=05 [V=1]: run chapter 05's graded tests against YOUR code in exercises/05-*/ (V=1: pytest's
-# full output). Not full marks yet (exit 1) is a result, not a failure of make.
-grade: $(if $(CH),$(READY))
-	@if [ -z "$(CH)" ]; then \
-	  echo "usage: make grade CH=NN [V=1]   grade your code in exercises/NN-*/ (V=1: with pytest's full output)"; \
+# make grade CH=05 [EX=5.3] [V=1]: run chapter 05's graded tests (of exercise 5.3 only) against YOUR code in
+# exercises/05-*/ (V=1: pytest's full output). Not full marks yet (exit 1) is a result, not a failure of make.
+grade: $(if $(CH)$(EX),$(READY))
+	@if [ -z "$(CH)$(EX)" ]; then \
+	  echo "usage: make grade CH=NN [EX=N.M] [V=1]   grade your code in exercises/NN-*/ (EX: one exercise only;"; \
+	  echo "                                          V=1: with pytest's full output)"; \
 	  echo "chapters with exercises: $$(cd exercises && ls -d [0-9][0-9]-* | cut -c1-2 | tr '\n' ' ')"; \
 	else \
-	  $(PY) exercises/grade.py $(CH) $(if $(V),-v); rc=$$?; exit $$(( rc == 1 ? 0 : rc )); \
+	  $(PY) exercises/grade.py $(CH) $(if $(EX),--exercise $(EX)) $(if $(V),-v); rc=$$?; exit $$(( rc == 1 ? 0 : rc )); \
 	fi
 
 clean:

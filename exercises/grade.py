@@ -9,6 +9,7 @@ line of your file it came from), and a total `score: P/N` (tests passed / graded
     python exercises/grade.py 05 -v            # with pytest's full output (make grade CH=05 V=1)
     python exercises/grade.py 05 --reference   # the reference (should score full marks)
     python exercises/grade.py 05 --json        # only the result, as one JSON line
+    python exercises/grade.py 06 --exercise 6.2  # one exercise (one rung of a ladder) only (make grade EX=6.2)
 
 Exit status: 0 full marks, 1 graded but not full marks yet, 2 a usage error (e.g. no such chapter).
 """
@@ -32,9 +33,19 @@ SHOWN_PER_EXERCISE = 6  # failures listed under an exercise; -v shows them all, 
 class Results:
     """A pytest plugin that remembers, per graded test, its exercise id, outcome and why it failed."""
 
-    def __init__(self):
+    def __init__(self, exercise: str | None = None):
+        self.exercise = exercise  # grade only this one, if given
+        self.found = set()  # every exercise id the chapter's tests grade
         self.tests = {}  # nodeid -> {"exercise", "passed", "error", "message", "where"}
         self.collect_errors = []  # files that could not even be imported
+
+    def pytest_collection_modifyitems(self, config, items):
+        self.found = {item.get_closest_marker("exercise").args[0] for item in items
+                      if item.get_closest_marker("exercise")}
+        if self.exercise:
+            keep = [item for item in items if (m := item.get_closest_marker("exercise")) and m.args[0] == self.exercise]
+            config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+            items[:] = keep
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -63,12 +74,13 @@ def why(excinfo) -> dict:
     return {"error": type(error).__name__, "message": message, "where": where}
 
 
-def grade(chapter: str, reference: bool = False, verbose: bool = False) -> dict:
-    """Run the graded tests; return {'by_exercise': {id: [passed, total]}, 'errors': {type: count},
-    'failures': [{'test', 'exercise', 'error', 'message', 'where'}], 'collect_errors': [...]}."""
+def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise: str | None = None) -> dict:
+    """Run the graded tests (of one `exercise` only, if given); return {'by_exercise': {id: [passed, total]},
+    'errors': {type: count}, 'failures': [{'test', 'exercise', 'error', 'message', 'where'}],
+    'collect_errors': [...], 'exercises': every exercise id the chapter grades}."""
     files = sorted(str(p) for p in (ROOT / "tests").glob(f"test_ch{chapter}_*.py"))
     os.environ["NANOSERVE_IMPL"] = "reference" if reference else "student"
-    results = Results()
+    results = Results(exercise)
     args = [*files, "-m", "exercise", "-p", "no:cacheprovider"]
     if verbose:
         pytest.main([*args, "-v"], plugins=[results])
@@ -85,7 +97,7 @@ def grade(chapter: str, reference: bool = False, verbose: bool = False) -> dict:
             errors[test["error"]] += 1
             failures.append({"test": nodeid.removeprefix("tests/"), **test})
     return {"by_exercise": dict(by_exercise), "errors": dict(errors), "failures": failures,
-            "collect_errors": results.collect_errors}
+            "collect_errors": results.collect_errors, "exercises": sorted(results.found)}
 
 
 def report(chapter: str, result: dict, who: str, verbose: bool) -> None:
@@ -118,18 +130,29 @@ def main(argv=None) -> int:
     from nanoserve.student import chapters
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("chapter", nargs="?", help=f"two digits, one of {', '.join(chapters())}")
+    parser.add_argument("chapter", nargs="?", help=f"two digits, one of {', '.join(chapters())} "
+                                                   "(may be left out when --exercise names one)")
+    parser.add_argument("--exercise", metavar="N.M", help="grade this exercise only, e.g. 6.2 (make grade EX=6.2)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show pytest's full output too")
     parser.add_argument("--reference", action="store_true", help="grade the reference implementation instead")
     parser.add_argument("--json", action="store_true", help="print only the result, as one JSON line")
     parser.error = lambda message: parser.exit(2, f"error: {message} (see {parser.prog} --help)\n")
     args = parser.parse_args(argv)
+    if not args.chapter and args.exercise:
+        args.chapter = args.exercise.split(".")[0]
     chapter = (args.chapter or "").zfill(2)
     if chapter not in chapters():
         problem = f"chapter {args.chapter!r} has no exercises" if args.chapter else "which chapter? (make grade CH=05)"
         print(f"error: {problem}; chapters with exercises: {', '.join(chapters())}", file=sys.stderr)
         return 2
-    result = grade(chapter, args.reference, args.verbose and not args.json)
+    if args.exercise and args.exercise.split(".")[0].zfill(2) != chapter:
+        print(f"error: exercise {args.exercise} is not in chapter {chapter}", file=sys.stderr)
+        return 2
+    result = grade(chapter, args.reference, args.verbose and not args.json, args.exercise)
+    if args.exercise and not result["by_exercise"]:
+        print(f"error: chapter {chapter} has no exercise {args.exercise}; its exercises: "
+              f"{', '.join(result['exercises'])}", file=sys.stderr)
+        return 2
     passed = sum(ok for ok, _ in result["by_exercise"].values())
     total = sum(n for _, n in result["by_exercise"].values())
     if args.json:

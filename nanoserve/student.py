@@ -9,8 +9,13 @@ signatures). Two users:
   learner's module where its chapter is selected and its file is finished, else the reference.
 
 A file is finished when no `raise NotImplementedError("Exercise N.M: …")` is left in it: every
-stub marks itself unfinished, so a class whose constructor works but whose `schedule()` is still
-a stub falls back as a whole (with a warning that names Exercise 6.1). Nothing is probed by calling it.
+stub marks itself unfinished, so a class whose constructor works but whose `free()` is still a stub
+falls back as a whole (with a warning that names Exercise 5.1). Nothing is probed by calling it.
+
+A file that holds a ladder of exercises (RUNGS: chapter 06's scheduler is 6.1 admission, 6.2
+chunking, …) is judged rung by rung instead: the learner's finished rungs serve and each rung still
+stubbed is swapped for the reference's functions; and under a graded test of rung 6.2 the grader
+takes the learner's 6.2 with the reference's other rungs, so every rung is graded on its own.
 
     code = StudentCode("05")               # True = every chapter; "05,06"; ["05"]; False = none
     allocator = code.module("nanoserve.kv.block_allocator").BlockAllocator(64)
@@ -21,7 +26,9 @@ a stub falls back as a whole (with a warning that names Exercise 6.1). Nothing i
 Registering a new exercise (chapters 07, 08, …) is two edits, both obvious:
   1. add `"nanoserve.x.y": "NN-slug/y.py"` to STUDENT_FILES below (the grader and the API check
      in tests/test_exercises.py pick it up from there);
-  2. to let it serve for real, the code that uses the module asks for it through the run's
+  2. if the file holds several exercises that can each be done alone, list each one's functions in
+     RUNGS (reference qualnames: "Scheduler.admit");
+  3. to let it serve for real, the code that uses the module asks for it through the run's
      StudentCode instead of importing it: `self.student.module("nanoserve.x.y").Thing(...)`
      (see LLMEngine.__init__). That is all: the fallback, the report and the call counts come free.
 """
@@ -60,6 +67,12 @@ STUDENT_FILES = {
 }
 
 
+# files that hold a ladder of exercises: module -> {exercise: the functions (qualnames) it is}. A rung's
+# functions are swapped for the reference's (with_reference) where the learner has not done that rung yet
+# (serving), or is being graded on another rung (grading).
+RUNGS: dict[str, dict[str, list[str]]] = {}
+
+
 def use_student() -> bool:
     return os.environ.get("NANOSERVE_IMPL", "reference") == "student"
 
@@ -80,8 +93,36 @@ def load_student(module: str) -> ModuleType:
 
 
 def implementation(module: str) -> ModuleType:
-    """The module to grade: the learner's when NANOSERVE_IMPL=student, else the reference."""
-    return load_student(module) if use_student() else importlib.import_module(module)
+    """The module to grade: the learner's when NANOSERVE_IMPL=student, else the reference.
+
+    For a ladder (RUNGS), a graded test of rung "6.2" (tests/conftest.py puts the test's exercise id in
+    NANOSERVE_EXERCISE) gets the learner's 6.2 and the reference's other rungs: a rung is graded on its
+    own, so a slip in 6.1 does not fail the tests of 6.2.
+    """
+    if not use_student():
+        return importlib.import_module(module)
+    mod = load_student(module)
+    graded = os.environ.get("NANOSERVE_EXERCISE")
+    if module in RUNGS and graded:
+        with_reference(mod, module, [rung for rung in RUNGS[module] if rung != graded])
+    return mod
+
+
+def with_reference(mod: ModuleType, module: str, rungs) -> ModuleType:
+    """Swap the reference's functions in for those of `rungs` ("6.1", …) in the learner's `mod`, in place.
+
+    A method goes into the learner's class (which mirrors the reference's, attributes and all); a
+    module-level function replaces the learner's name, so the learner's other functions call it.
+    """
+    reference = importlib.import_module(module)
+    for rung in rungs:
+        for qualname in RUNGS[module][rung]:
+            owner, ref_owner, attr = mod, reference, qualname
+            if "." in qualname:
+                cls, attr = qualname.split(".")
+                owner, ref_owner = getattr(mod, cls), getattr(reference, cls)
+            setattr(owner, attr, inspect.getattr_static(ref_owner, attr))
+    return mod
 
 
 def chapters() -> list[str]:
@@ -192,7 +233,8 @@ class StudentCode:
 
     def __init__(self, selection=False):
         self.chapters = parse_selection(selection)
-        self.used: dict[str, tuple[Path, list[str]] | str] = {}  # module -> (file, names) or why the reference
+        # module -> (file, the learner's names that run, the rungs that fell back) or why the reference runs
+        self.used: dict[str, tuple[Path, list[str], list[str]] | str] = {}
         self.calls: Counter = Counter()  # qualname of a learner's function -> calls
 
     def __bool__(self) -> bool:
@@ -204,23 +246,32 @@ class StudentCode:
             return importlib.import_module(name)
         path = student_path(name)
         todo = unfinished(path)
-        if todo:
+        rungs = [exercise.removeprefix("Exercise ") for exercise in todo]
+        ladder = set(RUNGS.get(name, {}))
+        if todo and (not set(rungs) <= ladder or set(rungs) == ladder):  # not a ladder, or no rung done yet
             stubs = "; ".join(f"{exercise} ({', '.join(names) if len(names) <= 3 else f'{len(names)} functions'})"
                               for exercise, names in todo.items())
             self.used[name] = f"{_short(path)} still raises NotImplementedError in {stubs}"
             warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference {name} runs instead",
                           stacklevel=2)
             return importlib.import_module(name)
-        mod = count_calls(load_student(name), self.calls)
-        self.used[name] = (path, defined_names(mod))
-        return mod
+        mod = count_calls(load_student(name), self.calls)  # before with_reference: count only the learner's calls
+        swapped = {qualname for rung in rungs for qualname in RUNGS[name][rung]}
+        self.used[name] = (path, [n for n in defined_names(mod) if n not in swapped], rungs)
+        if rungs:
+            warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference's "
+                          f"{', '.join(sorted(swapped))} runs instead, with your other rungs", stacklevel=2)
+        return with_reference(mod, name, rungs)
 
     def describe(self) -> str:
         """Whose code runs: one line per module the run asked for."""
         lines = [f"--student {','.join(sorted(self.chapters))}: the engine runs"]
         for name, use in self.used.items():
             if isinstance(use, tuple):
-                lines.append(f"  yours      {', '.join(use[1])}  from {_short(use[0])}")
+                path, names, rungs = use
+                lines.append(f"  yours      {', '.join(names)}  from {_short(path)}")
+                for rung in rungs:
+                    lines.append(f"  reference  {', '.join(RUNGS[name][rung])}  (Exercise {rung} not finished)")
             else:
                 lines.append(f"  reference  {name}  ({use})")
         idle = sorted(self.chapters - {STUDENT_FILES[name][:2] for name in self.used})

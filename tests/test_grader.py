@@ -67,3 +67,16 @@ def test_a_bad_chapter_is_one_error_line(repo, args):
     out = grade(repo, *args)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and "01" in out.stderr
+
+
+def test_one_exercise_alone(repo):
+    out = grade(repo, "--exercise", "5.2", "--json")  # the chapter follows from the exercise
+    result = json.loads(out.stdout)
+    assert list(result["by_exercise"]) == ["5.2"] and result["exercises"][:2] == ["5.1", "5.2"]
+
+
+@pytest.mark.parametrize("args, says", [(["05", "--exercise", "5.9"], "its exercises: 5.1, 5.2"[:-5]),
+                                         (["05", "--exercise", "6.1"], "not in chapter 05")])
+def test_a_bad_exercise_is_one_error_line(repo, args, says):
+    out = grade(repo, *args)
+    assert out.returncode == 2 and out.stdout == "" and says in out.stderr and out.stderr.count("\n") == 1
