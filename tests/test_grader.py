@@ -75,7 +75,7 @@ def test_one_exercise_alone(repo):
     assert list(result["by_exercise"]) == ["5.2"] and result["exercises"][:2] == ["5.1", "5.2"]
 
 
-@pytest.mark.parametrize("args, says", [(["05", "--exercise", "5.9"], "its exercises: 5.1, 5.2, "),
+@pytest.mark.parametrize("args, says", [(["05", "--exercise", "5.9"], "its exercises: 5.1, 5.2"),
                                          (["05", "--exercise", "6.1"], "not in chapter 05")])
 def test_a_bad_exercise_is_one_error_line(repo, args, says):
     out = grade(repo, *args)
