@@ -64,13 +64,25 @@ STUDENT_FILES = {
     "nanoserve.metrics": "09-measuring/metrics.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
+    "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
+    "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
 }
 
 
 # files that hold a ladder of exercises: module -> {exercise: the functions (qualnames) it is}. A rung's
 # functions are swapped for the reference's (with_reference) where the learner has not done that rung yet
 # (serving), or is being graded on another rung (grading).
-RUNGS: dict[str, dict[str, list[str]]] = {}
+RUNGS: dict[str, dict[str, list[str]]] = {
+    "nanoserve.kv.block_manager": {
+        "5.3": ["slot_mapping"],
+        "5.4": ["BlockManager.allocate_slots", "BlockManager._register_full_blocks"],
+    },
+    "nanoserve.kv.paged_attention": {
+        "5.3": ["AttentionMetadata.build"],
+        "5.5": ["gather_kv", "attend_sequence", "PagedAttention.__init__", "PagedAttention.__call__"],
+        "5.6": ["DecodeGroup.__init__", "DecodeGroup.attend"],
+    },
+}
 
 
 def use_student() -> bool:
@@ -236,12 +248,31 @@ class StudentCode:
         # module -> (file, the learner's names that run, the rungs that fell back) or why the reference runs
         self.used: dict[str, tuple[Path, list[str], list[str]] | str] = {}
         self.calls: Counter = Counter()  # qualname of a learner's function -> calls
+        self.modules: dict[str, ModuleType] = {}  # what module() gave: asked twice, the same module
 
     def __bool__(self) -> bool:
         return bool(self.chapters)
 
     def module(self, name: str) -> ModuleType:
-        """The learner's `name` if its chapter is selected and its file has no stub left; else the reference."""
+        """The learner's `name` if its chapter is selected and its file (or, for a ladder, a rung of it) is
+        finished; else the reference."""
+        if name not in self.modules:
+            self.modules[name] = mod = self._load(name)
+            if mod.__name__ != name:
+                self._link(mod, name)
+        return self.modules[name]
+
+    def _link(self, mod: ModuleType, name: str) -> None:
+        """The learner's files of one chapter call each other: a function that `mod` imports from another
+        exercise module of its chapter (paged_attention.py's `slot_mapping`, from block_manager.py) becomes
+        that module's as this run serves it — the learner's where finished, else the reference's."""
+        chapter = STUDENT_FILES[name][:2]
+        for attr, obj in list(vars(mod).items()):
+            source = getattr(obj, "__module__", None)
+            if inspect.isfunction(obj) and source != name and STUDENT_FILES.get(source, "")[:2] == chapter:
+                setattr(mod, attr, getattr(self.module(source), obj.__name__, obj))
+
+    def _load(self, name: str) -> ModuleType:
         if name not in STUDENT_FILES or STUDENT_FILES[name][:2] not in self.chapters:
             return importlib.import_module(name)
         path = student_path(name)
@@ -253,14 +284,14 @@ class StudentCode:
                               for exercise, names in todo.items())
             self.used[name] = f"{_short(path)} still raises NotImplementedError in {stubs}"
             warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference {name} runs instead",
-                          stacklevel=2)
+                          stacklevel=3)
             return importlib.import_module(name)
         mod = count_calls(load_student(name), self.calls)  # before with_reference: count only the learner's calls
         swapped = {qualname for rung in rungs for qualname in RUNGS[name][rung]}
         self.used[name] = (path, [n for n in defined_names(mod) if n not in swapped], rungs)
         if rungs:
             warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference's "
-                          f"{', '.join(sorted(swapped))} runs instead, with your other rungs", stacklevel=2)
+                          f"{', '.join(sorted(swapped))} runs instead, with your other rungs", stacklevel=3)
         return with_reference(mod, name, rungs)
 
     def describe(self) -> str:

@@ -164,14 +164,35 @@ class PagedAttention:
         for group in self.decode_groups:
             out[group.tokens] = group.attend(q[group.tokens], k_cache, v_cache)
         for start, end, seq_len, table, mask in self.prefills:
-            keys = k_cache[:, table].flatten(1, 2)[:, :seq_len]  # (Hkv, S, D), in position order
-            values = v_cache[:, table].flatten(1, 2)[:, :seq_len]
-            # a batch of one (torch takes its flash kernel for 4-d inputs only): (1, H, T, D) queries
-            # against (1, Hkv, S, D); the T queries are the last T of S positions
-            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], keys[None], values[None],
-                                               attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)  # (T, H, D)
+            out[start:end] = attend_sequence(q[start:end], k_cache, v_cache, table, seq_len, mask)
         return out
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's keys (or values) from one layer's pool, dense and in position order.
+
+    cache (Hkv, num_blocks, block_size, D), block_table (>= cdiv(seq_len, block_size),) -> (Hkv, seq_len, D):
+    position p is row p % block_size of block block_table[p // block_size]; the tail of the last block is cut.
+
+    >>> cache = torch.arange(6.).view(1, 3, 2, 1)                 # 1 kv head, 3 blocks of 2 slots, D = 1
+    >>> gather_kv(cache, torch.tensor([2, 0]), 3).flatten().tolist()   # positions 0, 1 in block 2; 2 in block 0
+    [4.0, 5.0, 0.0]
+    """
+    return cache[:, block_table].flatten(1, 2)[:, :seq_len]
+
+
+def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's T queries q (T, H, D) — the last T of its seq_len positions — against its K/V in the pool.
+
+    mask: the (T, seq_len) additive causal mask with its offset (chapter 01), or None for a whole prompt
+    (T == seq_len), which the kernel's is_causal handles without a mask tensor. Returns (T, H, D).
+    """
+    keys, values = gather_kv(k_cache, block_table, seq_len), gather_kv(v_cache, block_table, seq_len)  # (Hkv, S, D)
+    # a batch of one (torch takes its flash kernel for 4-d inputs only): (1, H, T, D) queries against (1, Hkv, S, D)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                       attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o[0].transpose(0, 1)  # (T, H, D)
 
 
 class DecodeGroup:

@@ -1,0 +1,72 @@
+"""Exercises 5.3 (slot_mapping) and 5.4 (BlockManager.allocate_slots) — the block manager's integers.
+
+Your version of nanoserve/kv/block_manager.py. Everything else is given: your BlockManager inherits
+the reference's constructor, lookup_prefix / _cached_prefix, fork, free and take_copies, so you write
+the two rungs only. Grade one with `make grade CH=05 EX=5.3` (or EX=5.4); README.md has the design
+questions to answer first.
+
+What you have in a BlockManager (see nanoserve/kv/block_manager.py for their code):
+
+    self.block_size, self.enable_prefix_caching
+    self.allocator          exercise 5.1's BlockAllocator: can_allocate, allocate, incref, free, ref_count
+    self.prefix_cache       exercise 5.2's PrefixCache: hash_block(parent, tokens), get, insert, evict
+    self.stats              PrefixCacheStats: queried_tokens, hit_tokens, hit_blocks, evicted_blocks
+    self.block_tables       seq_id -> list of block ids (the block table)
+    self.block_hashes       seq_id -> chain hashes of its registered full blocks, in order
+    self.num_slots          seq_id -> how many positions its table has been asked to cover so far
+    self.pending_copies     (src, dst) block copies for the model runner (copy-on-write)
+    self._cached_prefix(token_ids) -> (block ids, chain hashes) of the cached leading full blocks
+"""
+
+from collections.abc import Sequence
+
+from nanoserve.kv.block_manager import BlockManager as ReferenceBlockManager
+from nanoserve.kv.block_manager import PrefixCacheStats, cdiv  # noqa: F401  (given: cdiv(a, b) is ceil(a / b))
+
+
+def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Exercise 5.3. The pool slots of positions [start, end): where those tokens' K/V are written.
+
+    Position p lives in block block_table[p // block_size] at offset p % block_size; its slot (a row of the
+    flat pool) is block · block_size + offset. Raise ValueError (mentioning "blocks") if the table has too
+    few blocks for position end - 1.
+
+    >>> slot_mapping([5, 2], 2, 7, block_size=4)   # positions 2, 3 in block 5; 4, 5, 6 in block 2
+    [22, 23, 8, 9, 10]
+    """
+    raise NotImplementedError("Exercise 5.3: map positions to pool slots through the block table")
+
+
+class BlockManager(ReferenceBlockManager):
+    def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> list[int] | None:
+        """Exercise 5.4. Grow `seq_id`'s block table to cover positions [0, num_tokens) and return it; return
+        None — changing nothing at all — if the free blocks do not suffice.
+
+        1. A new sequence (no table yet) starts from its cached prefix: `self._cached_prefix(token_ids)` gives
+           the blocks to share and their hashes. Count what you need: new blocks for the positions not yet
+           covered, plus one for copy-on-write (below), plus every hit block whose ref count is 0 (reviving a
+           cached block takes it off the free list). `self.allocator.can_allocate(total)` or return None.
+        2. Pin the hits first (`incref` each), THEN allocate the new blocks: a cached block no one holds sits
+           in the free list, and allocating first could hand it out. Each new block gets new contents, so
+           `self.prefix_cache.evict(block)` (add what it returns to stats.evicted_blocks).
+        3. Copy-on-write: if this call writes into a partially filled block (num_slots % block_size != 0)
+           that another table also holds (ref count > 1, after a fork), swap it for one of the new blocks,
+           free your hold on the shared one and record (shared, new) in self.pending_copies.
+        4. A new sequence's table goes into self.block_tables, its hit hashes into self.block_hashes; count
+           stats.queried_tokens (len(token_ids)), hit_tokens and hit_blocks. Update self.num_slots[seq_id]
+           (at least the positions the hits cover). With prefix caching on, register the full blocks
+           (_register_full_blocks).
+
+            m = BlockManager(num_blocks=8, block_size=4)
+            m.allocate_slots(1, list(range(10)), 10)  -> [0, 1, 2]   blocks 0 and 1 full: registered
+            m.allocate_slots(2, list(range(10)), 10)  -> [0, 1, 3]   0 and 1 shared (ref count 2), 3 is new
+        """
+        raise NotImplementedError("Exercise 5.4: grow the block table (prefix hit, pin, allocate, copy-on-write)")
+
+    def _register_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Exercise 5.4. Register in the prefix cache every full block of `seq_id` among its first num_tokens
+        positions whose tokens are known (min(num_tokens, len(token_ids)) // block_size blocks) and that is
+        not registered yet (self.block_hashes[seq_id] holds the chain so far): each block's hash is
+        hash_block(parent hash or None, its tokens); append it to block_hashes, then
+        prefix_cache.insert(hash, parent, tokens, block id). A partially filled block is never registered."""
+        raise NotImplementedError("Exercise 5.4: register the full blocks under their chain hashes")

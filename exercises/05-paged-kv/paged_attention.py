@@ -1,0 +1,122 @@
+"""Exercises 5.3 (AttentionMetadata.build), 5.5 (paged attention, one sequence at a time) and 5.6 (the
+batched decode gather) — the tensor side of the paged KV cache.
+
+Your version of nanoserve/kv/paged_attention.py. The pool (PagedKVCache: store_kv, copy_blocks) and its
+sizing are given; you write the rungs. Grade one with `make grade CH=05 EX=5.5` (5.3, 5.5, 5.6); README.md
+has the design questions to answer first.
+
+The pool, per layer:   k_cache[layer], v_cache[layer]: (Hkv, num_blocks, block_size, D), heads first
+One step's flat batch: q (num_tokens, H, D), k and v (num_tokens, Hkv, D); sequence i's queries are rows
+cu_seqlens_q[i]:cu_seqlens_q[i + 1], the LAST q_len_i of its seq_lens[i] positions, causal. GQA: query
+head h reads kv head h // (H // Hkv).
+"""
+
+import torch  # noqa: F401  (you will want it)
+from torch.nn import functional as F  # noqa: F401  (F.scaled_dot_product_attention(..., enable_gqa=True))
+
+from nanoserve.kv.block_manager import cdiv, slot_mapping  # noqa: F401  (5.3: yours, from block_manager.py, under --student)
+from nanoserve.kv.paged_attention import DECODE_GROUP, PagedKVCache, num_blocks_for_budget  # noqa: F401  (given)
+from nanoserve.kv.paged_attention import AttentionMetadata as ReferenceAttentionMetadata
+from nanoserve.model.attention import causal_mask  # noqa: F401  (chapter 01's (T, S) additive mask with offset)
+
+
+class AttentionMetadata(ReferenceAttentionMetadata):
+    """The fields are given (slot_mapping, block_tables, seq_lens, cu_seqlens_q: see the reference)."""
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+              block_size: int) -> "AttentionMetadata":
+        """Exercise 5.3. One step's metadata from the block manager's integers: sequence i computes positions
+        [seq_lens[i] - query_lens[i], seq_lens[i]).
+
+        Return cls(slot_mapping, block_tables, seq_lens, cu_seqlens_q), all torch.long tensors:
+            slot_mapping  (num_tokens,)  the slots of every sequence's new positions, sequence after sequence
+            block_tables  (num_seqs, max_blocks)  each table padded on the right with block 0
+            seq_lens      (num_seqs,)
+            cu_seqlens_q  (num_seqs + 1,)  0, then the running sum of query_lens
+        Raise ValueError if the three lists differ in length, or (mentioning "query_len") if a query_len is
+        not in 1..seq_len.
+
+        >>> m = AttentionMetadata.build([[3], [0, 2]], seq_lens=[3, 6], query_lens=[3, 1], block_size=4)
+        >>> m.slot_mapping.tolist(), m.block_tables.tolist(), m.cu_seqlens_q.tolist()
+        ([12, 13, 14, 9], [[3, 0], [0, 2]], [0, 3, 4])
+        """
+        raise NotImplementedError("Exercise 5.3: build the step's slot mapping, padded tables and cu_seqlens_q")
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Exercise 5.5 (the checkpoint). One sequence's keys (or values) from one layer's pool, dense and in
+    position order.
+
+    cache (Hkv, num_blocks, block_size, D), block_table (>= cdiv(seq_len, block_size),) long -> (Hkv, seq_len, D):
+    position p is row p % block_size of block block_table[p // block_size]. One index op, no Python loop
+    over positions: index the block axis with the whole table, merge (blocks, block_size), cut the tail.
+
+        cache = torch.arange(6.).view(1, 3, 2, 1)      1 kv head, 3 blocks of 2 slots, D = 1
+        gather_kv(cache, torch.tensor([2, 0]), 3)    -> [[[4.], [5.], [0.]]]   (block 2, then block 0's first)
+    """
+    raise NotImplementedError("Exercise 5.5: gather one sequence's K or V through its block table")
+
+
+def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exercise 5.5. One sequence's T queries q (T, H, D) — the last T of its seq_len positions — against
+    its K/V in the pool (gather_kv). Returns (T, H, D).
+
+    mask: the (T, seq_len) additive causal mask with its offset (causal_mask(T, seq_len)), or None for a
+    whole prompt (T == seq_len): then is_causal=True. F.scaled_dot_product_attention wants 4-d inputs
+    (batch, heads, T or S, D) and does GQA with enable_gqa=True.
+    """
+    raise NotImplementedError("Exercise 5.5: attend one sequence's queries to its gathered K/V")
+
+
+class PagedAttention:
+    """The AttentionFn of one step: attn(layer_idx, q (N, H, D), k, v (N, Hkv, D)) -> (N, H, D)."""
+
+    def __init__(self, cache: PagedKVCache, metadata: ReferenceAttentionMetadata, batch_decodes: bool = True):
+        """Exercise 5.5. Work out once per step what every layer reuses: keep cache and metadata, and split
+        the sequences into
+          - self.decode_groups: with batch_decodes, the sequences with one query, sorted by seq_len, in
+            groups of DECODE_GROUP, each a DecodeGroup(cache, metadata, its sequence indices) (exercise 5.6:
+            the reference's until you write yours);
+          - the rest (all of them without batch_decodes), one at a time: where its queries are in the flat
+            batch, its seq_len, its block table cut to cdiv(seq_len, block_size) blocks, and its mask (None
+            for a whole prompt, causal_mask(T, seq_len) in the cache's dtype for a chunk on a prefix).
+        """
+        raise NotImplementedError("Exercise 5.5: plan the step (decode groups, and the sequences one at a time)")
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exercise 5.5. First store this step's k, v at their slots (self.cache.store_kv with the metadata's
+        slot_mapping): a sequence attends to its own new tokens too. Then fill out (N, H, D): each decode
+        group's rows (group.tokens) with group.attend(q[group.tokens], k_cache, v_cache), and every other
+        sequence's rows with attend_sequence."""
+        raise NotImplementedError("Exercise 5.5: store the new K/V, then attend every sequence")
+
+
+class DecodeGroup:
+    """Decoding sequences (one query each) attended all at once: one gather of whole blocks into a padded
+    (Hkv, num_seqs, max_blocks · block_size, D) tensor, a padding mask, one batched attention call."""
+
+    def __init__(self, cache: PagedKVCache, metadata: ReferenceAttentionMetadata, seqs: list[int]):
+        """Exercise 5.6. For the sequences `seqs` (indices into the metadata), once per step:
+          - self.tokens: each one's query row in the flat batch (its cu_seqlens_q entry), a long tensor;
+          - the tile ids of one gather: view a layer's pool as (Hkv · num_blocks, block_size, D) tiles; block
+            b of kv head j is tile j · num_blocks + b. Take every sequence's table cut to MB = the longest
+            sequence's block count, and list the tiles head by head, then sequence by sequence, then block
+            (Hkv · Sd · MB ids): one index_select then yields (Hkv, Sd, C, D) with C = MB · block_size;
+          - the padding mask: position c >= seq_len of sequence s must get no weight — an additive
+            (Sd, 1, 1, C) mask, 0 where allowed and -inf at padding, in the pool's dtype.
+
+            Hkv = 2, num_blocks = 10, tables [[4], [7, 1]], seq_lens [3, 6], block_size 4
+            MB = 2, tiles [4, 0, 7, 1, 14, 10, 17, 11]   (sequence 0's table padded with block 0)
+            padding: sequence 0 positions 3..7, sequence 1 positions 6, 7
+        """
+        raise NotImplementedError("Exercise 5.6: the tile ids of the gather and the padding mask")
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Exercise 5.6. One query per sequence, all sequences at once. q: (Sd, H, D) -> (Sd, H, D).
+
+        Gather keys and values (Hkv, Sd, C, D) with one index_select each; then one
+        F.scaled_dot_product_attention over (Sd, Hkv, G, D) queries (G = H // Hkv query heads share a kv
+        head) against (Sd, Hkv, C, D) keys, with the padding mask."""
+        raise NotImplementedError("Exercise 5.6: gather the group's blocks, attend with the padding mask")
