@@ -23,7 +23,6 @@ from nanoserve.engine.executor import Executor
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
-from nanoserve.kv.block_manager import BlockManager
 from nanoserve.kernels.backend import resolve_attention_backend
 from nanoserve.stop import check_stop, is_stop_token
 from nanoserve.student import StudentCode
@@ -86,18 +85,21 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
         kernel = (student.module("nanoserve.kernels.triton_paged_attention")
                   if self.attention_backend == "triton" else None)
+        # chapter 05's paged attention and metadata (the learner's rungs 5.3, 5.5, 5.6 where finished)
+        paged_kv = student.module("nanoserve.kv.paged_attention")
         self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel,
-                                          degraded_model=degraded_model)])
+                                          degraded_model=degraded_model, paged_kv=paged_kv)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
         self.executor.init_kv_cache(num_blocks, config.block_size)
-        # the learner's block allocator and prefix cache (exercises/05), scheduler (06) and detokenizer (03)
-        # where they are finished, the reference's where not
+        # the learner's block allocator, prefix cache and block manager (exercises/05), scheduler (06) and
+        # detokenizer (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                          allocator=allocator, prefix_cache=prefix_cache)
+        block_manager = student.module("nanoserve.kv.block_manager").BlockManager
+        self.block_manager = block_manager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                           allocator=allocator, prefix_cache=prefix_cache)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager)
         self.detokenizer_class = student.module("nanoserve.detokenizer").IncrementalDetokenizer

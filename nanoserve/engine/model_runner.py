@@ -45,12 +45,15 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention, degraded_model=None):
-        """attention: cls(kv_cache, metadata) -> AttentionFn (nanoserve.kernels.backend.attention_class)."""
+    def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention, degraded_model=None,
+                 metadata=AttentionMetadata):
+        """attention: cls(kv_cache, metadata) -> AttentionFn (nanoserve.kernels.backend.attention_class);
+        metadata: the class whose build() describes a step (chapter 05's, or the learner's)."""
         self.model = model
         self.degraded_model = degraded_model  # chapter 10: the quantized copy, for steps under overload
         self.kv_cache = kv_cache
         self.attention = attention
+        self.metadata = metadata
         self.device = kv_cache.k_cache[0].device
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request
@@ -73,7 +76,7 @@ class ModelRunner:
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attn_metadata=AttentionMetadata.build(tables, seq_lens, query_lens, self.block_size),
+            attn_metadata=self.metadata.build(tables, seq_lens, query_lens, self.block_size),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long),
             sampled_seqs=sampled_seqs,
         )

@@ -16,7 +16,7 @@ import torch
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.kernels.backend import attention_class
-from nanoserve.kv.paged_attention import PagedKVCache, num_blocks_for_budget
+from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache, num_blocks_for_budget
 
 
 def keep_freed_host_memory() -> bool:
@@ -39,15 +39,22 @@ def keep_freed_host_memory() -> bool:
 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
-                 paged_attention=None, degraded_model=None):
+                 paged_attention=None, degraded_model=None, paged_kv=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
-        paged_attention: the Triton kernel module for "triton" (None: the reference)."""
+        paged_attention: the Triton kernel module for "triton" (None: the reference); paged_kv: chapter 05's
+        paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
+        the learner's under --student 05 (None: the reference)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
         self.attention = attention_class(attention_backend, paged_attention)
+        self.metadata = AttentionMetadata
+        if paged_kv is not None:
+            self.metadata = paged_kv.AttentionMetadata
+            if attention_backend == "torch":
+                self.attention = paged_kv.PagedAttention
         # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
@@ -59,7 +66,7 @@ class Worker:
         c = self.kv_config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                              self.device)
-        self.model_runner = ModelRunner(self.model, cache, self.attention, self.degraded_model)
+        self.model_runner = ModelRunner(self.model, cache, self.attention, self.degraded_model, self.metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         return self.model_runner.execute_model(scheduler_output, degraded)
