@@ -206,7 +206,8 @@ def defined_names(mod: ModuleType) -> list[str]:
         if inspect.isfunction(obj):
             names.append(name)
         elif inspect.isclass(obj):
-            own = [a for a, m in vars(obj).items() if inspect.isfunction(m) and not a.startswith("_")]
+            own = [a for a, m in vars(obj).items()
+                   if (inspect.isfunction(m) or isinstance(m, (staticmethod, classmethod))) and not a.startswith("_")]
             inherited = any(base.__module__ != mod.__name__ for base in obj.__mro__[1:-1])
             # a class that inherits the reference: name what the learner wrote in it
             names += [f"{name}.{a}" for a in own] if inherited else [name]
@@ -235,8 +236,9 @@ def count_calls(mod: ModuleType, calls: Counter) -> ModuleType:
             for attr, member in list(vars(obj).items()):
                 if inspect.isfunction(member):
                     setattr(obj, attr, wrap(member))
-                elif isinstance(member, staticmethod) and getattr(member.__func__, "__module__", None) == mod.__name__:
-                    setattr(obj, attr, staticmethod(wrap(member.__func__)))
+                elif isinstance(member, (staticmethod, classmethod)) and \
+                        getattr(member.__func__, "__module__", None) == mod.__name__:
+                    setattr(obj, attr, type(member)(wrap(member.__func__)))
     return mod
 
 

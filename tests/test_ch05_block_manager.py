@@ -1,5 +1,6 @@
-"""Chapter 05: the block manager — hand-computed block tables and slot mappings, and a hypothesis
-state machine that runs hundreds of random allocate / grow / fork / free steps against invariants."""
+"""Chapter 05, exercise 5.4 (graded): the block manager's allocate_slots — hand-computed block tables
+(prefix hits, pinning before allocating, registration of full blocks, copy-on-write after a fork), and a
+hypothesis state machine that runs hundreds of random allocate / grow / fork / free steps against invariants."""
 
 import copy
 
@@ -8,32 +9,37 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from nanoserve.kv.block_manager import BlockManager, slot_mapping
 from nanoserve.kv.prefix_cache import PrefixCache
+from nanoserve.student import implementation
+
+pytestmark = pytest.mark.exercise("5.4")
 
 
-def test_slot_mapping_worked_example():
-    assert slot_mapping([5, 2], 2, 7, block_size=4) == [22, 23, 8, 9, 10]
-    assert slot_mapping([3], 0, 0, block_size=4) == []
-    with pytest.raises(ValueError, match="blocks"):
-        slot_mapping([3], 0, 5, block_size=4)
+@pytest.fixture
+def BlockManager():
+    return implementation("nanoserve.kv.block_manager").BlockManager
 
 
-def test_prefill_then_decode_worked_example():
+def slots(table, start, end, bs):
+    """Positions [start, end) -> pool slots (the test's own slot mapping)."""
+    return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+def test_prefill_then_decode_worked_example(BlockManager):
     m = BlockManager(num_blocks=4, block_size=4)
     prompt = [10, 11, 12, 13, 14, 15]
     assert m.allocate_slots(7, prompt, 6) == [0, 1]
-    assert slot_mapping(m.block_table(7), 0, 6, 4) == [0, 1, 2, 3, 4, 5]
+    assert slots(m.block_table(7), 0, 6, 4) == [0, 1, 2, 3, 4, 5]
     assert m.allocate_slots(7, prompt + [20], 7) == [0, 1]
     assert m.allocate_slots(7, prompt + [20, 21], 8) == [0, 1]
     assert m.allocate_slots(7, prompt + [20, 21, 22], 9) == [0, 1, 2]  # position 8 opens block 2
-    assert slot_mapping(m.block_table(7), 8, 9, 4) == [8]
+    assert slots(m.block_table(7), 8, 9, 4) == [8]
     assert m.get_num_free_blocks() == 1
     m.free(7)
     assert m.get_num_free_blocks() == 4
 
 
-def test_exhaustion_says_no_and_changes_nothing():
+def test_exhaustion_says_no_and_changes_nothing(BlockManager):
     m = BlockManager(num_blocks=3, block_size=4)
     assert m.allocate_slots(1, list(range(8)), 8) == [0, 1]
     before = (copy.deepcopy(m.block_tables), list(m.allocator.ref_counts), list(m.allocator.free_list))
@@ -43,7 +49,7 @@ def test_exhaustion_says_no_and_changes_nothing():
     assert 2 not in m.block_tables
 
 
-def test_prefix_hit_shares_full_blocks_and_never_the_last_token():
+def test_prefix_hit_shares_full_blocks_and_never_the_last_token(BlockManager):
     m = BlockManager(num_blocks=8, block_size=4)
     prompt = list(range(10))  # blocks [0..3] [4..7] and a partial [8, 9]
     assert m.allocate_slots(1, prompt, 10) == [0, 1, 2]
@@ -57,7 +63,7 @@ def test_prefix_hit_shares_full_blocks_and_never_the_last_token():
     assert m.stats.hit_rate == 8 / 20
 
 
-def test_freed_cached_blocks_are_revived_then_evicted_lru():
+def test_freed_cached_blocks_are_revived_then_evicted_lru(BlockManager):
     m = BlockManager(num_blocks=4, block_size=4)
     a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [50, 51, 52, 53, 54]
     assert m.allocate_slots(1, a, 9) == [0, 1, 2]
@@ -76,7 +82,7 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru():
     assert m.stats.hit_blocks == 1
 
 
-def test_fork_shares_blocks_and_copies_on_write():
+def test_fork_shares_blocks_and_copies_on_write(BlockManager):
     m = BlockManager(num_blocks=6, block_size=4)
     assert m.allocate_slots(1, [1, 2, 3, 4, 5, 6], 6) == [0, 1]
     m.fork(1, 2)
@@ -92,7 +98,7 @@ def test_fork_shares_blocks_and_copies_on_write():
     assert m.get_num_free_blocks() == 6
 
 
-def test_free_unknown_sequence_is_a_noop_and_fork_checks_ids():
+def test_free_unknown_sequence_is_a_noop_and_fork_checks_ids(BlockManager):
     m = BlockManager(num_blocks=2, block_size=4)
     m.free(123)
     m.allocate_slots(1, [1], 1)
@@ -100,7 +106,7 @@ def test_free_unknown_sequence_is_a_noop_and_fork_checks_ids():
         m.fork(1, 1)
 
 
-def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
+def test_hash_collision_is_caught_by_comparing_tokens(BlockManager, monkeypatch):
     # Every block hashes to 0: without comparing tokens, any prompt would "hit" the first cached block.
     monkeypatch.setattr(PrefixCache, "hash_block", staticmethod(lambda parent, tokens: 0))
     m = BlockManager(num_blocks=8, block_size=4)
@@ -109,6 +115,51 @@ def test_hash_collision_is_caught_by_comparing_tokens(monkeypatch):
     assert m.lookup_prefix([9, 9, 9, 9, 9]) == 0  # same hash, other tokens: a miss
     assert m.lookup_prefix(a) == 4  # block 0 is found; block 1 collides with block 0's entry: its parent differs
     assert m.allocate_slots(2, [9, 9, 9, 9, 9], 5) == [3, 4]
+
+
+def test_hits_are_pinned_before_new_blocks_are_allocated(BlockManager):
+    m = BlockManager(num_blocks=4, block_size=4)
+    a = [1, 2, 3, 4, 5]
+    assert m.allocate_slots(1, a, 5) == [0, 1]  # block 0 full: cached
+    m.free(1)  # free list [2, 3, 1, 0]
+    assert m.allocate_slots(2, [9] * 9, 9) == [2, 3, 1]
+    m.free(2)  # free list [0, 1, 3, 2]: a's cached block 0 is at the front, the next to be handed out
+    assert list(m.allocator.free_list) == [0, 1, 3, 2]
+    # a's block 0 is a hit. Allocating the new block first would pop block 0 itself (and evict it): [0, 0].
+    assert m.allocate_slots(3, a + [6], 6) == [0, 1]
+    assert [m.allocator.ref_count(b) for b in range(4)] == [1, 1, 0, 0]
+    assert (m.stats.hit_blocks, m.stats.evicted_blocks) == (1, 0)  # block 1 held a's uncached tail
+
+
+def test_full_blocks_are_registered_as_they_are_computed(BlockManager):
+    m = BlockManager(num_blocks=8, block_size=4)
+    prompt = list(range(10))
+    assert m.allocate_slots(1, prompt, 3) == [0]  # a first chunk [0, 3): no block full yet
+    assert m.lookup_prefix(prompt) == 0
+    assert m.allocate_slots(1, prompt, 6) == [0, 1]  # block 0 is full now
+    assert m.lookup_prefix(prompt) == 4
+    assert m.allocate_slots(1, prompt, 10) == [0, 1, 2]
+    assert m.lookup_prefix(prompt) == 8  # block 2 holds 8, 9: partial, not registered
+    assert m.allocate_slots(1, prompt + [10, 11], 12) == [0, 1, 2]  # two decodes fill block 2
+    assert m.lookup_prefix(prompt + [10, 11, 12]) == 12
+    assert m.allocate_slots(2, prompt + [10, 11, 12], 13) == [0, 1, 2, 3]  # a second sequence shares all three
+    assert (m.stats.hit_tokens, m.stats.hit_blocks) == (12, 3)
+
+    off = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    assert off.allocate_slots(1, prompt, 10) == [0, 1, 2]
+    assert off.lookup_prefix(prompt) == 0 and off.prefix_cache.entries == {}
+    assert off.allocate_slots(2, prompt, 10) == [3, 4, 5] and off.stats.hit_blocks == 0
+
+
+def test_copy_on_write_needs_a_free_block_too(BlockManager):
+    m = BlockManager(num_blocks=2, block_size=4)
+    assert m.allocate_slots(1, [1, 2, 3, 4, 5, 6], 6) == [0, 1]
+    m.fork(1, 2)
+    before = (copy.deepcopy(m.block_tables), list(m.allocator.ref_counts), dict(m.num_slots))
+    assert m.allocate_slots(2, [1, 2, 3, 4, 5, 6, 7], 7) is None  # its copy of block 1 has nowhere to go
+    assert (m.block_tables, m.allocator.ref_counts, m.num_slots, m.pending_copies) == (*before, [])
+    m.free(1)  # now the child holds block 1 alone: it writes in place, no copy
+    assert m.allocate_slots(2, [1, 2, 3, 4, 5, 6, 7], 7) == [0, 1] and m.take_copies() == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +177,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
+        BlockManager = implementation("nanoserve.kv.block_manager").BlockManager
         self.m = BlockManager(NUM_BLOCKS, BS, prefix_cache=self.prefix_cache_cls())
         self.tokens: dict[int, list[int]] = {}
         self.computed: dict[int, int] = {}
@@ -150,7 +202,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for o in range(BS):
                 if src * BS + o in self.pool:
                     self.pool[dst * BS + o] = self.pool[src * BS + o]
-        for p, slot in zip(range(self.computed[seq_id], num_tokens), slot_mapping(table, self.computed[seq_id], num_tokens, BS)):
+        for p, slot in zip(range(self.computed[seq_id], num_tokens), slots(table, self.computed[seq_id], num_tokens, BS)):
             self.pool[slot] = tokens[p]
         self.computed[seq_id] = num_tokens
         return True
@@ -222,7 +274,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq_id, tokens in self.tokens.items():
             n = self.computed[seq_id]
             table = self.m.block_table(seq_id)
-            assert [self.pool.get(s) for s in slot_mapping(table, 0, n, BS)] == tokens[:n]
+            assert [self.pool.get(s) for s in slots(table, 0, n, BS)] == tokens[:n]
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):

@@ -1,10 +1,12 @@
-"""Chapter 05: paged attention equals contiguous attention.
+"""Chapter 05: paged attention equals contiguous attention (exercises 5.5 and 5.6, graded).
 
 Reference: per sequence, its whole K/V laid out contiguously and attention written out in the test
 (repeat the K/V heads, scores, causal mask, softmax) — no block tables, no gathers, and not the fused
-torch kernel the paged path calls. On the real model:
-a batch of sequences stepping through PagedAttention gives the logits each sequence gets when run
-alone, without any cache.
+torch kernel the paged path calls. The pools are filled with finite garbage first, so a gather that reads a
+wrong slot, or padding that is not masked, changes the answer. Graded: 5.5 the dense gather of one
+sequence (the checkpoint), one sequence's attention through its block table, and PagedAttention's whole
+step; 5.6 the batched decode gather with its padding mask (DecodeGroup). On the real model: a batch of
+sequences stepping through PagedAttention gives the logits each sequence gets when run alone, without any cache.
 """
 
 import random
@@ -12,9 +14,38 @@ import random
 import pytest
 import torch
 
-from nanoserve.kv.block_manager import BlockManager, slot_mapping
+from nanoserve.kv.block_manager import BlockManager
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, num_blocks_for_budget
+from nanoserve.model.attention import causal_mask
 from nanoserve.model.config import LlamaConfig
+from nanoserve.student import implementation
+
+
+@pytest.fixture
+def pa():
+    """The paged_attention module under test (the learner's, under `make grade`)."""
+    return implementation("nanoserve.kv.paged_attention")
+
+
+def slots(table, start, end, bs):
+    """Positions [start, end) -> pool slots (the test's own slot mapping)."""
+    return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.long)
+
+
+def garbage_pool(num_layers, num_blocks, bs, Hkv, D):
+    """A pool whose every slot holds finite garbage, until a test writes a sequence's K/V into it."""
+    cache = PagedKVCache(num_layers, num_blocks, bs, Hkv, D)
+    for t in cache.k_cache + cache.v_cache:
+        t.copy_(10 * torch.randn_like(t))
+    return cache
+
+
+def write(cache, layer, table, k, v):
+    """Put a sequence's k, v (S, Hkv, D) at positions [0, S) of its block table, slot by slot (not store_kv)."""
+    bs = cache.block_size
+    for p in range(k.shape[0]):
+        cache.k_cache[layer][:, table[p // bs], p % bs] = k[p]
+        cache.v_cache[layer][:, table[p // bs], p % bs] = v[p]
 
 
 def reference_attention(q, k, v):
@@ -28,11 +59,12 @@ def reference_attention(q, k, v):
     return torch.einsum("hts,shd->thd", weights, v)  # (T, H, D)
 
 
-def random_batch(rng: random.Random, num_kv_heads: int, group: int, head_dim: int, block_size: int):
+def random_batch(rng: random.Random, num_kv_heads: int, group: int, head_dim: int, block_size: int,
+                 decodes_only: bool = False):
     """A mixed step: some sequences decode, some prefill a chunk on top of a cached prefix, some start fresh."""
-    num_seqs = rng.randint(1, 6)
+    num_seqs = rng.randint(1, 6) if not decodes_only else rng.randint(1, 10)
     seq_lens = [rng.randint(1, 50) for _ in range(num_seqs)]
-    query_lens = [rng.choice([1, 1, s, rng.randint(1, s)]) for s in seq_lens]
+    query_lens = [1 if decodes_only else rng.choice([1, 1, s, rng.randint(1, s)]) for s in seq_lens]
     # non-contiguous block tables: blocks dealt from a shuffled pool with room to spare
     need = [-(-s // block_size) for s in seq_lens]
     pool = list(range(sum(need) + 7))
@@ -45,40 +77,112 @@ def random_batch(rng: random.Random, num_kv_heads: int, group: int, head_dim: in
     return seq_lens, query_lens, tables, len(pool) + sum(need), q, k_full, v_full
 
 
+@pytest.mark.exercise("5.5")
+def test_gather_kv_is_the_sequence_dense_and_in_order(pa):
+    """The checkpoint: one sequence's K (or V) out of a garbage-filled pool, through a scattered table."""
+    torch.manual_seed(0)
+    Hkv, D, bs = 2, 3, 4
+    cache = garbage_pool(1, 9, bs, Hkv, D)
+    table = [6, 2, 8]  # positions 0..3 in block 6, 4..7 in block 2, 8..9 in block 8
+    k, v = torch.randn(10, Hkv, D), torch.randn(10, Hkv, D)
+    write(cache, 0, table, k, v)
+    got = pa.gather_kv(cache.k_cache[0], torch.tensor(table), 10)
+    assert got.shape == (Hkv, 10, D)  # heads first, the tail of block 8 cut off
+    assert torch.equal(got, k.transpose(0, 1))
+    assert torch.equal(pa.gather_kv(cache.v_cache[0], torch.tensor(table), 10), v.transpose(0, 1))
+    assert torch.equal(pa.gather_kv(cache.k_cache[0], torch.tensor(table), 5), k[:5].transpose(0, 1))  # a longer table
+
+
+@pytest.mark.exercise("5.5")
+@pytest.mark.parametrize("prefix", [0, 5, 9])  # a whole prompt (no mask), chunks on top of a cached prefix
+def test_attend_sequence_through_its_block_table(pa, prefix):
+    torch.manual_seed(prefix)
+    Hkv, G, D, bs, S = 2, 3, 8, 4, 14
+    cache = garbage_pool(2, 8, bs, Hkv, D)
+    table = [5, 0, 7, 2]
+    k, v = torch.randn(S, Hkv, D), torch.randn(S, Hkv, D)
+    write(cache, 1, table, k, v)
+    q = torch.randn(S - prefix, Hkv * G, D)
+    mask = None if prefix == 0 else causal_mask(S - prefix, S)
+    out = pa.attend_sequence(q, cache.k_cache[1], cache.v_cache[1], torch.tensor(table), S, mask)
+    assert out.shape == q.shape
+    assert (out - reference_attention(q, k, v)).abs().max() < 1e-4
+
+
+@pytest.mark.exercise("5.5")
 @pytest.mark.parametrize("seed", range(30))
-def test_paged_equals_contiguous_on_random_batches(seed):
+def test_paged_equals_contiguous_on_random_batches(pa, seed):
+    """A whole step of PagedAttention, every sequence one at a time (batch_decodes=False), then with the decodes
+    batched (exercise 5.6's DecodeGroup, the reference's while 5.5 is graded)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     Hkv, G, D, bs = rng.choice([1, 2, 3]), rng.choice([1, 2, 3]), rng.choice([8, 16]), rng.choice([1, 4, 16])
     seq_lens, query_lens, tables, num_blocks, q, k_full, v_full = random_batch(rng, Hkv, G, D, bs)
     num_layers = 2
-    cache = PagedKVCache(num_layers, num_blocks, bs, Hkv, D)
+    cache = garbage_pool(num_layers, num_blocks, bs, Hkv, D)
     layer = rng.randrange(num_layers)
     # the cached prefix of every sequence is already in the pool (written by earlier steps)
     for table, s, n, k, v in zip(tables, seq_lens, query_lens, k_full, v_full):
-        cache.store_kv(layer, k[: s - n], v[: s - n], torch.tensor(slot_mapping(table, 0, s - n, bs), dtype=torch.long))
+        write(cache, layer, table, k[: s - n], v[: s - n])
 
-    meta = AttentionMetadata.build(tables, seq_lens, query_lens, bs)
+    meta = pa.AttentionMetadata.build(tables, seq_lens, query_lens, bs)
     new_k = torch.cat([k[s - n:] for k, s, n in zip(k_full, seq_lens, query_lens)])
     new_v = torch.cat([v[s - n:] for v, s, n in zip(v_full, seq_lens, query_lens)])
-    out = PagedAttention(cache, meta)(layer, torch.cat(q), new_k, new_v)
-    looped = PagedAttention(cache, meta, batch_decodes=False)(layer, torch.cat(q), new_k, new_v)
+    looped = pa.PagedAttention(cache, meta, batch_decodes=False)(layer, torch.cat(q), new_k, new_v)
+    out = pa.PagedAttention(cache, meta)(layer, torch.cat(q), new_k, new_v)
 
     expected = torch.cat([reference_attention(qi, k, v) for qi, k, v in zip(q, k_full, v_full)])
-    assert out.shape == expected.shape
-    assert (out - expected).abs().max() < 1e-4
+    assert looped.shape == out.shape == expected.shape
     assert (looped - expected).abs().max() < 1e-4
-    # and this step's K/V landed in the pool at slot_mapping
-    assert torch.equal(cache.k_cache[layer].view(Hkv, -1, D)[:, meta.slot_mapping].transpose(0, 1), new_k)
+    assert (out - expected).abs().max() < 1e-4
+    # and this step's K/V landed in the pool at their slots
+    new_slots = torch.cat([slots(t, s - n, s, bs) for t, s, n in zip(tables, seq_lens, query_lens)])
+    assert torch.equal(cache.k_cache[layer].view(Hkv, -1, D)[:, new_slots].transpose(0, 1), new_k)
+    assert torch.equal(cache.v_cache[layer].view(Hkv, -1, D)[:, new_slots].transpose(0, 1), new_v)
 
 
-def test_metadata_build_worked_example():
-    m = AttentionMetadata.build([[3], [0, 2]], seq_lens=[3, 6], query_lens=[3, 1], block_size=4)
-    assert m.slot_mapping.tolist() == [12, 13, 14, 9]  # seq 0: positions 0..2 in block 3; seq 1: position 5 = block 2, offset 1
-    assert m.block_tables.tolist() == [[3, 0], [0, 2]]
-    assert m.seq_lens.tolist() == [3, 6] and m.cu_seqlens_q.tolist() == [0, 3, 4]
-    with pytest.raises(ValueError, match="query_len"):
-        AttentionMetadata.build([[0]], seq_lens=[2], query_lens=[3], block_size=4)
+@pytest.mark.exercise("5.6")
+@pytest.mark.parametrize("seed", range(12))
+def test_a_decode_group_equals_contiguous_attention(pa, seed):
+    """Decodes of very different lengths in one padded gather, in every layer: the padding (garbage in the pool,
+    and block 0 in the padded tables, which belongs to someone) must get no weight."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    Hkv, G, D, bs = rng.choice([1, 2]), rng.choice([1, 3]), 8, rng.choice([1, 4, 16])
+    seq_lens, query_lens, tables, num_blocks, q, k_full, v_full = random_batch(rng, Hkv, G, D, bs, decodes_only=True)
+    cache = garbage_pool(2, num_blocks, bs, Hkv, D)
+    for layer in range(2):  # the new token's K/V are in the pool already (PagedAttention stores them first)
+        for table, k, v in zip(tables, k_full, v_full):
+            write(cache, layer, table, (-1) ** layer * k, v)
+    meta = AttentionMetadata.build(tables, seq_lens, query_lens, bs)
+    seqs = rng.sample(range(len(seq_lens)), rng.randint(1, len(seq_lens)))  # any subset, in any order
+    group = pa.DecodeGroup(cache, meta, seqs)
+    assert group.tokens.tolist() == seqs  # one query each: sequence i's query is row i of the flat batch
+    q_group = torch.cat(q)[seqs]  # (Sd, H, D)
+    for layer in range(2):  # built once, used by every layer
+        out = group.attend(q_group, cache.k_cache[layer], cache.v_cache[layer])
+        expected = torch.cat([reference_attention(q[i], (-1) ** layer * k_full[i], v_full[i]) for i in seqs])
+        assert out.shape == expected.shape
+        assert (out - expected).abs().max() < 1e-4, f"layer {layer}"
+
+
+@pytest.mark.exercise("5.6")
+def test_a_decode_group_finds_its_rows_among_prefills(pa):
+    """Decodes between prefill chunks in the flat batch: a decode's query row is its cu_seqlens_q entry."""
+    torch.manual_seed(1)
+    Hkv, D, bs = 1, 4, 2
+    cache = garbage_pool(1, 10, bs, Hkv, D)
+    tables, seq_lens, query_lens = [[3, 4], [1], [5, 6, 7]], [4, 2, 5], [1, 2, 1]  # decode, prefill, decode
+    k_full = [torch.randn(s, Hkv, D) for s in seq_lens]
+    for table, k in zip(tables, k_full):
+        write(cache, 0, table, k, k)
+    meta = AttentionMetadata.build(tables, seq_lens, query_lens, bs)  # cu_seqlens_q [0, 1, 3, 4]
+    group = pa.DecodeGroup(cache, meta, [2, 0])
+    assert group.tokens.tolist() == [3, 0]
+    q = torch.randn(2, 2, D)  # 2 query heads on 1 kv head
+    out = group.attend(q, cache.k_cache[0], cache.v_cache[0])
+    for row, i in enumerate([2, 0]):
+        assert (out[row] - reference_attention(q[row:row + 1], k_full[i], k_full[i])[0]).abs().max() < 1e-4
 
 
 def test_copy_blocks_and_store_kv_shapes():

@@ -5,7 +5,9 @@ The "finished" learner code is the reference itself, copied into a temporary exe
 repository's own stubs stay untouched); its answers must then equal a reference run's token for token.
 """
 
+import ast
 import importlib
+import inspect
 import shutil
 import warnings
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 from nanoserve import student
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.sampling import SamplingParams
-from nanoserve.student import STUDENT_FILES, StudentCode, parse_selection, unfinished
+from nanoserve.student import RUNGS, STUDENT_FILES, StudentCode, parse_selection, unfinished
 from tests.tiny_model import tiny_llama
 
 
@@ -37,6 +39,27 @@ def exercises(tmp_path, monkeypatch):
         return path
 
     return solve
+
+
+def finish(module: str, qualnames: list[str]) -> Path:
+    """The learner finished some rungs of a ladder: in the (copied) stub of `module`, the stubs of `qualnames`
+    ("slot_mapping", "BlockManager.allocate_slots") become the reference's code; the other stubs stay."""
+    path = student.EXERCISES / STUDENT_FILES[module]
+    lines = path.read_text().splitlines(keepends=True)
+    defs = {}
+    for node in ast.parse("".join(lines)).body:
+        for item in [node] + (node.body if isinstance(node, ast.ClassDef) else []):
+            if isinstance(item, ast.FunctionDef):
+                defs[item.name if item is node else f"{node.name}.{item.name}"] = item
+    reference = importlib.import_module(module)
+    for qualname in sorted(qualnames, key=lambda q: -defs[q].lineno):  # bottom up: line numbers above stay valid
+        node, code = defs[qualname], reference
+        for part in qualname.split("."):
+            code = inspect.getattr_static(code, part)
+        start = (node.decorator_list[0] if node.decorator_list else node).lineno - 1
+        lines[start:node.end_lineno] = [inspect.getsource(getattr(code, "__func__", code))]
+    path.write_text("".join(lines))
+    return path
 
 
 # A shared 8-token prefix (two blocks of 4) makes the prefix cache hit; 5 requests on 12 blocks preempt.
@@ -155,3 +178,46 @@ def test_batch_cli_serves_with_the_learners_allocator_and_says_so(smollm2, smoll
     assert "prefix-cache hits: 0 blocks" not in proof[0]
     results = [json.loads(line) for line in dst.read_text().splitlines()]
     assert len(results) == 2 and results[0]["token_ids"] == results[1]["token_ids"] and len(results[0]["token_ids"]) == 4
+
+
+def test_a_finished_rung_serves_while_the_rest_of_its_ladder_falls_back(tiny, exercises, capsys):
+    """Exercise 5.4 done, 5.3 (slot_mapping, build), 5.5 and 5.6 still stubs: the learner's allocate_slots runs
+    the block manager, the reference's slot_mapping and paged attention the rest, token for token the same."""
+    path = finish("nanoserve.kv.block_manager", ["BlockManager.allocate_slots", "BlockManager._register_full_blocks"])
+    assert set(unfinished(path)) == {"Exercise 5.3"}
+    _, expected = serve(tiny)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, tokens = serve(tiny, student="05")
+    messages = [str(w.message) for w in caught]
+    assert ("Exercise 5.3 not finished in exercises/05-paged-kv/block_manager.py: the reference's slot_mapping runs "
+            "instead, with your other rungs") in messages
+    assert any(m.startswith("Exercise 5.3, Exercise 5.5, Exercise 5.6 not finished in exercises/05-paged-kv/"
+                            "paged_attention.py") for m in messages)
+    assert tokens == expected
+    assert type(engine.block_manager).__module__ == "student_nanoserve_kv_block_manager"
+    assert engine.student.calls["BlockManager.allocate_slots"] >= len(PROMPTS)
+    assert engine.block_manager.stats.hit_blocks > 0  # the learner's prefix hits, in the real engine
+    err = capsys.readouterr().err
+    assert "yours      BlockManager.allocate_slots  from exercises/05-paged-kv/block_manager.py" in err
+    assert "reference  slot_mapping  (Exercise 5.3 not finished)" in err
+
+
+def test_finished_metadata_and_paged_attention_serve_with_the_decode_group_stubbed(tiny, exercises):
+    """5.3 (both halves) and 5.5 done, 5.4 and 5.6 not: the learner's build calls the learner's slot_mapping
+    (from block_manager.py), the learner's PagedAttention runs every layer with the reference's DecodeGroup."""
+    finish("nanoserve.kv.block_manager", ["slot_mapping"])
+    finish("nanoserve.kv.paged_attention", RUNGS["nanoserve.kv.paged_attention"]["5.3"]
+           + RUNGS["nanoserve.kv.paged_attention"]["5.5"])
+    _, expected = serve(tiny)
+    with pytest.warns(UserWarning, match=r"Exercise 5\.6 not finished in exercises/05-paged-kv/paged_attention\.py"):
+        engine, tokens = serve(tiny, student="05")
+    assert tokens == expected
+    runner = engine.executor.workers[0].model_runner
+    assert runner.attention.__module__ == runner.metadata.__module__ == "student_nanoserve_kv_paged_attention"
+    calls = engine.student.calls
+    steps = calls["AttentionMetadata.build"]
+    assert steps > len(PROMPTS) and calls["slot_mapping"] >= steps  # one per sequence and step
+    assert calls["PagedAttention.__call__"] == steps * tiny.config.num_hidden_layers
+    assert calls["attend_sequence"] > 0 and calls["gather_kv"] == 2 * calls["attend_sequence"]
+    assert "DecodeGroup.attend" not in calls  # the reference's: not counted as the learner's
