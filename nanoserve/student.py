@@ -197,8 +197,9 @@ def _first_string(exc) -> str:
     return ""
 
 
-def defined_names(mod: ModuleType) -> list[str]:
-    """What the learner's file itself defines: ["BlockAllocator", "hash_block", "Scheduler.schedule", ...]."""
+def defined_names(mod: ModuleType, swapped=frozenset()) -> list[str]:
+    """What the learner's file itself defines: ["BlockAllocator", "hash_block", "Scheduler.schedule", ...],
+    less `swapped` (the qualnames of unfinished rungs, which the reference's code stands in for)."""
     names = []
     for name, obj in vars(mod).items():
         if getattr(obj, "__module__", None) != mod.__name__ or name.startswith("_"):
@@ -209,9 +210,10 @@ def defined_names(mod: ModuleType) -> list[str]:
             own = [a for a, m in vars(obj).items()
                    if (inspect.isfunction(m) or isinstance(m, (staticmethod, classmethod))) and not a.startswith("_")]
             inherited = any(base.__module__ != mod.__name__ for base in obj.__mro__[1:-1])
-            # a class that inherits the reference: name what the learner wrote in it
-            names += [f"{name}.{a}" for a in own] if inherited else [name]
-    return names
+            mixed = any(qualname.startswith(f"{name}.") for qualname in swapped)
+            # a class that inherits the reference, or holds some of its functions: name what the learner wrote in it
+            names += [f"{name}.{a}" for a in own] if inherited or mixed else [name]
+    return [name for name in names if name not in swapped]
 
 
 def count_calls(mod: ModuleType, calls: Counter) -> ModuleType:
@@ -290,7 +292,7 @@ class StudentCode:
             return importlib.import_module(name)
         mod = count_calls(load_student(name), self.calls)  # before with_reference: count only the learner's calls
         swapped = {qualname for rung in rungs for qualname in RUNGS[name][rung]}
-        self.used[name] = (path, [n for n in defined_names(mod) if n not in swapped], rungs)
+        self.used[name] = (path, defined_names(mod, swapped), rungs)
         if rungs:
             warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference's "
                           f"{', '.join(sorted(swapped))} runs instead, with your other rungs", stacklevel=3)
