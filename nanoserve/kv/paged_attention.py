@@ -11,7 +11,7 @@ One engine step runs one flat batch of tokens from many sequences (vLLM style). 
  1. store_kv: this step's k, v (num_tokens, Hkv, D) go to their slots,
         k_cache[layer].view(Hkv, -1, D)[:, slot_mapping] = k.transpose(0, 1)
  2. attend: sequence i's queries are the LAST q_len_i of its seq_lens[i] positions, causal.
-    Its keys are gathered through its block table:
+    Its keys are gathered through its block table (gather_kv):
         k_cache[layer][:, block_tables[i]]   # (Hkv, blocks, block_size, D) -> first seq_lens[i] rows
 
 Decoding sequences (1 query each) are the common case: they are done in groups of up to 8, sorted
