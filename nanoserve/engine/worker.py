@@ -50,11 +50,9 @@ class Worker:
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
         self.attention = attention_class(attention_backend, paged_attention)
-        self.metadata = AttentionMetadata
-        if paged_kv is not None:
-            self.metadata = paged_kv.AttentionMetadata
-            if attention_backend == "torch":
-                self.attention = paged_kv.PagedAttention
+        if paged_kv is not None and attention_backend == "torch":
+            self.attention = paged_kv.PagedAttention
+        self.metadata = AttentionMetadata if paged_kv is None else paged_kv.AttentionMetadata
         # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
