@@ -14,7 +14,7 @@ head h reads kv head h // (H // Hkv).
 import torch  # noqa: F401  (you will want it)
 from torch.nn import functional as F  # noqa: F401  (F.scaled_dot_product_attention(..., enable_gqa=True))
 
-from nanoserve.kv.block_manager import cdiv, slot_mapping  # noqa: F401  (5.3: yours, from block_manager.py, under --student)
+from nanoserve.kv.block_manager import cdiv, slot_mapping  # noqa: F401  (--student: your slot_mapping, 5.3)
 from nanoserve.kv.paged_attention import DECODE_GROUP, PagedKVCache, num_blocks_for_budget  # noqa: F401  (given)
 from nanoserve.kv.paged_attention import AttentionMetadata as ReferenceAttentionMetadata
 from nanoserve.model.attention import causal_mask  # noqa: F401  (chapter 01's (T, S) additive mask with offset)
