@@ -221,3 +221,18 @@ def test_finished_metadata_and_paged_attention_serve_with_the_decode_group_stubb
     assert calls["PagedAttention.__call__"] == steps * tiny.config.num_hidden_layers
     assert calls["attend_sequence"] > 0 and calls["gather_kv"] == 2 * calls["attend_sequence"]
     assert "DecodeGroup.attend" not in calls  # the reference's: not counted as the learner's
+
+
+def test_all_of_chapter_05_serves(tiny, exercises):
+    """Every rung of 05 finished: no warning, and each of the learner's files is called in the real engine."""
+    for module in [m for m, path in STUDENT_FILES.items() if path.startswith("05-")]:
+        exercises(module)
+    _, expected = serve(tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine, tokens = serve(tiny, student="05")
+    assert tokens == expected
+    calls = engine.student.calls
+    for name in ["BlockAllocator.allocate", "PrefixCache.get", "BlockManager.allocate_slots", "slot_mapping",
+                 "AttentionMetadata.build", "attend_sequence", "DecodeGroup.attend"]:
+        assert calls[name] > 0, name
