@@ -166,7 +166,7 @@ def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int 
     tokens arrive at the given steps (= when the streams have sampled that many tokens: every step decodes
     each stream once, whatever the budget). For each {name: (chunked, max_num_batched_tokens)}, interleaved
     over `rounds`: the streams' inter-token gaps and the long prompts' TTFT (ms), from the least disturbed
-    round (the shortest). Returns {name: {"itl_ms": stats, "ttft_ms": stats, "gaps": [(s, ms)], ...}}."""
+    round (the shortest). Returns {name: {"itl_ms": stats, "ttft_ms": stats, "gaps": [(step, ms)], ...}}."""
     from nanoserve.metrics import itl, stats, ttft
 
     vocab, rng = model.config.vocab_size, random.Random(0)
@@ -180,27 +180,31 @@ def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int 
         engine = engine_for(model, num_blocks=1024, enable_prefix_caching=False,
                             enable_chunked_prefill=chunked, max_num_batched_tokens=tokens)
         records, trace = drive(engine, arrivals)
-        gaps = [(t, g * 1000) for i in range(num_streams)
+        step_at = {row["t"]: row["step"] for row in trace}  # a chunk is stamped with its step's end time
+        gaps = [(step_at[t], g * 1000) for i in range(num_streams)
                 for t, g in zip(records[f"s{i}"].chunk_times[1:], itl(records[f"s{i}"].chunk_times))]
         firsts = [ttft(records[f"long{i}"].start, records[f"long{i}"].chunk_times) * 1000 for i in range(len(longs))]
         return {"itl_ms": stats([g for _, g in gaps]), "max_itl_ms": max(g for _, g in gaps),
                 "ttft_ms": stats(firsts), "seconds": trace[-1]["t"], "steps": len(trace), "gaps": gaps,
-                "long_arrived_s": [records[f"long{i}"].start for i in range(len(longs))]}
+                "long_arrival_steps": list(long_arrivals)}
 
     results = interleaved(rounds, budgets, measure)
     return {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
 
 
 def budget_figure(plt, best: dict, title: str):
-    """Left: the streams' ITL over time (dotted: a long prompt arrives); right: p50 / p99 of ITL and TTFT."""
+    """Left: the streams' ITL step by step (dotted: a long prompt arrives); right: p50 / p99 of ITL and TTFT."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     names = list(best)
     for name, x in best.items():
-        t, g = zip(*sorted(x["gaps"]))
-        a.plot(t, g, ".-", ms=3, lw=0.8, label=name, alpha=0.8)
-    for t in next(iter(best.values()))["long_arrived_s"]:
-        a.axvline(t, color="grey", ls=":", lw=1)
-    a.set(xlabel="s", ylabel="ITL of the running streams (ms)", yscale="log", title="the gaps a long prompt causes")
+        worst = {}
+        for step, g in x["gaps"]:  # the slowest stream's gap of each step
+            worst[step] = max(worst.get(step, 0), g)
+        a.plot(list(worst), list(worst.values()), ".-", ms=3, lw=0.8, label=name, alpha=0.8)
+    for step in next(iter(best.values()))["long_arrival_steps"]:
+        a.axvline(step, color="grey", ls=":", lw=1)
+    a.set(xlabel="engine step (dotted: a long prompt arrives)", ylabel="ITL of the running streams (ms)", yscale="log",
+          title="the gaps a long prompt causes")
     a.legend(fontsize=8)
     width, xs = 0.2, range(len(names))
     for k, (metric, p, hatch) in enumerate([("itl_ms", "median", ""), ("itl_ms", "p99", "//"),
