@@ -212,7 +212,7 @@ def run(args):
             mean = {name: x / steps * per_token for name, x in [("held", held), ("naive", naive), ("paged", paged)]}
     print(f"   mean KV memory per step (block {bs}): tokens {format_bytes(mean['held'])}, paged reserves "
           f"{format_bytes(mean['paged'])}, naive reserves {format_bytes(mean['naive'])}: "
-          f"{mean['naive'] / mean['paged']:.1f}x the requests in the same memory\n")
+          f"naive holds {mean['naive'] / mean['paged']:.1f}x the memory (part 4 runs both under one cap)\n")
 
     # 2. prefix caching
     from nanoserve.tokenizer import Tokenizer
