@@ -19,6 +19,7 @@
      output tokens/s.
 """
 
+import sys
 import time
 
 import torch
@@ -49,6 +50,8 @@ QUESTIONS = [
 
 
 def register(sub):
+    from nanoserve.cli.checks import positive_float, positive_int
+
     p = sub.add_parser("paged-kv", help="KV waste naive vs paged, prefix-cache savings, batched vs looped paged attention")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--max-len", type=int, default=2048, help="tokens the naive cache reserves per request")
@@ -57,9 +60,10 @@ def register(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, default=256, help="mean context of the timed decode step")
     p.add_argument("--skip-model", action="store_true", help="skip loading SmolLM2 (the whole-model timing)")
-    p.add_argument("--memory-cap-mib", type=float, default=0,
-                   help="part 4: paged vs max-length reservation in a KV pool of this many MiB (0: skip)")
-    p.add_argument("--cap-requests", type=int, default=32, help="part 4: requests (prompts 32-128, outputs 32-128 tokens)")
+    p.add_argument("--memory-cap-mib", type=positive_float, default=None,
+                   help="part 4: paged vs max-length reservation in a KV pool of this many MiB (default: skip part 4)")
+    p.add_argument("--cap-requests", type=positive_int, default=32,
+                   help="part 4: requests (prompts 32-128, outputs 32-128 tokens)")
     p.set_defaults(func=run)
 
 
@@ -187,6 +191,18 @@ def interleaved_best(fns: dict, repeats: int) -> dict:
 def run(args):
     bs = args.block_size
     config = LlamaConfig()  # SmolLM2-135M's shapes (the numbers only; the weights load in part 3)
+    if args.memory_cap_mib:  # checked before anything runs: part 4 comes last
+        from nanoserve.bench.offline import make_workload
+        from nanoserve.kv.paged_attention import num_blocks_for_budget
+
+        num_blocks = num_blocks_for_budget(config, args.memory_cap_mib * 2**20, bs)
+        workload = make_workload(args.cap_requests, (32, 128), (32, 128), args.seed, config.vocab_size)
+        need = max(cdiv(len(p) + n, bs) for p, n in workload)
+        if args.skip_model or num_blocks < need:
+            print("error: --memory-cap-mib runs the model: drop --skip-model" if args.skip_model else
+                  f"error: --memory-cap-mib {args.memory_cap_mib:g} holds {num_blocks} blocks of {bs} tokens; the "
+                  f"longest request needs {need}", file=sys.stderr)
+            return 2
     per_token = kv_bytes_per_token(config, "fp32")
     print(f"command: python -m nanoserve bench paged-kv --requests {args.requests} --max-len {args.max_len} "
           f"--max-num-seqs {args.max_num_seqs} --block-size {bs} --seed {args.seed} --context {args.context}"
@@ -271,11 +287,6 @@ def run(args):
     print(f"   whole model (30 layers + LM head): batched {t['batched'] * 1000:.0f} ms = {n / t['batched']:.0f} tokens/s, "
           f"looped {t['looped'] * 1000:.0f} ms = {n / t['looped']:.0f} tokens/s")
     if args.memory_cap_mib:
-        from nanoserve.bench.offline import make_workload
-        from nanoserve.kv.paged_attention import num_blocks_for_budget
-
-        num_blocks = num_blocks_for_budget(config, args.memory_cap_mib * 2**20, bs)
-        workload = make_workload(args.cap_requests, (32, 128), (32, 128), args.seed, config.vocab_size)
         print(f"\n4. a fixed memory cap: {args.memory_cap_mib:g} MiB of KV = {num_blocks} blocks of {bs} "
               f"({num_blocks * bs} tokens); {len(workload)} requests at once, prompts 32-128, outputs 32-128 "
               f"(EOS ignored: max_tokens is exactly what each generates, the best case for reserving)")
