@@ -91,6 +91,9 @@ BAD = [
     (["info", "--gguf", "{d}/not.gguf"], ["not a GGUF file"]),
     (["bench", "no-such-bench"], ["invalid choice", "offline"]),
     (["bench", "offline", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["bench", "paged-kv", "--memory-cap-mib", "-1"], ["--memory-cap-mib", "> 0"]),
+    (["bench", "paged-kv", "--memory-cap-mib", "1"], ["--memory-cap-mib 1 holds 1 blocks", "needs 14"]),
+    (["bench", "paged-kv", "--memory-cap-mib", "64", "--skip-model"], ["drop --skip-model"]),
     (["no-such-command"], ["invalid choice", "generate"]),
 ]
 

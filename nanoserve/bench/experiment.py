@@ -6,6 +6,9 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
 
   chunked-prefill  TTFT of a lone prompt vs its length, chunked prefill on / off; and the ITL spike a long
                    prompt arriving causes to 4 running streams, on / off
+  prefill-budget   chapter 06's trade-off: streams decoding while long prompts arrive, for chunked-prefill
+                   budgets (max_num_batched_tokens) 256 / 512 / 2048 and chunking off: the streams' ITL and
+                   the long prompts' TTFT, p50 / p99
   overload         an undersized KV pool: blocks used, waiting queue and preemptions, step by step
   prefix-caching   requests sharing a 175-token system prompt, prefix caching on / off: TTFT and throughput
   block-size       8 / 16 / 32 tokens per block: the slots wasted in partly filled blocks vs tokens/s
@@ -24,7 +27,7 @@ import time
 
 import torch
 
-EXPERIMENTS = ["chunked-prefill", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers"]
+EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers"]
 
 
 def register(sub):
@@ -151,6 +154,81 @@ def chunked_prefill(args, model, tokenizer) -> dict:
         return fig
 
     return {"results": results, "best": best}, figure
+
+
+BUDGETS = {"chunked, budget 256": (True, 256), "chunked, budget 512": (True, 512),
+           "chunked, budget 2048": (True, 2048), "chunking off (budget 2048)": (False, 2048)}
+
+
+def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int = 96, long_len: int = 1024,
+                 long_arrivals=(8, 28, 48, 68), long_output: int = 16, rounds: int = 2) -> dict:
+    """Chapter 06's trade-off, measured: `num_streams` short requests decode while prompts of `long_len`
+    tokens arrive at the given steps (= when the streams have sampled that many tokens: every step decodes
+    each stream once, whatever the budget). For each {name: (chunked, max_num_batched_tokens)}, interleaved
+    over `rounds`: the streams' inter-token gaps and the long prompts' TTFT (ms), from the least disturbed
+    round (the shortest). Returns {name: {"itl_ms": stats, "ttft_ms": stats, "gaps": [(step, ms)], ...}}."""
+    from nanoserve.metrics import itl, stats, ttft
+
+    vocab, rng = model.config.vocab_size, random.Random(0)
+    streams = [random_prompt(rng, 32, vocab) for _ in range(num_streams)]
+    longs = [random_prompt(rng, long_len, vocab) for _ in long_arrivals]
+    arrivals = ([(0, f"s{i}", p, stream_output) for i, p in enumerate(streams)]
+                + [(step, f"long{i}", p, long_output) for i, (step, p) in enumerate(zip(long_arrivals, longs))])
+
+    def measure(name, budget, r):
+        chunked, tokens = budget
+        engine = engine_for(model, num_blocks=1024, enable_prefix_caching=False,
+                            enable_chunked_prefill=chunked, max_num_batched_tokens=tokens)
+        records, trace = drive(engine, arrivals)
+        step_at = {row["t"]: row["step"] for row in trace}  # a chunk is stamped with its step's end time
+        gaps = [(step_at[t], g * 1000) for i in range(num_streams)
+                for t, g in zip(records[f"s{i}"].chunk_times[1:], itl(records[f"s{i}"].chunk_times))]
+        firsts = [ttft(records[f"long{i}"].start, records[f"long{i}"].chunk_times) * 1000 for i in range(len(longs))]
+        return {"itl_ms": stats([g for _, g in gaps]), "max_itl_ms": max(g for _, g in gaps),
+                "ttft_ms": stats(firsts), "seconds": trace[-1]["t"], "steps": len(trace), "gaps": gaps,
+                "long_arrival_steps": list(long_arrivals)}
+
+    results = interleaved(rounds, budgets, measure)
+    return {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
+
+
+def budget_figure(plt, best: dict, title: str):
+    """Left: the streams' ITL step by step (dotted: a long prompt arrives); right: p50 / p99 of ITL and TTFT."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    names = list(best)
+    for name, x in best.items():
+        worst = {}
+        for step, g in x["gaps"]:  # the slowest stream's gap of each step
+            worst[step] = max(worst.get(step, 0), g)
+        a.plot(list(worst), list(worst.values()), ".-", ms=3, lw=0.8, label=name, alpha=0.8)
+    for step in next(iter(best.values()))["long_arrival_steps"]:
+        a.axvline(step, color="grey", ls=":", lw=1)
+    a.set(xlabel="engine step (dotted: a long prompt arrives)", ylabel="ITL of the running streams (ms)", yscale="log",
+          title="the gaps a long prompt causes")
+    a.legend(fontsize=8)
+    width, xs = 0.2, range(len(names))
+    for k, (metric, p, hatch) in enumerate([("itl_ms", "median", ""), ("itl_ms", "p99", "//"),
+                                            ("ttft_ms", "median", ""), ("ttft_ms", "p99", "//")]):
+        b.bar([x + (k - 1.5) * width for x in xs], [best[n][metric][p] for n in names], width, hatch=hatch,
+              color="C0" if metric == "itl_ms" else "C1", edgecolor="white",
+              label=f"{'stream ITL' if metric == 'itl_ms' else 'long prompt TTFT'} {p}")
+    b.set_xticks(list(xs), [n.replace(" (", "\n(").replace(", ", ",\n") for n in names], fontsize=8)
+    b.set(ylabel="ms", yscale="log", title="ITL of the streams vs TTFT of the long prompts")
+    b.legend(fontsize=8)
+    fig.suptitle(title)
+    return fig
+
+
+def prefill_budget(args, model, tokenizer) -> dict:
+    n_out = args.output_len or 96
+    best = budget_sweep(model, BUDGETS, stream_output=n_out, rounds=args.rounds)
+    print(f"8 streams (32-token prompts, {n_out} tokens each) decoding; 1024-token prompts arrive at steps 8, 28, 48, 68")
+    print(f"{'':28s}{'stream ITL p50':>15s}{'p99':>9s}{'max':>9s}{'long TTFT p50':>15s}{'p99':>9s}{'seconds':>9s}{'steps':>7s}")
+    for name, x in best.items():
+        print(f"{name:28s}{x['itl_ms']['median']:12.0f} ms{x['itl_ms']['p99']:6.0f} ms{x['max_itl_ms']:6.0f} ms"
+              f"{x['ttft_ms']['median']:12.0f} ms{x['ttft_ms']['p99']:6.0f} ms{x['seconds']:9.1f}{x['steps']:7d}")
+    return {"best": best}, lambda plt: budget_figure(
+        plt, best, f"8 streams decoding while 1024-token prompts arrive (least disturbed of {args.rounds} interleaved rounds)")
 
 
 def overload(args, model, tokenizer) -> dict:
@@ -413,7 +491,7 @@ def _metrics():
     return importlib.import_module("nanoserve.metrics")
 
 
-RUNNERS = {"chunked-prefill": chunked_prefill, "overload": overload, "prefix-caching": prefix_caching,
+RUNNERS = {"chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers}
 
 

@@ -11,9 +11,15 @@
   2. prefix caching: requests that share a system prompt, tokenized by the real tokenizer with the
      real chat template, one after another through a BlockManager: hit rate and blocks saved.
   3. speed: one decode step of --max-num-seqs sequences — one layer's attention, batched
-     (PagedAttention) vs a Python loop over sequences, then the whole SmolLM2 forward pass both ways.
+     (PagedAttention) vs a Python loop over sequences; the decode gather + attention from our heads-first
+     pool vs the same from a block-major pool (vLLM's layout); then the whole SmolLM2 forward pass.
+  4. with --memory-cap-mib N: the real engine on SmolLM2 in a pool of N MiB, paging (BlockManager) vs
+     reserving prompt + max_tokens at admission (kv/reservation.py), the same requests, stepped in
+     lockstep (one step of each in turn, each on its own clock): requests running at once, preemptions,
+     output tokens/s.
 """
 
+import sys
 import time
 
 import torch
@@ -44,6 +50,8 @@ QUESTIONS = [
 
 
 def register(sub):
+    from nanoserve.cli.checks import positive_float, positive_int
+
     p = sub.add_parser("paged-kv", help="KV waste naive vs paged, prefix-cache savings, batched vs looped paged attention")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--max-len", type=int, default=2048, help="tokens the naive cache reserves per request")
@@ -52,6 +60,10 @@ def register(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context", type=int, default=256, help="mean context of the timed decode step")
     p.add_argument("--skip-model", action="store_true", help="skip loading SmolLM2 (the whole-model timing)")
+    p.add_argument("--memory-cap-mib", type=positive_float, default=None,
+                   help="part 4: paged vs max-length reservation in a KV pool of this many MiB (default: skip part 4)")
+    p.add_argument("--cap-requests", type=positive_int, default=32,
+                   help="part 4: requests (prompts 32-128, outputs 32-128 tokens)")
     p.set_defaults(func=run)
 
 
@@ -106,6 +118,66 @@ def decode_batch(config: LlamaConfig, num_seqs: int, mean_context: int, block_si
     return cache, AttentionMetadata.build(tables, seq_lens, [1] * num_seqs, block_size)
 
 
+def block_major_attend(group, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    """DecodeGroup.attend on a block-major pool, (num_blocks, block_size, Hkv, D) as vLLM lays it out: one
+    gather of whole blocks (every head at once), then attention on a (Sd, Hkv, C, D) view whose rows of one
+    head are Hkv · D floats apart. q: (Sd, H, D) -> (Sd, H, D)."""
+    Sd, H, D = q.shape
+    Hkv = k_pool.shape[2]
+    blocks = group.tiles[: len(group.tiles) // Hkv]  # kv head 0's tiles are the block ids themselves: (Sd · MB,)
+    keys = k_pool.index_select(0, blocks).view(Sd, -1, Hkv, D).transpose(1, 2)  # (Sd, Hkv, C, D), strided
+    values = v_pool.index_select(0, blocks).view(Sd, -1, Hkv, D).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q.view(Sd, Hkv, H // Hkv, D), keys, values,
+                                                           attn_mask=group.mask)
+    return out.reshape(Sd, H, D)
+
+
+def decode_attention(attn: PagedAttention, q: torch.Tensor, attend) -> torch.Tensor:
+    """Every decode group of `attn` through attend(group, q of its tokens): the gather and the attention,
+    without the K/V store."""
+    out = torch.empty_like(q)
+    for group in attn.decode_groups:
+        out[group.tokens] = attend(group, q[group.tokens])
+    return out
+
+
+def under_memory_cap(model, num_blocks: int, block_size: int, workload) -> dict:
+    """Paged vs reserving, the same requests in the same pool; the two engines step in turn, each timed on
+    its own clock. {name: {steps, seconds, output_throughput, preemptions, peak_running, mean_running}}."""
+    from nanoserve.bench.experiment import engine_for, greedy
+    from nanoserve.kv.reservation import ReservingBlockManager
+
+    engines = {name: engine_for(model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
+               for name in ("paged", "reserve prompt+max_tokens")}
+    reserving = engines["reserve prompt+max_tokens"]
+    # The benchmark's own swap: the engine always pages; here its scheduler gets the reserving manager
+    # (same pool size, so the worker's KV tensors still match).
+    reserving.block_manager = reserving.scheduler.block_manager = ReservingBlockManager(
+        num_blocks, block_size, lambda seq_id: reserving.scheduler.seqs[seq_id].max_total_tokens)
+    stats = {name: {"steps": 0, "seconds": 0.0, "preemptions": 0, "running": [], "output_tokens": 0}
+             for name in engines}
+    for engine in engines.values():
+        for i, (prompt, n) in enumerate(workload):
+            engine.add_request(str(i), prompt, greedy(n))
+    while any(e.has_unfinished_requests() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished_requests():
+                continue
+            x, t0 = stats[name], time.perf_counter()
+            outputs = engine.step()
+            x["seconds"] += time.perf_counter() - t0
+            x["steps"] += 1
+            x["preemptions"] += len(engine.last_scheduler_output.preempted_seq_ids)
+            x["running"].append(len(engine.last_scheduler_output.scheduled_seqs))
+            x["output_tokens"] += sum(len(o.new_token_ids) for o in outputs)
+    for name, x in stats.items():
+        assert engines[name].block_manager.get_num_free_blocks() == num_blocks  # nothing leaked
+        running = x.pop("running")
+        x.update(peak_running=max(running), mean_running=sum(running) / len(running),
+                 output_throughput=x["output_tokens"] / x["seconds"])
+    return stats
+
+
 def interleaved_best(fns: dict, repeats: int) -> dict:
     """Best wall time of each function, alternating them so a noisy neighbour hurts all alike."""
     best = {name: float("inf") for name in fns}
@@ -119,10 +191,23 @@ def interleaved_best(fns: dict, repeats: int) -> dict:
 def run(args):
     bs = args.block_size
     config = LlamaConfig()  # SmolLM2-135M's shapes (the numbers only; the weights load in part 3)
+    if args.memory_cap_mib:  # checked before anything runs: part 4 comes last
+        from nanoserve.bench.offline import make_workload
+        from nanoserve.kv.paged_attention import num_blocks_for_budget
+
+        num_blocks = num_blocks_for_budget(config, args.memory_cap_mib * 2**20, bs)
+        workload = make_workload(args.cap_requests, (32, 128), (32, 128), args.seed, config.vocab_size)
+        need = max(cdiv(len(p) + n, bs) for p, n in workload)
+        if args.skip_model or num_blocks < need:
+            print("error: --memory-cap-mib runs the model: drop --skip-model" if args.skip_model else
+                  f"error: --memory-cap-mib {args.memory_cap_mib:g} holds {num_blocks} blocks of {bs} tokens; the "
+                  f"longest request needs {need}", file=sys.stderr)
+            return 2
     per_token = kv_bytes_per_token(config, "fp32")
     print(f"command: python -m nanoserve bench paged-kv --requests {args.requests} --max-len {args.max_len} "
           f"--max-num-seqs {args.max_num_seqs} --block-size {bs} --seed {args.seed} --context {args.context}"
-          + (" --skip-model" if args.skip_model else ""))
+          + (" --skip-model" if args.skip_model else "")
+          + (f" --memory-cap-mib {args.memory_cap_mib:g} --cap-requests {args.cap_requests}" if args.memory_cap_mib else ""))
     print(f"threads: {torch.get_num_threads()}\n")
 
     # 1. waste
@@ -143,7 +228,7 @@ def run(args):
             mean = {name: x / steps * per_token for name, x in [("held", held), ("naive", naive), ("paged", paged)]}
     print(f"   mean KV memory per step (block {bs}): tokens {format_bytes(mean['held'])}, paged reserves "
           f"{format_bytes(mean['paged'])}, naive reserves {format_bytes(mean['naive'])}: "
-          f"{mean['naive'] / mean['paged']:.1f}x the requests in the same memory\n")
+          f"naive holds {mean['naive'] / mean['paged']:.1f}x the memory (part 4 runs both under one cap)\n")
 
     # 2. prefix caching
     from nanoserve.tokenizer import Tokenizer
@@ -176,6 +261,16 @@ def run(args):
           f"block {bs}, pool {format_bytes(cache.nbytes)} per layer")
     print(f"   one layer's attention: batched {t['batched'] * 1000:.2f} ms, looped over sequences {t['looped'] * 1000:.2f} ms "
           f"({t['looped'] / t['batched']:.1f}x)")
+    # the same decode gather + attention from vLLM's block-major layout: the same numbers, permuted
+    k_pool, v_pool = (c[0].permute(1, 2, 0, 3).contiguous() for c in (cache.k_cache, cache.v_cache))  # (nb, bs, Hkv, D)
+    heads_first = lambda group, qg: group.attend(qg, cache.k_cache[0], cache.v_cache[0])  # noqa: E731
+    block_major = lambda group, qg: block_major_attend(group, qg, k_pool, v_pool)  # noqa: E731
+    assert (decode_attention(batched, q, heads_first) - decode_attention(batched, q, block_major)).abs().max() < 1e-4
+    t = interleaved_best({"heads-first": lambda: decode_attention(batched, q, heads_first),
+                          "block-major": lambda: decode_attention(batched, q, block_major)}, repeats=20)
+    print(f"   one layer's decode gather + attention by pool layout: heads-first (Hkv, num_blocks, block, D) "
+          f"{t['heads-first'] * 1000:.2f} ms, block-major (num_blocks, block, Hkv, D) {t['block-major'] * 1000:.2f} ms "
+          f"({t['block-major'] / t['heads-first']:.2f}x)")
     if args.skip_model:
         return
     from nanoserve.model import load_gguf
@@ -191,3 +286,16 @@ def run(args):
     t = interleaved_best({"batched": lambda: step(True), "looped": lambda: step(False)}, repeats=2)
     print(f"   whole model (30 layers + LM head): batched {t['batched'] * 1000:.0f} ms = {n / t['batched']:.0f} tokens/s, "
           f"looped {t['looped'] * 1000:.0f} ms = {n / t['looped']:.0f} tokens/s")
+    if args.memory_cap_mib:
+        print(f"\n4. a fixed memory cap: {args.memory_cap_mib:g} MiB of KV = {num_blocks} blocks of {bs} "
+              f"({num_blocks * bs} tokens); {len(workload)} requests at once, prompts 32-128, outputs 32-128 "
+              f"(EOS ignored: max_tokens is exactly what each generates, the best case for reserving)")
+        print(f"   {'':28s}{'running at once: peak':>22s}{'mean':>7s}{'preemptions':>13s}{'steps':>7s}"
+              f"{'seconds':>9s}{'out tok/s':>11s}")
+        stats = under_memory_cap(model, num_blocks, bs, workload)
+        for name, x in stats.items():
+            print(f"   {name:28s}{x['peak_running']:22d}{x['mean_running']:7.1f}{x['preemptions']:13d}{x['steps']:7d}"
+                  f"{x['seconds']:9.1f}{x['output_throughput']:11.1f}")
+        paged, reserved = stats.values()
+        print(f"   paged / reserving: {paged['mean_running'] / reserved['mean_running']:.2f}x the requests running "
+              f"(mean), {paged['output_throughput'] / reserved['output_throughput']:.2f}x the output tokens/s")
