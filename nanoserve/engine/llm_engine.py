@@ -129,15 +129,12 @@ class LLMEngine:
             )
         if request_id in self.num_live:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(f"request {request_id!r}: n={sampling_params.n} completions need as many seats, "
-                             f"max_num_seqs is {self.config.max_num_seqs}")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        self.scheduler.add_seq(seq)  # raises if it could never fit: no request loops forever
+        self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
