@@ -27,7 +27,7 @@ Registering a new exercise (chapters 07, 08, …) is two edits, both obvious:
   1. add `"nanoserve.x.y": "NN-slug/y.py"` to STUDENT_FILES below (the grader and the API check
      in tests/test_exercises.py pick it up from there);
   2. if the file holds several exercises that can each be done alone, list each one's functions in
-     RUNGS (reference qualnames: "Scheduler.admit");
+     RUNGS (reference qualnames: "Scheduler.schedule_waiting");
   3. to let it serve for real, the code that uses the module asks for it through the run's
      StudentCode instead of importing it: `self.student.module("nanoserve.x.y").Thing(...)`
      (see LLMEngine.__init__). That is all: the fallback, the report and the call counts come free.
@@ -64,13 +64,21 @@ STUDENT_FILES = {
     "nanoserve.metrics": "09-measuring/metrics.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
+    "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
 }
 
 
 # files that hold a ladder of exercises: module -> {exercise: the functions (qualnames) it is}. A rung's
 # functions are swapped for the reference's (with_reference) where the learner has not done that rung yet
 # (serving), or is being graded on another rung (grading).
-RUNGS: dict[str, dict[str, list[str]]] = {}
+RUNGS: dict[str, dict[str, list[str]]] = {
+    "nanoserve.engine.scheduler": {
+        "6.1": ["Scheduler.schedule_waiting"],
+        "6.2": ["Scheduler.num_new_tokens"],
+        "6.3": ["Scheduler.schedule_running", "Scheduler.preempt", "Scheduler.check_fits_alone"],
+        "6.4": ["Scheduler.num_cached_tokens"],
+    },
+}
 
 
 def use_student() -> bool:

@@ -86,8 +86,9 @@ class LLMEngine:
         self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
         kernel = (student.module("nanoserve.kernels.triton_paged_attention")
                   if self.attention_backend == "triton" else None)
+        runner = student.module("nanoserve.engine.model_runner").ModelRunner  # the learner's with 06 (exercise 6.5)
         self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel,
-                                          degraded_model=degraded_model)])
+                                          degraded_model=degraded_model, model_runner_class=runner)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")

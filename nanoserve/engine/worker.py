@@ -39,9 +39,10 @@ def keep_freed_host_memory() -> bool:
 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
-                 paged_attention=None, degraded_model=None):
+                 paged_attention=None, degraded_model=None, model_runner_class=ModelRunner):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
-        paged_attention: the Triton kernel module for "triton" (None: the reference)."""
+        paged_attention: the Triton kernel module for "triton" (None: the reference);
+        model_runner_class: the reference ModelRunner, or the learner's (exercise 6.5)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
@@ -50,6 +51,7 @@ class Worker:
         self.attention = attention_class(attention_backend, paged_attention)
         # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
+        self.model_runner_class = model_runner_class
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
@@ -59,7 +61,7 @@ class Worker:
         c = self.kv_config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                              self.device)
-        self.model_runner = ModelRunner(self.model, cache, self.attention, self.degraded_model)
+        self.model_runner = self.model_runner_class(self.model, cache, self.attention, self.degraded_model)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         return self.model_runner.execute_model(scheduler_output, degraded)
