@@ -130,6 +130,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """One step's plan: the running sequences first, then admissions (the policy: see the top of this file)."""
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
         budget = self.schedule_running(out, self.config.max_num_batched_tokens)
