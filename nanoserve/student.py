@@ -30,7 +30,7 @@ Registering a new exercise (chapters 07, 08, …) is two edits, both obvious:
   1. add `"nanoserve.x.y": "NN-slug/y.py"` to STUDENT_FILES below (the grader and the API check
      in tests/test_exercises.py pick it up from there);
   2. if the file holds several exercises that can each be done alone, list each one's functions in
-     RUNGS (reference qualnames: "Scheduler.admit");
+     RUNGS (reference qualnames: "Scheduler.schedule_waiting");
   3. to let it serve for real, the code that uses the module asks for it through the run's
      StudentCode instead of importing it: `self.student.module("nanoserve.x.y").Thing(...)`
      (see LLMEngine.__init__). That is all: the fallback, the report and the call counts come free.
@@ -69,6 +69,7 @@ STUDENT_FILES = {
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
+    "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
 }
 
 
@@ -84,6 +85,12 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "5.3": ["AttentionMetadata.build"],
         "5.5": ["gather_kv", "attend_sequence", "PagedAttention.__init__", "PagedAttention.__call__"],
         "5.6": ["DecodeGroup.__init__", "DecodeGroup.attend"],
+    },
+    "nanoserve.engine.scheduler": {
+        "6.1": ["Scheduler.schedule_waiting"],
+        "6.2": ["Scheduler.num_new_tokens"],
+        "6.3": ["Scheduler.schedule_running", "Scheduler.preempt", "Scheduler.check_fits_alone"],
+        "6.4": ["Scheduler.num_cached_tokens"],
     },
 }
 

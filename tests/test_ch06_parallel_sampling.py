@@ -118,3 +118,23 @@ def test_n_one_token_and_bad_n(tiny):
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="max_num_seqs is 2"):
         engine_for(tiny, max_num_seqs=2).add_request("r", PROMPT, params(n=3))
+
+
+def test_admission_reserves_the_seats_of_the_forks(tiny):
+    """max_num_seqs=4: "a" (n=3) is admitted, "b" (n=2) would make 5 sequences once both fork, so it waits — and
+    "c" (n=1) behind it too (the queue head is never overtaken) — until a's completions finish."""
+    engine = engine_for(tiny, max_num_seqs=4)
+    engine.add_request("a", PROMPT, params(n=3, max_tokens=3))
+    engine.add_request("b", PROMPT[:6], params(n=2, max_tokens=2))
+    engine.add_request("c", PROMPT[:4], params(max_tokens=2))
+    plans = []
+
+    def on_step(e):
+        plans.append(e.last_scheduler_output.num_scheduled_tokens)
+        assert len(e.scheduler.running) <= 4, [s.seq_id for s in e.scheduler.running]
+
+    done, _ = run(engine, on_step)
+    assert plans == [{"a": 10}, {"a": 1, "a#1": 1, "a#2": 1}, {"a": 1, "a#1": 1, "a#2": 1},
+                     {"b": 2, "c": 4}, {"b": 1, "b#1": 1, "c": 1}]  # b's first block is a's, still cached
+    assert sorted(done) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", 0)]
+    assert_pool_whole(engine)

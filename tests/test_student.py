@@ -62,12 +62,12 @@ def finish(module: str, qualnames: list[str]) -> Path:
     return path
 
 
-# A shared 8-token prefix (two blocks of 4) makes the prefix cache hit; 5 requests on 12 blocks preempt.
+# A shared 8-token prefix (two blocks of 4) makes the prefix cache hit; 5 requests on 11 blocks preempt one.
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9 + i, 20 + i, 30 + i] for i in range(5)]
 
 
 def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
-    engine = LLMEngine(model, EngineConfig(num_blocks=12, block_size=4, max_num_batched_tokens=16, **config))
+    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     tokens = {}
@@ -97,7 +97,7 @@ def test_finished_05_serves_and_untouched_06_falls_back(tiny, exercises, capsys)
     exercises("nanoserve.kv.block_allocator")
     exercises("nanoserve.kv.prefix_cache")
     _, expected = serve(tiny)
-    with pytest.warns(UserWarning, match=r"Exercise 6\.1 not finished in exercises/06-continuous-batching"):
+    with pytest.warns(UserWarning, match=r"Exercise 6\.1, .*6\.4 not finished in exercises/06-continuous-batching"):
         engine, tokens = serve(tiny, student=True)
     assert tokens == expected
     assert type(engine.block_manager.allocator).__module__ == "student_nanoserve_kv_block_allocator"
@@ -109,7 +109,7 @@ def test_finished_05_serves_and_untouched_06_falls_back(tiny, exercises, capsys)
     assert calls["PrefixCache.get"] > 0 and engine.block_manager.stats.hit_blocks > 0
     err = capsys.readouterr().err
     assert "yours      BlockAllocator  from exercises/05-paged-kv/block_allocator.py" in err
-    assert "reference  nanoserve.engine.scheduler" in err and "Exercise 6.1 (Scheduler.schedule)" in err
+    assert "reference  nanoserve.engine.scheduler" in err and "Exercise 6.1 (Scheduler.schedule_waiting)" in err
     proof = engine.student_proof()
     assert f"BlockAllocator.allocate ×{calls['BlockAllocator.allocate']}" in proof
     assert f"prefix-cache hits: {engine.block_manager.stats.hit_blocks} blocks" in proof
@@ -117,16 +117,62 @@ def test_finished_05_serves_and_untouched_06_falls_back(tiny, exercises, capsys)
 
 def test_finished_06_serves_and_untouched_05_falls_back(tiny, exercises):
     exercises("nanoserve.engine.scheduler")
+    exercises("nanoserve.engine.model_runner")
     _, expected = serve(tiny)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, tokens = serve(tiny, student=["05", "06"])
     messages = [str(w.message) for w in caught]
     assert any("Exercise 5.1" in m for m in messages) and any("Exercise 5.2" in m for m in messages)
+    assert not any("Exercise 6." in m for m in messages)
     assert tokens == expected
     assert type(engine.scheduler).__module__ == "student_nanoserve_engine_scheduler"
+    assert type(engine.executor.workers[0].model_runner).__module__ == "student_nanoserve_engine_model_runner"
     assert type(engine.block_manager.allocator).__module__ == "nanoserve.kv.block_allocator"
-    assert engine.student.calls["Scheduler.schedule"] >= len(PROMPTS)
+    calls = engine.student.calls
+    assert calls["Scheduler.schedule_waiting"] >= len(PROMPTS) and calls["ModelRunner.prepare_inputs"] >= len(PROMPTS)
+    assert calls["Scheduler.preempt"] > 0 and calls["Scheduler.num_cached_tokens"] > 0  # the pool is small
+
+
+def finish_rungs(path: Path, module: str, rungs: list[str]) -> None:
+    """Write rungs of a ladder into the learner's file: each stub method replaced by the reference's own."""
+    reference = importlib.import_module(module)
+    source = path.read_text()
+    for rung in rungs:
+        for qualname in student.RUNGS[module][rung]:
+            cls, name = qualname.split(".")
+            start = source.index(f"    def {name}(")
+            end = source.find("\n    def ", start + 1)
+            body = inspect.getsource(getattr(getattr(reference, cls), name))
+            source = source[:start] + body + (source[end + 1:] if end != -1 else "")
+    path.write_text(source)
+
+
+def test_finished_rungs_serve_and_the_unfinished_ones_fall_back(tiny, exercises):
+    path = student.EXERCISES / STUDENT_FILES["nanoserve.engine.scheduler"]
+    finish_rungs(path, "nanoserve.engine.scheduler", ["6.1", "6.2"])
+    assert unfinished(path) == {"Exercise 6.3": ["Scheduler.schedule_running", "Scheduler.preempt",
+                                                 "Scheduler.check_fits_alone"],
+                                "Exercise 6.4": ["Scheduler.num_cached_tokens"]}
+    _, expected = serve(tiny)
+    with pytest.warns(UserWarning, match=r"Exercise 6\.3, Exercise 6\.4 not finished in .*scheduler\.py: the "
+                                         r"reference's Scheduler\.check_fits_alone, .* runs instead, with your other"):
+        engine, tokens = serve(tiny, student="06")
+    assert tokens == expected
+    assert type(engine.scheduler).__module__ == "student_nanoserve_engine_scheduler"
+    calls = engine.student.calls
+    assert calls["Scheduler.schedule_waiting"] >= len(PROMPTS) and calls["Scheduler.num_new_tokens"] > len(PROMPTS)
+    assert "Scheduler.schedule_running" not in calls and "Scheduler.preempt" not in calls  # the reference's ran
+    assert engine.block_manager.stats.hit_blocks > 0  # the reference's 6.4 found them
+    lines = engine.student.describe().splitlines()
+    assert ("  yours      Scheduler.schedule_waiting, Scheduler.num_new_tokens  "
+            "from exercises/06-continuous-batching/scheduler.py") in lines
+    assert ("  reference  Scheduler.schedule_running, Scheduler.preempt, Scheduler.check_fits_alone  "
+            "(Exercise 6.3 not finished)") in lines
+    assert "  reference  Scheduler.num_cached_tokens  (Exercise 6.4 not finished)" in lines
+    assert any(line.startswith("  reference  nanoserve.engine.model_runner  (") and "Exercise 6.5" in line
+               for line in lines)
+    assert "Scheduler.schedule_waiting ×" in engine.student_proof()
 
 
 def test_a_half_finished_class_falls_back_naming_the_exercise(tiny, exercises):
@@ -172,7 +218,7 @@ def test_batch_cli_serves_with_the_learners_allocator_and_says_so(smollm2, smoll
                  "--student"]) == 0
     err = capsys.readouterr().err
     assert "yours      BlockAllocator  from exercises/05-paged-kv/block_allocator.py" in err
-    assert "reference  nanoserve.engine.scheduler" in err and "Exercise 6.1 (Scheduler.schedule)" in err
+    assert "reference  nanoserve.engine.scheduler" in err and "Exercise 6.1 (Scheduler.schedule_waiting)" in err
     proof = [line for line in err.splitlines() if line.startswith("--student: your code served:")]
     assert len(proof) == 1 and "BlockAllocator.allocate ×" in proof[0] and "BlockAllocator.free ×" in proof[0]
     assert "prefix-cache hits: 0 blocks" not in proof[0]

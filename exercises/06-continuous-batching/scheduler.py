@@ -1,22 +1,37 @@
-"""Exercise 6.1 — write `Scheduler.schedule()`, the heart of continuous batching.
+"""Exercises 6.1–6.4 — the scheduler of continuous batching, one idea per rung.
 
-This file mirrors nanoserve/engine/scheduler.py. Everything around `schedule()` is given: your
-class inherits the queues and helpers of the reference Scheduler, so you write the policy only.
+This file mirrors nanoserve/engine/scheduler.py. Your class inherits the reference Scheduler, so
+everything you do not write is given — queues, `add_seq`, `fork_seq`, `update_from_output`,
+`finish_seq` — and so is `schedule()` itself, which only composes the methods below:
 
-What you have (see nanoserve/engine/scheduler.py for their code):
+    def schedule(self):
+        out = SchedulerOutput(finished_seq_ids=...)
+        budget = self.schedule_running(out, self.config.max_num_batched_tokens)   # 6.3
+        if not out.preempted_seq_ids:
+            self.schedule_waiting(out, budget)                                     # 6.1
+        ...                                      # RuntimeError if nothing runs and nothing could start
+        return out
+
+    6.1  schedule_waiting    FCFS admission under the token budget and the seats
+    6.2  num_new_tokens      chunked prefill: how many tokens a sequence computes this step
+    6.3  schedule_running, preempt, check_fits_alone
+                             preemption by recompute, and the guard that makes it never deadlock
+    6.4  num_cached_tokens   prefix-aware admission: skip what the prefix cache holds
+
+Each rung is graded alone (`make grade CH=06 EX=6.2`): while you work on one, the reference's code
+runs for the others. What you have:
 
     self.config.max_num_seqs, .max_num_batched_tokens, .enable_chunked_prefill
     self.waiting, self.running     lists of Sequence, each kept sorted by urgency
                                    (priority, then arrival_time): index 0 is the most urgent
-    self.block_manager             chapter 05's BlockManager (lookup_prefix, get_num_free_blocks, ...)
-    self._allocate(seq, n)         grow seq's block table to cover n tokens; None if the pool is short
+    self.block_manager             chapter 05's BlockManager (lookup_prefix, free, ...)
+    self._allocate(seq, n)         grow seq's block table to cover tokens [0, n); None if the pool is short
+                                   (all or nothing: on None nothing changed)
     self._schedule(out, seq, n)    record "seq computes n tokens this step" in the SchedulerOutput
-    self._preempt(seq)             free seq's blocks, reset it, put it back in self.waiting (sorted)
-    bisect.insort(self.running, seq, key=_urgency)     keep self.running sorted when you admit
+    bisect.insort(self.running, seq, key=_urgency)     keep a queue sorted when you add to it
 
-A Sequence gives you num_tokens, num_computed_tokens, token_ids, status, seq_id.
-
-Run `make grade CH=06` to grade it, and `python -m nanoserve batch --student ...` to serve with it.
+A Sequence gives you num_tokens, num_computed_tokens, token_ids, num_seats, status, seq_id,
+num_preemptions, scheduled_time. README.md has the design questions to answer before each rung.
 """
 
 import bisect  # noqa: F401  (you will want bisect.insort)
@@ -24,30 +39,68 @@ import time  # noqa: F401  (seq.scheduled_time, for the queue-time metric)
 
 from nanoserve.engine.scheduler import Scheduler as ReferenceScheduler
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput, _urgency  # noqa: F401
-from nanoserve.engine.sequence import SequenceStatus  # noqa: F401
+from nanoserve.engine.sequence import Sequence, SequenceStatus  # noqa: F401
 
 
 class Scheduler(ReferenceScheduler):
-    def schedule(self) -> SchedulerOutput:
-        """Plan one step: which sequences compute how many tokens.
+    def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Exercise 6.1: admit waiting sequences, head first; return the budget left.
 
-        Start with `out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)`, then reset
-        `self._finished_seq_ids = []`, and spend a budget of `max_num_batched_tokens` tokens:
+        Admit `self.waiting[0]` again and again while there is budget left and a seat for it: the running
+        set may hold `max_num_seqs` seats, and a sequence takes `seq.num_seats` of them (n for a request
+        with n completions, which forks into n sequences once its prompt is computed; 1 otherwise).
 
-        1. Running sequences, in order (most urgent first). Each wants its remaining tokens,
-           `num_tokens - num_computed_tokens` (1 for a decode), capped by the budget left.
-           If `_allocate` says no, preempt the LAST running sequence (pop it, `_preempt` it, and
-           record its id in `out.preempted_seq_ids`) and try again — unless the victim was the
-           sequence itself, which then just waits.
-        2. Only if nobody was preempted this step: admit from the head of `self.waiting` while
-           there is budget and a seat (len(self.running) < max_num_seqs). A sequence's first
-           `block_manager.lookup_prefix(seq.token_ids)` tokens are already cached: set
-           num_computed_tokens to that and schedule the rest — all of it, or with chunked prefill
-           as much as the budget allows (without chunking, a prompt that does not fit waits).
-           If `_allocate` says no, stop: the head of the queue is never overtaken.
-           An admitted sequence becomes RUNNING, gets `scheduled_time` (if it has none) and joins
-           `self.running` in urgency order.
-        3. If nothing could be scheduled while nothing runs, raise RuntimeError: the pool is
-           leaking blocks (add_seq already refused every request that could never fit).
+        For the head `seq`:
+          computed = self.num_cached_tokens(seq)         # tokens already in the prefix cache (6.4)
+          n = self.num_new_tokens(seq, computed, budget)  # how many it computes now (6.2); 0: it waits
+        If n is 0 or `self._allocate(seq, computed + n)` says None, stop: the head is never overtaken.
+        Else take it off the queue and make it RUNNING: num_computed_tokens = computed, scheduled_time
+        = time.perf_counter() if it has none yet (a preempted sequence keeps its first one), insert it
+        into self.running in urgency order, `self._schedule(out, seq, n)`, and spend n of the budget.
         """
-        raise NotImplementedError("Exercise 6.1: write Scheduler.schedule() (see the docstring and README.md)")
+        raise NotImplementedError("Exercise 6.1: write Scheduler.schedule_waiting (see its docstring and README.md)")
+
+    def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int) -> int:
+        """Exercise 6.2: how many tokens `seq` computes this step, starting at `num_computed_tokens`, with
+        `budget` (>= 1) tokens of the step left.
+
+        It has `seq.num_tokens - num_computed_tokens` tokens left to compute (1 for a decode). If they fit in
+        the budget, all of them. If not: with `self.config.enable_chunked_prefill`, a chunk as large as the
+        budget (the rest follows in later steps); without, 0 — the prefill waits until it fits whole.
+        """
+        raise NotImplementedError("Exercise 6.2: write Scheduler.num_new_tokens (see its docstring and README.md)")
+
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Exercise 6.3: schedule the running sequences, most urgent first; return the budget left.
+
+        Walk `self.running` with an index while budget is left. Each `seq` computes
+        `n = self.num_new_tokens(seq, seq.num_computed_tokens, budget)` tokens, for which its table must
+        cover `seq.num_computed_tokens + n` tokens. While `self._allocate` says None, preempt the LAST
+        running sequence (the least urgent): pop it, `self.preempt` it, append its id to
+        `out.preempted_seq_ids`, and try again — unless the victim was `seq` itself, which then just waits.
+        Once the allocation works, `self._schedule(out, seq, n)`, spend n and go to the next one.
+        """
+        raise NotImplementedError("Exercise 6.3: write Scheduler.schedule_running (see its docstring and README.md)")
+
+    def preempt(self, seq: Sequence) -> None:
+        """Exercise 6.3: preemption by recompute. Free seq's blocks (the block manager), make it PREEMPTED with
+        0 computed tokens (it keeps its tokens: prompt and generated), count it in seq.num_preemptions, and put
+        it back into self.waiting in urgency order."""
+        raise NotImplementedError("Exercise 6.3: write Scheduler.preempt (see its docstring and README.md)")
+
+    def check_fits_alone(self, seq: Sequence) -> None:
+        """Exercise 6.3: the guard `add_seq` calls. Raise ValueError, naming the numbers, for a request that
+        could never run even alone in an empty pool:
+          - its prompt + max_tokens (seq.max_total_tokens) need more blocks than the whole pool has
+            (`self.block_manager.num_blocks` blocks of `.block_size` tokens), with "can never fit" in the message;
+          - it needs more seats (seq.num_seats) than max_num_seqs, with "max_num_seqs is N" in the message;
+          - without chunked prefill, seq.max_total_tokens > max_num_batched_tokens (a preempted sequence is
+            recomputed as one prefill of all its tokens), with "chunked prefill is off" in the message.
+        """
+        raise NotImplementedError("Exercise 6.3: write Scheduler.check_fits_alone (see its docstring and README.md)")
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Exercise 6.4: how many leading tokens of `seq` the prefix cache already holds, so admission skips
+        them. Ask chapter 05's block manager. Which tokens do you look up for a sequence that was preempted
+        after generating some?"""
+        raise NotImplementedError("Exercise 6.4: write Scheduler.num_cached_tokens (see its docstring and README.md)")

@@ -87,8 +87,10 @@ class LLMEngine:
                   if self.attention_backend == "triton" else None)
         # chapter 05's paged attention and metadata (the learner's rungs 5.3, 5.5, 5.6 where finished)
         paged_kv = student.module("nanoserve.kv.paged_attention")
+        runner = student.module("nanoserve.engine.model_runner").ModelRunner  # the learner's with 06 (exercise 6.5)
         self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel,
-                                          degraded_model=degraded_model, paged_kv=paged_kv)])
+                                          degraded_model=degraded_model, paged_kv=paged_kv,
+                                          model_runner_class=runner)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
@@ -131,15 +133,12 @@ class LLMEngine:
             )
         if request_id in self.num_live:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(f"request {request_id!r}: n={sampling_params.n} completions need as many seats, "
-                             f"max_num_seqs is {self.config.max_num_seqs}")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
-        self.scheduler.add_seq(seq)  # raises if it could never fit: no request loops forever
+        self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""

@@ -11,20 +11,30 @@ can mix the decodes of running sequences with (chunks of) the prompts of new one
     step 2:  A: 1 token (decode)   B: 3 tokens (chunk [7, 10), samples B's first token)
     step 3:  A: 1 token            B: 1 token                 — both decoding
 
-The policy, in order:
-  1. Running sequences, most urgent first (priority, then arrival), each gets its remaining
-     tokens (1 for a decode; the rest of its prompt, up to the budget, for a chunked prefill).
-     If the block pool cannot hold its new tokens, preempt the *least* urgent running
-     sequence (highest priority value, latest arrival) by recompute — free its blocks, reset
-     num_computed_tokens to 0, put it back in the waiting queue — and try again. If that victim
-     is the sequence itself, it waits too.
-  2. If nobody was preempted this step, admit waiting sequences in the same order while there
-     is budget, a free seat (max_num_seqs) and blocks. The queue head blocks the ones behind it
-     (strict FCFS: a long prompt is not overtaken forever by short ones).
+The policy, one method per idea (exercises/06 writes them one at a time, rungs 6.1 to 6.4):
 
-Why this never deadlocks or livelocks: `add_seq` refuses a request whose prompt + max_tokens
-could not fit in the whole pool alone (ValueError), so the most urgent running sequence can
-always grow by preempting the others; it finishes, frees its blocks, and the next one moves up.
+    schedule()                  the step: running sequences first, then admissions, then a leak check
+      schedule_running(out, b)  6.3  running sequences, most urgent first (priority, then arrival), each
+                                     computes its remaining tokens (1 for a decode, the rest of its prompt for
+                                     a chunked prefill). If the pool cannot hold them, preempt the *least*
+                                     urgent running sequence (highest priority value, latest arrival) by
+                                     recompute and try again; if that victim is the sequence itself, it waits.
+      schedule_waiting(out, b)  6.1  only if nobody was preempted this step: admit from the head of the
+                                     waiting queue while there is budget, seats (a request with n
+                                     completions takes n) and blocks. The head blocks the ones behind it
+                                     (strict FCFS: a long prompt is not overtaken forever by short ones).
+      num_new_tokens(seq, c, b) 6.2  how many tokens a sequence computes: all that are left, or a chunk of
+                                     the budget (chunked prefill), or none (without chunking, it waits)
+      num_cached_tokens(seq)    6.4  the prefix-cache hit an admission skips
+    preempt(seq)                6.3  recompute preemption: free the blocks, keep the tokens, wait again
+    check_fits_alone(seq)       6.3  add_seq's guard: refuse what could never run, even alone
+
+vLLM v0 splits its scheduler the same way (_schedule_running, _schedule_prefills); v1 runs the same two
+loops, running then waiting, inside one schedule().
+
+Why this never deadlocks or livelocks: `check_fits_alone` refuses a request whose prompt + max_tokens
+could not fit in the whole pool alone (ValueError), so the most urgent running sequence can always grow
+by preempting the others; it finishes, frees its blocks, and the next one moves up.
 
 Why nothing starves within a priority: both queues are ordered by (priority, arrival_time) and a
 preempted sequence keeps its original arrival time, so it goes back to the *front* of its class,
@@ -91,6 +101,14 @@ class Scheduler:
     def add_seq(self, seq: Sequence) -> None:
         if seq.seq_id in self.seqs:
             raise ValueError(f"request id {seq.seq_id!r} is already in flight")
+        self.check_fits_alone(seq)
+        seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        bisect.insort(self.waiting, seq, key=_urgency)
+
+    def check_fits_alone(self, seq: Sequence) -> None:
+        """Raise ValueError for a request that could never be scheduled, even alone in an empty pool: the
+        guard that lets the most urgent sequence always grow, by preempting all the others if it must."""
         bm = self.block_manager
         blocks_needed = -(-seq.max_total_tokens // bm.block_size)
         if blocks_needed > bm.num_blocks:
@@ -98,32 +116,45 @@ class Scheduler:
                 f"request {seq.seq_id!r} can never fit: prompt ({seq.num_prompt_tokens}) + max_tokens ({seq.max_tokens}) "
                 f"needs {blocks_needed} blocks of {bm.block_size} tokens, the whole pool has {bm.num_blocks}"
             )
+        if seq.num_seats > self.config.max_num_seqs:
+            raise ValueError(f"request {seq.seq_id!r}: n={seq.num_seats} completions need as many seats, "
+                             f"max_num_seqs is {self.config.max_num_seqs}")
         if not self.config.enable_chunked_prefill and seq.max_total_tokens > self.config.max_num_batched_tokens:
             # without chunking a (re)computed prefill must fit in one step's token budget
             raise ValueError(
                 f"request {seq.seq_id!r} can never be scheduled: prompt + max_tokens = {seq.max_total_tokens} tokens "
                 f"> max_num_batched_tokens={self.config.max_num_batched_tokens} and chunked prefill is off"
             )
-        seq.status = SequenceStatus.WAITING
-        self.seqs[seq.seq_id] = seq
-        bisect.insort(self.waiting, seq, key=_urgency)
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """One step's plan: the running sequences first, then admissions (the policy: see the top of this file)."""
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_seq_ids:  # memory is too tight for who runs already: admitting more would only preempt
+            self.schedule_waiting(out, budget)
+        if not out.scheduled_seqs and self.waiting and not self.running:
+            # check_fits_alone guarantees the queue head fits an empty pool; if it does not, blocks leaked
+            raise RuntimeError(
+                f"cannot schedule {self.waiting[0].seq_id!r} with nothing running: the block manager has "
+                f"{self.block_manager.get_num_free_blocks()}/{self.block_manager.num_blocks} blocks free"
+            )
+        return out
 
-        # 1. running sequences, most urgent first; victims are taken from the end
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule the running sequences, most urgent first, preempting from the least urgent end when the
+        pool is short; returns the budget left. The victims are taken from the end of self.running, so a
+        sequence already scheduled in this step is never one."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self.num_new_tokens(seq, seq.num_computed_tokens, budget)
             while self._allocate(seq, seq.num_computed_tokens + n) is None:
-                victim = self.running.pop()  # the least urgent: never one scheduled before seq
-                self._preempt(victim)
+                victim = self.running.pop()
+                self.preempt(victim)
                 out.preempted_seq_ids.append(victim.seq_id)
                 if victim is seq:
                     break
@@ -131,18 +162,18 @@ class Scheduler:
                 self._schedule(out, seq, n)
                 budget -= n
                 i += 1
+        return budget
 
-        # 2. admit waiting sequences, unless this step already had to preempt (memory is tight)
-        while not out.preempted_seq_ids and self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+    def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit from the head of the waiting queue while budget, seats and blocks last; returns the budget left.
+        The head that does not fit stops the admissions: nobody overtakes it."""
+        seats = sum(seq.num_seats for seq in self.running)
+        while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
             seq = self.waiting[0]
-            computed = self.block_manager.lookup_prefix(seq.token_ids)  # prefix-cache hit: skip those tokens
-            n = seq.num_tokens - computed
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
-            if self._allocate(seq, computed + n) is None:
-                break  # the head waits for blocks; nobody overtakes it
+            computed = self.num_cached_tokens(seq)
+            n = self.num_new_tokens(seq, computed, budget)
+            if n == 0 or self._allocate(seq, computed + n) is None:
+                break  # the head waits for budget or blocks
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = computed
@@ -151,13 +182,28 @@ class Scheduler:
             bisect.insort(self.running, seq, key=_urgency)
             self._schedule(out, seq, n)
             budget -= n
-        if not out.scheduled_seqs and self.waiting and not self.running:
-            # add_seq guarantees the queue head fits an empty pool; if it does not, blocks leaked
-            raise RuntimeError(
-                f"cannot schedule {self.waiting[0].seq_id!r} with nothing running: the block manager has "
-                f"{self.block_manager.get_num_free_blocks()}/{self.block_manager.num_blocks} blocks free"
-            )
-        return out
+            seats += seq.num_seats
+        return budget
+
+    def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int) -> int:
+        """How many tokens `seq` computes this step, from `num_computed_tokens` on, with `budget` tokens left
+        (budget >= 1): all it has left (1 for a decode) if they fit, else a chunk of the budget (chunked
+        prefill), or 0 without chunking — a prefill that does not fit waits whole.
+
+            10-token prompt, 0 computed, budget 8:   8 (chunk [0, 8));  without chunking 0
+            the same, 8 computed, budget 8:          2 (the last chunk, [8, 10): it samples)
+            a decode (1 left), any budget:            1
+        """
+        n = seq.num_tokens - num_computed_tokens
+        if n <= budget:
+            return n
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """The leading tokens of `seq` whose K/V the prefix cache already holds (whole blocks, never all of
+        them): admission skips them. A preempted sequence looks up its generated tokens too, so it finds its
+        own freed blocks that are still cached and recomputes only the tail."""
+        return self.block_manager.lookup_prefix(seq.token_ids)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> list[int] | None:
         return self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens)
@@ -169,7 +215,8 @@ class Scheduler:
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         """Parallel sampling: `child` joins the running set holding the parent's blocks (BlockManager.fork:
-        ref counts up, nothing copied) and the parent's computed tokens."""
+        ref counts up, nothing copied) and the parent's computed tokens. Its seat was reserved when the
+        parent was admitted (Sequence.num_seats)."""
         if child.seq_id in self.seqs:
             raise ValueError(f"request id {child.seq_id!r} is already in flight")
         self.block_manager.fork(parent.seq_id, child.seq_id)
@@ -179,7 +226,7 @@ class Scheduler:
         self.seqs[child.seq_id] = child
         bisect.insort(self.running, child, key=_urgency)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the cache, keep the tokens, go back to the front of the class."""
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.PREEMPTED

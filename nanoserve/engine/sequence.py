@@ -64,7 +64,7 @@ class Sequence:
     max_tokens: int
     priority: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
-    sampling_params: Any = None  # the engine's SamplingParams; the scheduler never reads it
+    sampling_params: Any = None  # the engine's SamplingParams; the scheduler reads only num_seats from it
     # parallel sampling (n > 1): the request this sequence is completion `index` of; "" = seq_id
     request_id: str = ""
     index: int = 0
@@ -106,6 +106,14 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """The most tokens this sequence can ever hold in the cache."""
         return self.num_prompt_tokens + self.max_tokens
+
+    @property
+    def num_seats(self) -> int:
+        """Seats (max_num_seqs) the sequence takes in the running set: n for a request with n > 1 completions
+        that has not forked yet (its prompt not computed, or recomputed after a preemption before the fork),
+        since it forks into n sequences the step its prompt is done; 1 for anything else."""
+        n = getattr(self.sampling_params, "n", 1)
+        return n if self.index == 0 and self.num_output_tokens == 0 else 1
 
     @property
     def is_finished(self) -> bool:

@@ -39,11 +39,12 @@ def keep_freed_host_memory() -> bool:
 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
-                 paged_attention=None, degraded_model=None, paged_kv=None):
+                 paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention: the Triton kernel module for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
-        the learner's under --student 05 (None: the reference)."""
+        the learner's under --student 05 (None: the reference); model_runner_class: the reference
+        ModelRunner, or the learner's (exercise 6.5)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
@@ -55,6 +56,7 @@ class Worker:
         self.metadata = AttentionMetadata if paged_kv is None else paged_kv.AttentionMetadata
         # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
+        self.model_runner_class = model_runner_class
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
@@ -64,7 +66,8 @@ class Worker:
         c = self.kv_config
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                              self.device)
-        self.model_runner = ModelRunner(self.model, cache, self.attention, self.degraded_model, self.metadata)
+        self.model_runner = self.model_runner_class(self.model, cache, self.attention, self.degraded_model,
+                                                    self.metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         return self.model_runner.execute_model(scheduler_output, degraded)
