@@ -123,3 +123,33 @@ def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
     for p, n in served.items():
         assert after[("nanoserve:generation_tokens_by_precision_total", p)] == n
     assert after[("nanoserve:generation_tokens_total", None)] == 36
+
+
+def test_bench_degrade_summary_by_hand():
+    """bench degrade's figures from lockstep's [(clock, outputs)]: TTFT = the clock of a request's first output,
+    tok/s over the last clock, the q4 share from token_precisions, agreement up to the first divergence."""
+    from nanoserve.bench.degrade import summarize
+    from nanoserve.engine.llm_engine import RequestOutput
+
+    def out(rid, tokens, finished, precisions=()):
+        return RequestOutput(rid, [1], tokens, tokens[-1:], "", "", finished, "length" if finished else None,
+                             {"token_precisions": list(precisions)} if finished else {})
+
+    steps = [(0.5, [out("a", [7], False)]),
+             (1.0, [out("a", [7, 8], True, ["q4", "q4"]), out("b", [5], False)]),
+             (2.0, [out("b", [5, 9], True, ["q4", "fp32"])])]
+    row, tokens = summarize(steps, reference={"a": [7, 8], "b": [5, 6]})
+    assert tokens == {"a": [7, 8], "b": [5, 9]}
+    assert row["ttft_p50"] == 0.5 and row["ttft_p99"] == 1.0  # the two first tokens came at 0.5 and 1.0
+    assert row["tok_s"] == 4 / 2.0 and row["degraded"] == 3 / 4
+    assert row["agreement"] == (2 + 1) / 4 and row["identical"] == 1
+
+
+def test_bench_weights_refuses_unknown_weights_before_loading():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "bench", "weights", "--weights", "fp32", "int9"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: argument --weights: unknown weights 'int9'")
+    assert "Traceback" not in r.stderr

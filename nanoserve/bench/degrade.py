@@ -18,17 +18,19 @@ import time
 
 import torch
 
+from nanoserve.cli.checks import positive_int
+
 SYSTEMS = ["fp32", "fp32+degrade", "q4"]
 
 
 def register(sub):
     p = sub.add_parser("degrade", help="a burst with and without --degrade-under-load: TTFT, tok/s, quality (chapter 10)")
-    p.add_argument("--requests", type=int, default=48, help="requests in the burst, all arriving at once")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests running at once; the rest wait")
-    p.add_argument("--threshold", type=int, default=16, help="--degrade-under-load: waiting requests that degrade")
-    p.add_argument("--max-tokens", type=int, default=32, help="greedy output tokens per request (EOS ignored)")
+    p.add_argument("--requests", type=positive_int, default=48, help="requests in the burst, all arriving at once")
+    p.add_argument("--max-num-seqs", type=positive_int, default=8, help="requests running at once; the rest wait")
+    p.add_argument("--threshold", type=positive_int, default=16, help="--degrade-under-load: waiting requests that degrade")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="greedy output tokens per request (EOS ignored)")
     p.add_argument("--seed", type=int, default=0, help="of the prompts (bench/prompts.py course_prompts)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = the cores)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's, = the cores)")
     p.set_defaults(func=run)
 
 
