@@ -16,7 +16,7 @@ Two formats, each a Linear that keeps its weight quantized and dequantizes insid
 
 Both kernels are fast on this CPU only with **bfloat16 activations** (with float32 ones they are slower
 than float32 MKL: `python -m nanoserve bench weights`), and they take their scales in the activation's
-dtype. So a quantized layer computes, whatever path it takes:
+dtype. So a quantized layer computes (the prefill path rounds dequantize(W) to bf16 too, below):
 
     bf16(x) · dequantize(W)ᵀ, accumulated in float32, rounded to bf16, returned as float32
 
