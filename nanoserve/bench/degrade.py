@@ -30,7 +30,9 @@ def register(sub):
     p.add_argument("--threshold", type=positive_int, default=16, help="--degrade-under-load: waiting requests that degrade")
     p.add_argument("--max-tokens", type=positive_int, default=32, help="greedy output tokens per request (EOS ignored)")
     p.add_argument("--seed", type=int, default=0, help="of the prompts (bench/prompts.py course_prompts)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's, = the cores)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: torch's, = the cores); on a machine busy with other jobs use 1: "
+                        "two threads on two shared cores wait on each other at every op (here up to 25x slower)")
     p.set_defaults(func=run)
 
 

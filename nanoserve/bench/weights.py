@@ -36,7 +36,9 @@ def register(sub):
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--workload-requests", type=int, default=16, help="chapter 06's workload; 0 skips it")
     p.add_argument("--workload-output-len", type=int, default=128, help="output tokens per workload request")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = the cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, = the cores); on a machine busy with other jobs use 1: "
+                        "two threads on two shared cores wait on each other at every op (here up to 25x slower)")
     p.set_defaults(func=run)
 
 
