@@ -71,3 +71,85 @@ def test_threshold_and_copy_go_together(models):
         LLMEngine(fp32, EngineConfig(num_blocks=8, degrade_under_load=2))
     with pytest.raises(ValueError, match=">= 1"):
         LLMEngine(fp32, EngineConfig(num_blocks=8, degrade_under_load=0), degraded_model=int8)
+
+
+def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
+    """Through the real server: a burst on a 1-seat engine with a threshold of 2 degrades, the scrape says so
+    while it lasts, and the per-precision counters equal what the steps ran (recorded here, step by step)."""
+    import threading
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanoserve.server.runner import serving
+    from nanoserve.tokenizer import Tokenizer
+
+    model = tiny_llama(vocab_size=49152, max_position_embeddings=256)
+    model.weight_format = "fp32"
+    engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=16, max_num_seqs=1, degrade_under_load=2),
+                       Tokenizer.from_gguf(), degraded_model=quantize_model(copy.deepcopy(model), "int8"))
+    steps, step = [], engine.step
+
+    def recorded_step():  # the test's own account of every step: its mode and the tokens it generated
+        time.sleep(0.005)  # a real model's pace, so that the burst queues up behind the one seat
+        outputs = step()
+        steps.append((engine.precision, sum(len(o.new_token_ids) for o in outputs)))
+        return outputs
+
+    engine.step = recorded_step
+
+    def scrape(url):
+        return {(s.name, s.labels.get("precision")): s.value
+                for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in f.samples}
+
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with serving(engine, engine.tokenizer, model_name="tiny") as (url, _):
+        assert scrape(url)[("nanoserve:degraded", None)] == 0
+        burst = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": body, "timeout": 60})
+                 for _ in range(6)]
+        for t in burst:
+            t.start()
+        seen_degraded, deadline = False, time.monotonic() + 30
+        while not seen_degraded and time.monotonic() < deadline:  # 5 of 6 wait at first: it must degrade
+            seen_degraded = scrape(url)[("nanoserve:degraded", None)] == 1
+        for t in burst:
+            t.join()
+        after = scrape(url)
+    assert seen_degraded
+    assert after[("nanoserve:degraded", None)] == 0  # the queue emptied: back to full precision
+    served = {p: sum(n for q, n in steps if q == p) for p in ("fp32", "int8")}
+    assert served["int8"] > 0 and served["fp32"] > 0 and sum(served.values()) == 6 * 6
+    for p, n in served.items():
+        assert after[("nanoserve:generation_tokens_by_precision_total", p)] == n
+    assert after[("nanoserve:generation_tokens_total", None)] == 36
+
+
+def test_bench_degrade_summary_by_hand():
+    """bench degrade's figures from lockstep's [(clock, outputs)]: TTFT = the clock of a request's first output,
+    tok/s over the last clock, the q4 share from token_precisions, agreement up to the first divergence."""
+    from nanoserve.bench.degrade import summarize
+    from nanoserve.engine.llm_engine import RequestOutput
+
+    def out(rid, tokens, finished, precisions=()):
+        return RequestOutput(rid, [1], tokens, tokens[-1:], "", "", finished, "length" if finished else None,
+                             {"token_precisions": list(precisions)} if finished else {})
+
+    steps = [(0.5, [out("a", [7], False)]),
+             (1.0, [out("a", [7, 8], True, ["q4", "q4"]), out("b", [5], False)]),
+             (2.0, [out("b", [5, 9], True, ["q4", "fp32"])])]
+    row, tokens = summarize(steps, reference={"a": [7, 8], "b": [5, 6]})
+    assert tokens == {"a": [7, 8], "b": [5, 9]}
+    assert row["ttft_p50"] == 0.5 and row["ttft_p99"] == 1.0  # the two first tokens came at 0.5 and 1.0
+    assert row["tok_s"] == 4 / 2.0 and row["degraded"] == 3 / 4
+    assert row["agreement"] == (2 + 1) / 4 and row["identical"] == 1
+
+
+def test_bench_weights_refuses_unknown_weights_before_loading():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "bench", "weights", "--weights", "fp32", "int9"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: argument --weights: unknown weights 'int9'")
+    assert "Traceback" not in r.stderr

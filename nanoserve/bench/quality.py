@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from nanoserve.cli.checks import weight_format
+
 HELDOUT = Path(__file__).with_name("heldout.txt")
 
 CHAT_PROMPTS = [
@@ -39,7 +41,7 @@ CHAT_PROMPTS = [
 
 def register(sub):
     p = sub.add_parser("quality", help="greedy agreement, perplexity and logit error of int8 / q4 vs fp32 (chapter 10)")
-    p.add_argument("--weights", nargs="+", default=["int8", "q4"], help="formats to compare with fp32")
+    p.add_argument("--weights", nargs="+", default=["int8", "q4"], type=weight_format, help="formats to compare with fp32")
     p.add_argument("--max-tokens", type=int, default=32, help="N: greedy tokens per chat prompt")
     p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
     p.set_defaults(func=run)
@@ -89,12 +91,9 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 def run(args):
     from nanoserve.model import load_gguf
-    from nanoserve.cli import weight_formats
     from nanoserve.tokenizer import Tokenizer
 
-    formats = weight_formats(args.weights)
-    if formats is None:
-        return 2
+    formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
     formats = [w for w in formats if w != "fp32"]
     tokenizer = Tokenizer.from_gguf()
     models = {w: load_gguf(weights=w) for w in ["fp32", *formats]}

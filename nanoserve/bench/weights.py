@@ -12,26 +12,33 @@ The engines run in lockstep — one step of fp32's engine, one of int8's, one of
 timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
 """
 
+import os
+import sys
 import time
 
 import torch
 from torch.nn import functional as F
+
+from nanoserve.cli.checks import weight_format
 
 FORMATS = ["fp32", "int8", "q4"]
 
 
 def register(sub):
     p = sub.add_parser("weights", help="speed and memory of fp32 / int8 / q4 weights, side by side (chapter 10)")
-    p.add_argument("--weights", nargs="+", default=FORMATS, help="formats to compare (default: all three)")
+    p.add_argument("--weights", nargs="+", default=FORMATS, type=weight_format,
+                   help="formats to compare (default: all three)")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256],
                    help="batch sizes of the product table (none: skip it)")
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes timed")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per batch size")
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps timed per batch size")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--workload-requests", type=int, default=16, help="chapter 06's workload; 0 skips it")
     p.add_argument("--workload-output-len", type=int, default=128, help="output tokens per workload request")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = the cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, = the cores); on a machine busy with other jobs use 1: "
+                        "two threads on two shared cores wait on each other at every op (here up to 25x slower)")
     p.set_defaults(func=run)
 
 
@@ -65,9 +72,11 @@ def product_table(models: dict, tokens: list[int], repeats: int):
     for name in models:
         if name != "fp32":
             calls[f"{name} kernel"] = (name, lambda layer, x: layer.kernel(x.to(torch.bfloat16)))
-            calls[f"{name} dequant"] = (name, lambda layer, x: F.linear(x, layer.dequantize()))
+            calls[f"{name} dequant"] = (name, lambda layer, x: F.linear(x.to(torch.bfloat16),
+                                                                         layer.dequantize().to(torch.bfloat16)))
     print(f"\nproducts: all {len(next(iter(layers.values())))} Linear layers "
-          f"once, ms (best of {repeats}, interleaved); kernels take bf16 activations")
+          f"once, ms (best of {repeats}, interleaved); kernels take bf16 activations; "
+          f"dequant = bf16 copy of the weight + bf16 F.linear (the prefill path)")
     print(f"{'tokens':>7s}" + "".join(f"{c:>15s}" for c in calls))
     for T in tokens:
         inputs = {n: torch.randn(T, n) for n in {576, 1536, 192}}
@@ -86,22 +95,28 @@ def product_table(models: dict, tokens: list[int], repeats: int):
 
 # ---- engine measurements, in lockstep ---------------------------------------------------------------
 
-def lockstep(engines: dict, requests: list, decode_only: bool = False) -> dict[str, list[float]]:
+def lockstep(engines: dict, requests: list, decode_only: bool = False, outputs: dict | None = None) -> dict[str, list[float]]:
     """Submit `requests` [(prompt ids, max_tokens)] to every engine, then step them in turn until all are idle.
-    Returns each engine's step times (seconds); with decode_only, only steps in which every token was a decode."""
+    Returns each engine's step times (seconds); with decode_only, only steps in which every token was a decode.
+    outputs: a dict that gets, per engine, [(its clock after the step: the sum of its step times, the step's
+    RequestOutputs)] — what `bench degrade` computes TTFT and agreement from."""
     from nanoserve.bench.offline import params
 
     for engine in engines.values():
         for i, (prompt, n) in enumerate(requests):
             engine.add_request(str(i), prompt, params(n))
     times = {name: [] for name in engines}
+    clocks = dict.fromkeys(engines, 0.0)
     while any(e.has_unfinished_requests() for e in engines.values()):
         for name, engine in engines.items():
             if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
-            engine.step()
+            step_outputs = engine.step()
             dt = time.perf_counter() - t0
+            clocks[name] += dt
+            if outputs is not None:
+                outputs.setdefault(name, []).append((clocks[name], step_outputs))
             out = engine.last_scheduler_output
             if not decode_only or out.total_num_scheduled_tokens == len(out.scheduled_seqs):
                 times[name].append(dt)
@@ -122,15 +137,17 @@ def run(args):
     from nanoserve.engine.worker import keep_freed_host_memory
     from nanoserve.memory import parameter_counts
     from nanoserve.model import load_gguf
-    from nanoserve.cli import weight_formats
     from nanoserve.model.quant import decode_bytes, resident_bytes
 
-    formats = weight_formats(args.weights)
-    if formats is None:
-        return 2
+    formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_host_memory()
+    start = time.perf_counter()
+
+    def progress(what):  # a long run shows where it is (on stderr: stdout stays the table)
+        print(f"  [{time.perf_counter() - start:6.0f} s] {what}", file=sys.stderr, flush=True)
+
     models = {w: load_gguf(weights=w) for w in formats}
     config = next(iter(models.values())).config
     print("command: python -m nanoserve bench weights " + " ".join(
@@ -139,7 +156,7 @@ def run(args):
          f"--prefill-len {args.prefill_len}",
          f"--workload-requests {args.workload_requests}", f"--workload-output-len {args.workload_output_len}"]
         + ([f"--threads {args.threads}"] if args.threads else [])))
-    print(f"threads: {torch.get_num_threads()}")
+    print(f"threads: {torch.get_num_threads()}; load average at the start: {os.getloadavg()[0]:.2f}")
     n_weights = parameter_counts(config)["total"]
     print(f"\nmemory ({n_weights:,} weights; a decode step reads every product's weights once, not the embedding)")
     print(f"{'weights':8s} {'read per decode step':>21s} {'bytes/weight':>13s} {'held in memory':>15s}")
@@ -149,8 +166,10 @@ def run(args):
         print(f"{name:8s} {per_step[name] / 1e6:17.1f} MB {per_step[name] / n_weights:13.3f} "
               f"{resident_bytes(model) / 1e6:12.1f} MB")
 
+    progress("models loaded")
     if args.tokens:
         product_table(models, args.tokens, args.repeats)
+        progress("product table done")
 
     with torch.inference_mode():
         engines = {n: LLMEngine(m, EngineConfig(kv_cache_memory=384 << 20)) for n, m in models.items()}
@@ -162,17 +181,20 @@ def run(args):
             requests = [([rng.randrange(config.vocab_size) for _ in range(16)], args.decode_steps + 1)
                         for _ in range(batch)]
             decode[batch] = {n: median(t) for n, t in lockstep(engines, requests, decode_only=True).items()}
+            progress(f"batch-{batch} decode done")
         prompt = torch.randint(0, config.vocab_size, (args.prefill_len,), generator=torch.Generator().manual_seed(0))
         prefill = {n: float("inf") for n in models}
         for _ in range(args.repeats):
             for n, m in models.items():
                 prefill[n] = min(prefill[n], timed(lambda: m.compute_logits(m(prompt)[-1:]), 1))
+        progress("prefill done")
         workload = None
         if args.workload_requests:
             out_len = args.workload_output_len
             workload = make_workload(args.workload_requests, (20, 200), (out_len, out_len), 0, config.vocab_size)
             wall = {n: sum(t) for n, t in lockstep(engines, workload).items()}
             out_tokens = sum(n for _, n in workload)
+            progress("workload done")
 
     base = "fp32" if "fp32" in models else formats[0]
     rows = []
@@ -190,3 +212,5 @@ def run(args):
         print(f"{label:34s}" + "".join(f"{values[n]:10.1f}" for n in models) + "".join(f"{r:11.2f}x" for r in ratios))
     print(f"(ratios: how many times faster than {base}; the {len(workload) if workload else 0}-request workload: "
           f"prompts 20-200, {args.workload_output_len} output tokens each, EOS ignored, seed 0)")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}, {time.perf_counter() - start:.0f} s in all "
+          f"(others' work on the machine slows every format alike; the ratios are the figures)")

@@ -186,7 +186,7 @@ class LLMEngine:
             for seq in [parent] + self._fork(parent, sampled, now):
                 token_id = seq.output_token_ids[-1]
                 if self.config.degrade_under_load is not None:
-                    self.token_precisions.setdefault(seq.seq_id, []).append(self.precision_names[self.degraded])
+                    self.token_precisions.setdefault(seq.seq_id, []).append(self.precision)
                 status, new_text = self._check_stop(seq, token_id)
                 if status is None:
                     outputs.append(self._output(seq, [token_id], new_text))
@@ -214,6 +214,11 @@ class LLMEngine:
             self.texts[child.seq_id] = ""
             children.append(child)
         return children
+
+    @property
+    def precision(self) -> str:
+        """The weights the last step ran on: the model's format ("fp32", "int8", "q4"), or the degraded copy's."""
+        return self.precision_names[self.degraded]
 
     def _update_precision(self) -> None:
         """Degrade when `degrade_under_load` requests wait; come back once the queue is down to half of it

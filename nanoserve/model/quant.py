@@ -16,15 +16,17 @@ Two formats, each a Linear that keeps its weight quantized and dequantizes insid
 
 Both kernels are fast on this CPU only with **bfloat16 activations** (with float32 ones they are slower
 than float32 MKL: `python -m nanoserve bench weights`), and they take their scales in the activation's
-dtype. So a quantized layer computes, whatever path it takes:
+dtype. So a quantized layer computes (the prefill path rounds dequantize(W) to bf16 too, below):
 
     bf16(x) · dequantize(W)ᵀ, accumulated in float32, rounded to bf16, returned as float32
 
 with `dequantize` using the bf16 scales. For decode-sized products (up to QUANT_MAX_TOKENS tokens) that
-is the kernel; for prefill-sized ones the kernels are several times slower than MKL, so the layer
-dequantizes its weight to float32 for that one call and multiplies with F.linear (a few % of a prefill's
-time, against 4 bytes per weight for a float32 copy kept beside it). Both paths see the same inputs and
-the same weights; only the order of the float32 additions differs.
+is the kernel; for prefill-sized ones the kernels are several times slower than a GEMM, so the layer
+dequantizes its weight for that one call, rounds it to bf16 and multiplies with F.linear in bf16 (oneDNN's
+bf16 GEMM, AMX on this CPU: faster than float32 MKL, and it too accumulates in float32). That costs one
+pass over the weights per prefill step, against 2–4 bytes per weight for a copy kept beside them. The two
+paths see the same inputs; the prefill path's weights carry one more rounding (to bf16, 2^-9 relative),
+and the order of the float32 additions differs.
 
 The embedding and LM head are Q8_0 in the GGUF (int8 in groups of 32). torch's int8 kernel has one scale
 per row only, so they are re-quantized per row (int8, one matrix shared by the lookup and the LM head):
@@ -94,8 +96,9 @@ def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32. q (out, in), scale/zero (out, in/32)."""
     out, inp = q.shape
-    groups = (q.view(out, inp // Q4_GROUP_SIZE, Q4_GROUP_SIZE).float() - 8) * scale.float()[..., None]
-    return (groups + zero.float()[..., None]).view(out, inp)
+    groups = q.view(out, inp // Q4_GROUP_SIZE, Q4_GROUP_SIZE).to(torch.float32, copy=True)  # (out, in/32, 32)
+    # in place: a whole model's weights pass through here per prefill step, so no temporaries
+    return groups.sub_(8).mul_(scale.float()[..., None]).add_(zero.float()[..., None]).view(out, inp)
 
 
 # ---- the layers ------------------------------------------------------------------------------------
@@ -115,8 +118,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (num_tokens, in)
         if x2.shape[0] <= QUANT_MAX_TOKENS:
             y = self.kernel(x2)
-        else:  # prefill-sized: one dequantized float32 copy of the weight, for this call only
-            y = F.linear(x2.float(), self.dequantize()).to(torch.bfloat16)
+        else:  # prefill-sized: one dequantized bf16 copy of the weight, for this call only, and a bf16 GEMM
+            y = F.linear(x2, self.dequantize().to(torch.bfloat16))
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

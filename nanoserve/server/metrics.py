@@ -11,6 +11,16 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
     nanoserve:time_to_first_token_seconds, inter_token_latency_seconds,
     nanoserve:request_time_per_output_token_seconds, e2e_request_latency_seconds,
     nanoserve:request_queue_time_seconds                       histograms
+    nanoserve:degraded                                         gauge: 1 while steps run on the degraded
+                                                               (q4) copy of the weights (chapter 10), else 0
+    nanoserve:generation_tokens_by_precision_total{precision=...}  counter: generated tokens by the weights
+                                                               they were computed with ("fp32", "int8", "q4")
+
+The share of tokens served degraded over the last 5 minutes, in PromQL (the degraded copy is always q4,
+and a server that degrades never serves q4 otherwise):
+
+    sum(rate(nanoserve:generation_tokens_by_precision_total{precision="q4"}[5m]))
+      / sum(rate(nanoserve:generation_tokens_by_precision_total[5m]))
 
 `record` runs in the engine thread after every step (prometheus_client is thread-safe); each
 server owns its registry, so two servers in one process (tests, the notebook) do not mix.
@@ -54,6 +64,10 @@ class PrometheusStatLogger:
         self.tpot = histogram("request_time_per_output_token_seconds", "Mean gap per output token after the first.")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.degraded = gauge("degraded", "1 while steps run on the degraded (quantized) copy of the weights, else 0.")
+        self.tokens_by_precision = Counter(PREFIX + "generation_tokens_by_precision",
+                                           "Generated tokens by the weights they were computed with.",
+                                           ["model_name", "precision"], registry=self.registry)
         self.model_name = model_name
         self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
 
@@ -69,8 +83,11 @@ class PrometheusStatLogger:
         self._prefix_seen = (queried, hit)
         if scheduler_output is not None:
             self.num_preemptions.inc(len(scheduler_output.preempted_seq_ids))
+        self.degraded.set(engine.degraded)  # chapter 10: the mode of the step just run
+        by_precision = self.tokens_by_precision.labels(self.model_name, engine.precision)
         for out in outputs:
             self.generation_tokens.inc(len(out.new_token_ids))
+            by_precision.inc(len(out.new_token_ids))
             if len(out.token_ids) == len(out.new_token_ids):  # its first token: the prompt was prefilled
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
             if out.finished:
