@@ -19,6 +19,7 @@ import time
 import torch
 
 from nanoserve.cli.checks import positive_int
+from nanoserve.metrics import percentile
 
 SYSTEMS = ["fp32", "fp32+degrade", "q4"]
 
@@ -31,14 +32,8 @@ def register(sub):
     p.add_argument("--max-tokens", type=positive_int, default=32, help="greedy output tokens per request (EOS ignored)")
     p.add_argument("--seed", type=int, default=0, help="of the prompts (bench/prompts.py course_prompts)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads (default: torch's, = the cores); on a machine busy with other jobs use 1: "
-                        "two threads on two shared cores wait on each other at every op (here up to 25x slower)")
+                   help="torch threads (default: the cores; on a busy machine use 1, as bench weights --help says)")
     p.set_defaults(func=run)
-
-
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def summarize(steps: list, reference: dict[str, list[int]] | None = None) -> dict:
@@ -54,7 +49,7 @@ def summarize(steps: list, reference: dict[str, list[int]] | None = None) -> dic
     tokens = {rid: out.token_ids for rid, out in final.items()}
     precisions = [p for out in final.values() for p in out.metrics.get("token_precisions", [])]
     total = sum(map(len, tokens.values()))
-    row = dict(ttft_p50=percentile(list(first.values()), 0.5), ttft_p99=percentile(list(first.values()), 0.99),
+    row = dict(ttft_p50=percentile(list(first.values()), 50), ttft_p99=percentile(list(first.values()), 99),
                tok_s=total / steps[-1][0], degraded=precisions.count("q4") / total if precisions else None)
     if reference is not None:
         div = [first_divergence(tokens[rid], reference[rid]) for rid in reference]
