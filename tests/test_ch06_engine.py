@@ -36,13 +36,19 @@ def workload():
     """32 greedy requests: prompts of 5–60 tokens cut from real text, 8–24 new tokens each."""
     from nanoserve.tokenizer import Tokenizer
 
-    ids = Tokenizer.from_gguf().encode(TEXT)
-    rng = random.Random(0)
+    return cut_requests(Tokenizer.from_gguf().encode(TEXT), 32, (5, 60), (8, 24))
+
+
+def cut_requests(ids: list[int], count: int, prompt_lens: tuple[int, int], new_tokens: tuple[int, int],
+                 seed: int = 0) -> list[tuple[list[int], int]]:
+    """`count` (prompt, max_tokens) pairs: prompts of prompt_lens[0]..[1] tokens cut at random places from
+    `ids`, each with new_tokens[0]..[1] new tokens (bounds included; seeded, so every run gets the same)."""
+    rng = random.Random(seed)
     requests = []
-    for _ in range(32):
-        n = rng.randint(5, 60)
+    for _ in range(count):
+        n = rng.randint(*prompt_lens)
         start = rng.randint(0, len(ids) - n)
-        requests.append((ids[start:start + n], rng.randint(8, 24)))
+        requests.append((ids[start:start + n], rng.randint(*new_tokens)))
     return requests
 
 

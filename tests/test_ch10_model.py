@@ -4,8 +4,6 @@ References: the GGUF's own bytes and `gguf`'s dequantizer (the float32 model of 
 those values), the float32 model's logits and greedy outputs, and the engine's request run alone.
 """
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from nanoserve.model import load_gguf
 from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf, unpermute_qk
 from nanoserve.model.quant import QUANT_MAX_TOKENS, Int8Linear, Q4Linear, unpack_q4_1
 from nanoserve.sampling import SamplingParams
+from tests.test_ch06_engine import cut_requests
 
 pytestmark = pytest.mark.slow
 
@@ -101,14 +100,7 @@ def workload(tokenizer):
     """12 greedy requests, prompts of 5–40 tokens cut from real text, 4–12 new tokens each."""
     from nanoserve.bench.quality import HELDOUT
 
-    ids = tokenizer.encode(HELDOUT.read_text())
-    rng = random.Random(0)
-    out = []
-    for _ in range(12):
-        n = rng.randint(5, 40)
-        start = rng.randint(0, len(ids) - n)
-        out.append((ids[start:start + n], rng.randint(4, 12)))
-    return out
+    return cut_requests(tokenizer.encode(HELDOUT.read_text()), 12, (5, 40), (4, 12))
 
 
 def serve(engine, requests):
