@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.detokenizer import IncrementalDetokenizer
+from nanoserve.text.detokenizer import IncrementalDetokenizer
 from nanoserve.kv.naive import NaiveKVCache
 from nanoserve.sampling import SamplingParams, make_generator, sample
-from nanoserve.stop import check_stop, is_stop_token
+from nanoserve.text.stop import check_stop, is_stop_token
 
 
 @dataclass

@@ -47,7 +47,7 @@ class LLM:
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
-        from nanoserve.tokenizer import Tokenizer
+        from nanoserve.text.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
         if weights is not None:

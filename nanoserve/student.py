@@ -60,7 +60,7 @@ STUDENT_FILES = {
     "nanoserve.kv.prefix_cache": "05-paged-kv/prefix_cache.py",
     "nanoserve.engine.scheduler": "06-continuous-batching/scheduler.py",
     "nanoserve.sampling": "03-tokens-and-sampling/sampling.py",
-    "nanoserve.detokenizer": "03-tokens-and-sampling/detokenizer.py",
+    "nanoserve.text.detokenizer": "03-tokens-and-sampling/detokenizer.py",
     "nanoserve.server.streaming": "08-http-serving/streaming.py",
     "nanoserve.kernels.triton_paged_attention": "07-triton-paged-attention/triton_paged_attention.py",
     "nanoserve.model.quant": "10-quantization/quant.py",

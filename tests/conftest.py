@@ -31,7 +31,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """Our tokenizer of the embedded GGUF."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf()
 

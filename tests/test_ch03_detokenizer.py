@@ -10,9 +10,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from nanoserve.student import implementation
-from nanoserve.tokenizer import Tokenizer
+from nanoserve.text.tokenizer import Tokenizer
 
-detok = implementation("nanoserve.detokenizer")
+detok = implementation("nanoserve.text.detokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import torch
 from nanoserve.generate import generate
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
-from nanoserve.stop import check_stop
-from nanoserve.tokenizer import Tokenizer
+from nanoserve.text.stop import check_stop
+from nanoserve.text.tokenizer import Tokenizer
 
 EOS = 2
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from nanoserve.tokenizer import Tokenizer, bytes_to_unicode
+from nanoserve.text.tokenizer import Tokenizer, bytes_to_unicode
 
 # The parity corpus: English, Chinese, emoji, code, whitespace runs, special tokens.
 # It must not contain a whitespace run right before a digit: there our pre-tokenizer (the GGUF's

@@ -34,7 +34,7 @@ def assert_pool_whole(engine):
 @pytest.fixture(scope="module")
 def workload():
     """32 greedy requests: prompts of 5–60 tokens cut from real text, 8–24 new tokens each."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     return cut_requests(Tokenizer.from_gguf().encode(TEXT), 32, (5, 60), (8, 24))
 

@@ -2,7 +2,7 @@
 stop-string hold-back. Graded: `make grade CH=08` runs these against exercises/08-http-serving/.
 
 The engine outputs are scripted here: token texts arrive one per step and chapter 03's stop check
-(nanoserve/stop.py, the engine's own rule) decides when the request ends and where its text is cut."""
+(nanoserve/text/stop.py, the engine's own rule) decides when the request ends and where its text is cut."""
 
 import asyncio
 import json
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.stop import find_stop_string
+from nanoserve.text.stop import find_stop_string
 from nanoserve.student import implementation
 
 

@@ -83,7 +83,7 @@ def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
     from prometheus_client.parser import text_string_to_metric_families
 
     from nanoserve.server.runner import serving
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     model = tiny_llama(vocab_size=49152, max_position_embeddings=256)
     model.weight_format = "fp32"

@@ -33,7 +33,7 @@ def int8():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf()
 

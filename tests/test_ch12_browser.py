@@ -41,7 +41,7 @@ FREE = ("free", "cached")
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     model = tiny_llama(vocab_size=49152)
     return model, Tokenizer.from_gguf()

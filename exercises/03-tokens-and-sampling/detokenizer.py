@@ -1,6 +1,6 @@
 """Exercise 03 (3.2) — the incremental detokenizer.
 
-Your version of nanoserve/detokenizer.py: same names, same signatures. Replace each
+Your version of nanoserve/text/detokenizer.py: same names, same signatures. Replace each
 `raise NotImplementedError` with your code, then run `make grade CH=03`.
 The tokenizer you get has `id_to_bytes` (each token's raw bytes) and `special_ids` (a set).
 """

@@ -62,7 +62,7 @@ def run(args):
     from nanoserve.bench.weights import lockstep
     from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
     from nanoserve.model import load_gguf
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -513,7 +513,7 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     from nanoserve.model import load_gguf
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     http_only = args.name == "servers" or (args.name == "concurrency" and args.url)
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())

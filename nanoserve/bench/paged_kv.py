@@ -231,7 +231,7 @@ def run(args):
           f"naive holds {mean['naive'] / mean['paged']:.1f}x the memory (part 4 runs both under one cap)\n")
 
     # 2. prefix caching
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf()
     system = [tok.encode_chat([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]) for q in QUESTIONS]

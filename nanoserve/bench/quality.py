@@ -91,7 +91,7 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 def run(args):
     from nanoserve.model import load_gguf
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
     formats = [w for w in formats if w != "fp32"]

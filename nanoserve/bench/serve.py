@@ -197,7 +197,7 @@ def print_summary(summary: dict, client_wait_ms: dict, slos: dict, errors: list[
 @functools.cache
 def model_tokenizer():
     """The embedded model's tokenizer, loaded once per process."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf()
 

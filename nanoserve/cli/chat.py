@@ -127,7 +127,7 @@ def run(args):
         banner = f"nanoserve chat: {model} at {args.url}."
     else:
         from nanoserve.model import load_gguf
-        from nanoserve.tokenizer import Tokenizer
+        from nanoserve.text.tokenizer import Tokenizer
 
         if interactive:
             print("loading the model ...", flush=True)

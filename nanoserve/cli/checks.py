@@ -123,7 +123,7 @@ def sampling_params(fields: dict, flags: bool = False):
 
 def load_tokenizer(gguf: str | None):
     """The tokenizer of a GGUF file (None: the embedded model's), a UsageError if the file is not one."""
-    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.text.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_gguf(gguf)

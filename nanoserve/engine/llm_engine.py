@@ -24,7 +24,7 @@ from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
 from nanoserve.kernels.backend import resolve_attention_backend
-from nanoserve.stop import check_stop, is_stop_token
+from nanoserve.text.stop import check_stop, is_stop_token
 from nanoserve.student import StudentCode
 
 
@@ -104,7 +104,7 @@ class LLMEngine:
                                            allocator=allocator, prefix_cache=prefix_cache)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager)
-        self.detokenizer_class = student.module("nanoserve.detokenizer").IncrementalDetokenizer
+        self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
         self.max_model_len = model.config.max_position_embeddings
@@ -230,7 +230,7 @@ class LLMEngine:
             self.degraded = False
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, str]:
-        """(finish status or None, the text delta to emit), by chapter 03's rules (nanoserve/stop.py):
+        """(finish status or None, the text delta to emit), by chapter 03's rules (nanoserve/text/stop.py):
         EOS and stop ids stop without text, a stop string stops and is cut off, max_tokens is "length"."""
         params = seq.sampling_params
         detok = self.detokenizers.get(seq.seq_id)

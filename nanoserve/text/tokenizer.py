@@ -25,7 +25,7 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanoserve.chat_template import render_chat_template
+from nanoserve.text.chat_template import render_chat_template
 from nanoserve.model.gguf_loader import embedded_gguf_path, gguf_metadata, open_gguf
 
 CONTROL = 3  # llama.cpp's token_type for special tokens (1 = NORMAL)
