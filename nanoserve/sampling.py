@@ -14,6 +14,10 @@ top_k = 2 keeps [.731, .269, 0, 0] (renormalised); top_p = 0.9 keeps the first t
 
 Every request draws from its *own* `torch.Generator` when it has a seed, so its tokens do not
 depend on which other requests share the batch or in which order they are sampled.
+
+Before all that the server's penalties change the raw logits of one row (chapter 08, `apply_penalties`),
+in vLLM's order: logit_bias, then repetition, frequency and presence penalties, then temperature, then
+min-p (`min_p_filter`), then top-k and top-p.
 """
 
 from dataclasses import dataclass, replace
@@ -29,6 +33,12 @@ class SamplingParams:
     max_tokens: most new tokens; stop: strings that end the output (the text is cut before them);
     stop_token_ids: ids that end the output; ignore_eos: keep going past the EOS token;
     n: completions of the same prompt (parallel sampling: the prompt is computed once, chapter 06).
+
+    Chapter 08 (the OpenAI API): presence_penalty / frequency_penalty in [-2, 2] (0: off), over the
+    generated tokens; repetition_penalty > 0 (1: off), over prompt and generated tokens; logit_bias:
+    {token id: bias in [-100, 100]} added to the logits; min_p in [0, 1] (0: off); logprobs: the top
+    logprobs to return per generated token (None: none; 0: only the sampled token's); prompt_logprobs:
+    the same for every prompt token (None: not computed).
     """
 
     temperature: float = 1.0
@@ -40,6 +50,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +79,26 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        self.logit_bias = dict(self.logit_bias or {})
+        if not all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Does anything change this request's raw logits before temperature? (if not, skip the work)"""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +112,10 @@ class SamplingParams:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -105,11 +146,60 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_token_ids: list[int],
+                    output_token_ids: list[int]) -> torch.Tensor:
+    """One request's row of raw logits (vocab,) after logit_bias and the three penalties -> (vocab,).
+
+    logit_bias:          logits[t] += bias[t]                                 (-100 in effect bans t)
+    repetition_penalty:  for every t in prompt or output: logits[t] / r if logits[t] > 0 else logits[t] * r
+                         (HF's and vLLM's definition: r > 1 makes a seen token less likely either way)
+    frequency_penalty:   logits[t] -= f * (times t was generated)             (OpenAI's definition)
+    presence_penalty:    logits[t] -= p * (1 if t was generated at all)
+
+    Worked example: logits [2, -1, 0.5], prompt [1], output [0, 0]; repetition 2, frequency 0.5, presence 1:
+    token 0 (generated twice): 2 / 2 - 0.5 * 2 - 1 = -1;  token 1 (in the prompt): -1 * 2 = -2;  token 2: 0.5.
+
+        >>> apply_penalties(torch.tensor([2.0, -1.0, 0.5]), SamplingParams(repetition_penalty=2,
+        ...                 frequency_penalty=0.5, presence_penalty=1), [1], [0, 0])
+        tensor([-1.0000, -2.0000,  0.5000])
+    """
+    if not params.penalized:
+        return logits
+    logits = logits.float().clone()
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+    if params.repetition_penalty != 1 and (prompt_token_ids or output_token_ids):
+        seen = torch.tensor(sorted(set(prompt_token_ids) | set(output_token_ids)), dtype=torch.long)
+        x = logits[seen]
+        logits[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_token_ids:
+        counts = torch.bincount(torch.tensor(output_token_ids, dtype=torch.long), minlength=logits.shape[-1])
+        counts = counts[: logits.shape[-1]].float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p times the most likely token's. (vocab,) -> (vocab,)
+
+    Logits [2, 1, 0, -1] (probs .644 .237 .087 .032), min_p 0.2: the cut is .129, so the last two go.
+
+        >>> min_p_filter(torch.tensor([2.0, 1.0, 0.0, -1.0]), 0.2)
+        tensor([2., 1., -inf, -inf])
+    """
+    if min_p <= 0:
+        return logits
+    probs = torch.softmax(logits.float(), dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws from: temperature, then top-k, then top-p. (vocab,) -> (vocab,)"""
+    """The distribution `sample` draws from: temperature, (min-p,) then top-k, then top-p. (vocab,) -> (vocab,)"""
     if params.greedy:
         raise ValueError("temperature 0 is greedy: there is no distribution to sample from")
     logits = logits.float() / params.temperature
+    logits = min_p_filter(logits, params.min_p)  # chapter 08 (vLLM's extension, its place in vLLM's order); 0: off
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     return torch.softmax(logits, dim=-1)

@@ -38,7 +38,7 @@ async def text_deltas(outputs: AsyncIterator[RequestOutput], stop: list[str]) ->
 
 
 async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], kind: str, chunk: dict,
-                        include_usage: bool = False) -> AsyncIterator[str]:
+                        include_usage: bool = False, logprobs=None) -> AsyncIterator[str]:
     """The SSE lines of one request. kind: "chat" (choices carry a `delta`; the first chunk the role)
     or "completion" (choices carry `text`). chunk: the fields every chunk repeats (id, object, created,
     model). An engine error after the stream began is one `data: {"error": ...}` line, then [DONE].
@@ -47,6 +47,9 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
                  first, then one chunk per delta with {"content": delta} and the output's finish_reason
     completion:  {"index": 0, "text": delta, "logprobs": None, "finish_reason": ...}
     include_usage: every chunk has "usage": None, and a last chunk has "choices": [] and "usage": usage(out)
-    errors: error_body(str(e), 500) as one event. Last of all: sse("[DONE]")."""
+    errors: error_body(str(e), getattr(e, "status", 500)) as one event. Last of all: sse("[DONE]").
+    logprobs: None, and every choice's "logprobs" stays None; otherwise a function you call with the
+    TokenLogprobs (out.logprobs, a list or None) of the tokens since that completion's last chunk: its result
+    is the choice's "logprobs" (the server's graded tests give None; `--student` serves logprobs with it)."""
     raise NotImplementedError("Exercise 8.3: OpenAI chunks as server-sent events, from the deltas")
     yield  # an async generator, as the reference is

@@ -63,6 +63,9 @@ class RequestOutput:
     # n > 1: one output per completion and step, `index` says which; `finished` turns True on the last
     # output of the whole request, each completion's own end is its finish_reason
     index: int = 0
+    # chapter 08: the TokenLogprob (nanoserve/engine/sampler.py) of each of new_token_ids, when the request
+    # asked for logprobs (None otherwise)
+    logprobs: list | None = None
 
 
 class LLMEngine:
@@ -120,7 +123,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, tenant: str | None = None) -> None:
+        """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
+        metrics' use; None: nobody in particular."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -133,9 +138,15 @@ class LLMEngine:
             )
         if request_id in self.num_live:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        for name in ("logit_bias", "stop_token_ids"):  # a token id past the vocabulary would fail a whole step
+            bad = [t for t in getattr(sampling_params, name, None) or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {request_id!r}: {name} has token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
-        seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
+        seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
+                       tenant=tenant)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
@@ -182,6 +193,7 @@ class LLMEngine:
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
         outputs = []
+        logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
             for seq in [parent] + self._fork(parent, sampled, now):
                 token_id = seq.output_token_ids[-1]
@@ -193,6 +205,8 @@ class LLMEngine:
                 else:
                     self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
                     outputs.append(self._finish(seq, [token_id], new_text, now))
+                if seq.seq_id in logprobs:
+                    outputs[-1].logprobs = [logprobs[seq.seq_id]]
         return outputs
 
     def _fork(self, seq: Sequence, sampled: dict[str, int], now: float) -> list[Sequence]:
@@ -206,7 +220,8 @@ class LLMEngine:
         children = []
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
-                             seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i)
+                             seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
+                             tenant=seq.tenant)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

@@ -32,7 +32,17 @@ from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
-from nanoserve.sampling import make_generator, sample
+from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows
+from nanoserve.sampling import make_generator
+
+
+class SampledTokens(dict):
+    """{seq_id: token} — what the scheduler reads — plus, for the sequences whose request asked for them,
+    `logprobs`: {seq_id: TokenLogprob} (chapter 08)."""
+
+    def __init__(self, tokens=(), logprobs: dict[str, TokenLogprob] | None = None):
+        super().__init__(tokens)
+        self.logprobs = logprobs or {}
 
 
 @dataclass
@@ -108,20 +118,19 @@ class ModelRunner:
         return None if logits is None else logits.cpu()
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
-        """{seq_id: token}. A prompt with n > 1 samples its first token n times from its one row of logits:
-        completion i under child_seq_id(request_id, i), with its own generator (the engine forks it)."""
-        greedy = logits.argmax(-1).tolist()  # one call for every greedy row
-        sampled = {}
+        """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples
+        its first token n times from its one row of logits: completion i under child_seq_id(request_id, i),
+        with its own generator (the engine forks it). The drawing itself is nanoserve/engine/sampler.py's."""
+        ids, rows = [], []
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
             completions = [(seq.seq_id, params)]
             if params.n > 1 and seq.num_output_tokens == 0:
                 completions += [(child_seq_id(seq.request_id, i), params.for_completion(i)) for i in range(1, params.n)]
             for seq_id, p in completions:
-                if p.temperature == 0:
-                    sampled[seq_id] = greedy[row]
-                    continue
                 if seq_id not in self.generators:
-                    self.generators[seq_id] = make_generator(p)
-                sampled[seq_id] = sample(logits[row], p, self.generators[seq_id])
-        return sampled
+                    self.generators[seq_id] = None if p.greedy else make_generator(p)
+                ids.append(seq_id)
+                rows.append(SampleRow(row, p, self.generators[seq_id], seq.prompt_token_ids, seq.output_token_ids))
+        tokens, logprobs = sample_rows(logits, rows)
+        return SampledTokens(zip(ids, tokens), {i: lp for i, lp in zip(ids, logprobs) if lp is not None})

@@ -68,6 +68,7 @@ class Sequence:
     # parallel sampling (n > 1): the request this sequence is completion `index` of; "" = seq_id
     request_id: str = ""
     index: int = 0
+    tenant: str | None = None  # chapter 08: the API key's tenant that sent it (None: no tenants)
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

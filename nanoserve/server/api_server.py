@@ -18,6 +18,7 @@ which aborts the request, and its KV blocks are back in the pool at the next ste
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import time
 import uuid
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import TokenBucketLimiter
+from nanoserve.server.logprobs import chat_logprobs, completion_logprobs
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body, parse_body)
@@ -46,6 +48,7 @@ class ServerConfig:
     rate_limit: float | None = None  # requests per second per key (or client address); None: off
     rate_burst: int = 10
     max_body_bytes: int = 1 << 20
+    max_request_tokens: int = 1 << 16  # n * max_tokens may not exceed it (one request cannot ask for hours of work)
     retry_after_s: int = 1  # what a 503 for a full queue tells the client
     student: bool | str | list[str] = False  # with chapter 08 selected: the learner's exercises/08-http-serving/streaming.py
 
@@ -123,7 +126,7 @@ def build_app(state: ServerState) -> FastAPI:
         return cfg.model_name
 
     def chat_prompt_ids(req) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
         try:
             return state.tokenizer.encode_chat(messages)
         except (ValueError, TemplateError) as e:
@@ -137,6 +140,9 @@ def build_app(state: ServerState) -> FastAPI:
             if max_tokens < 1:
                 raise APIError(400, f"the prompt has {len(prompt_ids)} tokens, this server holds at most "
                                     f"{state.max_seq_len} per request: no room for a reply", "messages")
+        if req.n * max_tokens > cfg.max_request_tokens:  # n completions of max_tokens each: the work asked for
+            raise APIError(400, f"n * max_tokens = {req.n} * {max_tokens} exceeds this server's bound of "
+                                f"{cfg.max_request_tokens} generated tokens per request", "n")
         params = req.sampling_params(max_tokens)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
@@ -145,8 +151,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name}
+        shape = None
+        if params.logprobs is not None:  # the choice's `logprobs` in the endpoint's own shape
+            shape = functools.partial(chat_logprobs if kind == "chat" else completion_logprobs, state.tokenizer)
         if req.stream:
-            lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage)
+            lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
             return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             finals = await until_done_or_disconnect(request, outputs)
@@ -155,7 +164,8 @@ def build_app(state: ServerState) -> FastAPI:
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = [({"index": f.index, "message": {"role": "assistant", "content": f.text}} if kind == "chat"
-                    else {"index": f.index, "text": f.text}) | {"logprobs": None, "finish_reason": f.finish_reason}
+                    else {"index": f.index, "text": f.text})
+                   | {"logprobs": shape and shape(f.logprobs), "finish_reason": f.finish_reason}
                    for f in finals]
         body = {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "choices": choices, "usage": state.streaming.usage(*finals)}
@@ -219,12 +229,15 @@ def build_app(state: ServerState) -> FastAPI:
 
 async def until_done_or_disconnect(request: Request, outputs):
     """The final RequestOutput of each completion, by index (one unless n > 1), or None if the client went
-    away first (the request is then aborted)."""
+    away first (the request is then aborted). Each final's `logprobs` holds those of all its tokens."""
 
     async def last():
-        finals = {}
+        finals, logprobs = {}, {}
         async for out in outputs:
             finals[out.index] = out
+            logprobs.setdefault(out.index, []).extend(out.logprobs or [])
+        for i, out in finals.items():
+            out.logprobs = logprobs[i]
         return [finals[i] for i in sorted(finals)]
 
     async def disconnected():

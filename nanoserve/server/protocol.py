@@ -1,8 +1,10 @@
 """Chapter 08 — the OpenAI request bodies as pydantic models, and OpenAI's error format.
 
-A body is validated *strictly* (a "0.5" string is not a temperature, `true` is not a max_tokens),
-unknown fields are ignored as OpenAI's API ignores them, and a failure becomes a 400 that names the
-field — not FastAPI's default 422:
+A body is validated *strictly* (a "0.5" string is not a temperature, `true` is not a max_tokens).
+Nothing is silently dropped: a field OpenAI defines that nanoserve does not implement is a 400 naming it
+("`tools` is not supported by this server"), a field OpenAI does not define either is OpenAI's own 400
+("Unrecognized request argument supplied: X"), and every failure is a 400 that names the field — not
+FastAPI's default 422:
 
     {"error": {"message": "temperature: Input should be greater than or equal to 0",
                "type": "BadRequestError", "param": "temperature", "code": 400}}
@@ -11,18 +13,32 @@ field — not FastAPI's default 422:
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nanoserve.sampling import SamplingParams
 
-_STRICT = ConfigDict(extra="ignore", strict=True)
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+# Fields of OpenAI's chat and completions requests that nanoserve does not implement: a 400 naming the field,
+# never a silent drop (a client would believe it got what it asked for). null counts as not asked. Another
+# feature that implements one removes its entry here and adds the field to the request model below.
+UNSUPPORTED = {
+    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "functions": "function calling (the deprecated form of tools)", "function_call": "function calling",
+    "response_format": "structured outputs", "audio": "audio output", "modalities": "audio output",
+    "prediction": "predicted outputs", "web_search_options": "web search", "reasoning_effort": "reasoning models",
+    "verbosity": "reasoning models", "service_tier": "service tiers", "suffix": "insertion (completions' suffix)",
+}
+# the most a request may ask for, checked before any tokenizing (chapter 08, "the attacks the limits stop")
+MAX_STOP, MAX_STOP_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_N, MAX_DEPTH = 4, 256, 1024, 20, 16, 32
 
 
 class APIError(Exception):
     """An error the client gets as HTTP `status` with OpenAI's error body."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
+             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -44,8 +60,13 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # "developer": OpenAI's new name for "system"
     content: str | list[TextPart]
+    name: str | None = None  # OpenAI's participant name: accepted, and (as in vLLM's templates) not rendered
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         """OpenAI's list-of-parts form joins its text parts."""
@@ -58,27 +79,63 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """The fields both endpoints share (OpenAI's names; top_k and ignore_eos are vLLM's extensions)."""
+    """The fields both endpoints share: OpenAI's names, and vLLM's sampling extensions that nanoserve
+    implements (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids)."""
 
     model_config = _STRICT
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)  # completions of the prompt (parallel sampling, chapter 06)
+    n: int = Field(1, ge=1, le=MAX_N)  # completions of the prompt (parallel sampling, chapter 06)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # harmless metadata: accepted, not used
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None  # nothing is stored here: `store: true` is refused
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint; prefix caching is automatic (chapter 05)
+    # vLLM's extensions
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or len(key) > 9:
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                  max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                                  n=self.n)
+                                  max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, n=self.n,
+                                  stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                                  min_p=self.min_p, logprobs=self.num_logprobs,
+                                  logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
         except ValueError as e:  # what the models cannot say, SamplingParams does (an empty stop string)
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
 
@@ -90,18 +147,37 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]  # a string, or token ids (OpenAI accepts both)
+    prompt: str | list[int] = Field(min_length=1)  # a string, or token ids (OpenAI accepts both)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows 5; vLLM, as here, 20
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by this server", "best_of")
+        if self.echo:
+            raise APIError(400, "`echo` is not supported by this server", "echo")
+        return self.logprobs
 
 
 class TokenizeRequest(BaseModel):
@@ -120,16 +196,38 @@ class DetokenizeRequest(BaseModel):
 _UNION_TAGS = {"str", "int", "float", "bool"}  # pydantic names the branch of a union it tried
 
 
+def nesting_depth(obj, limit: int) -> int:
+    """How deep lists and objects nest in `obj` (a scalar: 0), counting no further than limit + 1.
+    Iterative, so a hostile body cannot make it recurse."""
+    depth, level = 0, [obj]
+    while level and depth <= limit:
+        level = [v for x in level if isinstance(x, (list, dict)) for v in (x.values() if isinstance(x, dict) else x)]
+        depth += 1
+    return depth if not level else limit + 1
+
+
 def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
-    """Bytes -> a validated request, or APIError(400) naming what is wrong."""
+    """Bytes -> a validated request, or APIError(400) naming what is wrong: a field OpenAI defines that
+    nanoserve does not implement (UNSUPPORTED), a field nobody defines, or a bad value."""
     try:
         obj = json.loads(body)
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not valid UTF-8") from None
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # thousands of nested [ or {: the C parser gives up before we do
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
+    if nesting_depth(obj, MAX_DEPTH) > MAX_DEPTH:
+        raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+    for name, value in list(obj.items()):
+        if name in UNSUPPORTED and name not in model.model_fields:
+            if value is not None:
+                raise APIError(400, f"`{name}` is not supported by this server ({UNSUPPORTED[name]})", name)
+            del obj[name]  # null: not asked for
+        elif name not in model.model_fields:  # OpenAI's own words for a field it does not know
+            raise APIError(400, f"Unrecognized request argument supplied: {name}", name)
     try:
         return model.model_validate(obj)
     except ValidationError as e:

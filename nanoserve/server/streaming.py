@@ -69,25 +69,36 @@ async def text_deltas(outputs: AsyncIterator[RequestOutput], stop: list[str]) ->
 
 
 async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], kind: str, chunk: dict,
-                        include_usage: bool = False) -> AsyncIterator[str]:
+                        include_usage: bool = False, logprobs=None) -> AsyncIterator[str]:
     """The SSE lines of one request. kind: "chat" (choices carry a `delta`; the first chunk the role)
     or "completion" (choices carry `text`). chunk: the fields every chunk repeats (id, object, created,
-    model). An engine error after the stream began is one `data: {"error": ...}` line, then [DONE]."""
+    model). An engine error after the stream began is one `data: {"error": ...}` line, then [DONE]
+    (its code: the exception's `status` if it has one — 408 for a timeout — else 500).
+    logprobs: None (every choice's "logprobs" is null), or a function from the TokenLogprobs of the tokens
+    a chunk carries (out.logprobs of the outputs since that completion's last chunk) to its "logprobs"."""
 
     def event(choices: list[dict], **extra) -> str:
         return sse({**chunk, "choices": choices, **({"usage": None} if include_usage else {}), **extra})
 
+    pending: dict[int, list] = {}  # index -> TokenLogprobs of tokens whose text has not been sent yet
+
+    async def noting_logprobs():
+        async for out in outputs:
+            pending.setdefault(out.index, []).extend(out.logprobs or [])
+            yield out
+
     def choice(text: str | None, finish_reason: str | None, role: bool = False, index: int = 0) -> dict:
+        lp = None if logprobs is None or role else logprobs(pending.pop(index, []))
         if kind == "chat":
             delta = {"role": "assistant", "content": text} if role else {"content": text}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
     if kind == "chat":
         yield event([choice("", None, role=True)])
     finals = {}  # index -> the last output of each completion (n > 1: one chunk's choice carries its index)
     try:
-        async for delta, out in text_deltas(outputs, stop):
+        async for delta, out in text_deltas(noting_logprobs() if logprobs is not None else outputs, stop):
             if kind == "chat" and out.index not in finals and out.index != 0:
                 yield event([choice("", None, role=True, index=out.index)])
             finals[out.index] = out
@@ -95,5 +106,5 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
         if include_usage:
             yield event([], usage=usage(*finals.values()))
     except Exception as e:  # noqa: BLE001 — the status line is long gone: the error travels in the stream
-        yield sse(error_body(str(e), 500))
+        yield sse(error_body(str(e), getattr(e, "status", 500)))
     yield sse("[DONE]")

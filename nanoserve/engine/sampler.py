@@ -1,0 +1,84 @@
+"""Chapter 08 — the batched sampler: one step's logits rows and each row's own request -> tokens (+ logprobs).
+
+    logits (num_sampled, vocab)  float32, straight from the LM head
+    rows   one SampleRow per token to draw: which logits row, the request's params, generator and tokens
+
+    per row:  raw logits ──logprobs?──▶ log_softmax: the token's and the top-k  ("raw logprobs", as vLLM's default)
+                 │
+                 └──▶ logit_bias, repetition / frequency / presence penalties (nanoserve/sampling.py)
+                      ──▶ greedy argmax, or temperature, min-p, top-k, top-p, one draw with the row's generator
+
+Everything is per row: a request's penalties read only its own prompt and output tokens, its draw uses
+only its own generator, so what it gets does not depend on who else is in the batch. Several rows may
+read the same logits row (a prompt with n > 1 draws its n first tokens from its one row, chapter 06).
+
+The logprobs are those of the model's distribution, before any penalty, temperature or filter: what
+OpenAI reports, and vLLM's default (`logprobs_mode="raw_logprobs"`). A client that asks for them
+learns how likely the model found each token, not how likely this request's sampler made it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.sampling import SamplingParams, apply_penalties, sample
+
+
+@dataclass
+class TokenLogprob:
+    """One position's log probabilities: the token that is there, and the `top` most likely alternatives.
+
+    token_id, logprob: the sampled (or, for a prompt, the given) token and log p(token);
+    rank: 1 for the most likely token; top: [(token id, logprob)], most likely first (len = the request's k).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleRow:
+    """One token to draw: from logits row `row`, for a request with these params and tokens so far."""
+
+    row: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """The TokenLogprob of token_ids[i] under the log-probabilities row i of `logprobs` (len(token_ids), vocab).
+
+        >>> lp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0]]), -1)
+        >>> token_logprobs(lp, [1], 1)[0].rank, round(token_logprobs(lp, [1], 1)[0].logprob, 3)
+        (2, -1.408)
+    """
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0]  # (n,)
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1  # ties rank as the best of them
+    top = torch.topk(logprobs, k, dim=-1) if k else None
+    out = []
+    for i, t in enumerate(token_ids):
+        alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
+        out.append(TokenLogprob(t, float(chosen[i]), int(ranks[i]), alternatives))
+    return out
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """(token per row, its TokenLogprob or None where the request did not ask for logprobs)."""
+    logits = logits.float()
+    tokens, logprobs = [], []
+    for r in rows:
+        raw = logits[r.row]
+        p = r.params
+        row = apply_penalties(raw, p, r.prompt_token_ids, r.output_token_ids)
+        token = int(torch.argmax(row)) if p.greedy else sample(row, p, r.generator)
+        tokens.append(token)
+        if p.logprobs is None:
+            logprobs.append(None)
+        else:
+            logprobs.append(token_logprobs(torch.log_softmax(raw, -1)[None], [token], p.logprobs)[0])
+    return tokens, logprobs

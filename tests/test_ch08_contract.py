@@ -1,0 +1,224 @@
+"""Chapter 08 — the OpenAI contract: nothing silently dropped (unsupported fields and unknown fields are
+400s naming them), hostile bodies refused before tokenizing, penalties / logit_bias / min_p changing the
+logits exactly as defined (hand-computed vectors) and per row, logprobs in OpenAI's shapes that match
+transformers' log-softmax, and a seeded request that draws the same whatever shares its batch."""
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.sampler import SampleRow, sample_rows, token_logprobs
+from nanoserve.sampling import SamplingParams, apply_penalties, min_p_filter
+from nanoserve.server.protocol import UNSUPPORTED
+from nanoserve.server.runner import serving
+from tests.test_ch08_server import HI, assert_openai_error, assert_pool_whole, chat_body
+from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
+
+
+@pytest.fixture
+def engine(tiny, tokenizer):
+    return LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8), tokenizer)
+
+
+# ---- the sampler, against hand-computed logits ---------------------------------------------------------
+
+def test_penalties_change_the_logits_as_defined():
+    logits = torch.tensor([2.0, -1.0, 0.5, 1.0, -3.0])
+    prompt, output = [1, 3], [0, 0, 4]
+    # repetition 2 over prompt and output: positive logits halved, negative ones doubled
+    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt, output)
+    assert torch.allclose(rep, torch.tensor([1.0, -2.0, 0.5, 0.5, -6.0]))
+    # frequency 0.5 * count and presence 1 over the generated tokens only (token 1 and 3 are prompt tokens)
+    fp = apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), prompt, output)
+    assert torch.allclose(fp, torch.tensor([2 - 1.0 - 1, -1.0, 0.5, 1.0, -3 - 0.5 - 1]))
+    # negative penalties encourage repetition
+    neg = apply_penalties(logits, SamplingParams(presence_penalty=-2.0), prompt, output)
+    assert torch.allclose(neg, torch.tensor([4.0, -1.0, 0.5, 1.0, -1.0]))
+    bias = apply_penalties(logits, SamplingParams(logit_bias={2: 5.0, 0: -100}), prompt, output)
+    assert torch.allclose(bias, torch.tensor([-98.0, -1.0, 5.5, 1.0, -3.0]))
+    assert apply_penalties(logits, SamplingParams(), prompt, output) is logits  # nothing asked: untouched
+
+
+def test_min_p_and_logit_bias_decide_the_draw():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])  # probs .644 .237 .087 .032
+    assert torch.equal(torch.isinf(min_p_filter(logits, 0.2)), torch.tensor([False, False, True, True]))
+    assert torch.equal(torch.isinf(min_p_filter(logits, 0.4)), torch.tensor([False, True, True, True]))
+    rows = [SampleRow(0, SamplingParams(temperature=1.0, min_p=0.4), torch.Generator().manual_seed(i), [], [])
+            for i in range(20)]
+    assert set(sample_rows(logits[None], rows)[0]) == {0}  # min_p 0.4 leaves only the argmax
+    greedy_banned = SampleRow(0, SamplingParams(temperature=0, logit_bias={0: -100}), None, [], [])
+    assert sample_rows(logits[None], [greedy_banned])[0] == [1]  # -100 bans even the argmax
+
+
+def test_each_row_is_sampled_alone_whatever_shares_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(temperature=0.9, seed=1, presence_penalty=1.5),
+              SamplingParams(temperature=0, repetition_penalty=1.8),
+              SamplingParams(temperature=1.2, seed=2, logit_bias={3: 10.0}, logprobs=3),
+              SamplingParams(temperature=0.7, seed=3, min_p=0.1, frequency_penalty=-1),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=4, top_k=5, top_p=0.8)]
+    history = [([1, 2], [3, 3]), ([4], [5, 6]), ([7], []), ([8, 9], [9, 9, 9]), ([1], [2]), ([], [10])]
+
+    def row(i, at):
+        return SampleRow(at, params[i], torch.Generator().manual_seed(params[i].seed or 0), *history[i])
+
+    together, together_lp = sample_rows(logits, [row(i, i) for i in range(6)])
+    for i in range(6):
+        alone, alone_lp = sample_rows(logits[i:i + 1], [row(i, 0)])
+        assert alone == [together[i]] and alone_lp == [together_lp[i]]
+    # the logprobs are the raw model's: log-softmax of the row, before the bias that made token 3 likely
+    raw = torch.log_softmax(logits[2], -1)
+    assert together_lp[2].logprob == pytest.approx(float(raw[together[2]]))
+    assert [t for t, _ in together_lp[2].top] == raw.topk(3).indices.tolist()
+    assert together_lp[0] is None  # not asked for
+
+
+def test_token_logprobs_rank_and_top():
+    lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), -1)
+    (entry,) = token_logprobs(lp, [2], 2)
+    assert entry.rank == 3 and [t for t, _ in entry.top] == [1, 3]
+    assert entry.logprob == pytest.approx(float(lp[0, 2]))
+
+
+# ---- the request bodies --------------------------------------------------------------------------------
+
+def test_unsupported_and_unknown_fields_are_refused_by_name(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        with httpx.Client(base_url=url) as http:
+            for name in UNSUPPORTED:
+                if name == "suffix":
+                    continue
+                error = assert_openai_error(http.post("/v1/chat/completions", json=chat_body(**{name: [1]})), 400)
+                assert error["message"].startswith(f"`{name}` is not supported by this server") and \
+                    error["param"] == name
+            error = assert_openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "b"}), 400)
+            assert error["param"] == "suffix"
+            for body in (chat_body(frobnicate=True), chat_body(logprobs_count=2)):
+                error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
+                assert error["message"] == f"Unrecognized request argument supplied: {list(body)[-1]}"
+            # null means "not asked", as OpenAI's SDKs send it; store: true is refused, store: false fine
+            assert http.post("/v1/chat/completions", json=chat_body(tools=None)).status_code == 200
+            assert_openai_error(http.post("/v1/chat/completions", json=chat_body(store=True)), 400)
+            extensions = dict(top_k=5, min_p=0.05, repetition_penalty=1.1, ignore_eos=True, stop_token_ids=[2],
+                              presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"42": -100}, user="u",
+                              metadata={"k": "v"}, store=False, seed=3, temperature=0.7)
+            r = http.post("/v1/chat/completions", json=chat_body(**extensions))
+            assert r.status_code == 200, r.text
+            # max_completion_tokens beside max_tokens; it wins
+            r = http.post("/v1/chat/completions", json=chat_body(max_completion_tokens=2, ignore_eos=True)).json()
+            assert r["usage"]["completion_tokens"] == 2
+            # a developer message renders as the system one
+            dev = http.post("/tokenize", json={"messages": [{"role": "developer", "content": "Be brief."}] + HI})
+            sys = http.post("/tokenize", json={"messages": [{"role": "system", "content": "Be brief."}] + HI})
+            assert dev.json()["tokens"] == sys.json()["tokens"]
+            # the completions endpoint's default max_tokens is OpenAI's 16; chat's is what the context leaves
+            done = http.post("/v1/completions", json={"prompt": "a", "temperature": 0, "ignore_eos": True}).json()
+            assert done["usage"]["completion_tokens"] == 16
+    assert_pool_whole(engine)
+
+
+HOSTILE = [
+    (b"[" * 5000 + b"]" * 5000, None),                                       # deep nesting, not an object
+    (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),              # deep nesting inside
+    (json.dumps(chat_body(metadata={"a": "b"}, x=[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]])).encode(),
+     None),
+    (json.dumps(chat_body(logit_bias={str(i): 1 for i in range(10_000)})).encode(), "logit_bias"),
+    (json.dumps(chat_body(logit_bias={"49152": 1})).encode(), None),           # outside the vocabulary
+    (json.dumps(chat_body(logit_bias={"x": 1})).encode(), "logit_bias"),
+    (json.dumps(chat_body(logit_bias={"1": 101})).encode(), "logit_bias"),
+    (json.dumps(chat_body(stop=[str(i) for i in range(100)])).encode(), "stop"),
+    (json.dumps(chat_body(stop="x" * 100_000)).encode(), "stop"),
+    (json.dumps(chat_body(logprobs=True, top_logprobs=500)).encode(), "top_logprobs"),
+    (json.dumps(chat_body(top_logprobs=2)).encode(), "top_logprobs"),         # without logprobs: true
+    (json.dumps(chat_body(n=16, max_tokens=5000)).encode(), None),              # n * max_tokens beyond any bound
+    (json.dumps(chat_body(n=1000)).encode(), "n"),
+    (json.dumps(chat_body(presence_penalty=3)).encode(), "presence_penalty"),
+    (json.dumps(chat_body(repetition_penalty=0)).encode(), "repetition_penalty"),
+]
+
+
+def test_hostile_bodies_are_cheap_400s(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", max_body_bytes=1 << 20, max_request_tokens=4096) as (url, _):
+        with httpx.Client(base_url=url) as http:
+            for body, param in HOSTILE:
+                r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+                error = assert_openai_error(r, 400)
+                if param is not None:
+                    assert error["param"] == param, (body[:80], error)
+            assert http.post("/v1/chat/completions", json=chat_body(n=2)).status_code == 200  # n=2 is fine
+    assert_pool_whole(engine)
+
+
+# ---- logprobs, seeds --------------------------------------------------------------------------------------
+
+def test_logprobs_shapes_streamed_and_not(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        kw = dict(model="tiny", messages=HI, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+        content = reply.choices[0].logprobs.content
+        assert len(content) == 5 and "".join(c.token for c in content) == reply.choices[0].message.content
+        for c in content:  # greedy: the sampled token is the most likely one
+            assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+            assert c.logprob == pytest.approx(c.top_logprobs[0].logprob) and c.logprob <= 0
+            assert bytes(c.bytes).decode("utf-8", errors="replace") == c.token
+        streamed = [e for chunk in client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **kw)
+                    for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
+        assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+        assert client.chat.completions.create(**kw).choices[0].logprobs is None  # not asked: null
+        done = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2)
+        lp = done.choices[0].logprobs
+        assert "".join(lp.tokens) == done.choices[0].text and len(lp.token_logprobs) == 4
+        assert lp.text_offset[0] == 0 and all(len(top) == 2 for top in lp.top_logprobs)
+        assert all(top[t] == pytest.approx(v) for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert_pool_whole(engine)
+
+
+def test_a_seed_draws_the_same_alone_and_in_a_batch_of_8(engine, tokenizer):
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0, "seed": 1234,
+            "ignore_eos": True, "presence_penalty": 0.3}
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        alone = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+        async def batch():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                others = [http.post("/v1/completions", json={**body, "seed": s, "prompt": f"Story {s}:"})
+                          for s in range(7)]
+                import asyncio
+
+                return await asyncio.gather(http.post("/v1/completions", json=body), *others)
+
+        import asyncio
+
+        replies = asyncio.run(batch())
+        assert replies[0].json()["choices"][0]["text"] == alone
+        assert len({r.json()["choices"][0]["text"] for r in replies}) > 1  # the others did draw other things
+    assert_pool_whole(engine)
+
+
+@pytest.mark.slow
+def test_logprobs_match_transformers_through_the_openai_client(smollm2, hf_model, hf_tokenizer):
+    from nanoserve.llm import LLM
+
+    llm = LLM(smollm2, num_blocks=128, max_num_seqs=4)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with serving(llm.engine, llm.tokenizer, model_name="smol") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        for prompt in prompts:
+            done = client.completions.create(model="smol", prompt=prompt, max_tokens=4, temperature=0, logprobs=5)
+            ids = llm.tokenizer.encode(prompt)
+            lp = done.choices[0].logprobs
+            for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+                with torch.no_grad():  # transformers' log-softmax of the next-token logits, greedy step by step
+                    row = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), -1)
+                best = row.topk(5)
+                assert abs(token_lp - float(best.values[0])) < 2e-3  # greedy: the best token's logprob
+                assert list(top)[:3] == [llm.tokenizer.decode([t]) for t in best.indices[:3].tolist()]
+                assert max(abs(a - float(b)) for a, b in zip(top.values(), best.values)) < 2e-3
+                ids.append(int(best.indices[0]))
