@@ -24,6 +24,12 @@ def register(sub):
     p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct", help="the name clients ask for")
     p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $NANOSERVE_API_KEY)")
+    p.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="tenants: a TOML or JSON file mapping each API key to a tenant name, requests_per_second, "
+                        "tokens_per_minute and priority (chapter 08); a request needs one of its keys")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                   help="abort a request still unfinished S seconds after it arrived: 408, or an error event in a "
+                        "stream (a request's own `timeout` field may ask for less)")
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the key too")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 + Retry-After while this many requests wait (default: no bound)")
@@ -54,6 +60,15 @@ def check_args(args) -> str | None:
         return f"--shutdown-timeout must be >= 0 s, got {args.shutdown_timeout}"
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key (or NANOSERVE_API_KEY) is empty"
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        return f"--request-timeout must be > 0 s, got {args.request_timeout}"
+    if args.api_keys is not None:
+        from nanoserve.server.limits import load_api_keys
+
+        try:
+            args.api_keys = load_api_keys(args.api_keys)
+        except ValueError as e:
+            return f"--api-keys: {e}"
     return None
 
 
@@ -97,15 +112,18 @@ def run(args):
         return 2
     stat_logger = PrometheusStatLogger(args.served_model_name)
     config = ServerConfig(args.served_model_name, args.api_key, args.metrics_need_key, args.max_waiting_requests,
-                          args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student)
+                          args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student,
+                          api_keys=args.api_keys, request_timeout=args.request_timeout)
     state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
     def ready():
-        key_note = " Requests need the API key; these lines read it from $NANOSERVE_API_KEY." if args.api_key else ""
+        key_note = (" Requests need an API key; these lines read it from $NANOSERVE_API_KEY."
+                    if args.api_key or args.api_keys else "")
         print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop).{key_note} Try:\n", flush=True)
-        print(how_to_call(url, args.served_model_name, args.api_key is not None) + "\n", flush=True)
+        print(how_to_call(url, args.served_model_name, args.api_key is not None or bool(args.api_keys)) + "\n",
+              flush=True)
         print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
 
     with llm:  # with --tensor-parallel-size the worker processes stop with the server (chapter 11)

@@ -32,11 +32,11 @@ from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
-from nanoserve.server.limits import TokenBucketLimiter
+from nanoserve.server.limits import Tenant, TenantLimits, TokenBucketLimiter
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, error_body, parse_body)
+                                       RequestTimeout, TokenizeRequest, error_body, parse_body)
 
 
 @dataclass
@@ -49,6 +49,9 @@ class ServerConfig:
     rate_burst: int = 10
     max_body_bytes: int = 1 << 20
     max_request_tokens: int = 1 << 16  # n * max_tokens may not exceed it (one request cannot ask for hours of work)
+    api_keys: dict[str, Tenant] | None = None  # --api-keys FILE: key -> tenant (its limits and priority)
+    request_timeout: float | None = None  # seconds from arrival to the last token; None: none
+    body_timeout: float = 30.0  # seconds a client may take to send its body
     retry_after_s: int = 1  # what a 503 for a full queue tells the client
     student: bool | str | list[str] = False  # with chapter 08 selected: the learner's exercises/08-http-serving/streaming.py
 
@@ -59,11 +62,46 @@ class ServerState:
     def __init__(self, engine: AsyncLLMEngine, tokenizer, config: ServerConfig, stat_logger=None):
         self.engine, self.tokenizer, self.config, self.stat_logger = engine, tokenizer, config, stat_logger
         self.limiter = TokenBucketLimiter(config.rate_limit, config.rate_burst) if config.rate_limit else None
+        self.tenants = TenantLimits(config.api_keys or {})
         self.draining = False  # set at shutdown: new requests get 503 while running streams finish
         self.max_model_len = engine.engine.max_model_len
         self.max_seq_len = engine.engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
         # with --student the learner's exercises/08-http-serving/streaming.py writes the SSE stream (if finished)
         self.streaming = StudentCode(config.student).module("nanoserve.server.streaming")
+
+    def count(self, tenant: str | None, outcome: str, tokens: int = 0) -> None:
+        """A tenant's request (outcome) or tokens, in the metrics (nothing without tenants or metrics)."""
+        if tenant is None or self.stat_logger is None:
+            return
+        if outcome:
+            self.stat_logger.tenant_requests.labels(self.config.model_name, tenant, outcome).inc()
+        if tokens:
+            self.stat_logger.tenant_tokens.labels(self.config.model_name, tenant).inc(tokens)
+
+    def charge(self, tenant: str | None, tokens: int) -> None:
+        self.tenants.charge(tenant, tokens)
+        self.count(tenant, "", tokens)
+
+    async def metered(self, outputs, tenant: str | None, deadline: float | None, timeout: float | None):
+        """The engine's outputs, each generated token charged to the tenant; past `deadline` (the event
+        loop's clock) a RequestTimeout. Leaving early closes `outputs`, which aborts the request."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                left = None if deadline is None else deadline - loop.time()
+                try:
+                    if left is not None and left <= 0:
+                        raise TimeoutError
+                    out = await asyncio.wait_for(anext(outputs), left)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    self.count(tenant, "timed_out")
+                    raise RequestTimeout(timeout) from None
+                self.charge(tenant, len(out.new_token_ids))
+                yield out
+        finally:
+            await outputs.aclose()
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -83,25 +121,45 @@ def build_app(state: ServerState) -> FastAPI:
     async def validation_error(_, e: RequestValidationError):
         return JSONResponse(error_body(str(e.errors()[0]["msg"]), 400), 400)
 
-    def check_key(request: Request) -> None:
-        if cfg.api_key is None:
-            return
+    keys = [(k.encode(), None) for k in [cfg.api_key] if k] + [(k.encode(), t) for k, t in (cfg.api_keys or {}).items()]
+
+    def check_key(request: Request) -> Tenant | None:
+        """The tenant of the request's verified key (None: the single --api-key, or no keys at all)."""
+        if not keys:
+            return None
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        # compare_digest takes as long for a near miss as for a far one: the key cannot be guessed byte by byte
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), cfg.api_key.encode()):
+        found, given = False, key.encode()
+        for known, tenant in keys:
+            # compare_digest takes as long for a near miss as for a far one: the key cannot be guessed byte by byte
+            if hmac.compare_digest(given, known) and scheme.lower() == "bearer":
+                found, who = True, tenant
+        if not found:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None)
+        return who
+
+    def too_many(wait: float, message: str) -> APIError:
+        return APIError(429, f"{message}; retry in {wait:.2f} s", headers={"Retry-After": str(max(1, round(wait + 0.5)))})
 
     async def guard(request: Request) -> None:  # async: run on the event loop, not in a thread pool
-        """Cheap refusals first, before any tokenizing: draining, auth, rate limit."""
+        """Cheap refusals first, before any tokenizing: draining, auth, rate limit. The tenant of the
+        verified key (or None) lands in request.state.tenant."""
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(cfg.retry_after_s)})
-        check_key(request)
+        tenant = check_key(request)
+        request.state.tenant, request.state.priority = (tenant.name, tenant.priority) if tenant else (None, 0)
         if state.limiter is not None:
-            who = request.headers.get("authorization") or (request.client.host if request.client else "?")
+            # a verified key's tenant, or the client's address: never an unverified header, which anyone can vary
+            who = (f"tenant:{tenant.name}" if tenant else "key") if keys else \
+                (request.client.host if request.client else "?")
             wait = state.limiter.try_acquire(who)
             if wait:
-                raise APIError(429, f"rate limit of {cfg.rate_limit:g} requests/s exceeded; retry in {wait:.2f} s",
-                               headers={"Retry-After": str(max(1, round(wait + 0.5)))})
+                raise too_many(wait, f"rate limit of {cfg.rate_limit:g} requests/s exceeded")
+        if tenant is not None:
+            wait, why = state.tenants.admit(tenant.name)
+            if wait:
+                state.count(tenant.name, "rate_limited")
+                raise too_many(wait, why)
+        request.state.arrival = asyncio.get_running_loop().time()
 
     def check_queue() -> None:
         waiting = state.engine.num_unfinished_requests() - state.engine.num_requests_running
@@ -114,10 +172,14 @@ def build_app(state: ServerState) -> FastAPI:
         if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {cfg.max_body_bytes}")
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > cfg.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
+        try:  # a body trickling in byte by byte holds a connection, not the server: cut it at body_timeout
+            async with asyncio.timeout(cfg.body_timeout):
+                async for part in request.stream():
+                    body += part
+                    if len(body) > cfg.max_body_bytes:
+                        raise APIError(413, f"request body exceeds the limit of {cfg.max_body_bytes} bytes")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {cfg.body_timeout:g} s") from None
         return bytes(body)
 
     def check_model(name: str | None) -> str:
@@ -145,10 +207,17 @@ def build_app(state: ServerState) -> FastAPI:
                                 f"{cfg.max_request_tokens} generated tokens per request", "n")
         params = req.sampling_params(max_tokens)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        tenant = request.state.tenant
         try:
-            outputs = await state.engine.add_request(request_id, prompt_ids, params)
+            outputs = await state.engine.add_request(request_id, prompt_ids, params, request.state.priority,
+                                                     tenant=tenant)
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
+        state.count(tenant, "admitted")
+        state.charge(tenant, len(prompt_ids))
+        timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
+        deadline = None if timeout is None else request.state.arrival + timeout
+        outputs = state.metered(outputs, tenant, deadline, timeout)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name}
         shape = None

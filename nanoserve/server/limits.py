@@ -1,4 +1,4 @@
-"""Chapter 08 — a token-bucket rate limit, one bucket per API key (or per client address).
+"""Chapter 08 — rate limits and tenant quotas: token buckets, one per verified API key (or client address).
 
 Each bucket holds up to `burst` tokens and refills at `rate` tokens per second; a request takes
 one. With rate=2, burst=3: three requests at once pass, the fourth is refused (429) and told to
@@ -7,25 +7,149 @@ retry in 0.5 s, when the next token has dripped in.
     >>> limiter = TokenBucketLimiter(rate=2, burst=3)
     >>> [limiter.try_acquire("k", now=0.0) for _ in range(4)]
     [0.0, 0.0, 0.0, 0.5]
+
+Who is a "key": the tenant of a *verified* API key, or the client's address when the server has no
+keys — never a header the client may make up (a fresh `Authorization: Bearer x` per request would
+be a fresh bucket, a fresh burst, every time). And the table stays bounded whatever the number of
+clients: a bucket idle long enough to be full again is the same as no bucket, so it is dropped
+(`burst / rate` seconds after its last use); past `max_keys` the least recently used one goes too.
+
+A tenant (`--api-keys FILE`) has a requests/s bucket and a tokens-per-minute bucket (prompt + completion
+tokens, `tokens_per_minute` of them refilling over a minute). A request is admitted while the token
+bucket is not in debt; its tokens are charged as they are known (the prompt at admission, each
+generated token as it comes), so one long request may overdraw it and the next waits until it is paid.
 """
 
+import json
 import time
+import tomllib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
 
 
 class TokenBucketLimiter:
-    def __init__(self, rate: float, burst: int):
-        if rate <= 0 or burst < 1:
-            raise ValueError(f"a rate limit needs rate > 0 and burst >= 1, got rate={rate}, burst={burst}")
-        self.rate, self.burst = rate, burst
-        self.buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, time of the last update)
+    def __init__(self, rate: float, burst: float, max_keys: int = 10_000):
+        if rate <= 0 or burst < 1 or max_keys < 1:
+            raise ValueError(f"a rate limit needs rate > 0, burst >= 1 and max_keys >= 1, got rate={rate}, "
+                             f"burst={burst}, max_keys={max_keys}")
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        # key -> (tokens, time of the last update), least recently used first
+        self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
-    def try_acquire(self, key: str, now: float | None = None) -> float:
-        """Take a token for `key`: 0.0 if granted, else the seconds until one will be there."""
+    def _level(self, key: str, now: float) -> float:
+        self._expire(now)
+        tokens, last = self.buckets.pop(key, (self.burst, now))
+        return min(self.burst, tokens + (now - last) * self.rate)
+
+    def _store(self, key: str, tokens: float, now: float) -> None:
+        self.buckets[key] = (tokens, now)  # at the end: the most recently used
+        while len(self.buckets) > self.max_keys:
+            self.buckets.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        """Drop the buckets idle long enough to be full again (oldest first: the table is in use order)."""
+        while self.buckets:
+            tokens, last = next(iter(self.buckets.values()))
+            if tokens + (now - last) * self.rate < self.burst:
+                break
+            self.buckets.popitem(last=False)
+
+    def try_acquire(self, key: str, now: float | None = None, cost: float = 1.0) -> float:
+        """Take `cost` tokens for `key`: 0.0 if granted, else the seconds until they will be there."""
         now = time.monotonic() if now is None else now
-        tokens, last = self.buckets.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        if tokens >= 1:
-            self.buckets[key] = (tokens - 1, now)
+        tokens = self._level(key, now)
+        if tokens >= cost:
+            self._store(key, tokens - cost, now)
             return 0.0
-        self.buckets[key] = (tokens, now)
-        return (1 - tokens) / self.rate
+        self._store(key, tokens, now)
+        return (cost - tokens) / self.rate
+
+    def wait_until_positive(self, key: str, now: float | None = None) -> float:
+        """0.0 if `key`'s bucket is not in debt (an admission costs nothing yet), else the seconds until it is."""
+        now = time.monotonic() if now is None else now
+        tokens = self._level(key, now)
+        self._store(key, tokens, now)
+        return 0.0 if tokens > 0 else (1e-9 - tokens) / self.rate
+
+    def charge(self, key: str, cost: float, now: float | None = None) -> None:
+        """Take `cost` tokens whether or not they are there (the bucket may go into debt)."""
+        now = time.monotonic() if now is None else now
+        self._store(key, self._level(key, now) - cost, now)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One API key's owner and limits. None: no limit of that kind."""
+
+    name: str
+    requests_per_second: float | None = None
+    burst: int = 10
+    tokens_per_minute: int | None = None
+    priority: int = 0  # the engine's: lower is served first (vLLM's convention)
+
+
+def load_api_keys(path: str | Path) -> dict[str, Tenant]:
+    """`--api-keys FILE`, TOML or JSON (by its suffix): key -> tenant. Raises ValueError naming what is wrong.
+
+        # keys.toml
+        [keys."sk-team-a"]
+        tenant = "team-a"
+        requests_per_second = 5
+        tokens_per_minute = 20000
+        priority = 0
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read the API keys: {e}") from None
+    keys = raw.get("keys") if isinstance(raw, dict) else None
+    if not isinstance(keys, dict) or not keys:
+        raise ValueError(f'{path}: expected a "keys" table mapping each API key to its tenant')
+    tenants = {}
+    for key, spec in keys.items():
+        if not key.strip() or not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str):
+            raise ValueError(f"{path}: key {key[:4]}...: needs a table with a string `tenant`")
+        unknown = set(spec) - {"tenant", "requests_per_second", "burst", "tokens_per_minute", "priority"}
+        if unknown:
+            raise ValueError(f"{path}: tenant {spec['tenant']!r}: unknown setting {sorted(unknown)[0]!r}")
+        tenant = Tenant(spec["tenant"], spec.get("requests_per_second"), spec.get("burst", 10),
+                        spec.get("tokens_per_minute"), spec.get("priority", 0))
+        for name in ("requests_per_second", "tokens_per_minute"):
+            value = getattr(tenant, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{path}: tenant {tenant.name!r}: {name} must be > 0, got {value!r}")
+        if not isinstance(tenant.burst, int) or tenant.burst < 1 or not isinstance(tenant.priority, int):
+            raise ValueError(f"{path}: tenant {tenant.name!r}: burst must be an int >= 1 and priority an int")
+        tenants[key] = tenant
+    return tenants
+
+
+class TenantLimits:
+    """The per-tenant buckets: requests/s, and tokens per minute. One table each, keyed by tenant name."""
+
+    def __init__(self, tenants: dict[str, Tenant]):
+        self.tenants = {t.name: t for t in tenants.values()}
+        self.requests = {t.name: TokenBucketLimiter(t.requests_per_second, t.burst, 1)
+                         for t in self.tenants.values() if t.requests_per_second}
+        self.tokens = {t.name: TokenBucketLimiter(t.tokens_per_minute / 60, t.tokens_per_minute, 1)
+                       for t in self.tenants.values() if t.tokens_per_minute}
+
+    def admit(self, tenant: str) -> tuple[float, str]:
+        """(0.0, "") to go ahead, else (seconds to wait, why)."""
+        t = self.tenants[tenant]
+        if tenant in self.requests:
+            wait = self.requests[tenant].try_acquire(tenant)
+            if wait:
+                return wait, f"tenant {tenant!r}: rate limit of {t.requests_per_second:g} requests/s exceeded"
+        if tenant in self.tokens:
+            wait = self.tokens[tenant].wait_until_positive(tenant)
+            if wait:
+                return wait, f"tenant {tenant!r}: quota of {t.tokens_per_minute} tokens per minute spent"
+        return 0.0, ""
+
+    def charge(self, tenant: str | None, tokens: int) -> None:
+        if tenant in self.tokens and tokens:
+            self.tokens[tenant].charge(tenant, tokens)

@@ -15,6 +15,9 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
                                                                (q4) copy of the weights (chapter 10), else 0
     nanoserve:generation_tokens_by_precision_total{precision=...}  counter: generated tokens by the weights
                                                                they were computed with ("fp32", "int8", "q4")
+    nanoserve:tenant_requests_total{tenant=...,outcome=...}    counter: requests per tenant (--api-keys, chapter 08)
+                                                               admitted, rate_limited (429), timed_out (408)
+    nanoserve:tenant_tokens_total{tenant=...}                  counter: prompt + generated tokens per tenant
 
 The share of tokens served degraded over the last 5 minutes, in PromQL (the degraded copy is always q4,
 and a server that degrades never serves q4 otherwise):
@@ -68,6 +71,12 @@ class PrometheusStatLogger:
         self.tokens_by_precision = Counter(PREFIX + "generation_tokens_by_precision",
                                            "Generated tokens by the weights they were computed with.",
                                            ["model_name", "precision"], registry=self.registry)
+        # chapter 08's tenants (--api-keys): per request and per token, by the tenant of the verified key
+        self.tenant_requests = Counter(PREFIX + "tenant_requests", "Requests by tenant and outcome (admitted, "
+                                       "rate_limited, timed_out).", ["model_name", "tenant", "outcome"],
+                                       registry=self.registry)
+        self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Prompt + generated tokens charged to a tenant.",
+                                     ["model_name", "tenant"], registry=self.registry)
         self.model_name = model_name
         self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
 

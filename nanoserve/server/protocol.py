@@ -48,6 +48,13 @@ class APIError(Exception):
         return error_body(self.message, self.status, self.param)
 
 
+class RequestTimeout(APIError):
+    """408: the request ran past its timeout (it is aborted)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(408, f"the request did not finish within its timeout of {seconds:g} s", "timeout")
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": APIError.TYPES.get(status, "APIError"), "param": param, "code": status}}
 
@@ -107,6 +114,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0, le=2)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # nanoserve's extension: seconds from arrival to the last token (the server's --request-timeout caps it)
+    timeout: float | None = Field(None, gt=0)
 
     @field_validator("stop")
     @classmethod

@@ -6,11 +6,14 @@
     with serving(llm.engine, llm.tokenizer) as (url, server):      # tests, notebooks, benchmarks:
         ...                                                         # a thread, a free loopback port
 
-Shutdown, in order: the app starts answering 503 (`draining`), uvicorn stops listening and waits
-for running responses — streams finish — up to `shutdown_timeout` seconds, then cancels what is
-left (each cancelled stream aborts its request), and last the engine thread stops.
+Shutdown, in order: the app starts answering 503 + Retry-After (`draining`) — to every new request,
+on new connections too, since the socket keeps listening while the running requests finish (a client
+or load balancer told 503 retries elsewhere; a refused connection says less) — for up to
+`shutdown_timeout` seconds; then uvicorn stops listening, cancels what is left (each cancelled
+request is aborted, its blocks freed), and last the engine thread stops.
 """
 
+import asyncio
 import signal
 import threading
 import time
@@ -45,7 +48,12 @@ class Server(uvicorn.Server):
             self.on_ready()
 
     async def shutdown(self, sockets=None) -> None:
-        self.state.draining = True  # requests still arriving on open connections get 503
+        self.state.draining = True  # from now on every new request gets 503
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_graceful_shutdown
+        while self.state.engine.num_unfinished_requests() and loop.time() < deadline:  # still listening
+            await asyncio.sleep(0.02)
+        self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())  # what is left of it
         await super().shutdown(sockets)
 
     def run(self, sockets=None) -> None:

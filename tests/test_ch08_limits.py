@@ -1,0 +1,185 @@
+"""Chapter 08 — limits nobody can dodge: the rate limit keys on what the server verified (rotating made-up
+`Authorization` headers buys nothing), the bucket table stays bounded under 100 000 clients, tenants from
+--api-keys get their own buckets, token quotas and priority (a flood from one does not starve another),
+timeouts abort (408, or an error event then [DONE] in a stream) and free the blocks, a trickling body is
+cut without holding up anyone else, and after shutdown begins a client gets a documented answer."""
+
+import asyncio
+import json
+import socket
+import sys
+import time
+import tracemalloc
+
+import httpx
+import pytest
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.server.limits import Tenant, TokenBucketLimiter, load_api_keys
+from nanoserve.server.runner import serving
+from tests.test_ch08_server import assert_openai_error, assert_pool_whole, chat_body, slow_steps
+from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
+
+TENANTS = {"key-a": Tenant("a", requests_per_second=1, burst=3, priority=1),
+           "key-b": Tenant("b", requests_per_second=50, burst=50, priority=0),
+           "key-q": Tenant("q", tokens_per_minute=20)}
+
+
+@pytest.fixture
+def engine(tiny, tokenizer):
+    return LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), tokenizer)
+
+
+def test_buckets_expire_and_the_table_stays_bounded():
+    limiter = TokenBucketLimiter(rate=10, burst=2, max_keys=1000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(100_000):  # 100 000 distinct clients, one request each, 1 ms apart
+        assert limiter.try_acquire(f"client-{i}", now=i / 1000) == 0.0
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    # a bucket is full again 0.2 s after its use: only the last ~200 clients still have one
+    assert len(limiter.buckets) <= 201 and grown < 1 << 20
+    crowded = TokenBucketLimiter(rate=0.001, burst=2, max_keys=1000)  # nothing refills: the bound does the work
+    for i in range(100_000):
+        crowded.try_acquire(f"client-{i}", now=0.0)
+    assert len(crowded.buckets) == 1000
+    # expiry never gives a client more than its bucket: a spent bucket is kept until it has refilled
+    limiter.try_acquire("x", now=200.0), limiter.try_acquire("x", now=200.0)
+    assert limiter.try_acquire("x", now=200.0) == pytest.approx(0.1)
+
+
+def test_rotating_fake_authorization_headers_do_not_escape_the_rate_limit(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.1, rate_burst=2) as (url, _):
+        codes = [httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer made-up-{i}"}).status_code
+                 for i in range(5)]
+        assert codes == [200, 200, 429, 429, 429]  # one client address, one bucket
+
+
+def test_api_keys_file_toml_and_json(tmp_path):
+    toml = tmp_path / "keys.toml"
+    toml.write_text('[keys."sk-1"]\ntenant = "team-a"\nrequests_per_second = 5\ntokens_per_minute = 100\n'
+                    'priority = 1\n')
+    assert load_api_keys(toml) == {"sk-1": Tenant("team-a", 5, 10, 100, 1)}
+    js = tmp_path / "keys.json"
+    js.write_text(json.dumps({"keys": {"sk-2": {"tenant": "b"}}}))
+    assert load_api_keys(js) == {"sk-2": Tenant("b")}
+    js.write_text(json.dumps({"keys": {"sk-2": {"tenant": "b", "requests_per_second": -1}}}))
+    with pytest.raises(ValueError, match="requests_per_second"):
+        load_api_keys(js)
+
+
+def test_a_tenants_flood_does_not_starve_another(engine, tokenizer):
+    slow_steps(engine, 0.005)
+    with serving(engine, tokenizer, model_name="tiny", api_keys=TENANTS) as (url, server):
+        async def run():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                def ask(key):
+                    return http.post("/v1/chat/completions", json=chat_body(max_tokens=6, ignore_eos=True),
+                                     headers={"Authorization": f"Bearer {key}"})
+                flood = [asyncio.ensure_future(ask("key-a")) for _ in range(30)]
+                await asyncio.sleep(0.05)
+                b = await asyncio.gather(*[ask("key-b") for _ in range(4)])
+                return await asyncio.gather(*flood), b
+
+        flood, b = asyncio.run(run())
+        assert [r.status_code for r in b] == [200] * 4  # B is served in full
+        codes = [r.status_code for r in flood]
+        assert codes.count(200) <= 4 and codes.count(429) >= 26  # A gets its burst (and a refill), no more
+        assert all(int(r.headers["retry-after"]) >= 1 for r in flood if r.status_code == 429)
+        assert_openai_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-c"}), 401)
+        scrape = httpx.get(f"{url}/metrics").text
+        assert 'nanoserve:tenant_requests_total{model_name="tiny",outcome="admitted",tenant="b"} 4.0' in scrape
+        assert 'outcome="rate_limited",tenant="a"' in scrape
+    assert_pool_whole(engine)
+
+
+def test_a_spent_token_quota_is_429_until_it_refills(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", api_keys=TENANTS) as (url, _):
+        q = {"Authorization": "Bearer key-q"}  # 20 tokens a minute; one request's prompt + 20 tokens spend it
+        first = httpx.post(f"{url}/v1/completions", headers=q, json={"prompt": "Once upon a time", "max_tokens": 20,
+                                                                      "ignore_eos": True, "temperature": 0}, timeout=60)
+        assert first.status_code == 200
+        spent = httpx.post(f"{url}/v1/completions", headers=q, json={"prompt": "x", "max_tokens": 1})
+        assert "tokens per minute" in assert_openai_error(spent, 429)["message"]
+        assert int(spent.headers["retry-after"]) >= 1
+    assert_pool_whole(engine)
+
+
+def test_timeouts_abort_and_free_the_blocks(engine, tokenizer):
+    slow_steps(engine, 0.05)
+    with serving(engine, tokenizer, model_name="tiny", request_timeout=30) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=200, ignore_eos=True, timeout=0.3))
+        assert "timeout" in assert_openai_error(r, 408)["message"]
+        assert_pool_whole(engine)
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(max_tokens=200, ignore_eos=True, timeout=0.3, stream=True)) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 408
+    assert_pool_whole(engine)
+    with serving(engine, tokenizer, model_name="tiny", request_timeout=0.3) as (url, _):  # the server's own
+        assert_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 200,
+                                                                       "ignore_eos": True}), 408)
+    assert_pool_whole(engine)
+
+
+def test_a_trickling_body_is_cut_and_holds_up_nobody(engine, tokenizer):
+    with serving(engine, tokenizer, model_name="tiny", body_timeout=1.0) as (url, server):
+        with socket.create_connection(("127.0.0.1", server.port)) as slow:
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{")
+            # meanwhile another client is served at once
+            assert httpx.post(f"{url}/v1/chat/completions", json=chat_body()).status_code == 200
+            slow.settimeout(10)
+            answer = b""
+            for _ in range(20):  # one byte every 0.1 s until the server cuts us
+                try:
+                    slow.sendall(b" ")
+                except OSError:
+                    break
+                time.sleep(0.1)
+            while b"\r\n\r\n" not in answer:
+                chunk = slow.recv(4096)
+                if not chunk:
+                    break
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_after_sigterm_a_new_connection_gets_503_while_streams_drain(engine, tokenizer):
+    """The socket keeps listening while the running requests drain, so a connection opened after SIGTERM
+    gets 503 + Retry-After (and /health 503), not a refused connection; the running stream finishes."""
+    slow_steps(engine, 0.05)
+    with serving(engine, tokenizer, model_name="tiny", shutdown_timeout=30) as (url, server):
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(max_tokens=40, ignore_eos=True, stream=True), timeout=30) as running:
+            lines = running.iter_lines()
+            next(lines)
+            server.should_exit = True  # what SIGTERM sets
+            deadline = time.monotonic() + 5
+            while not server.state.draining and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with httpx.Client(base_url=url, timeout=10) as fresh:  # a connection opened after SIGTERM
+                r = fresh.post("/v1/chat/completions", json=chat_body())
+                assert_openai_error(r, 503)
+                assert r.headers["retry-after"] == "1"
+                assert fresh.get("/health").status_code == 503
+            rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and len(rest) >= 40
+    assert_pool_whole(engine)
+
+
+def test_a_client_gone_before_its_first_byte_is_aborted(engine, tokenizer):
+    slow_steps(engine, 0.2)
+    with serving(engine, tokenizer, model_name="tiny") as (url, server):
+        body = json.dumps(chat_body(max_tokens=50, ignore_eos=True, stream=True)).encode()
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", server.port)) as c:
+                c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                deadline = time.monotonic() + 5  # until it is admitted, then hang up before reading a byte
+                while not engine.scheduler.seqs and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert engine.scheduler.seqs
+            body = body.replace(b'"stream": true', b'"stream": false')
+            assert_pool_whole(engine)
