@@ -116,6 +116,11 @@ def test_timeouts_abort_and_free_the_blocks(engine, tokenizer):
                           json=chat_body(max_tokens=200, ignore_eos=True, timeout=0.3, stream=True)) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 408
+        assert_pool_whole(engine)
+        # past its deadline before the stream even asked for a token: still aborted (the soak found this leak)
+        with httpx.stream("POST", f"{url}/v1/chat/completions",
+                          json=chat_body(max_tokens=200, ignore_eos=True, timeout=0.001, stream=True)) as s:
+            assert list(s.iter_lines())[-2] == "data: [DONE]"
     assert_pool_whole(engine)
     with serving(engine, tokenizer, model_name="tiny", request_timeout=0.3) as (url, _):  # the server's own
         assert_openai_error(httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 200,

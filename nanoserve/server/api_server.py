@@ -28,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
@@ -82,10 +83,13 @@ class ServerState:
         self.tenants.charge(tenant, tokens)
         self.count(tenant, "", tokens)
 
-    async def metered(self, outputs, tenant: str | None, deadline: float | None, timeout: float | None):
+    async def metered(self, request_id: str, outputs, tenant: str | None, deadline: float | None,
+                      timeout: float | None):
         """The engine's outputs, each generated token charged to the tenant; past `deadline` (the event
-        loop's clock) a RequestTimeout. Leaving early closes `outputs`, which aborts the request."""
+        loop's clock) a RequestTimeout. Leaving early aborts the request — explicitly: closing `outputs`
+        would not if it never started (a deadline already past, a client gone before the first token)."""
         loop = asyncio.get_running_loop()
+        finished = False
         try:
             while True:
                 left = None if deadline is None else deadline - loop.time()
@@ -94,6 +98,7 @@ class ServerState:
                         raise TimeoutError
                     out = await asyncio.wait_for(anext(outputs), left)
                 except StopAsyncIteration:
+                    finished = True
                     return
                 except TimeoutError:
                     self.count(tenant, "timed_out")
@@ -101,6 +106,8 @@ class ServerState:
                 self.charge(tenant, len(out.new_token_ids))
                 yield out
         finally:
+            if not finished:
+                self.engine.abort(request_id)  # at the next step boundary; a finished id is ignored
             await outputs.aclose()
 
 
@@ -217,7 +224,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.charge(tenant, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(outputs, tenant, deadline, timeout)
+        outputs = state.metered(request_id, outputs, tenant, deadline, timeout)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name}
         shape = None
@@ -225,7 +232,9 @@ def build_app(state: ServerState) -> FastAPI:
             shape = functools.partial(chat_logprobs if kind == "chat" else completion_logprobs, state.tokenizer)
         if req.stream:
             lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
-            return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            # the abort after the response also covers a client gone before the stream began (nothing to close)
+            return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(abort_async, state.engine, request_id))
         try:
             finals = await until_done_or_disconnect(request, outputs)
         except EngineStepError as e:
@@ -294,6 +303,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     add_engine_view(app, state, check_key)  # chapter 12: GET /engine, the live page, and its /engine/events
     return app
+
+
+async def abort_async(engine: AsyncLLMEngine, request_id: str) -> None:
+    engine.abort(request_id)  # ignored if it finished
 
 
 async def until_done_or_disconnect(request: Request, outputs):

@@ -105,24 +105,29 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
         raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read the API keys: {e}") from None
+    return load_api_keys_dict(raw, str(path))
+
+
+def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
+    """The parsed form of an --api-keys file ({"keys": {key: {"tenant": ..., ...}}}) -> key -> Tenant."""
     keys = raw.get("keys") if isinstance(raw, dict) else None
     if not isinstance(keys, dict) or not keys:
-        raise ValueError(f'{path}: expected a "keys" table mapping each API key to its tenant')
+        raise ValueError(f'{where}: expected a "keys" table mapping each API key to its tenant')
     tenants = {}
     for key, spec in keys.items():
         if not key.strip() or not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str):
-            raise ValueError(f"{path}: key {key[:4]}...: needs a table with a string `tenant`")
+            raise ValueError(f"{where}: key {key[:4]}...: needs a table with a string `tenant`")
         unknown = set(spec) - {"tenant", "requests_per_second", "burst", "tokens_per_minute", "priority"}
         if unknown:
-            raise ValueError(f"{path}: tenant {spec['tenant']!r}: unknown setting {sorted(unknown)[0]!r}")
+            raise ValueError(f"{where}: tenant {spec['tenant']!r}: unknown setting {sorted(unknown)[0]!r}")
         tenant = Tenant(spec["tenant"], spec.get("requests_per_second"), spec.get("burst", 10),
                         spec.get("tokens_per_minute"), spec.get("priority", 0))
         for name in ("requests_per_second", "tokens_per_minute"):
             value = getattr(tenant, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{path}: tenant {tenant.name!r}: {name} must be > 0, got {value!r}")
+                raise ValueError(f"{where}: tenant {tenant.name!r}: {name} must be > 0, got {value!r}")
         if not isinstance(tenant.burst, int) or tenant.burst < 1 or not isinstance(tenant.priority, int):
-            raise ValueError(f"{path}: tenant {tenant.name!r}: burst must be an int >= 1 and priority an int")
+            raise ValueError(f"{where}: tenant {tenant.name!r}: burst must be an int >= 1 and priority an int")
         tenants[key] = tenant
     return tenants
 
