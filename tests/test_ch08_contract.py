@@ -222,3 +222,16 @@ def test_logprobs_match_transformers_through_the_openai_client(smollm2, hf_model
                 assert list(top)[:3] == [llm.tokenizer.decode([t]) for t in best.indices[:3].tolist()]
                 assert max(abs(a - float(b)) for a, b in zip(top.values(), best.values)) < 2e-3
                 ids.append(int(best.indices[0]))
+
+
+def test_n_completions_count_their_prompt_once_in_the_metrics(engine, tokenizer):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon", "n": 3, "max_tokens": 2,
+                                                       "temperature": 0.8, "seed": 1, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("Once upon"))
+        values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                  for s in f.samples}
+        assert values["nanoserve:prompt_tokens_total"] == len(tokenizer.encode("Once upon"))
+        assert values["nanoserve:generation_tokens_total"] == 3 * 2

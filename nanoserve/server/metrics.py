@@ -97,7 +97,8 @@ class PrometheusStatLogger:
         for out in outputs:
             self.generation_tokens.inc(len(out.new_token_ids))
             by_precision.inc(len(out.new_token_ids))
-            if len(out.token_ids) == len(out.new_token_ids):  # its first token: the prompt was prefilled
+            # its first token: the prompt was prefilled — once for all n completions (the forks share it)
+            if out.index == 0 and len(out.token_ids) == len(out.new_token_ids):
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
             if out.finished:
                 self.record_finished(out)
