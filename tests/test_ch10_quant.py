@@ -218,7 +218,7 @@ def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weight
 def test_q4_without_blocks_names_the_layer(tiny_pair):
     import copy
 
-    with pytest.raises(ValueError, match="layers.0.self_attn.q_proj.*Q4_1"):
+    with pytest.raises(ValueError, match="layers.0.self_attn.qkv_proj.*Q4_1"):
         quantize_model(copy.deepcopy(tiny_pair[0]), "q4", {})
 
 
