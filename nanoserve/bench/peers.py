@@ -29,6 +29,8 @@ def register(sub):
     p.add_argument("--prefill-tokens", type=int, default=2000)
     p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens timed per format")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, = the cores); 1 on a machine busy with other jobs")
     p.set_defaults(func=run)
 
 
@@ -86,9 +88,11 @@ def run(args):
     from nanoserve.model import embedded_gguf_path
     from nanoserve.text.tokenizer import Tokenizer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
           f"--formats {' '.join(args.formats)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
-          f"--new-tokens {args.new_tokens}")
+          f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else ""), flush=True)
     print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
           f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds")
     tokenizer = Tokenizer.from_gguf()
@@ -117,8 +121,8 @@ def run(args):
         for name, rate in rates.items():
             ratio = f"{rate / base:6.2f}x" if base else ""
             print(f"  {name:28s} {rate:8.1f} out tok/s  {ratio}   rounds: "
-                  + " ".join(f"{t:.1f}s" for t in times[name]))
+                  + " ".join(f"{t:.1f}s" for t in times[name]), flush=True)
     print(f"\nper format: batch-1 decode ({args.decode_tokens} tokens) and one {args.prefill_tokens}-token prefill")
     for name, llm in llms.items():
         decode, prefill = single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer)
-        print(f"  {name:28s} decode {decode:7.1f} tok/s   prefill {prefill:8.1f} tok/s")
+        print(f"  {name:28s} decode {decode:7.1f} tok/s   prefill {prefill:8.1f} tok/s", flush=True)

@@ -43,8 +43,9 @@ def run(args):
             n = weight_bytes(config, w)
             print(f"  {w:8s} {format_bytes(n):>10s} {n / counts['total']:13.3f} {format_bytes(n):>19s} "
                   f"{format_bytes(n / 16):>10s}")
-    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS
+    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS
 
     print(f"\nkernel crossover: int8 / q4 layers run their integer kernel on steps of up to {KERNEL_CROSSOVER_TOKENS} "
-          f"tokens and a bf16 GEMM beyond\n  (KERNEL_CROSSOVER_TOKENS, LLM(kernel_crossover_tokens=...); "
-          f"measured with `python -m nanoserve bench linear --formats fp32 bf16 int8 q4`)")
+          f"tokens and a bf16 GEMM beyond, on a kept bf16 copy\n  (KERNEL_CROSSOVER_TOKENS; LLM(kernel_crossover_tokens"
+          f"=..., large_step_weights='copy'); {QUANT_MAX_TOKENS} when the weight is dequantized per step instead;\n"
+          f"  measured with `python -m nanoserve bench linear --formats fp32 bf16 q4`)")

@@ -45,13 +45,14 @@ WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
 Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
 # Up to this many tokens a product runs in the quantized kernel; beyond, a bf16 GEMM (oneDNN, AMX tiles on
-# this CPU). The default is the measured crossover (`python -m nanoserve bench linear --formats fp32 bf16 int8 q4`,
-# chapter 10 "The crossover"): the int4 kernel is memory-bound and wins while a step reads few rows of x per
-# weight; from ~16 rows the bf16 GEMM, compute-bound on AMX, is faster. A config value:
-# EngineConfig.kernel_crossover_tokens / `--kernel-crossover-tokens`, applied by `set_kernel_crossover`.
+# this CPU) on a bf16 weight. Where that weight is dequantized for each call (a bare quantized model), the
+# crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill chunks on the GEMM,
+# since the dequantize pass costs more than a decode step's product. Where a bf16 copy is kept
+# (LLM's default, set_kernel_crossover), the GEMM costs only itself and wins from ~16 rows: the int4 kernel is
+# memory-bound, the bf16 GEMM compute-bound on AMX (`python -m nanoserve bench linear --formats fp32 bf16 q4`,
+# chapter 10 "The crossover"). A config value: LLM(kernel_crossover_tokens=...).
+QUANT_MAX_TOKENS = SWAP_AB_MAX_TOKENS
 KERNEL_CROSSOVER_TOKENS = 16
-QUANT_MAX_TOKENS = KERNEL_CROSSOVER_TOKENS
-assert QUANT_MAX_TOKENS <= SWAP_AB_MAX_TOKENS
 # How a quantized layer gets its bf16 weight for a large step: "dequantize" it per call (no extra memory,
 # one pass over the weight per step) or keep a "copy" beside the quantized one (2 bytes per weight more).
 LARGE_STEP_WEIGHTS = ("dequantize", "copy")
@@ -237,10 +238,11 @@ class BF16Embedding(nn.Module):
         return self.weight[ids].float()
 
 
-def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step_weights: str = "dequantize"):
-    """Per step, which product a quantized layer runs: its int8/int4 kernel up to `max_kernel_tokens` tokens
-    (default KERNEL_CROSSOVER_TOKENS), a bf16 GEMM beyond, on a bf16 weight dequantized per call or kept as a
-    copy (`large_step_weights`, LARGE_STEP_WEIGHTS). Returns the bytes the copies add (0 for "dequantize")."""
+def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step_weights: str = "copy"):
+    """Per step, which product a quantized layer runs: its int8/int4 kernel up to `max_kernel_tokens` tokens,
+    a bf16 GEMM beyond, on a bf16 weight kept as a copy or dequantized per call (`large_step_weights`, one of
+    LARGE_STEP_WEIGHTS). Default tokens: KERNEL_CROSSOVER_TOKENS with a copy, QUANT_MAX_TOKENS without.
+    Returns the bytes the copies add (0 for "dequantize")."""
     if large_step_weights not in LARGE_STEP_WEIGHTS:
         raise ValueError(f"unknown large_step_weights {large_step_weights!r}; known: {', '.join(LARGE_STEP_WEIGHTS)}")
     if max_kernel_tokens is not None and max_kernel_tokens < 0:
@@ -250,7 +252,8 @@ def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step
     for module in model.modules():
         if not isinstance(module, QuantLinear) or isinstance(module, BF16Linear):
             continue
-        module.max_kernel_tokens = KERNEL_CROSSOVER_TOKENS if max_kernel_tokens is None else max_kernel_tokens
+        default = KERNEL_CROSSOVER_TOKENS if large_step_weights == "copy" else QUANT_MAX_TOKENS
+        module.max_kernel_tokens = default if max_kernel_tokens is None else max_kernel_tokens
         if large_step_weights == "copy":
             key = next(iter(module.buffers())).data_ptr()
             if key not in copies:
