@@ -33,7 +33,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
                  weights: str | None = None, degrade_under_load: int | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, kernel_crossover_tokens: int | None = None,
+                 large_step_weights: str = "copy"):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -43,7 +44,12 @@ class LLM:
         kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
         a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
-        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`)."""
+        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
+        kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
+        a bf16 GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS, measured); large_step_weights: keep a bf16
+        "copy" of each quantized weight for those steps (2 bytes per weight more: SmolLM2 q4 95 MB + 269 MB) or
+        "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
+        a model loaded here; a model given keeps what quant.set_kernel_crossover made of it."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -71,6 +77,10 @@ class LLM:
                              f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
         else:
             self.model = model
+        if (model is None or path is not None) and getattr(self.model, "weight_format", "fp32") in ("int8", "q4"):
+            from nanoserve.model.quant import set_kernel_crossover
+
+            set_kernel_crossover(self.model, kernel_crossover_tokens, large_step_weights)
         degraded = None
         if degrade_under_load is not None:
             if not (model is None or path is not None) or (weights or "fp32") == "q4":

@@ -51,7 +51,8 @@ def weight_bytes(config: LlamaConfig, weights: str = "fp32") -> float:
       int8  decoder Linears 1 B per weight + a bf16 scale per output row; embedding / LM head the same
       q4    decoder Linears 0.5 B per weight + a bf16 scale and zero per 32 (= 0.625 B per weight);
             embedding / LM head int8 as above (nanoserve/model/quant.py says why)
-    Norms stay float32 in every format. SmolLM2: 538.1 MB, 135.0 MB, 94.9 MB.
+      bf16  every matrix 2 B per weight (embedding and LM head too)
+    Norms stay float32 in every format. SmolLM2: 538.1 MB, 135.0 MB, 94.9 MB; bf16 269.1 MB.
     """
     from nanoserve.model.quant import check_weight_format
 
@@ -59,6 +60,9 @@ def weight_bytes(config: LlamaConfig, weights: str = "fp32") -> float:
     counts = parameter_counts(config)
     if weights == "fp32":
         return counts["total"] * 4
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
+    if weights == "bf16":  # every matrix 2 B per weight, the norms float32
+        return (counts["total"] - norms) * 2 + norms * 4
     h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
     rows = config.num_attention_heads * d + 2 * config.num_key_value_heads * d + h + 2 * inter + h  # q k v o gate up down
     linear = counts["all_layers"] - 2 * h * config.num_hidden_layers  # the decoder's Linear weights

@@ -218,7 +218,7 @@ def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weight
 def test_q4_without_blocks_names_the_layer(tiny_pair):
     import copy
 
-    with pytest.raises(ValueError, match="layers.0.self_attn.q_proj.*Q4_1"):
+    with pytest.raises(ValueError, match="layers.0.self_attn.qkv_proj.*Q4_1"):
         quantize_model(copy.deepcopy(tiny_pair[0]), "q4", {})
 
 
@@ -253,7 +253,8 @@ def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pa
         return lambda *a: calls.append(fn.__name__) or fn(*a)
     functions = SimpleNamespace(quantize_int8=counted(reference.quantize_int8), unpack_q4_1=counted(reference.unpack_q4_1))
     quantize_model(copy.deepcopy(tiny_pair[0]), "q4", tiny_pair[1], functions)
-    assert calls.count("unpack_q4_1") == 14 and calls.count("quantize_int8") == 1  # 2 layers x 7; the tied head
+    # 2 layers x 4 (qkv_proj, o_proj, gate_up_proj, down_proj); the tied head
+    assert calls.count("unpack_q4_1") == 8 and calls.count("quantize_int8") == 1
     calls.clear()
     quantize_model(copy.deepcopy(tiny_pair[0]), "int8", None, functions)
-    assert calls == ["quantize_int8"] * 15
+    assert calls == ["quantize_int8"] * 9

@@ -10,6 +10,18 @@ over a batch of `tokens` rows, both ways, alternating, best of --repeats:
 Each weight is a separate tensor, as in the model, so a pass streams ~540 MB of float32 weights and
 none of them is still in cache from the pass before: a decode step's conditions, not a warm microbenchmark.
 Freed memory is kept for reuse as in the engine's worker, so big outputs do not page-fault afresh.
+
+With --formats the same pass runs through the model's own layer classes, fused shapes (qkv_proj,
+o_proj, gate_up_proj, down_proj × 30, LM head), one column per way of multiplying:
+
+  fp32        Linear (swap AB up to SWAP_AB_MAX_TOKENS)
+  bf16        BF16Linear: bf16 weights, oneDNN's bf16 GEMM (AMX tiles on this CPU)
+  int8, q4    the integer kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
+  int8→bf16, q4→bf16   dequantize the weight to bf16 for this call, then the bf16 GEMM
+              (large_step_weights="dequantize"; "copy" costs what the bf16 column does)
+
+The row where the bf16 GEMM overtakes the integer kernel is quant.KERNEL_CROSSOVER_TOKENS.
+--fused compares the fused products with the separate q, k, v, gate, up ones in float32 and bf16.
 """
 
 import time
@@ -22,6 +34,9 @@ def register(sub):
     p = sub.add_parser("linear", help="x·Wᵀ vs (W·xᵀ)ᵀ over all of the model's weights, by batch size (chapter 06)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--formats", nargs="+", choices=["fp32", "bf16", "int8", "q4"],
+                   help="time the model's layer classes per weight format instead (the kernel crossover)")
+    p.add_argument("--fused", action="store_true", help="fused qkv / gate_up products vs separate ones")
     p.set_defaults(func=run)
 
 
@@ -41,6 +56,97 @@ def linear_pass(weights, inputs, product) -> float:
     return time.perf_counter() - t0
 
 
+def fused_weights(config, fused: bool = True) -> list[torch.Tensor]:
+    """As model_weights, with q, k, v stacked into one matrix and gate, up into one (the model's layout)."""
+    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
+    shapes = [(q + 2 * kv, H), (H, q), (2 * I, H), (H, I)] if fused else [(q, H), (kv, H), (kv, H), (H, q),
+                                                                            (I, H), (I, H), (H, I)]
+    return [torch.randn(shape) * 0.02 for shape in shapes * config.num_hidden_layers + [(config.vocab_size, H)]]
+
+
+def random_q4_blocks(out: int, inp: int) -> torch.Tensor:
+    """Q4_1 blocks (out, in/32, 20) of random nibbles with small float16 d and m (a layer's shape, not its values)."""
+    from nanoserve.model.quant import Q4_1_BLOCK_BYTES, Q4_GROUP_SIZE
+
+    blocks = torch.randint(0, 256, (out, inp // Q4_GROUP_SIZE, Q4_1_BLOCK_BYTES), dtype=torch.uint8)
+    dm = (torch.rand(out, inp // Q4_GROUP_SIZE, 2) * 0.01).to(torch.float16)
+    blocks[..., :4] = dm.view(torch.uint8).view(out, inp // Q4_GROUP_SIZE, 4)
+    return blocks
+
+
+def format_layers(weights: list[torch.Tensor], fmt: str) -> dict[str, list]:
+    """{column: layers} for one format; the integer formats give two columns, kernel and dequantize→bf16."""
+    from nanoserve.model.layers import Linear
+    from nanoserve.model.quant import BF16Linear, Int8Linear, Q4Linear
+
+    if fmt == "fp32":
+        layers = []
+        for W in weights:
+            layer = Linear(W.shape[1], W.shape[0])
+            layer.weight.data = W
+            layers.append(layer)
+        return {"fp32": layers}
+    if fmt == "bf16":
+        return {"bf16": [BF16Linear(W) for W in weights]}
+    make = Int8Linear.from_float if fmt == "int8" else (lambda W: Q4Linear(random_q4_blocks(*W.shape)))
+    kernel = [make(W) for W in weights]
+    for layer in kernel:
+        layer.max_kernel_tokens = 1 << 30  # always the integer kernel
+    dequant = [make(W) for W in weights]
+    for layer in dequant:
+        layer.max_kernel_tokens = -1  # always dequantize → bf16 GEMM
+    return {fmt: kernel, f"{fmt}→bf16": dequant}
+
+
+def run_formats(args, config, flop_per_token_of) -> None:
+    columns: dict[str, list] = {}
+    weights = fused_weights(config)
+    for fmt in args.formats:
+        columns.update(format_layers(weights, fmt))
+    del weights
+    print(f"command: python -m nanoserve bench linear --formats {' '.join(args.formats)} "
+          f"--tokens {' '.join(map(str, args.tokens))} --repeats {args.repeats}")
+    print(f"threads: {torch.get_num_threads()}; ms per pass over all of the model's products (fused shapes), "
+          f"best of {args.repeats}, columns interleaved")
+    print(f"{'tokens':>7s} " + " ".join(f"{c:>11s}" for c in columns) + "   fastest")
+    flop_per_token = flop_per_token_of(next(iter(columns.values())))
+    for tokens in args.tokens:
+        x = {n: torch.randn(tokens, n) for n in {layer.in_features for layer in next(iter(columns.values()))}}
+        best = {c: float("inf") for c in columns}
+        for _ in range(args.repeats + 1):
+            for c, layers in columns.items():
+                t0 = time.perf_counter()
+                for layer in layers:
+                    layer(x[layer.in_features])
+                best[c] = min(best[c], time.perf_counter() - t0)
+        fastest = min(best, key=best.get)
+        print(f"{tokens:7d} " + " ".join(f"{best[c] * 1e3:11.1f}" for c in columns)
+              + f"   {fastest} ({flop_per_token * tokens / best[fastest] / 1e9:.0f} GFLOP/s)")
+
+
+def run_fused(args, config) -> None:
+    from nanoserve.model.layers import linear
+
+    print(f"command: python -m nanoserve bench linear --fused --tokens {' '.join(map(str, args.tokens))} "
+          f"--repeats {args.repeats}")
+    print(f"threads: {torch.get_num_threads()}; ms per pass over the model's products, separate q/k/v, gate/up "
+          f"vs fused, best of {args.repeats}, interleaved")
+    sets = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for fused in (False, True):
+            sets[(dtype, fused)] = [W.to(dtype) for W in fused_weights(config, fused)]
+    print(f"{'tokens':>7s} {'fp32 sep':>9s} {'fp32 fused':>11s} {'bf16 sep':>9s} {'bf16 fused':>11s}")
+    for tokens in args.tokens:
+        best = {k: float("inf") for k in sets}
+        for _ in range(args.repeats + 1):
+            for (dtype, fused), ws in sets.items():
+                inputs = {n: torch.randn(tokens, n, dtype=dtype) for n in {W.shape[1] for W in ws}}
+                product = linear if dtype == torch.float32 else F.linear
+                best[(dtype, fused)] = min(best[(dtype, fused)], linear_pass(ws, inputs, product))
+        print(f"{tokens:7d} " + " ".join(f"{best[k] * 1e3:{w}.1f}" for k, w in zip(sets, (9, 11, 9, 11))))
+
+
 @torch.inference_mode()
 def run(args):
     from nanoserve.engine.worker import keep_freed_host_memory
@@ -48,6 +154,10 @@ def run(args):
     from nanoserve.model.layers import swap_ab
 
     keep_freed_host_memory()
+    if args.formats:
+        return run_formats(args, LlamaConfig(), lambda layers: 2 * sum(l.in_features * l.out_features for l in layers))
+    if args.fused:
+        return run_fused(args, LlamaConfig())
     weights = model_weights(LlamaConfig())  # SmolLM2-135M's shapes
     flop_per_token = 2 * sum(W.numel() for W in weights)
     print(f"command: python -m nanoserve bench linear --tokens {' '.join(map(str, args.tokens))} --repeats {args.repeats}")

@@ -11,7 +11,7 @@ def register(sub):
     p = sub.add_parser("info", help="print the model's config, parameter count and weight bytes per dtype")
     p.add_argument("--gguf", type=input_file, help="a GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--weights", nargs="+", default=[], type=weight_format,
-                   help="fp32, int8, q4: also print what nanoserve's weight formats cost (chapter 10)")
+                   help="fp32, int8, q4, bf16: also print what nanoserve's weight formats cost (chapter 10)")
     p.set_defaults(func=run)
 
 
@@ -43,3 +43,9 @@ def run(args):
             n = weight_bytes(config, w)
             print(f"  {w:8s} {format_bytes(n):>10s} {n / counts['total']:13.3f} {format_bytes(n):>19s} "
                   f"{format_bytes(n / 16):>10s}")
+    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS
+
+    print(f"\nkernel crossover: int8 / q4 layers run their integer kernel on steps of up to {KERNEL_CROSSOVER_TOKENS} "
+          f"tokens and a bf16 GEMM beyond, on a kept bf16 copy\n  (KERNEL_CROSSOVER_TOKENS; LLM(kernel_crossover_tokens"
+          f"=..., large_step_weights='copy'); {QUANT_MAX_TOKENS} when the weight is dequantized per step instead;\n"
+          f"  measured with `python -m nanoserve bench linear --formats fp32 bf16 q4`)")

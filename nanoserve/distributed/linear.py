@@ -71,3 +71,51 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, in/n) this rank's features -> (N, out), summed
         return self.tp.all_reduce(linear(x, self.weight))
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel layers over the same input in ONE weight (vLLM's name): this rank's rows of
+    each part, stacked. gate_up_proj is [gate rows of this rank | up rows of this rank], so the MLP's
+    `chunk(2)` still finds gate and up (nanoserve/model/stacked.py). Worked example, parts (4, 4), n = 2,
+    rank 1: rows 2-3 of gate then rows 2-3 of up, a (4, in) weight.
+
+    Each part's slice is a ColumnParallelLinear's (`column`: the reference class or the learner's, built on
+    the meta device, so it holds no memory): `part_slices[i]` = (shard_offset, shard_size) in part i.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], tp, column=ColumnParallelLinear,
+                 shards: list[tuple[int | None, int | None]] | None = None):
+        super().__init__()
+        shards = shards or [(None, None)] * len(output_sizes)
+        with torch.device("meta"):
+            parts = [column(in_features, size, tp, n, i) for size, (n, i) in zip(output_sizes, shards)]
+        self.in_features, self.shard_dim = in_features, 0
+        self.part_slices = [(p.shard_offset, p.shard_size) for p in parts]
+        self.output_sizes = [size for _, size in self.part_slices]  # this rank's rows of each part
+        self.out_features = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features))  # (Σ out_i/n, in)
+
+    def part_rows(self, shard_id: int) -> slice:
+        """Where part `shard_id` lives in this rank's weight."""
+        start = sum(self.output_sizes[:shard_id])
+        return slice(start, start + self.output_sizes[shard_id])
+
+    def weight_loader(self, full_weight: torch.Tensor, shard_id: int) -> None:
+        """Copy this rank's rows of part `shard_id`'s full (out_i, in) weight (vLLM's loaded_shard_id)."""
+        offset, size = self.part_slices[shard_id]
+        self.weight.data[self.part_rows(shard_id)] = full_weight.narrow(0, offset, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, Σ out_i/n)
+        return linear(x, self.weight)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v in one column-parallel weight: this rank's query heads, then the k and v of its KV heads.
+    The KV parts follow chapter 11's rule (split_heads in shard.py): sharded over the ranks, or replicated
+    with `num_kv_shards` = Hkv slices (kv_shard: this rank's). SmolLM2 at TP 3: rows [q 192 | k 64 | v 64]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, tp,
+                 num_kv_shards: int | None = None, kv_shard: int | None = None, column=ColumnParallelLinear):
+        kv = (num_kv_shards, kv_shard)
+        super().__init__(hidden_size, [total_num_heads * head_dim] + [total_num_kv_heads * head_dim] * 2, tp,
+                         column, [(None, None), kv, kv])

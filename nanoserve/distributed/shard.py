@@ -27,9 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanoserve.distributed.linear import MergedColumnParallelLinear
 from nanoserve.distributed.vocab import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import Llama
+from nanoserve.model.stacked import STACKED_PARAMS, fused_name
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def shard_llama(config: LlamaConfig, tp, linear_layers=None) -> Llama:
     """
     linear_layers = linear_layers or linear_layers_for(False)
     Column, Row = linear_layers.ColumnParallelLinear, linear_layers.RowParallelLinear
+    # the fused layers stack slices that the (learner's) ColumnParallelLinear computes; they are the reference's
+    from nanoserve.distributed.linear import QKVParallelLinear
     split = split_heads(config, tp.size)
     h, D, kv_shard = config.hidden_size, config.head_dim, split.kv_shard(tp.rank, tp.size)
     with torch.device("meta"), _no_embedding_init():
@@ -87,12 +91,11 @@ def shard_llama(config: LlamaConfig, tp, linear_layers=None) -> Llama:
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         attn.num_heads, attn.num_kv_heads = split.num_heads, split.num_kv_heads  # LlamaAttention reads these
-        attn.q_proj = Column(h, config.num_attention_heads * D, tp)
-        attn.k_proj = Column(h, config.num_key_value_heads * D, tp, split.num_kv_shards, kv_shard)
-        attn.v_proj = Column(h, config.num_key_value_heads * D, tp, split.num_kv_shards, kv_shard)
+        # q, k, v in one weight: this rank's query heads, then its KV heads' k and v (replicated as the rule says)
+        attn.qkv_proj = QKVParallelLinear(h, D, config.num_attention_heads, config.num_key_value_heads, tp,
+                                          split.num_kv_shards, kv_shard, column=Column)
         attn.o_proj = Row(config.num_attention_heads * D, h, tp)
-        mlp.gate_proj = Column(h, config.intermediate_size, tp)
-        mlp.up_proj = Column(h, config.intermediate_size, tp)
+        mlp.gate_up_proj = MergedColumnParallelLinear(h, [config.intermediate_size] * 2, tp, column=Column)
         mlp.down_proj = Row(config.intermediate_size, h, tp)
     model.to_empty(device="cpu")  # the norms (replicated, tiny) leave the meta device too
     if config.tie_word_embeddings:
@@ -114,7 +117,8 @@ def _no_embedding_init():
 
 
 def sharded_parameters(model: Llama):
-    """(name, module) of every weight to load: parallel layers take a slice, the rest (norms) the whole."""
+    """(name, module) of every weight to load: parallel layers take a slice, the rest (norms) the whole.
+    A fused layer (qkv_proj, gate_up_proj) appears under its fused name; its parts load one by one."""
     for name, module in model.named_modules():
         if module._parameters.get("weight") is None:
             continue
@@ -127,7 +131,11 @@ def sharded_parameters(model: Llama):
 def load_shard_from_state(model: Llama, state: dict[str, torch.Tensor]) -> Llama:
     """Fill a shard from a full state dict (a model in memory: the tests' tiny random models)."""
     for name, module in sharded_parameters(model):
-        if hasattr(module, "weight_loader"):
+        if isinstance(module, MergedColumnParallelLinear):  # the checkpoint's parts, one by one
+            prefix = name.removesuffix(".weight").rpartition(".")[0]
+            for i, part in enumerate(STACKED_PARAMS[name.split(".")[-2]]):
+                module.weight_loader(state[f"{prefix}.{part}.weight"], i)
+        elif hasattr(module, "weight_loader"):
             module.weight_loader(state[name])
         else:
             module.weight.copy_(state[name])
@@ -170,19 +178,30 @@ def load_shard_from_gguf(path, tp, linear_layers=None) -> Llama:
     reader = open_gguf(path or embedded_gguf_path())
     config = config_from_gguf(reader)
     model = shard_llama(config, tp, linear_layers)
-    modules = dict(sharded_parameters(model))
+    modules, loaded = dict(sharded_parameters(model)), {}
     for t in reader.tensors:
         name = our_name(t.name)
+        part = fused_name(name.removesuffix(".weight"))  # q/k/v, gate/up: a slice of a fused layer's rows
+        if part is not None:
+            name, shard_id = part[0] + ".weight", part[1]
         if name not in modules:
             raise ValueError(f"{reader.data.filename}: unexpected tensor {t.name}")
-        module = modules.pop(name)
-        dim = getattr(module, "shard_dim", None)
-        w = read_gguf_slice(t, dim, getattr(module, "shard_offset", 0), getattr(module, "shard_size", 0))
+        module = modules[name] if part is not None else modules.pop(name)
+        if part is not None:
+            offset, size = module.part_slices[shard_id]
+            w, target = read_gguf_slice(t, 0, offset, size), module.weight.data[module.part_rows(shard_id)]
+            loaded.setdefault(name, set()).add(shard_id)
+        else:
+            w = read_gguf_slice(t, getattr(module, "shard_dim", None), getattr(module, "shard_offset", 0),
+                                getattr(module, "shard_size", 0))
+            target = module.weight.data[:w.shape[0]] if isinstance(module, VocabParallelEmbedding) else module.weight.data
         if t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            # llama.cpp's row order, undone per head: this slice holds whole heads (module.shard_size / D of them)
-            w = unpermute_qk(w, module.shard_size // config.head_dim)
-        target = module.weight.data[:w.shape[0]] if isinstance(module, VocabParallelEmbedding) else module.weight.data
+            # llama.cpp's row order, undone per head: this slice holds whole heads (w.shape[0] / D of them)
+            w = unpermute_qk(w, w.shape[0] // config.head_dim)
         target.copy_(torch.from_numpy(w).view(target.shape))
+    for name, ids in loaded.items():  # a fused layer is loaded once all its parts are
+        if len(ids) == len(modules[name].part_slices):
+            modules.pop(name)
     if modules:
         raise ValueError(f"{reader.data.filename}: tensors missing for {sorted(modules)}")
     return model

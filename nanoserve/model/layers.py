@@ -4,6 +4,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from nanoserve.model.stacked import stack_parts
+
 
 # Up to this many tokens a product is computed "swap AB" (see `linear`): all decode steps of the
 # default engine (64 running sequences at most), not the prefill chunks.
@@ -70,13 +72,18 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)). The gate decides, per feature, how much of `up` passes."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). The gate decides, per feature, how much of `up` passes.
+
+    gate and up read the same x, so they are one product (`gate_up_proj`, stacked rows [gate | up]: see
+    nanoserve/model/stacked.py); the state_dict still names them gate_proj and up_proj, as HF does.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        stack_parts(self, "gate_up_proj", lambda w: [w.shape[0] // 2] * 2)  # a TP shard: half of its rows each
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., hidden)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
+        return self.down_proj(F.silu(gate) * up)

@@ -41,12 +41,21 @@ from torch.nn import functional as F
 
 from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 
-WEIGHT_FORMATS = ("fp32", "int8", "q4")
+WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
 Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
-# Up to this many tokens a product runs in the quantized kernel; beyond, dequantize-then-F.linear.
-# The same crossover as swap AB's: decode steps (≤ 64 sequences) on one side, prefill chunks on the other.
+# Up to this many tokens a product runs in the quantized kernel; beyond, a bf16 GEMM (oneDNN, AMX tiles on
+# this CPU) on a bf16 weight. Where that weight is dequantized for each call (a bare quantized model), the
+# crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill chunks on the GEMM,
+# since the dequantize pass costs more than a decode step's product. Where a bf16 copy is kept
+# (LLM's default, set_kernel_crossover), the GEMM costs only itself and wins from ~16 rows: the int4 kernel is
+# memory-bound, the bf16 GEMM compute-bound on AMX (`python -m nanoserve bench linear --formats fp32 bf16 q4`,
+# chapter 10 "The crossover"). A config value: LLM(kernel_crossover_tokens=...).
 QUANT_MAX_TOKENS = SWAP_AB_MAX_TOKENS
+KERNEL_CROSSOVER_TOKENS = 16
+# How a quantized layer gets its bf16 weight for a large step: "dequantize" it per call (no extra memory,
+# one pass over the weight per step) or keep a "copy" beside the quantized one (2 bytes per weight more).
+LARGE_STEP_WEIGHTS = ("dequantize", "copy")
 INT4_INNER_K_TILES = 2  # a layout parameter of the packing; the CPU kernel accepts 1, 2, 4, 8
 
 
@@ -113,14 +122,19 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, name: str):
         super().__init__()
         self.in_features, self.out_features, self.name = in_features, out_features, name
+        self.max_kernel_tokens = QUANT_MAX_TOKENS  # set_kernel_crossover changes it
+        self.bf16_copy: torch.Tensor | None = None  # large_step_weights="copy" keeps one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), in x's dtype
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (num_tokens, in)
-        if x2.shape[0] <= QUANT_MAX_TOKENS:
+        if x2.shape[0] <= self.max_kernel_tokens:
             y = self.kernel(x2)
-        else:  # prefill-sized: one dequantized bf16 copy of the weight, for this call only, and a bf16 GEMM
-            y = F.linear(x2, self.dequantize().to(torch.bfloat16))
+        else:  # a large step: the weight in bf16 (kept, or dequantized for this call only) and a bf16 GEMM
+            y = F.linear(x2, self.bf16_weight())
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def bf16_weight(self) -> torch.Tensor:  # (out, in) bf16
+        return self.bf16_copy if self.bf16_copy is not None else self.dequantize().to(torch.bfloat16)
 
     def extra_repr(self) -> str:
         return f"{self.name}: in={self.in_features}, out={self.out_features}"
@@ -191,6 +205,68 @@ class Q4Linear(QuantLinear):
         return self.packed.numel() + 2 * self.scale_and_zero.numel()
 
 
+class BF16Linear(QuantLinear):
+    """`weights="bf16"`: the weight rounded to bfloat16 (2 bytes, 8 bits of mantissa), every product a bf16
+    GEMM accumulated in float32 (oneDNN; AMX on this CPU). No integer kernel: `kernel` is the same GEMM."""
+
+    def __init__(self, weight: torch.Tensor, name: str = ""):
+        super().__init__(weight.shape[1], weight.shape[0], name)
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16), persistent=False)  # (out, in)
+        self.max_kernel_tokens = -1  # no small-step kernel: always the GEMM
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def bf16_weight(self) -> torch.Tensor:
+        return self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def nbytes(self) -> int:
+        return 2 * self.weight.numel()
+
+
+class BF16Embedding(nn.Module):
+    """The bf16 table, looked up and returned as float32 (the residual stream stays float32)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)  # (vocab, hidden) bf16
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, hidden) float32
+        return self.weight[ids].float()
+
+
+def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step_weights: str = "copy"):
+    """Per step, which product a quantized layer runs: its int8/int4 kernel up to `max_kernel_tokens` tokens,
+    a bf16 GEMM beyond, on a bf16 weight kept as a copy or dequantized per call (`large_step_weights`, one of
+    LARGE_STEP_WEIGHTS). Default tokens: KERNEL_CROSSOVER_TOKENS with a copy, QUANT_MAX_TOKENS without.
+    Returns the bytes the copies add (0 for "dequantize")."""
+    if large_step_weights not in LARGE_STEP_WEIGHTS:
+        raise ValueError(f"unknown large_step_weights {large_step_weights!r}; known: {', '.join(LARGE_STEP_WEIGHTS)}")
+    if max_kernel_tokens is not None and max_kernel_tokens < 0:
+        raise ValueError(f"kernel_crossover_tokens must be >= 0, got {max_kernel_tokens}")
+    added = 0
+    copies: dict[int, torch.Tensor] = {}  # a tied LM head shares the embedding's tensors: one copy
+    for module in model.modules():
+        if not isinstance(module, QuantLinear) or isinstance(module, BF16Linear):
+            continue
+        default = KERNEL_CROSSOVER_TOKENS if large_step_weights == "copy" else QUANT_MAX_TOKENS
+        module.max_kernel_tokens = default if max_kernel_tokens is None else max_kernel_tokens
+        if large_step_weights == "copy":
+            key = next(iter(module.buffers())).data_ptr()
+            if key not in copies:
+                copies[key] = module.dequantize().to(torch.bfloat16)
+                added += copies[key].nbytes
+            module.bf16_copy = copies[key]
+        else:
+            module.bf16_copy = None
+    model.kernel_crossover_tokens = None if max_kernel_tokens is None else max_kernel_tokens
+    model.large_step_weights = large_step_weights
+    return added
+
+
 class Int8Embedding(nn.Module):
     """An embedding table kept as int8 rows with one scale each: row i = q[i] · scale[i].
 
@@ -221,6 +297,8 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     model.weight_format = weights
     if weights == "fp32":
         return model
+    if weights == "bf16":
+        return bf16_model(model)
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or name == "lm_head":
             continue
@@ -237,6 +315,21 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     model.embed_tokens = Int8Embedding(q, scale)
     model.lm_head = (Int8Linear(q, scale, "lm_head") if tied
                      else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8))
+    return model
+
+
+def bf16_model(model):
+    """Every Linear (LM head included) a BF16Linear; the embedding bf16 too (shared with a tied head)."""
+    from nanoserve.model.layers import Linear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and name != "lm_head":
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, BF16Linear(module.weight, name))
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    model.lm_head = BF16Linear(model.lm_head.weight, "lm_head")
+    model.embed_tokens = BF16Embedding(model.lm_head.weight if tied else
+                                       model.embed_tokens.weight.detach().to(torch.bfloat16))
     return model
 
 

@@ -1,0 +1,128 @@
+"""`python -m nanoserve bench peers`: nanoserve in each weight format against transformers' static batching
+in float32 and bfloat16, on the same requests, in interleaved rounds (the issue-26 scoreboard).
+
+The workload: distinct prompts of 20–200 tokens cut from real text (nanoserve/bench/heldout.txt), each
+generating exactly --new-tokens tokens, greedy, EOS ignored. Per round every system serves all requests
+once, in turn (nanoserve: all submitted at once, continuous batching; transformers: one static left-padded
+batch of all of them, as bench offline's HF baseline), so a drift of the shared machine's speed hits every
+system in every round; each system's figure is its median round. Then, per nanoserve format, batch-1 decode
+tokens/s and the prefill rate of one --prefill-tokens prompt.
+
+Output tokens per second of wall time; the ratio column is against transformers bf16, the strongest peer.
+"""
+
+import random
+import statistics
+import time
+
+import torch
+
+
+def register(sub):
+    p = sub.add_parser("peers", help="nanoserve's formats vs transformers static fp32/bf16, interleaved (issue 26)")
+    p.add_argument("--num-requests", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "q4"], choices=["fp32", "bf16", "int8", "q4"])
+    p.add_argument("--hf", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="transformers dtypes to compare with (none: skip them)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill-tokens", type=int, default=2000)
+    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens timed per format")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's, = the cores); 1 on a machine busy with other jobs")
+    p.set_defaults(func=run)
+
+
+def text_requests(tokenizer, num_requests: int, lengths=(20, 200), seed: int = 0) -> list[list[int]]:
+    """Distinct prompts: consecutive windows of heldout.txt's tokens, lengths drawn from `lengths`."""
+    from nanoserve.bench.quality import HELDOUT
+
+    ids, rng = tokenizer.encode(HELDOUT.read_text()), random.Random(seed)
+    prompts, start = [], 0
+    for _ in range(num_requests):
+        n = rng.randint(*lengths)
+        if start + n > len(ids):
+            start = rng.randrange(0, 50)  # wrap round with another offset: still distinct windows
+        prompts.append(ids[start:start + n])
+        start += n
+    return prompts
+
+
+def nanoserve_job(llm, prompts, new_tokens):
+    from nanoserve.bench.offline import run_nanoserve
+
+    workload = [(p, new_tokens) for p in prompts]
+    return lambda: run_nanoserve(llm.engine, workload)[0]
+
+
+def hf_job(hf_model, prompts, new_tokens):
+    from nanoserve.bench.offline import run_hf_static
+
+    workload = [(p, new_tokens) for p in prompts]
+    return lambda: run_hf_static(hf_model, workload, len(workload))
+
+
+def single_stream(llm, prefill_tokens: int, decode_tokens: int, tokenizer) -> tuple[float, float]:
+    """(batch-1 decode tok/s, prefill tok/s of one prefill_tokens prompt) through the engine."""
+    from nanoserve.bench.offline import params
+
+    engine = llm.engine
+    prompt = (text_requests(tokenizer, 40, (200, 200))[0] * (prefill_tokens // 200 + 1))[:prefill_tokens]
+    engine.add_request("prefill", prompt, params(1))
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    prefill = prefill_tokens / (time.perf_counter() - t0)
+    engine.add_request("decode", prompt[:32], params(decode_tokens + 1))
+    engine.step()  # the prefill and first token
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return decode_tokens / (time.perf_counter() - t0), prefill
+
+
+@torch.inference_mode()
+def run(args):
+    from nanoserve.llm import LLM
+    from nanoserve.model import embedded_gguf_path
+    from nanoserve.text.tokenizer import Tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
+          f"--formats {' '.join(args.formats)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
+          f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else ""), flush=True)
+    print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
+          f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds")
+    tokenizer = Tokenizer.from_gguf()
+    llms = {f"nanoserve {f}": LLM(weights=f, num_blocks=max(args.num_requests) * 24,
+                                  max_num_seqs=max(args.num_requests)) for f in args.formats}
+    hf = {}
+    if args.hf:
+        from transformers import AutoModelForCausalLM
+
+        path = embedded_gguf_path()
+        base = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        for dt in args.hf:
+            hf[f"transformers {dt} static"] = base if dt == "fp32" else \
+                AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16).eval()
+    for n in args.num_requests:
+        prompts = text_requests(tokenizer, n, seed=args.seed)
+        jobs = {name: nanoserve_job(llm, prompts, args.new_tokens) for name, llm in llms.items()}
+        jobs |= {name: hf_job(m, prompts, args.new_tokens) for name, m in hf.items()}
+        times = {name: [] for name in jobs}
+        for _ in range(args.rounds):
+            for name, job in jobs.items():
+                times[name].append(job())
+        rates = {name: n * args.new_tokens / statistics.median(ts) for name, ts in times.items()}
+        base = rates.get("transformers bf16 static")
+        print(f"\n{n} requests ({sum(map(len, prompts))} prompt tokens, {n * args.new_tokens} output tokens):")
+        for name, rate in rates.items():
+            ratio = f"{rate / base:6.2f}x" if base else ""
+            print(f"  {name:28s} {rate:8.1f} out tok/s  {ratio}   rounds: "
+                  + " ".join(f"{t:.1f}s" for t in times[name]), flush=True)
+    print(f"\nper format: batch-1 decode ({args.decode_tokens} tokens) and one {args.prefill_tokens}-token prefill")
+    for name, llm in llms.items():
+        decode, prefill = single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer)
+        print(f"  {name:28s} decode {decode:7.1f} tok/s   prefill {prefill:8.1f} tok/s", flush=True)
