@@ -57,6 +57,7 @@ def finish(module: str, qualnames: list[str]) -> Path:
         for part in qualname.split("."):
             code = inspect.getattr_static(code, part)
         start = (node.decorator_list[0] if node.decorator_list else node).lineno - 1
+        code = getattr(code, "fn", code)  # a @triton.jit function (chapter 07) holds the Python function
         lines[start:node.end_lineno] = [inspect.getsource(getattr(code, "__func__", code))]
     path.write_text("".join(lines))
     return path
@@ -282,3 +283,21 @@ def test_all_of_chapter_05_serves(tiny, exercises):
     for name in ["BlockAllocator.allocate", "PrefixCache.get", "BlockManager.allocate_slots", "slot_mapping",
                  "AttentionMetadata.build", "attend_sequence", "DecodeGroup.attend"]:
         assert calls[name] > 0, name
+
+
+def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercises):
+    """Exercise 7.1 (the tile update) and 7.2 (store-KV) done, 7.3 and 7.4 not: the engine's triton backend
+    launches the reference's kernel and block walk with the learner's tile update, token for token the same."""
+    module = "nanoserve.kernels.triton_paged_attention"
+    finish(module, ["online_softmax_step"])
+    exercises("nanoserve.kernels.triton_store_kv")
+    _, expected = serve(tiny, attention_backend="triton")
+    with pytest.warns(UserWarning, match=r"Exercise 7\.3, Exercise 7\.4 not finished in .*triton_paged_attention\.py: "
+                                         r"the reference's load_kv_tile, paged_attention_kernel runs instead"):
+        engine, tokens = serve(tiny, attention_backend="triton", student="07")
+    assert tokens == expected
+    learner, reference = engine.student.modules[module], importlib.import_module(module)
+    assert learner.online_softmax_step is not reference.online_softmax_step  # the learner's, compiled in
+    assert learner.load_kv_tile is reference.load_kv_tile and learner.paged_attention_kernel is reference.paged_attention_kernel
+    calls = engine.student.calls
+    assert calls["paged_attention"] == calls["store_kv"] > len(PROMPTS) * tiny.config.num_hidden_layers
