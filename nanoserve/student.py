@@ -66,6 +66,7 @@ STUDENT_FILES = {
     "nanoserve.kernels.triton_store_kv": "07-triton-paged-attention/triton_store_kv.py",
     "nanoserve.model.quant": "10-quantization/quant.py",
     "nanoserve.metrics": "09-measuring/metrics.py",
+    "nanoserve.bench.load": "09-measuring/load.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
@@ -98,6 +99,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "7.1": ["online_softmax_step"],
         "7.3": ["load_kv_tile"],
         "7.4": ["paged_attention_kernel"],
+    },
+    "nanoserve.bench.load": {
+        "9.4": ["arrival_times"],
+        "9.5": ["open_loop"],
     },
 }
 
