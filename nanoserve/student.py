@@ -69,6 +69,7 @@ STUDENT_FILES = {
     "nanoserve.bench.load": "09-measuring/load.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
+    "nanoserve.engine.event_feed": "12-engine-view/event_feed.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
@@ -103,6 +104,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     "nanoserve.bench.load": {
         "9.4": ["arrival_times"],
         "9.5": ["open_loop"],
+    },
+    "nanoserve.engine.event_feed": {
+        "12.3": ["Subscription.put", "Subscription.take"],
+        "12.4": ["EventFeed.emit_if_due"],
     },
 }
 

@@ -5,6 +5,11 @@ This file mirrors nanoserve/bench/load.py (read its docstring for the picture, n
 Grade with `make grade CH=09 EX=9.4` (or 9.5).
 """
 
+import asyncio  # noqa: F401
+import math  # noqa: F401
+import random  # noqa: F401
+import time  # noqa: F401
+
 
 def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """Exercise 9.4: seconds after the start at which each of `num` requests is scheduled: 0, then cumulative
