@@ -285,19 +285,22 @@ def test_all_of_chapter_05_serves(tiny, exercises):
         assert calls[name] > 0, name
 
 
-def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercises):
-    """Exercise 7.1 (the tile update) and 7.2 (store-KV) done, 7.3 and 7.4 not: the engine's triton backend
-    launches the reference's kernel and block walk with the learner's tile update, token for token the same."""
+@pytest.mark.parametrize("rung", ["7.1", "7.3", "7.4"])
+def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercises, rung):
+    """One rung of the paged kernel done (and 7.2, store-KV), the other two not: the engine's triton backend
+    launches the learner's jit function with the reference's other two, token for token the same."""
     module = "nanoserve.kernels.triton_paged_attention"
-    finish(module, ["online_softmax_step"])
+    ladder = RUNGS[module]
+    finish(module, ladder[rung])
     exercises("nanoserve.kernels.triton_store_kv")
     _, expected = serve(tiny, attention_backend="triton")
-    with pytest.warns(UserWarning, match=r"Exercise 7\.3, Exercise 7\.4 not finished in .*triton_paged_attention\.py: "
-                                         r"the reference's load_kv_tile, paged_attention_kernel runs instead"):
+    rest = sorted(r for r in ladder if r != rung)
+    with pytest.warns(UserWarning, match=rf"Exercise {rest[0]}, Exercise {rest[1]} not finished in "
+                                         r".*triton_paged_attention\.py: the reference's"):
         engine, tokens = serve(tiny, attention_backend="triton", student="07")
     assert tokens == expected
     learner, reference = engine.student.modules[module], importlib.import_module(module)
-    assert learner.online_softmax_step is not reference.online_softmax_step  # the learner's, compiled in
-    assert learner.load_kv_tile is reference.load_kv_tile and learner.paged_attention_kernel is reference.paged_attention_kernel
+    for r, (name,) in ladder.items():
+        assert (getattr(learner, name) is getattr(reference, name)) == (r != rung), name  # the learner's, compiled in
     calls = engine.student.calls
     assert calls["paged_attention"] == calls["store_kv"] > len(PROMPTS) * tiny.config.num_hidden_layers
