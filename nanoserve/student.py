@@ -63,10 +63,13 @@ STUDENT_FILES = {
     "nanoserve.text.detokenizer": "03-tokens-and-sampling/detokenizer.py",
     "nanoserve.server.streaming": "08-http-serving/streaming.py",
     "nanoserve.kernels.triton_paged_attention": "07-triton-paged-attention/triton_paged_attention.py",
+    "nanoserve.kernels.triton_store_kv": "07-triton-paged-attention/triton_store_kv.py",
     "nanoserve.model.quant": "10-quantization/quant.py",
     "nanoserve.metrics": "09-measuring/metrics.py",
+    "nanoserve.bench.load": "09-measuring/load.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
+    "nanoserve.engine.event_feed": "12-engine-view/event_feed.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
@@ -91,6 +94,20 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "6.2": ["Scheduler.num_new_tokens"],
         "6.3": ["Scheduler.schedule_running", "Scheduler.preempt", "Scheduler.check_fits_alone"],
         "6.4": ["Scheduler.num_cached_tokens"],
+    },
+    # @triton.jit functions: the kernel takes STEP and KV_TILE as arguments, so each rung swaps alone
+    "nanoserve.kernels.triton_paged_attention": {
+        "7.1": ["online_softmax_step"],
+        "7.3": ["load_kv_tile"],
+        "7.4": ["paged_attention_kernel"],
+    },
+    "nanoserve.bench.load": {
+        "9.4": ["arrival_times"],
+        "9.5": ["open_loop"],
+    },
+    "nanoserve.engine.event_feed": {
+        "12.3": ["Subscription.put", "Subscription.take"],
+        "12.4": ["EventFeed.emit_if_due"],
     },
 }
 

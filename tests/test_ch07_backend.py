@@ -9,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined: @tr
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -133,9 +134,10 @@ def test_batch_cli_refuses_a_bad_backend_before_loading_the_model(backend, unset
 
 
 def test_student_flag_runs_the_learners_kernel(tiny, tmp_path, monkeypatch):
-    """With student=True and triton, the engine launches the learner's exercises/07 kernel (here the
-    reference copied into a temporary exercises folder stands in for a finished one); the pristine stub
-    falls back to the reference, with a warning naming Exercise 7.1."""
+    """With student=True and triton, the engine launches the learner's exercises/07 kernels (here the
+    reference copied into a temporary exercises folder stands in for finished ones); the pristine stubs
+    fall back to the reference, with a warning naming Exercises 7.1 and 7.2. (A finished rung among stubbed
+    ones: tests/test_student.py.)"""
     import importlib
     import shutil
 
@@ -144,14 +146,20 @@ def test_student_flag_runs_the_learners_kernel(tiny, tmp_path, monkeypatch):
     root = tmp_path / "exercises"
     shutil.copytree(student.EXERCISES, root, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(student, "EXERCISES", root)
-    with pytest.warns(UserWarning, match="Exercise 7.1"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
+    messages = " ".join(str(w.message) for w in caught)
+    assert "Exercise 7.1" in messages and "Exercise 7.2" in messages
     tokens, _ = run(engine, prompts()[:2], max_tokens=3)
-    module = "nanoserve.kernels.triton_paged_attention"
-    shutil.copy(importlib.import_module(module).__file__, root / student.STUDENT_FILES[module])
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
+    for module in ("nanoserve.kernels.triton_paged_attention", "nanoserve.kernels.triton_store_kv"):
+        shutil.copy(importlib.import_module(module).__file__, root / student.STUDENT_FILES[module])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rung finished: no fallback
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
     assert run(engine, prompts()[:2], max_tokens=3)[0] == tokens
-    assert engine.student.calls["paged_attention"] > 1  # every layer of every step ran the learner's kernel
+    calls = engine.student.calls  # every layer of every step ran the learner's kernels
+    assert calls["paged_attention"] == calls["store_kv"] > 1
 
 
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],

@@ -6,8 +6,15 @@ ragged lengths (1, exact block boundaries, partial tail blocks), whole prompts, 
 and a mixed step. The pool's blocks are dealt shuffled, so block tables are not contiguous.
 Store-KV: the kernel writes exactly what chapter 05's index_copy_ writes.
 
-The graded tests (exercise 7.1) take the kernel from `implementation(...)`: the reference, or the
-learner's exercises/07 file under `make grade CH=07`.
+The graded tests take the kernels from `implementation(...)`: the reference, or the learner's exercises/07
+files under `make grade CH=07`. The paged kernel is a ladder (nanoserve/student.py, RUNGS): a test of rung
+7.3 runs the learner's block walk inside the reference's kernel and tile update, and so on.
+
+    7.1  online_softmax_step: a probe kernel feeds it hand-made tiles (against the whole-row softmax),
+         then the whole kernel on multi-tile batches and float16
+    7.2  store_kv_kernel: == index_copy_, ragged last program, strided inputs, a pool with padded blocks
+    7.3  load_kv_tile: block sizes 1-16, tiles smaller and larger than a block, shuffled tables, NaN traps
+    7.4  paged_attention_kernel: GQA 1, 3, 4, decodes, prompts, chunks on a prefix (causal), tile sizes
 """
 
 import os
@@ -19,7 +26,9 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from nanoserve.kernels.triton_store_kv import store_kv  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from nanoserve.kv.block_manager import slot_mapping  # noqa: E402
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache  # noqa: E402
 from nanoserve.student import implementation  # noqa: E402
@@ -28,6 +37,16 @@ from tests.test_ch05_paged_attention import random_batch  # noqa: E402
 
 def kernel():
     return implementation("nanoserve.kernels.triton_paged_attention")
+
+
+def store_kv(*args):
+    return implementation("nanoserve.kernels.triton_store_kv").store_kv(*args)
+
+
+def rungs(*exercises, params=(None,)):
+    """The same test graded once per rung of the kernel: pytest params marked with each exercise id."""
+    return [pytest.param(exercise, p, marks=pytest.mark.exercise(exercise), id=f"{exercise}-{p}")
+            for exercise in exercises for p in params]
 
 
 def make_step(num_kv_heads, group, head_dim, block_size, seq_lens, query_lens, dtype=torch.float32, seed=0):
@@ -68,7 +87,7 @@ CASES = {  # name: (seq_lens, query_lens)
 }
 
 
-@pytest.mark.exercise("7.1")
+@pytest.mark.exercise("7.4")
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -78,17 +97,17 @@ def test_kernel_equals_torch_paged_attention(case, block_size, group):
     compare(*make_step(2, group, 16, block_size, seq_lens, query_lens, seed=block_size + group), tile=16)
 
 
-@pytest.mark.exercise("7.1")
+@pytest.mark.exercise("7.4")
 @pytest.mark.parametrize("block_m, tile", [(16, 16), (16, 64), (64, 32)])
 def test_kernel_tile_sizes(block_m, tile):
     """SmolLM2's shape (3 kv heads, G = 3, head_dim 64) with the GPU's 16 rows and the interpreter's 64."""
     compare(*make_step(3, 3, 64, 16, [1, 17, 40, 64], [1, 9, 40, 1], seed=tile), block_m=block_m, tile=tile)
 
 
-@pytest.mark.exercise("7.1")
-@pytest.mark.parametrize("seed", range(6))
-def test_kernel_on_random_batches(seed):
+@pytest.mark.parametrize("rung, seed", rungs("7.1", "7.3", "7.4", params=range(2)))
+def test_kernel_on_random_batches(rung, seed):
     """Chapter 05's random mixed steps: 1-6 sequences, lengths 1-50, decodes, chunks, whole prompts."""
+    seed += 2 * int(rung[-1])  # each rung its own batches
     rng = random.Random(seed)
     torch.manual_seed(seed)
     Hkv, G, bs = rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 4]), rng.choice([4, 16])
@@ -109,7 +128,7 @@ def test_kernel_float16():
     compare(*make_step(3, 3, 64, 16, [5, 40, 20], [1, 40, 8], dtype=torch.float16), tol=2e-2, tile=16)
 
 
-@pytest.mark.exercise("7.1")
+@pytest.mark.exercise("7.3")
 def test_kernel_reads_only_its_blocks():
     """Blocks outside every table are filled with NaN after the reference ran: the kernel must not read them
     (padding entries of a block table, keys past seq_len) or a NaN would leak into the output."""
@@ -128,6 +147,7 @@ def test_kernel_reads_only_its_blocks():
     assert (out - expected).abs().max() < 1e-4
 
 
+@pytest.mark.exercise("7.2")
 @pytest.mark.parametrize("num_kv_heads, head_dim, block_size, block_t", [(2, 16, 4, 16), (3, 64, 16, 4), (1, 8, 1, 2)])
 def test_store_kv_equals_index_copy(num_kv_heads, head_dim, block_size, block_t):
     """SmolLM2's 3 kv heads pad to 4 rows (192 = 3 · 64 is not a power of two); every other slot untouched."""
@@ -143,6 +163,7 @@ def test_store_kv_equals_index_copy(num_kv_heads, head_dim, block_size, block_t)
     assert torch.equal(k_cache, reference.k_cache[0]) and torch.equal(v_cache, reference.v_cache[0])
 
 
+@pytest.mark.exercise("7.2")
 def test_store_kv_takes_strided_inputs_and_refuses_mismatches():
     """k, v as the model hands them over: views into one (N, 2 · Hkv · D) projection output."""
     kv = torch.randn(3, 2, 2, 16)  # (N, k|v, Hkv, D)
@@ -161,3 +182,75 @@ def test_kernel_refuses_a_query_that_does_not_fit_the_pool():
     with pytest.raises(ValueError, match="does not fit the pool"):
         kernel().paged_attention(q[:, :5], cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
                                  meta.cu_seqlens_q)  # 5 query heads for 2 kv heads
+
+
+@pytest.mark.exercise("7.2")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_store_kv_finds_block_and_row_in_a_pool_with_padded_blocks(dtype):
+    """A pool whose blocks are rows of a wider buffer (block stride != block_size x row stride): slot s must go
+    to block s // block_size, row s % block_size, not to "slot s of a flat view". Padding stays untouched."""
+    Hkv, D, bs = 2, 8, 4
+    k_buf, v_buf = torch.zeros(Hkv, 5, bs + 2, D), torch.zeros(Hkv, 5, bs + 2, D)  # 2 spare rows per block
+    k_cache, v_cache = k_buf[:, :, :bs], v_buf[:, :, :bs]  # (Hkv, 5, 4, D), stride(1) = 6 · D
+    slots = torch.tensor([19, 3, 4, 10, 0, 7, 13], dtype=dtype)  # blocks 4, 0, 1, 2, 0, 1, 3
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(7, Hkv, D, generator=g), torch.randn(7, Hkv, D, generator=g)
+    store_kv(k, v, k_cache, v_cache, slots, 4)  # 2 programs, the second 3 tokens short
+    for t, slot in enumerate(slots.tolist()):
+        assert torch.equal(k_cache[:, slot // bs, slot % bs], k[t]) and torch.equal(v_cache[:, slot // bs, slot % bs], v[t])
+    written = torch.zeros(5, bs + 2, dtype=torch.bool)
+    written[slots // bs, slots % bs] = True
+    assert (k_buf[:, ~written] == 0).all() and (v_buf[:, ~written] == 0).all()
+
+
+@pytest.mark.parametrize("rung, block_size", rungs("7.3", params=[1, 4, 16]))
+@pytest.mark.parametrize("tile", [4, 32])
+def test_block_walk_across_block_sizes_and_tiles(rung, block_size, tile):
+    """Tiles smaller than a block (several tiles per block) and larger (several blocks per tile), block size 1
+    (every key its own block), shuffled tables: the keys of a tile come from the blocks its table names."""
+    compare(*make_step(2, 2, 16, block_size, [1, 6, 21, 37], [1, 1, 5, 37], seed=block_size), tile=tile)
+
+
+@triton.jit
+def probe_step(scores_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, STEP: tl.constexpr, NUM_TILES: tl.constexpr,
+               M: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr):
+    """Calls STEP on NUM_TILES hand-made tiles of scores (NUM_TILES, M, TILE) and values (NUM_TILES, TILE, D),
+    from the kernel's starting state, and stores the final m, l, acc."""
+    r, c, d = tl.arange(0, M), tl.arange(0, TILE), tl.arange(0, D)
+    m = tl.full((M,), float("-inf"), tl.float32)
+    l = tl.zeros((M,), tl.float32)
+    acc = tl.zeros((M, D), tl.float32)
+    for i in range(NUM_TILES):
+        s = tl.load(scores_ptr + i * M * TILE + r[:, None] * TILE + c[None, :])
+        v = tl.load(v_ptr + i * TILE * D + c[:, None] * D + d[None, :])
+        m, l, acc = STEP(s, v, m, l, acc)
+    tl.store(m_ptr + r, m)
+    tl.store(l_ptr + r, l)
+    tl.store(acc_ptr + r[:, None] * D + d[None, :], acc)
+
+
+@pytest.mark.exercise("7.1")
+@pytest.mark.parametrize("num_tiles", [1, 3])
+def test_tile_update_equals_the_whole_row_softmax(num_tiles):
+    """After the last tile: m = the row's max, l = sum exp(s - m), acc = sum exp(s - m) v, for rows whose max
+    rises in a later tile, falls, and rows that see nothing of tiles 1+ (all -inf there: alpha must be 1)."""
+    from nanoserve.kernels.backend import stub_errors_unwrapped
+
+    M, TILE, D = 16, 16, 16
+    g = torch.Generator().manual_seed(num_tiles)
+    scores = torch.randn(num_tiles, M, TILE, generator=g) * 3
+    scores[:, :4] += torch.arange(num_tiles)[:, None, None] * 5.0  # rows 0-3: the max rises tile after tile
+    scores[1:, 4:8] = float("-inf")  # rows 4-7 see only tile 0
+    scores[0, 8:12, TILE // 2:] = float("-inf")  # rows 8-11: half of tile 0 masked (the causal edge)
+    v = torch.randn(num_tiles, TILE, D, generator=g)
+    m, l, acc = torch.empty(M), torch.empty(M), torch.empty(M, D)
+    with stub_errors_unwrapped():
+        probe_step[(1,)](scores, v, m, l, acc, STEP=kernel().online_softmax_step, NUM_TILES=num_tiles, M=M,
+                         TILE=TILE, D=D)
+    row = scores.permute(1, 0, 2).reshape(M, -1)  # (M, all keys)
+    expected_m = row.max(-1).values
+    p = torch.exp(row - expected_m[:, None])
+    torch.testing.assert_close(m, expected_m)
+    torch.testing.assert_close(l, p.sum(-1))
+    torch.testing.assert_close(acc, p @ v.reshape(-1, D), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(acc / l[:, None], torch.softmax(row, -1) @ v.reshape(-1, D), rtol=1e-5, atol=1e-5)

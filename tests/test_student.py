@@ -57,6 +57,7 @@ def finish(module: str, qualnames: list[str]) -> Path:
         for part in qualname.split("."):
             code = inspect.getattr_static(code, part)
         start = (node.decorator_list[0] if node.decorator_list else node).lineno - 1
+        code = getattr(code, "fn", code)  # a @triton.jit function (chapter 07) holds the Python function
         lines[start:node.end_lineno] = [inspect.getsource(getattr(code, "__func__", code))]
     path.write_text("".join(lines))
     return path
@@ -282,3 +283,24 @@ def test_all_of_chapter_05_serves(tiny, exercises):
     for name in ["BlockAllocator.allocate", "PrefixCache.get", "BlockManager.allocate_slots", "slot_mapping",
                  "AttentionMetadata.build", "attend_sequence", "DecodeGroup.attend"]:
         assert calls[name] > 0, name
+
+
+@pytest.mark.parametrize("rung", ["7.1", "7.3", "7.4"])
+def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercises, rung):
+    """One rung of the paged kernel done (and 7.2, store-KV), the other two not: the engine's triton backend
+    launches the learner's jit function with the reference's other two, token for token the same."""
+    module = "nanoserve.kernels.triton_paged_attention"
+    ladder = RUNGS[module]
+    finish(module, ladder[rung])
+    exercises("nanoserve.kernels.triton_store_kv")
+    _, expected = serve(tiny, attention_backend="triton")
+    rest = sorted(r for r in ladder if r != rung)
+    with pytest.warns(UserWarning, match=rf"Exercise {rest[0]}, Exercise {rest[1]} not finished in "
+                                         r".*triton_paged_attention\.py: the reference's"):
+        engine, tokens = serve(tiny, attention_backend="triton", student="07")
+    assert tokens == expected
+    learner, reference = engine.student.modules[module], importlib.import_module(module)
+    for r, (name,) in ladder.items():
+        assert (getattr(learner, name) is getattr(reference, name)) == (r != rung), name  # the learner's, compiled in
+    calls = engine.student.calls
+    assert calls["paged_attention"] == calls["store_kv"] > len(PROMPTS) * tiny.config.num_hidden_layers

@@ -1,49 +1,81 @@
-"""Exercise 7.1 — the inner tile loop of the paged attention kernel: the online softmax, in Triton.
+"""Exercises 7.1, 7.3 and 7.4 — the paged attention kernel in Triton, one @triton.jit function per rung.
 
-This file mirrors nanoserve/kernels/triton_paged_attention.py. Everything but the online softmax is
-given, in that file: its `paged_attention_kernel` finds a program's rows (query token x head of the GQA
-group), loads its queries, walks its sequence's block table TILE keys at a time (the pointer arithmetic)
-and calls the tile update it is launched with once per tile. `paged_attention` below launches it with
-YOUR `online_softmax_step` (Triton compiles a jit function passed as a constexpr into the kernel).
+This file mirrors nanoserve/kernels/triton_paged_attention.py (read its module docstring, not its
+functions). The kernel is three functions; each rung is graded alone (`make grade CH=07 EX=7.3`): while
+you write one, the reference's other two stand in for yours.
 
-What to write, per tile (chapter 07, and nanoserve/kernels/online_softmax.py does it in torch):
+    7.1  online_softmax_step     the tile update of the online softmax
+    7.3  load_kv_tile            the block walk: a tile of key positions -> K and V rows of the pool
+    7.4  paged_attention_kernel  one program: GQA row packing, scores, the causal mask, the loop, the store
 
-    scores  = q · kᵀ · sm_scale                       tl.dot(q, tl.trans(k), input_precision="ieee")
-    mask    key_pos <= query_pos (causal) and key_pos < num_keys (the tail): elsewhere -inf
-    m_new   = max(m_i, row max of the scores)
-    alpha   = exp(m_i - m_new)                        rescales what was summed under the old max
-    p       = exp(scores - m_new)
-    l_i     = l_i · alpha + row sum of p
-    acc     = acc · alpha + p · v                     tl.dot(p.to(v.dtype), v, input_precision="ieee")
-
-then delete the `raise NotImplementedError` in `paged_attention` below. Grade it with `make grade CH=07`
-(it runs under Triton's interpreter on the CPU); serve with it: see README.md.
+`paged_attention` below (given) launches YOUR paged_attention_kernel with YOUR online_softmax_step and
+load_kv_tile as its STEP and KV_TILE arguments (Triton compiles a jit function passed as a constexpr into
+the kernel). The interpreter (TRITON_INTERPRET=1, which the tests set) runs them on the CPU.
+Exercise 7.2, the store-KV kernel, is triton_store_kv.py next to this file.
 """
 
 import torch
-import triton
-import triton.language as tl  # noqa: F401  (you will want tl.dot, tl.where, ...)
+import triton  # noqa: F401
+import triton.language as tl
 
 from nanoserve.kernels.triton_paged_attention import launch, launch_config, query_blocks  # noqa: F401
 
 
 @triton.jit
-def online_softmax_step(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale):
-    """One tile of the online softmax.
+def online_softmax_step(scores, v, m_i, l_i, acc):
+    """Exercise 7.1, the tile update of the online softmax (nanoserve/kernels/online_softmax.py, in torch).
 
-    q (BLOCK_M, D_PAD) queries, k/v (TILE, D_PAD) this tile's keys and values, query_pos (BLOCK_M,) and
-    key_pos (TILE,) positions in the sequence, num_keys: keys this program may read at all.
-    m_i, l_i (BLOCK_M,) running max and running sum, acc (BLOCK_M, D_PAD) the unnormalised output.
-    Returns the new (m_i, l_i, acc).
+    scores (BLOCK_M, TILE) float32, already scaled and masked (-inf where a row may not see a key);
+    v (TILE, D_PAD) the tile's values; m_i, l_i (BLOCK_M,) the running max and sum of exp(score - m_i);
+    acc (BLOCK_M, D_PAD) the running sum of exp(score - m_i) · v. Returns the new (m_i, l_i, acc).
     """
-    # Exercise 7.1: your code here (tl.dot, tl.trans, tl.where, tl.maximum, tl.max, tl.exp, tl.sum)
-    return m_i, l_i, acc
+    raise NotImplementedError("Exercise 7.1: write online_softmax_step")
+
+
+@triton.jit
+def load_kv_tile(k_head_ptr, v_head_ptr, table_ptr, tile_start, num_keys, stride_kb, stride_ks,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr):
+    """Exercise 7.3, the block walk: the K and V of key positions tile_start .. tile_start + TILE - 1.
+
+    k_head_ptr, v_head_ptr: one kv head's part of the pool, (num_blocks, block_size, D) with strides
+    (stride_kb, stride_ks, 1); table_ptr: the sequence's row of the block table (logical -> physical block).
+    Returns k, v (TILE, D_PAD) — 0 for positions >= num_keys and for the padding dims >= HEAD_DIM — and
+    key_pos (TILE,). Reads no block the table does not name for a position < num_keys.
+    """
+    raise NotImplementedError("Exercise 7.3: write load_kv_tile")
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_block_seq_ptr, q_block_start_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,  # q, out: (num_tokens, H, D), last stride 1
+    stride_kh, stride_kb, stride_ks,  # pool: (Hkv, num_blocks, block_size, D), last stride 1
+    stride_bt,  # block_tables: (num_seqs, max_blocks)
+    sm_scale,
+    STEP: tl.constexpr,  # the tile update: STEP(scores, v, m_i, l_i, acc) -> (m_i, l_i, acc)   (7.1)
+    KV_TILE: tl.constexpr,  # the block walk: load_kv_tile's signature -> (k, v, key_pos)      (7.3)
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+):
+    """Exercise 7.4: program (qb, j) of the grid (number of query blocks, Hkv).
+
+    Query block qb is the BLOCK_Q query tokens q_block_start[qb] .. + BLOCK_Q - 1 (counted within their
+    sequence, the tail past the sequence's query count masked) of sequence s = q_block_seq[qb]; the
+    sequence's queries are the flat tokens cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1, the last of its
+    seq_lens[s] positions. The program serves those tokens for the G = H / Hkv query heads of kv head j:
+    BLOCK_Q · G_PAD rows of (token, head), each loading its q row (HEAD_DIM of D_PAD dims real).
+    For each TILE of key positions it gets K and V from KV_TILE, computes sm_scale · q·kᵀ in float32,
+    hides from each row the keys its query may not see (causal, by position), and hands the scores to
+    STEP. It writes acc / l of every real row to out (in out's dtype) and nothing else.
+    """
+    raise NotImplementedError("Exercise 7.4: write paged_attention_kernel")
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, query_block_index=None,
                     block_m: int | None = None, tile: int = 64) -> torch.Tensor:
-    """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D)."""
-    raise NotImplementedError("Exercise 7.1: write online_softmax_step, then delete this line")
-    return launch(online_softmax_step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                  query_block_index, block_m, tile)
+    """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D).
+    Given: launches this file's three functions (the reference's for a rung not written yet)."""
+    return launch(paged_attention_kernel, online_softmax_step, load_kv_tile, q, k_cache, v_cache, block_tables,
+                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile)

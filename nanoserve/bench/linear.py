@@ -7,6 +7,10 @@ over a batch of `tokens` rows, both ways, alternating, best of --repeats:
   (W·xᵀ)ᵀ    nanoserve.model.layers.swap_ab(x, W), what nanoserve's `Linear` does up to
              SWAP_AB_MAX_TOKENS tokens (the crossover this benchmark shows)
 
+--bf16 adds a third column, x·Wᵀ with weights and inputs in bfloat16 (oneDNN's bf16 kernels, on AMX /
+AVX512-BF16 where the CPU has them), timed in the same alternating rounds: where chapter 09's bf16 slowdown
+comes from.
+
 Each weight is a separate tensor, as in the model, so a pass streams ~540 MB of float32 weights and
 none of them is still in cache from the pass before: a decode step's conditions, not a warm microbenchmark.
 Freed memory is kept for reuse as in the engine's worker, so big outputs do not page-fault afresh.
@@ -37,6 +41,7 @@ def register(sub):
     p.add_argument("--formats", nargs="+", choices=["fp32", "bf16", "int8", "q4"],
                    help="time the model's layer classes per weight format instead (the kernel crossover)")
     p.add_argument("--fused", action="store_true", help="fused qkv / gate_up products vs separate ones")
+    p.add_argument("--bf16", action="store_true", help="also time x·Wᵀ in bfloat16, beside float32 (chapter 09)")
     p.set_defaults(func=run)
 
 
@@ -160,16 +165,23 @@ def run(args):
         return run_fused(args, LlamaConfig())
     weights = model_weights(LlamaConfig())  # SmolLM2-135M's shapes
     flop_per_token = 2 * sum(W.numel() for W in weights)
-    print(f"command: python -m nanoserve bench linear --tokens {' '.join(map(str, args.tokens))} --repeats {args.repeats}")
+    bf16 = [W.bfloat16() for W in weights] if args.bf16 else None
+    print(f"command: python -m nanoserve bench linear --tokens {' '.join(map(str, args.tokens))} --repeats {args.repeats}"
+          + (" --bf16" if args.bf16 else ""))
     print(f"threads: {torch.get_num_threads()}, float32, {len(weights)} weight matrices, "
           f"{sum(W.numel() for W in weights) * 4 / 2**20:.0f} MiB")
-    print(f"{'tokens':>7s} {'x·Wᵀ ms':>10s} {'(W·xᵀ)ᵀ ms':>12s} {'x·Wᵀ GFLOP/s':>14s} {'(W·xᵀ)ᵀ GFLOP/s':>17s} {'speed-up':>9s}")
+    print(f"{'tokens':>7s} {'x·Wᵀ ms':>10s} {'(W·xᵀ)ᵀ ms':>12s} {'x·Wᵀ GFLOP/s':>14s} {'(W·xᵀ)ᵀ GFLOP/s':>17s} {'speed-up':>9s}"
+          + (f" {'bf16 x·Wᵀ ms':>13s} {'bf16 / fp32':>11s}" if bf16 else ""))
     for tokens in args.tokens:
         inputs = {n: torch.randn(tokens, n) for n in {W.shape[1] for W in weights}}
-        plain = swapped = float("inf")
-        for _ in range(args.repeats + 1):  # alternating, so drifts in machine speed hit both; round 1 warms up
+        inputs16 = {n: x.bfloat16() for n, x in inputs.items()} if bf16 else None
+        plain = swapped = half = float("inf")
+        for _ in range(args.repeats + 1):  # alternating, so drifts in machine speed hit all; round 1 warms up
             plain = min(plain, linear_pass(weights, inputs, F.linear))
             swapped = min(swapped, linear_pass(weights, inputs, swap_ab))
+            if bf16:
+                half = min(half, linear_pass(bf16, inputs16, F.linear))
         flop = flop_per_token * tokens
         print(f"{tokens:7d} {plain * 1e3:10.1f} {swapped * 1e3:12.1f} {flop / plain / 1e9:14.1f} "
-              f"{flop / swapped / 1e9:17.1f} {plain / swapped:8.2f}x")
+              f"{flop / swapped / 1e9:17.1f} {plain / swapped:8.2f}x"
+              + (f" {half * 1e3:13.1f} {half / plain:10.2f}x" if bf16 else ""))

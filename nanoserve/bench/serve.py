@@ -3,15 +3,13 @@
     python -m nanoserve bench serve --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4 \\
         --max-concurrency 16 --dataset course --goodput ttft:500 tpot:100 --result-json results/serve.json
 
-Arrivals: request i is *scheduled* at the sum of i gaps drawn from a gamma distribution with shape
-`burstiness` and mean 1 / request_rate (burstiness 1: a Poisson process; below 1: burstier; above 1:
-steadier), as `vllm bench serve` draws them; `--request-rate inf` sends all at once. `--max-concurrency`
-caps the requests in flight, like a pool of that many users. Each request streams (client.py) and is
-summarised by the one metric module (nanoserve/metrics.py; `--student`: exercise 09's).
-
-Coordinated omission: a request held back by --max-concurrency is *sent* late; its latency is timed from
-the send, as vLLM does, and the time it waited in the client is reported apart ("client wait"), so an
-overloaded server cannot hide its queue in the load generator's.
+Arrivals and the open loop are nanoserve/bench/load.py: request i is *scheduled* at the sum of i gamma
+gaps (shape `burstiness`, mean 1 / request_rate; `--request-rate inf` sends all at once) and *sent* on that
+schedule, not when earlier replies come; `--max-concurrency` caps the requests in flight, like a pool of
+that many users, and the time a request waited for the pool is reported apart ("client wait"), so an
+overloaded server cannot hide its queue in the load generator's. Each request streams (client.py) and is
+summarised by the one metric module (nanoserve/metrics.py). `--student`: exercise 09's metrics.py and, where
+finished, its load.py.
 """
 
 import asyncio
@@ -22,9 +20,7 @@ import json
 import math
 import os
 import platform
-import random
 import sys
-import time
 
 PERCENTILE_ROWS = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                    ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")]
@@ -73,18 +69,6 @@ def parse_goodput(specs: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is scheduled: 0 for all when rate is inf."""
-    if math.isinf(rate):
-        return [0.0] * num
-    rng, t, times = random.Random(seed), 0.0, []
-    theta = 1.0 / (rate * burstiness)  # gamma(shape k, scale θ) has mean k·θ = 1 / rate
-    for _ in range(num):
-        times.append(t)
-        t += rng.gammavariate(burstiness, theta)
-    return times
-
-
 def check_args(args) -> None:
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
@@ -129,12 +113,15 @@ async def first_model(client, url: str) -> str:
     return models[0]["id"]
 
 
-async def benchmark(args, items: list[dict], count_tokens) -> dict:
-    """Send every item on its schedule; return the raw results: records, texts, client waits, duration."""
+async def benchmark(args, items: list[dict], count_tokens, load=None) -> dict:
+    """Send every item on its schedule; return the raw results: records, texts, client waits, duration.
+    load: the module of arrival_times and open_loop (nanoserve.bench.load, or the learner's)."""
     import httpx
     from tqdm import tqdm
 
     from nanoserve.bench.client import request_body, send
+
+    load = load or importlib.import_module("nanoserve.bench.load")
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -145,24 +132,13 @@ async def benchmark(args, items: list[dict], count_tokens) -> dict:
             record, _ = await send(client, args.url, body, count_tokens)
             if not record.success:
                 raise ValueError(f"the warm-up request failed: {record.error}")
-        limit = asyncio.Semaphore(args.max_concurrency or len(items))
         bar = tqdm(total=len(items), disable=args.no_progress, desc="requests", file=sys.stderr)
-        t0 = time.perf_counter()
-
-        async def one(body, at):
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            scheduled = time.perf_counter()
-            async with limit:
-                waited = time.perf_counter() - scheduled
-                record, text = await send(client, args.url, body, count_tokens)
-            bar.update(1)
-            return record, text, waited
-
-        schedule = arrival_times(len(items), args.request_rate, args.burstiness, args.seed)
-        results = await asyncio.gather(*(one(body, at) for body, at in zip(bodies, schedule)))
-        duration = time.perf_counter() - t0
+        schedule = load.arrival_times(len(items), args.request_rate, args.burstiness, args.seed)
+        results, waits, duration = await load.open_loop(
+            schedule, lambda i: send(client, args.url, bodies[i], count_tokens), args.max_concurrency,
+            on_done=lambda: bar.update(1))
         bar.close()
-    records, texts, waits = (list(x) for x in zip(*results))
+    records, texts = (list(x) for x in zip(*results))
     return {"model": model, "records": records, "texts": texts, "client_wait": waits, "duration": duration}
 
 
@@ -227,12 +203,12 @@ def command_line(args) -> str:
     return "python -m nanoserve bench serve " + " ".join(flags)
 
 
-def measure(args, metrics) -> dict:
+def measure(args, metrics, load=None) -> dict:
     """Run the benchmark `args` describe; return the result (what --result-json holds). ValueError for bad input."""
     slos = parse_goodput(args.goodput)
     tokenizer = model_tokenizer()  # random prompts, and counting tokens for servers that send no usage
     items = load_dataset(args, tokenizer)
-    raw = asyncio.run(benchmark(args, items, lambda text: len(tokenizer.encode(text))))
+    raw = asyncio.run(benchmark(args, items, lambda text: len(tokenizer.encode(text)), load))
     records = raw["records"]
     for record, item in zip(records, items):
         if record.success and not record.prompt_tokens:  # no usage: the prompt as our template renders it
@@ -276,11 +252,15 @@ def run(args):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from nanoserve import student
+
     metrics = load_student_metrics() if args.student else importlib.import_module("nanoserve.metrics")
     if metrics is None:
         return 2
+    # --student: the learner's arrivals (9.4) and open loop (9.5) where finished, the reference's (with a warning) where not
+    load = student.StudentCode("09").module("nanoserve.bench.load") if args.student else None
     try:
-        result = measure(args, metrics)
+        result = measure(args, metrics, load)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from nanoserve.engine.event_feed import EventFeed
+from nanoserve.engine import event_feed
 from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
 
@@ -59,7 +59,9 @@ class AsyncLLMEngine:
         # snapshots the engine thread publishes after every step (read by the server without a lock)
         self.num_requests_running = 0
         self.num_requests_waiting = 0
-        self.event_feed = EventFeed()  # chapter 12: snapshots for the live page, off while nobody watches
+        # chapter 12: snapshots for the live page, off while nobody watches (--student 12: the learner's feed)
+        student = getattr(engine, "student", None)  # a distributed engine front has none: the reference's
+        self.event_feed = (student.module("nanoserve.engine.event_feed") if student else event_feed).EventFeed()
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:

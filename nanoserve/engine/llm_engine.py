@@ -84,16 +84,17 @@ class LLMEngine:
         # with config.student: the learner's finished exercises where selected, the reference's elsewhere
         self.student = student = StudentCode(config.student)
         # the attention backend (chapter 07), checked before anything is built; with "triton" and chapter 07
-        # selected, the learner's kernel from exercises/07
+        # selected, the learner's kernels from exercises/07
         self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
-        kernel = (student.module("nanoserve.kernels.triton_paged_attention")
-                  if self.attention_backend == "triton" else None)
+        triton = self.attention_backend == "triton"
+        kernel = student.module("nanoserve.kernels.triton_paged_attention") if triton else None
+        store_kv = student.module("nanoserve.kernels.triton_store_kv") if triton else None
         # chapter 05's paged attention and metadata (the learner's rungs 5.3, 5.5, 5.6 where finished)
         paged_kv = student.module("nanoserve.kv.paged_attention")
         runner = student.module("nanoserve.engine.model_runner").ModelRunner  # the learner's with 06 (exercise 6.5)
         self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
-                                          model_runner_class=runner)])
+                                          model_runner_class=runner, store_kv=store_kv)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")

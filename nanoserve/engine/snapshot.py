@@ -20,8 +20,12 @@ and adds the full picture: queues, pool, and the events and step records gathere
 
 import sys
 import time
+from collections import deque
+
+from nanoserve.metrics import percentile
 
 MAX_STEPS_PER_SNAPSHOT = 256  # step records kept between two snapshots; older ones are counted, not kept
+LATENCY_WINDOW = 20  # finished requests in the snapshot's latency figures
 
 
 def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blocks) -> list[str]:
@@ -83,6 +87,7 @@ class SnapshotBuilder:
         self._stats_seen = self._stats()
         self._reset_events()
         self._last_step: dict[str, tuple[int, str]] = {}  # seq id -> (tokens, kind) of the latest step
+        self.recent: deque = deque(maxlen=LATENCY_WINDOW)  # (ttft, tpot) of the last finished requests, seconds
 
     def _stats(self) -> tuple[int, int, int, int]:
         s = self.engine.block_manager.stats
@@ -121,6 +126,7 @@ class SnapshotBuilder:
             m = out.metrics
             self.finished.append({"id": out.request_id, "reason": out.finish_reason, "ttft": m.get("ttft"),
                                   "tpot": m.get("tpot"), "e2e": m.get("e2e"), "output": len(out.token_ids)})
+            self.recent.append((m.get("ttft"), m.get("tpot")))
         self.preempted.extend(scheduler_output.preempted_seq_ids)
         self._note_gone({out.request_id for out in finished})
         bm = self.engine.block_manager
@@ -131,6 +137,16 @@ class SnapshotBuilder:
         if len(self.steps) > MAX_STEPS_PER_SNAPSHOT:
             self.steps.pop(0)
             self.dropped_steps += 1
+
+    def latency(self) -> dict:
+        """p50 TTFT and p50 TPOT (seconds; None before any) of the last LATENCY_WINDOW finished requests, with
+        chapter 09's percentile. TPOT, not ITL: the engine's clock sees tokens, not a stream's chunks."""
+        def p50(values):
+            values = [v for v in values if v is not None]
+            return round(percentile(values, 50), 6) if values else None
+
+        return {"requests": len(self.recent), "ttft_p50": p50(t for t, _ in self.recent),
+                "tpot_p50": p50(t for _, t in self.recent)}
 
     def snapshot(self) -> dict:
         """The engine now, plus what happened since the previous snapshot (then forgotten)."""
@@ -155,6 +171,7 @@ class SnapshotBuilder:
             "pool": {**encode_pool(owners), "num_free": bm.get_num_free_blocks(),
                      "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
             "steps": self.steps, "dropped_steps": self.dropped_steps,
+            "latency": self.latency(),
         }
         self._reset_events()
         return snap

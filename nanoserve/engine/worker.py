@@ -39,9 +39,10 @@ def keep_freed_host_memory() -> bool:
 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
-                 paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner):
+                 paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
+                 store_kv=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
-        paged_attention: the Triton kernel module for "triton" (None: the reference); paged_kv: chapter 05's
+        paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
         the learner's under --student 05 (None: the reference); model_runner_class: the reference
         ModelRunner, or the learner's (exercise 6.5)."""
@@ -50,7 +51,7 @@ class Worker:
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
-        self.attention = attention_class(attention_backend, paged_attention)
+        self.attention = attention_class(attention_backend, paged_attention, store_kv)
         if paged_kv is not None and attention_backend == "torch":
             self.attention = paged_kv.PagedAttention
         self.metadata = AttentionMetadata if paged_kv is None else paged_kv.AttentionMetadata

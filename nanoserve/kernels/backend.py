@@ -9,6 +9,7 @@ environment when the kernels are *defined* — `@triton.jit` reads it at import 
 imports no Triton, so asking for a backend never compiles anything for a GPU that is not there.
 """
 
+import contextlib
 import os
 
 import torch
@@ -48,9 +49,26 @@ def check_launchable(kernel, device: torch.device) -> None:
                            "(at the start of the process)")
 
 
-def attention_class(name: str, paged_attention=None):
+@contextlib.contextmanager
+def stub_errors_unwrapped():
+    """An exercise stub's NotImplementedError raised inside a kernel, as itself: Triton's interpreter wraps
+    every error of a program in an InterpreterError (once per nested jit call), which would hide from the
+    grader and the learner that a rung is simply not written yet."""
+    try:
+        yield
+    except Exception as error:
+        cause = error
+        while cause.__cause__ is not None and type(cause).__name__ == "InterpreterError":
+            cause = cause.__cause__
+        if isinstance(cause, NotImplementedError) and cause is not error:
+            raise cause from None
+        raise
+
+
+def attention_class(name: str, paged_attention=None, store_kv=None):
     """The AttentionFn class of a resolved backend: cls(cache, metadata) -> attn(layer_idx, q, k, v).
-    `paged_attention` (triton only): the module whose kernel to launch — the reference, or a learner's."""
+    `paged_attention`, `store_kv` (triton only): the modules whose kernels to launch — the reference's, or a
+    learner's (exercise 07)."""
     if name == "torch":
         from nanoserve.kv.paged_attention import PagedAttention
 
@@ -59,4 +77,4 @@ def attention_class(name: str, paged_attention=None):
 
     from nanoserve.kernels.triton_attention import TritonPagedAttention
 
-    return partial(TritonPagedAttention, paged_attention=paged_attention)
+    return partial(TritonPagedAttention, paged_attention=paged_attention, store_kv=store_kv)

@@ -9,17 +9,18 @@ on the pool's device) is worked out once per step here.
 
 import torch
 
-from nanoserve.kernels import triton_paged_attention
-from nanoserve.kernels.triton_store_kv import store_kv
+from nanoserve.kernels import triton_paged_attention, triton_store_kv
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache
 
 
 class TritonPagedAttention:
-    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, paged_attention=None):
-        """paged_attention: the module whose `paged_attention` and `launch_config` to use (default: the
-        reference; `LLM(student=True)` passes the learner's exercises/07 module)."""
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, paged_attention=None, store_kv=None):
+        """paged_attention: the module whose `paged_attention` and `launch_config` to use, store_kv: the module
+        whose `store_kv` to use (default: the reference's; `LLM(student=True)` passes the learner's exercises/07
+        modules)."""
         self.cache = cache
         self.kernels = paged_attention or triton_paged_attention
+        self.store = store_kv or triton_store_kv
         device = cache.k_cache[0].device
         self.slot_mapping = metadata.slot_mapping.to(device)
         self.block_tables = metadata.block_tables.to(device)
@@ -30,7 +31,7 @@ class TritonPagedAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.k_cache[layer_idx], self.cache.v_cache[layer_idx]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        self.store.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.query_block_index is None:
             block_q = self.kernels.launch_config(q.shape[1], k.shape[1], q.shape[2])["BLOCK_Q"]
             self.query_block_index = self.kernels.query_blocks(self.cu_list, block_q)

@@ -14,10 +14,16 @@ padded to a power of two (SmolLM2: G = 3 -> 4 rows per token; the padding row is
 Every K/V row the program loads serves all G heads at once.
 
 The program walks its sequence's block table TILE keys at a time. Key position p lives in
-physical block block_table[s, p // block_size], row p % block_size: the pointer arithmetic below.
-For each tile it calls its tile update STEP, `online_softmax_step` below (the online softmax of
-`nanoserve/kernels/online_softmax.py`): scores, the causal mask (key position <= query position),
-new running max m, rescale of l and acc, add. (Exercise 07 writes that function.)
+physical block block_table[s, p // block_size], row p % block_size. The kernel is built of three
+@triton.jit functions, each one rung of exercise 07 (the store-KV kernel, 7.2, is triton_store_kv.py):
+
+    7.1  online_softmax_step   one tile's update of the running max m, sum l and accumulator acc
+                               (the online softmax of nanoserve/kernels/online_softmax.py)
+    7.3  load_kv_tile          the block walk: a tile's key positions -> physical blocks -> K and V rows
+    7.4  paged_attention_kernel  the program: GQA row packing, scores, the causal mask, the loop, the store
+
+The kernel takes the other two as constexpr arguments (STEP, KV_TILE): Triton compiles a jit function
+passed that way into the kernel, so each rung can be swapped for a learner's on its own.
 
     # q (N, H, D), the pool's k_cache/v_cache (Hkv, num_blocks, block_size, D), chapter 05's metadata
     out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
@@ -27,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.backend import check_launchable, interpreter_requested
+from nanoserve.kernels.backend import check_launchable, interpreter_requested, stub_errors_unwrapped
 
 
 @triton.jit
@@ -38,10 +44,12 @@ def paged_attention_kernel(
     stride_kh, stride_kb, stride_ks,  # pool: (Hkv, num_blocks, block_size, D), last stride 1
     stride_bt,  # block_tables: (num_seqs, max_blocks)
     sm_scale,
-    STEP: tl.constexpr,  # the tile update, a @triton.jit function: online_softmax_step (or exercise 07's)
+    STEP: tl.constexpr,  # the tile update (exercise 7.1): online_softmax_step, or the learner's
+    KV_TILE: tl.constexpr,  # the block walk (exercise 7.3): load_kv_tile, or the learner's
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
 ):
+    """Exercise 7.4: one program = BLOCK_Q query tokens of one sequence x the G query heads of one kv head."""
     qb, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(q_block_seq_ptr + qb)
     q_first = tl.load(q_block_start_ptr + qb)  # this block's first query, counted within the sequence
@@ -50,7 +58,7 @@ def paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len  # keys cached before this step: query i sits at position context_len + i
 
-    # rows = (query token, head of the group) pairs
+    # GQA row packing: rows = (query token, head of the group) pairs, the group padded to G_PAD
     rows = tl.arange(0, BLOCK_Q * G_PAD)
     q_idx = q_first + rows // G_PAD  # (BLOCK_M,) query within the sequence
     head = kv_head * G + rows % G_PAD  # (BLOCK_M,) query head
@@ -68,17 +76,17 @@ def paged_attention_kernel(
 
     # the keys the block's last query sees: everything up to its position, nothing after
     num_keys = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
-    head_base = kv_head.to(tl.int64) * stride_kh
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh  # this kv head's (num_blocks, block_size, D)
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt  # this sequence's row of the block table
     for tile_start in range(0, num_keys, TILE):
-        # the block walk: key position -> (physical block from the table, row inside the block)
-        key_pos = tile_start + tl.arange(0, TILE)  # (TILE,)
-        key_ok = key_pos < num_keys
-        block = tl.load(block_tables_ptr + seq * stride_bt + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
-        row_off = head_base + block.to(tl.int64) * stride_kb + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_ks
-        kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (TILE, D_PAD)
-        v = tl.load(v_cache_ptr + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = STEP(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale)
+        k, v, key_pos = KV_TILE(k_head, v_head, table, tile_start, num_keys, stride_kb, stride_ks,
+                                HEAD_DIM, BLOCK_SIZE, D_PAD, TILE)
+        # float32 scores; "ieee": true float32 products (a GPU would use tf32, the interpreter numpy float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (BLOCK_M, TILE)
+        visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < num_keys)  # causal edge, tail
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = STEP(scores, v, m_i, l_i, acc)
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
@@ -86,19 +94,37 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def online_softmax_step(q, k, v, query_pos, key_pos, num_keys, m_i, l_i, acc, sm_scale):
-    """One tile of the online softmax.
+def load_kv_tile(k_head_ptr, v_head_ptr, table_ptr, tile_start, num_keys, stride_kb, stride_ks,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr):
+    """Exercise 7.3, the block walk: the K and V of key positions tile_start .. tile_start + TILE - 1.
 
-    q (BLOCK_M, D_PAD) queries, k/v (TILE, D_PAD) this tile's keys and values, query_pos (BLOCK_M,) and
-    key_pos (TILE,) positions in the sequence, num_keys: keys this program may read at all.
-    m_i, l_i (BLOCK_M,) running max and running sum, acc (BLOCK_M, D_PAD) the unnormalised output.
-    Returns the new (m_i, l_i, acc).
+    k_head_ptr, v_head_ptr: one kv head's part of the pool, (num_blocks, block_size, D) with strides
+    (stride_kb, stride_ks, 1); table_ptr: the sequence's row of the block table (logical -> physical block).
+    Returns k, v (TILE, D_PAD) — 0 for positions >= num_keys and for the padding dims >= HEAD_DIM — and
+    key_pos (TILE,). Reads no block the table does not name for a position < num_keys.
     """
-    # float32 scores; "ieee": true float32 products (a GPU would use tf32, the interpreter numpy float32/64)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (BLOCK_M, TILE)
-    visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < num_keys)  # causal edge, tail
-    scores = tl.where(visible, scores, float("-inf"))
-    # Tile 0 holds key 0, which every row sees, so m_new is finite from the first tile on: no -inf - -inf.
+    key_pos = tile_start + tl.arange(0, TILE)  # (TILE,)
+    key_ok = key_pos < num_keys
+    # key position p lives in physical block table[p // block_size], row p % block_size
+    block = tl.load(table_ptr + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
+    row_off = block.to(tl.int64) * stride_kb + (key_pos % BLOCK_SIZE).to(tl.int64) * stride_ks  # int64: big pools
+    d = tl.arange(0, D_PAD)
+    mask = key_ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_head_ptr + row_off[:, None] + d[None, :], mask=mask, other=0.0)  # (TILE, D_PAD)
+    v = tl.load(v_head_ptr + row_off[:, None] + d[None, :], mask=mask, other=0.0)
+    return k, v, key_pos
+
+
+@triton.jit
+def online_softmax_step(scores, v, m_i, l_i, acc):
+    """Exercise 7.1, the tile update of the online softmax (nanoserve/kernels/online_softmax.py, in torch).
+
+    scores (BLOCK_M, TILE) float32, already scaled and masked (-inf where a row may not see a key);
+    v (TILE, D_PAD) the tile's values; m_i, l_i (BLOCK_M,) the running max and sum of exp(score - m_i);
+    acc (BLOCK_M, D_PAD) the running sum of exp(score - m_i) · v. Returns the new (m_i, l_i, acc).
+    """
+    # The kernel's tile 0 holds key 0, which every row sees: m_new is finite from the first tile on,
+    # so no -inf - -inf; a later tile a row cannot see at all gives alpha = 1 and p = 0.
     m_new = tl.maximum(m_i, tl.max(scores, 1))  # (BLOCK_M,)
     alpha = tl.exp(m_i - m_new)  # how much the old max overstated: rescale what was summed so far
     p = tl.exp(scores - m_new[:, None])  # (BLOCK_M, TILE), 0 where masked
@@ -148,17 +174,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the same BLOCK_Q) can be built once per step and passed to every layer's call. block_m, tile: see
     launch_config.
     """
-    return launch(online_softmax_step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                  query_block_index, block_m, tile)
+    # this module's three rungs, looked up here at call time: in a learner's copy, the learner's (or,
+    # for a rung not done yet, the reference's that nanoserve/student.py put in its place)
+    return launch(paged_attention_kernel, online_softmax_step, load_kv_tile, q, k_cache, v_cache, block_tables,
+                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile)
 
 
-def launch(step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
+NUM_WARPS, NUM_STAGES = 4, 2  # a GPU launch's warps per program and software-pipeline depth (the interpreter drops both)
+
+
+def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
            block_m: int | None = None, tile: int = 64) -> torch.Tensor:
-    """Launch the kernel over the grid (query blocks, kv heads), with `step` (a @triton.jit function with
-    online_softmax_step's signature: this module's, or exercise 07's) as its tile update. Triton takes a
-    jit function as a constexpr argument and compiles it into the kernel."""
-    check_launchable(paged_attention_kernel, q.device)
-    check_launchable(step, q.device)
+    """Launch `kernel` (paged_attention_kernel's signature) over the grid (query blocks, kv heads) with
+    `step` (online_softmax_step's) as its tile update and `kv_tile` (load_kv_tile's) as its block walk:
+    Triton takes a jit function as a constexpr argument and compiles it into the kernel."""
+    for fn in (kernel, step, kv_tile):
+        check_launchable(fn, q.device)
     N, H, D = q.shape
     Hkv, _, block_size, _ = k_cache.shape
     if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
@@ -170,10 +201,12 @@ def launch(step, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, quer
     q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)
     out = torch.empty_like(q)
     grid = (len(q_block_seq), Hkv)
-    paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        D ** -0.5, STEP=step, BLOCK_SIZE=block_size, **cfg,
-    )
+    with stub_errors_unwrapped():
+        kernel[grid](
+            q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            D ** -0.5, STEP=step, KV_TILE=kv_tile, BLOCK_SIZE=block_size, num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES, **cfg,
+        )
     return out

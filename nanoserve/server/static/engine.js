@@ -3,9 +3,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const LAST_N = 20;          // requests in the latency figures
 const HISTORY = 240;        // step records kept for the timeline and the KV chart
-const state = { lastStep: 0, steps: [], recent: [], preemptions: 0, finished: 0, aborted: 0, prefixHits: 0,
+const state = { lastStep: 0, steps: [], preemptions: 0, finished: 0, aborted: 0, prefixHits: 0,
                 colours: new Map(), connects: 0 };
 
 // ---- helpers ---------------------------------------------------------------------------------------
@@ -101,8 +100,6 @@ function draw(snap) {
   state.finished += snap.finished.length;
   state.aborted += snap.aborted.length;
   state.prefixHits += snap.prefix.hit_tokens;
-  state.recent.push(...snap.finished);
-  state.recent.splice(0, Math.max(0, state.recent.length - LAST_N));
 
   $("step").textContent = snap.step;
   const last = snap.steps[snap.steps.length - 1];
@@ -183,11 +180,11 @@ function drawSeqs(list, seqs, running) {
 }
 
 function drawFigures(snap) {
-  const ttfts = state.recent.map((r) => r.ttft).filter((x) => x != null).sort((a, b) => a - b);
-  const tpots = state.recent.map((r) => r.tpot).filter((x) => x != null);
-  $("last-n").textContent = state.recent.length;
-  $("ttft").textContent = ttfts.length ? ms(ttfts[Math.floor((ttfts.length - 1) / 2)]) : "–";
-  $("itl").textContent = tpots.length ? ms(tpots.reduce((a, b) => a + b, 0) / tpots.length) : "–";
+  // p50s computed by the server with chapter 09's percentile (nanoserve/metrics.py) over its last 20 requests
+  const lat = snap.latency;
+  $("last-n").textContent = lat.requests;
+  $("ttft").textContent = lat.ttft_p50 != null ? ms(lat.ttft_p50) : "–";
+  $("tpot").textContent = lat.tpot_p50 != null ? ms(lat.tpot_p50) : "–";
   // tokens sampled in the last 5 s of steps, per second
   const steps = state.steps;
   if (steps.length) {

@@ -1,0 +1,39 @@
+"""Exercises 12.3 and 12.4 — the event feed's two promises: one snapshot per viewer, at most R a second.
+
+This file mirrors the two classes of nanoserve/engine/event_feed.py (read its docstring for the picture,
+not its code). Your classes inherit the reference's, so everything but your three methods is given:
+`Subscription.__init__` sets `self._lock` (a threading.Lock), `self._latest` (the mailbox: a snapshot or
+None), `self._notify` (a callable or None) and `self.dropped` (0); `EventFeed.__init__` sets
+`self.min_interval`, `self.clock`, `self._subscribers` (a tuple), `self._builder` (a SnapshotBuilder or
+None), `self._last_emit` (-inf) and `self._pending`; `_builder(engine)` makes a builder.
+
+Grade with `make grade CH=12 EX=12.3` (or 12.4); with `--student 12` the server's live page is fed by yours.
+"""
+
+from nanoserve.engine import event_feed
+from nanoserve.engine.event_feed import _builder  # noqa: F401  (given: a SnapshotBuilder for an engine)
+
+
+class Subscription(event_feed.Subscription):
+    def put(self, snap: dict) -> None:
+        """Exercise 12.3: the engine thread delivers `snap`. The viewer must only ever find the latest snapshot
+        (never a queue of them, however slow it reads); one replaced before it was taken adds 1 to dropped.
+        notify(), if set, is called once each time the mailbox goes from empty to full — not while it stays
+        full — and outside the lock. Safe against take() running in another thread."""
+        raise NotImplementedError("Exercise 12.3: Subscription.put")
+
+    def take(self) -> dict | None:
+        """Exercise 12.3: the viewer's thread takes the latest snapshot, leaving the mailbox empty; None if
+        it is empty."""
+        raise NotImplementedError("Exercise 12.3: Subscription.take")
+
+
+class EventFeed(event_feed.EventFeed):
+    subscription = Subscription  # the mailbox each viewer gets: yours
+
+    def emit_if_due(self, engine) -> float:
+        """Exercise 12.4: called after every step and by the idle loop (record, flush). If at least min_interval
+        seconds (by self.clock()) have passed since the last snapshot was built, build one (self._builder; make
+        it for `engine` first if it is None), deliver the same dict to every subscriber, remember when, clear
+        self._pending and return 0.0. Otherwise build nothing and return the seconds until one may be built."""
+        raise NotImplementedError("Exercise 12.4: EventFeed.emit_if_due")
