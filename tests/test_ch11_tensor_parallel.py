@@ -61,6 +61,20 @@ def record_logits(llm):
     return seen
 
 
+def parallel_samples(engine, prompt_token_ids, params):
+    """The n completions of one request (n > 1 runs through LLMEngine: LLM keeps one output per input),
+    and that at least one step copied a block (copy-on-write after the fork)."""
+    engine.add_request("fork", prompt_token_ids, params)
+    done, copied = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finish_reason is not None:  # this completion's end (`finished`: the whole request's)
+                done[out.index] = out.token_ids
+        copied |= bool(engine.last_scheduler_output.blocks_to_copy)
+    assert copied, "the fork should copy the prompt's shared last block"
+    return [done[i] for i in range(params.n)]
+
+
 def run_stepwise(llm, prompts, params):
     """Tokens by request and whether any step preempted."""
     ids = [llm.add_request(p, params) for p in prompts]
@@ -113,6 +127,14 @@ class TestTP3:
         ref_tokens, _, ref_alone = reference63
         alone = [tp3.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
         assert alone == ref_alone == ref_tokens
+
+    def test_forked_completions_copy_on_write_on_every_rank(self, tp3, model63):
+        """n = 2: the completions share the prompt's partial last block until each writes into it; then
+        every rank copies its slice of that block (the copy travels in the step), so both completions draw
+        what they draw at TP 1."""
+        fork = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+        assert parallel_samples(tp3.engine, PROMPTS[0]["prompt_token_ids"], fork) == \
+            parallel_samples(LLM(model63, **POOL).engine, PROMPTS[0]["prompt_token_ids"], fork)
 
     def test_kv_pool_holds_one_kv_head_per_rank(self, tp3, model63):
         """Memory math: 2 (K, V) · 2 layers · 1 KV head · 16 head_dim · 4 B = 256 B per token per rank, a
@@ -192,9 +214,16 @@ def test_real_smollm2_tp3_matches_tp1(smollm2):
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Name a colour."}]]
     params = SamplingParams(temperature=0, max_tokens=6)
-    want = [o.token_ids for o in LLM(smollm2).generate(chats, params, use_tqdm=False)]
+    # seeded parallel sampling: completion i of n forks the prompt's blocks, copy-on-write on every rank
+    fork = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4)
+    reference = LLM(smollm2)
+    want = [o.token_ids for o in reference.generate(chats, params, use_tqdm=False)]
+    prompt = reference.prompt_token_ids(chats[0])
+    want_fork = parallel_samples(reference.engine, prompt, fork)
     before = child_pids()
     with LLM(tensor_parallel_size=3) as llm:  # each rank reads its slice of the embedded GGUF
         got = [o.token_ids for o in llm.generate(chats, params, use_tqdm=False)]
+        got_fork = parallel_samples(llm.engine, prompt, fork)
     assert got == want
+    assert got_fork == want_fork and want_fork[0] != want_fork[1]
     assert child_pids() == before
