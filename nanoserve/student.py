@@ -86,6 +86,11 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "5.5": ["gather_kv", "attend_sequence", "PagedAttention.__init__", "PagedAttention.__call__"],
         "5.6": ["DecodeGroup.__init__", "DecodeGroup.attend"],
     },
+    "nanoserve.model.quant": {
+        "10.1": ["quantize_int8", "dequantize_int8"],
+        "10.2": ["unpack_q4_1"],
+        "10.3": ["int4_scale_and_zero", "dequantize_q4"],
+    },
     "nanoserve.engine.scheduler": {
         "6.1": ["Scheduler.schedule_waiting"],
         "6.2": ["Scheduler.num_new_tokens"],
