@@ -66,6 +66,8 @@ STUDENT_FILES = {
     "nanoserve.model.quant": "10-quantization/quant.py",
     "nanoserve.metrics": "09-measuring/metrics.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
+    "nanoserve.distributed.shard": "11-tensor-parallel/shard.py",
+    "nanoserve.distributed.vocab": "11-tensor-parallel/vocab.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
@@ -90,6 +92,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "10.1": ["quantize_int8", "dequantize_int8"],
         "10.2": ["unpack_q4_1"],
         "10.3": ["int4_scale_and_zero", "dequantize_q4"],
+    },
+    "nanoserve.distributed.linear": {
+        "11.2": ["ColumnParallelLinear.__init__", "ColumnParallelLinear.weight_loader", "ColumnParallelLinear.forward"],
+        "11.3": ["RowParallelLinear.__init__", "RowParallelLinear.weight_loader", "RowParallelLinear.forward"],
     },
     "nanoserve.engine.scheduler": {
         "6.1": ["Scheduler.schedule_waiting"],

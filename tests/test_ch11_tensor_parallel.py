@@ -154,12 +154,13 @@ def test_refused_split_names_the_heads_and_starts_nothing(model63):
     assert child_pids() == before
 
 
-@pytest.mark.exercise("11.2")
+@pytest.mark.exercise("11.3")
 def test_tp2_replicated_kv_head_gives_tp1_tokens():
     """6 query heads, 1 KV head: each rank holds 3 query heads and a copy of the KV head. Graded: with
-    `make grade CH=11` both ranks build their layers from YOUR exercises/11-tensor-parallel/linear.py."""
+    `make grade CH=11` both ranks build their layers from YOUR finished exercises/11-tensor-parallel/ files
+    (the reference where a rung is still a stub), the all_reduce between real processes over gloo."""
     layers = implementation("nanoserve.distributed.linear")
-    layers.ColumnParallelLinear(2, 2, type("TP1", (), {"rank": 0, "size": 1})())  # a stub fails here, at once
+    layers.RowParallelLinear(2, 2, type("TP1", (), {"rank": 0, "size": 1})())  # a stub fails here, at once
     model = tiny(1)
     want = [o.token_ids for o in LLM(model, **POOL).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
     with LLM(model, tensor_parallel_size=2, student=use_student(), **POOL) as llm:
