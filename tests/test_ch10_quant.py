@@ -18,6 +18,7 @@ from nanoserve.model import Llama, LlamaConfig
 from nanoserve.model.quant import (QUANT_MAX_TOKENS, Int8Linear, Q4Linear, check_weight_format, quantize_model,
                                    unpack_q4_1)
 from nanoserve.student import implementation
+from tests.test_student import exercises, finish  # noqa: F401  (a fixture, and a helper that finishes rungs)
 
 Q4_1 = GGMLQuantizationType.Q4_1
 
@@ -297,3 +298,25 @@ def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pa
     calls.clear()
     quantize_model(copy.deepcopy(tiny_pair[0]), "int8", None, functions)
     assert calls == ["quantize_int8"] * 15
+
+
+def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exercises):
+    """--student 10 with 10.3 done and 10.1, 10.2 stubbed: the learner's int4_scale_and_zero makes every q4
+    layer's kernel scales, the reference's unpack_q4_1 and quantize_int8 the rest; the logits equal the
+    reference's exactly (the same numbers, computed by the same code)."""
+    import copy
+
+    from nanoserve.student import StudentCode, unfinished
+
+    path = finish("nanoserve.model.quant", ["int4_scale_and_zero", "dequantize_q4"])
+    assert set(unfinished(path)) == {"Exercise 10.1", "Exercise 10.2"}
+    code = StudentCode("10")
+    with pytest.warns(UserWarning, match="Exercise 10.1, Exercise 10.2 not finished"):
+        functions = code.module("nanoserve.model.quant")
+    model, blocks = tiny_pair
+    theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions)
+    ours = quantize_model(copy.deepcopy(model), "q4", blocks)
+    assert code.calls["int4_scale_and_zero"] == 14  # 2 layers x 7 products
+    assert "int4_scale_and_zero" in code.describe() and "(Exercise 10.2 not finished)" in code.describe()
+    ids = torch.tensor([1, 5, 9, 3])
+    assert torch.equal(theirs.compute_logits(theirs(ids)), ours.compute_logits(ours(ids)))

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from nanoserve.distributed.shard import HeadSplit
 from nanoserve.model import LlamaConfig
 from nanoserve.student import implementation
+from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ the loader reads)
 
 
 class FakeGroup:
@@ -162,3 +163,34 @@ def test_split_heads_refuses_uneven_splits_naming_the_counts():
         split_heads(tiny, 2)  # 6 query heads do, but 3 KV heads neither split over 2 nor 2 ranks over 3
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         split_heads(tiny, 0)
+
+
+def test_finished_rungs_of_exercise_11_build_the_shards(exercises):
+    """--student 11 with 11.1, 11.3 and 11.4 done and 11.2 stubbed: a shard is built by the learner's split_heads,
+    RowParallelLinear and vocabulary layers, and the reference's ColumnParallelLinear; at TP 1 it computes the
+    whole model's logits."""
+    from nanoserve.distributed.parallel_state import TPGroup
+    from nanoserve.distributed.shard import linear_layers_for, load_shard_from_state, shard_llama
+    from nanoserve.model import Llama
+
+    from tests.test_student import finish
+
+    finish("nanoserve.distributed.shard", ["split_heads"])
+    finish("nanoserve.distributed.vocab", ["VocabParallelEmbedding.__init__", "VocabParallelEmbedding.weight_loader",
+                                           "VocabParallelEmbedding.forward", "ParallelLMHead.forward"])
+    finish("nanoserve.distributed.linear", ["RowParallelLinear.__init__", "RowParallelLinear.weight_loader",
+                                            "RowParallelLinear.forward"])
+    torch.manual_seed(0)
+    config = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
+    full = Llama(config).eval()
+    with pytest.warns(UserWarning, match="Exercise 11.2 not finished"):
+        layers = linear_layers_for("11")
+    shard = load_shard_from_state(shard_llama(config, TPGroup(), layers), full.state_dict())
+    block = shard.layers[0]
+    assert type(shard.embed_tokens).__module__ == type(shard.lm_head).__module__ == "student_nanoserve_distributed_vocab"
+    assert type(block.mlp.down_proj).__module__ == "student_nanoserve_distributed_linear"
+    assert block.mlp.up_proj.forward.__module__ == "nanoserve.distributed.linear"  # 11.2: the reference's code
+    assert layers.split_heads.__module__ == "student_nanoserve_distributed_shard"
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    with torch.no_grad():
+        torch.testing.assert_close(shard.compute_logits(shard(ids)), full.compute_logits(full(ids)))

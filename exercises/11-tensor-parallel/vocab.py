@@ -8,6 +8,7 @@ gets every rank's x side by side along the last dim, in rank order; the other ra
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: F401  (F.embedding)
 
 from nanoserve.model.layers import linear  # noqa: F401  (x · Wᵀ, as everywhere in the course)
 
