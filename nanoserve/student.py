@@ -68,6 +68,7 @@ STUDENT_FILES = {
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
     "nanoserve.distributed.shard": "11-tensor-parallel/shard.py",
     "nanoserve.distributed.vocab": "11-tensor-parallel/vocab.py",
+    "nanoserve.distributed.parallel_state": "11-tensor-parallel/parallel_state.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",

@@ -168,6 +168,54 @@ def test_tp2_replicated_kv_head_gives_tp1_tokens():
     assert got == want
 
 
+def hand_step():
+    """3 sequences, 5 tokens: A decodes at position 9, B prefills [0, 3), C decodes at 4; block_size 4."""
+    from nanoserve.engine.model_runner import ModelInput
+    from nanoserve.kv.paged_attention import AttentionMetadata
+
+    metadata = AttentionMetadata.build([[7, 2, 5], [3], [0, 6]], [10, 3, 5], [1, 3, 1], 4)
+    return ModelInput(torch.tensor([11, 20, 21, 22, 30]), torch.tensor([9, 0, 1, 2, 4]), metadata,
+                      torch.tensor([0, 3, 4]), sampled_seqs=[])
+
+
+@pytest.mark.exercise("11.5")
+def test_pack_step_sizes_and_round_trip_by_hand():
+    codec = implementation("nanoserve.distributed.parallel_state")
+    batch = hand_step()
+    sizes, payload = codec.pack_step(batch, [(5, 8), (6, 9)])
+    assert tuple(sizes) == (5, 3, 3, 3, 2) and payload.dtype == torch.long
+    assert payload.numel() == 5 * 3 + 3 * 3 + 3 + 4 + 3 + 2 * 2  # 38 integers, 304 bytes
+    fields = codec.unpack_step(list(sizes) + [0, 0], payload)  # the header's zero padding rides along
+    m = batch.attn_metadata
+    want = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": m.slot_mapping,
+            "block_tables": m.block_tables, "seq_lens": m.seq_lens, "cu_seqlens_q": m.cu_seqlens_q,
+            "logits_indices": batch.logits_indices, "blocks_to_copy": torch.tensor([[5, 8], [6, 9]])}
+    assert set(fields) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(fields[name], tensor.long()), name
+    assert m.slot_mapping.tolist() == [21, 12, 13, 14, 24]  # worked by hand: block · 4 + offset
+
+
+@pytest.mark.exercise("11.5")
+def test_a_step_without_copies():
+    codec = implementation("nanoserve.distributed.parallel_state")
+    sizes, payload = codec.pack_step(hand_step())
+    assert tuple(sizes) == (5, 3, 3, 3, 0) and payload.numel() == 34
+    assert tuple(codec.unpack_step(list(sizes), payload)["blocks_to_copy"].shape) == (0, 2)
+
+
+@pytest.mark.exercise("11.5")
+def test_tp2_forked_completions_travel_through_your_step_broadcast():
+    """The same step packed by YOUR pack_step on rank 0 and unpacked by YOUR unpack_step on rank 1, copy-on-write
+    pairs included (n = 2 forks the prompt's last block): the tokens of TP 1."""
+    implementation("nanoserve.distributed.parallel_state").pack_step(hand_step())  # a stub fails here, at once
+    model = tiny(1)
+    fork = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    want = parallel_samples(LLM(model, **POOL).engine, PROMPTS[1]["prompt_token_ids"], fork)
+    with LLM(model, tensor_parallel_size=2, student=use_student(), **POOL) as llm:
+        assert parallel_samples(llm.engine, PROMPTS[1]["prompt_token_ids"], fork) == want
+
+
 def assert_failed_cleanly(llm, before_children, before_shm, excinfo, *words):
     message = str(excinfo.value)
     for word in words:

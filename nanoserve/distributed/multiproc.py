@@ -53,6 +53,9 @@ class ModelSource:
         return cls(config=model.config, state=state_bytes(model), student=student)
 
     def load(self, tp: TPGroup):
+        from nanoserve.student import StudentCode
+
+        tp.codec = StudentCode(self.student).module("nanoserve.distributed.parallel_state")  # exercise 11.5's, or ours
         layers = linear_layers_for(self.student)
         if self.state is None:
             return load_shard_from_gguf(self.gguf_path, tp, layers)
@@ -109,7 +112,7 @@ def worker_loop(tp: TPGroup, model) -> None:
         if command == INIT_KV_CACHE:
             worker.init_kv_cache(*args[:2])
         elif command == STEP:
-            f = unpack_step(args, payload)
+            f = (tp.codec.unpack_step if tp.codec else unpack_step)(args, payload)
             # copy-on-write first, as rank 0 did: this rank's slice of a block a fork still shared
             worker.model_runner.kv_cache.copy_blocks(f["blocks_to_copy"].tolist())
             metadata = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["seq_lens"], f["cu_seqlens_q"])

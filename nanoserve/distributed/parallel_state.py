@@ -44,6 +44,7 @@ class TPGroup:
     all_reduce_bytes: int = 0
     num_all_reduces: int = 0
     error: str | None = None  # set when the group was shut down after a fault: every later step raises it
+    codec: object = None  # what packs and unpacks a step (pack_step, unpack_step): this module, or exercise 11.5's
 
     @property
     def is_driver(self) -> bool:
@@ -96,7 +97,7 @@ class TPGroup:
         """Rank 0: send this step's model input (a ModelInput) and its copy-on-write pairs (src, dst) to
         the other ranks; a no-op at TP = 1."""
         if self.size > 1:
-            shape, payload = pack_step(batch, blocks_to_copy)
+            shape, payload = (self.codec.pack_step if self.codec else pack_step)(batch, blocks_to_copy)
             self.broadcast_command(STEP, *shape, payload=payload)
 
 
