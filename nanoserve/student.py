@@ -68,6 +68,9 @@ STUDENT_FILES = {
     "nanoserve.metrics": "09-measuring/metrics.py",
     "nanoserve.bench.load": "09-measuring/load.py",
     "nanoserve.distributed.linear": "11-tensor-parallel/linear.py",
+    "nanoserve.distributed.shard": "11-tensor-parallel/shard.py",
+    "nanoserve.distributed.vocab": "11-tensor-parallel/vocab.py",
+    "nanoserve.distributed.parallel_state": "11-tensor-parallel/parallel_state.py",
     "nanoserve.engine.snapshot": "12-engine-view/snapshot.py",
     "nanoserve.engine.event_feed": "12-engine-view/event_feed.py",
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
@@ -88,6 +91,15 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "5.3": ["AttentionMetadata.build"],
         "5.5": ["gather_kv", "attend_sequence", "PagedAttention.__init__", "PagedAttention.__call__"],
         "5.6": ["DecodeGroup.__init__", "DecodeGroup.attend"],
+    },
+    "nanoserve.model.quant": {
+        "10.1": ["quantize_int8", "dequantize_int8"],
+        "10.2": ["unpack_q4_1"],
+        "10.3": ["int4_scale_and_zero", "dequantize_q4"],
+    },
+    "nanoserve.distributed.linear": {
+        "11.2": ["ColumnParallelLinear.__init__", "ColumnParallelLinear.weight_loader", "ColumnParallelLinear.forward"],
+        "11.3": ["RowParallelLinear.__init__", "RowParallelLinear.weight_loader", "RowParallelLinear.forward"],
     },
     "nanoserve.engine.scheduler": {
         "6.1": ["Scheduler.schedule_waiting"],

@@ -157,6 +157,24 @@ def test_batch_cli_keeps_order_and_reports_bad_lines(llm, tmp_path, monkeypatch,
     assert_pool_whole(llm.engine)
 
 
+def test_batch_cli_reads_a_file_that_starts_with_a_utf8_bom(tiny, tmp_path, monkeypatch):
+    """Editors on Windows write a byte-order mark (EF BB BF) before the first line: it is not part of the JSON."""
+    from nanoserve.cli import batch, main
+    from nanoserve.llm import LLM
+
+    monkeypatch.setattr(batch, "llm_from_args", lambda args, tokenizer=None: LLM(tiny, num_blocks=16, block_size=4))
+    monkeypatch.setattr(batch.checks, "load_tokenizer", lambda path: type("T", (), {"vocab_size": 64})())
+    monkeypatch.setattr(batch.checks, "context_length", lambda path: 64)
+    lines = [json.dumps({"prompt_token_ids": [5, 9, 2], "max_tokens": 3, "temperature": 0, "ignore_eos": True}),
+             json.dumps({"prompt_token_ids": [7, 1], "max_tokens": 2, "temperature": 0, "ignore_eos": True})]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + ("\n".join(lines) + "\n").encode())
+    assert main(["batch", "--input", str(src), "--output", str(dst), "--no-progress"]) == 0
+    records = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2] and not any("error" in r for r in records)
+    assert [len(r["token_ids"]) for r in records] == [3, 2] and records[0]["prompt_token_ids"] == [5, 9, 2]
+
+
 @pytest.mark.parametrize("prefix_caching, recomputed", [(True, 5), (False, 13)])
 def test_readmission_after_preemption_recomputes_only_the_uncached_tail(tiny, prefix_caching, recomputed):
     """Worked by hand, block_size 4, a 6-block pool; A and B: 8-token prompts, 8 new tokens each.

@@ -75,7 +75,8 @@ def test_prompt_computed_once_blocks_shared_then_copied(tiny):
     assert [bm.allocator.ref_count(b) for b in tables[0]] == [3, 3, 3]
     assert bm.get_num_free_blocks() == 16 - 3
     shared_last = tables[0][2]
-    k_before = [k[:, shared_last, :2].clone() for k in engine.executor.workers[0].model_runner.kv_cache.k_cache]
+    cache = engine.executor.workers[0].model_runner.kv_cache
+    kv_before = [t[:, shared_last, :2].clone() for t in cache.k_cache + cache.v_cache]  # K of every layer, then V
 
     engine.step()  # each completion writes position 10 into the shared partial block: the first two copy it
     out = engine.last_scheduler_output
@@ -85,10 +86,10 @@ def test_prompt_computed_once_blocks_shared_then_copied(tiny):
     assert [bm.block_table(s)[2] for s in ("r", "r#1", "r#2")] == copies + [shared_last]  # the last writes in place
     assert [bm.allocator.ref_count(b) for b in tables[0][:2]] == [3, 3]  # full blocks stay shared
     assert bm.get_num_free_blocks() == 16 - 5
-    cache = engine.executor.workers[0].model_runner.kv_cache
-    for layer, k in enumerate(cache.k_cache):  # the copies hold the prompt's two tokens, as the original did
-        for block in copies + [shared_last]:
-            torch.testing.assert_close(k[:, block, :2], k_before[layer], rtol=0, atol=0)
+    for t, before in zip(cache.k_cache + cache.v_cache, kv_before):  # the copies hold the prompt's two tokens,
+        for block in copies + [shared_last]:                         # K and V, as the original did
+            torch.testing.assert_close(t[:, block, :2], before, rtol=0, atol=0)
+    assert len(kv_before) == 2 * len(cache.k_cache)
 
     done, scheduled = run(engine)
     assert sum(scheduled) == 3 * 2  # 2 more decode steps of 3 completions: 4 tokens each, 10 + 3 * 3 in all

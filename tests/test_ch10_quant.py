@@ -2,7 +2,8 @@
 
 References: int8 against hand-computed values and a dequantize-then-matmul written here; Q4_1 against
 the `gguf` package's own quantizer and dequantizer (independent of nanoserve); the quantized kernels
-against plain float32 products. Graded tests (exercise 10.1, 10.2) run on the learner's code too.
+against plain float32 products. Graded tests (exercises 10.1, 10.2, 10.3) run on the learner's code too, each
+rung alone (the reference stands in for the others).
 """
 
 import numpy as np
@@ -17,6 +18,7 @@ from nanoserve.model import Llama, LlamaConfig
 from nanoserve.model.quant import (QUANT_MAX_TOKENS, Int8Linear, Q4Linear, check_weight_format, quantize_model,
                                    unpack_q4_1)
 from nanoserve.student import implementation
+from tests.test_student import exercises, finish  # noqa: F401  (a fixture, and a helper that finishes rungs)
 
 Q4_1 = GGMLQuantizationType.Q4_1
 
@@ -87,8 +89,6 @@ def test_q4_1_values_equal_ggufs_own_dequantization_exactly():
     theirs = gguf_dequantize(blocks.numpy().reshape(32, -1), Q4_1)  # (32, 96)
     ours = d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)
     assert np.array_equal(ours.numpy(), theirs)
-    # the kernel's form, (q - 8) * d + (m + 8d): the same values up to float32 rounding of m + 8d
-    torch.testing.assert_close(quant().dequantize_q4(q, d, m + 8 * d), torch.from_numpy(theirs), rtol=0, atol=1e-6)
 
 
 @pytest.mark.exercise("10.2")
@@ -97,6 +97,45 @@ def test_unpack_q4_1_refuses_other_shapes():
         quant().unpack_q4_1(torch.zeros(4, 2, 18, dtype=torch.uint8))
     with pytest.raises(ValueError):
         quant().unpack_q4_1(torch.zeros(4, 2, 20, dtype=torch.int32))
+
+
+# ---- 10.3: Q4_1 onto torch's int4 kernel -------------------------------------------------------------------
+
+@pytest.mark.exercise("10.3")
+def test_int4_scale_and_zero_by_hand():
+    """d = 0.5, m = -3: every q of 0..15 gives d·q + m through the kernel's (q − 8)·scale + zero."""
+    d, m = torch.tensor([[0.5, 2.0]]), torch.tensor([[-3.0, 0.25]])
+    scale, zero = quant().int4_scale_and_zero(d, m)
+    assert scale.shape == zero.shape == (1, 2)
+    assert scale.tolist() == [[0.5, 2.0]] and zero.tolist() == [[1.0, 16.25]]
+    q = torch.arange(16, dtype=torch.uint8).repeat(4)[None]  # one row, 2 groups of 32
+    w = quant().dequantize_q4(q, scale, zero)
+    assert w.dtype == torch.float32 and w.shape == (1, 64)
+    assert w[0, :16].tolist() == [0.5 * i - 3 for i in range(16)] and w[0, 32:48].tolist() == [2.0 * i + 0.25 for i in range(16)]
+
+
+@pytest.mark.exercise("10.3")
+def test_kernels_form_equals_ggufs_dequantization():
+    """Your scale and zero, put through your kernel rule, give `gguf`'s own float32 weights (up to the float32
+    rounding of m + 8d)."""
+    w = np.random.default_rng(1).standard_normal((32, 96)).astype(np.float32)
+    blocks = q4_1_blocks(w)
+    q, d, m = unpack_q4_1(blocks)
+    theirs = torch.from_numpy(gguf_dequantize(blocks.numpy().reshape(32, -1), Q4_1))
+    torch.testing.assert_close(quant().dequantize_q4(q, *quant().int4_scale_and_zero(d, m)), theirs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.exercise("10.3")
+def test_torchs_int4_kernel_with_your_scale_and_zero_computes_the_files_weights():
+    """The mapping serves: a Q4Linear built with YOUR int4_scale_and_zero multiplies x by the file's weights
+    through torch's int4 kernel, within the bf16 rounding of x, the scales, the zeros and the output."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 128)).astype(np.float32) + 2.0  # groups far from zero: zero ≠ m
+    blocks = q4_1_blocks(w)
+    layer = Q4Linear(blocks, "test.q4", unpack_q4_1, quant().int4_scale_and_zero)
+    x = torch.from_numpy(rng.standard_normal((3, 128)).astype(np.float32))
+    w_gguf = torch.from_numpy(gguf_dequantize(blocks.numpy().reshape(48, -1), Q4_1))
+    bf16_close(layer(x), x.to(torch.bfloat16).float() @ w_gguf.t(), 2**-6)
 
 
 # ---- the layers against plain-torch references ------------------------------------------------------------
@@ -127,7 +166,7 @@ def test_q4_linear_equals_ggufs_dequantized_weights_times_x(tokens):
     w_gguf = torch.from_numpy(gguf_dequantize(blocks.numpy().reshape(48, -1), Q4_1))
     y = layer(x)
     assert y.shape == (tokens, 48) and y.dtype == torch.float32
-    # bf16 input and output rounding, and the bf16 scales and zeros of the kernel (2^-9 relative each)
+    # bf16 input and output rounding, and the bf16 scales and zeros of the kernel (2^-8 relative each)
     bf16_close(y, x.to(torch.bfloat16).float() @ w_gguf.t(), 2**-7)
 
 
@@ -251,10 +290,33 @@ def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pa
     calls = []
     def counted(fn):
         return lambda *a: calls.append(fn.__name__) or fn(*a)
-    functions = SimpleNamespace(quantize_int8=counted(reference.quantize_int8), unpack_q4_1=counted(reference.unpack_q4_1))
+    functions = SimpleNamespace(quantize_int8=counted(reference.quantize_int8), unpack_q4_1=counted(reference.unpack_q4_1),
+                                int4_scale_and_zero=counted(reference.int4_scale_and_zero))
     quantize_model(copy.deepcopy(tiny_pair[0]), "q4", tiny_pair[1], functions)
-    # 2 layers x 4 (qkv_proj, o_proj, gate_up_proj, down_proj); the tied head
-    assert calls.count("unpack_q4_1") == 8 and calls.count("quantize_int8") == 1
+    assert calls.count("unpack_q4_1") == calls.count("int4_scale_and_zero") == 8  # 2 layers x 4 (qkv_proj, o_proj, gate_up_proj, down_proj)
+    assert calls.count("quantize_int8") == 1  # the tied embedding and head
     calls.clear()
     quantize_model(copy.deepcopy(tiny_pair[0]), "int8", None, functions)
     assert calls == ["quantize_int8"] * 9
+
+
+def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exercises):
+    """--student 10 with 10.3 done and 10.1, 10.2 stubbed: the learner's int4_scale_and_zero makes every q4
+    layer's kernel scales, the reference's unpack_q4_1 and quantize_int8 the rest; the logits equal the
+    reference's exactly (the same numbers, computed by the same code)."""
+    import copy
+
+    from nanoserve.student import StudentCode, unfinished
+
+    path = finish("nanoserve.model.quant", ["int4_scale_and_zero", "dequantize_q4"])
+    assert set(unfinished(path)) == {"Exercise 10.1", "Exercise 10.2"}
+    code = StudentCode("10")
+    with pytest.warns(UserWarning, match="Exercise 10.1, Exercise 10.2 not finished"):
+        functions = code.module("nanoserve.model.quant")
+    model, blocks = tiny_pair
+    theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions)
+    ours = quantize_model(copy.deepcopy(model), "q4", blocks)
+    assert code.calls["int4_scale_and_zero"] == 8  # 2 layers x 4 products
+    assert "int4_scale_and_zero" in code.describe() and "(Exercise 10.2 not finished)" in code.describe()
+    ids = torch.tensor([1, 5, 9, 3])
+    assert torch.equal(theirs.compute_logits(theirs(ids)), ours.compute_logits(ours(ids)))

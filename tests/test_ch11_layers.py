@@ -1,14 +1,16 @@
 """Chapter 11 — the sharded layers in one process: a fake group stands in for torch.distributed, and every
-rank's shard is run by hand. The reference is the whole layer (an nn.Linear, an nn.Embedding)."""
+rank's shard is run by hand. The reference is the whole layer (an nn.Linear, an nn.Embedding) and, for the
+heads, counts worked out by hand. Graded: 11.1 split_heads, 11.2 column-, 11.3 row-parallel, 11.4 the
+vocabulary (each rung alone: the reference stands in for the others)."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from nanoserve.distributed.shard import HeadSplit, split_heads
-from nanoserve.distributed.vocab import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.distributed.shard import HeadSplit
 from nanoserve.model import LlamaConfig
 from nanoserve.student import implementation
+from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ the loader reads)
 
 
 class FakeGroup:
@@ -29,7 +31,22 @@ def ranks(n):
     return [FakeGroup(r, n) for r in range(n)]
 
 
-@pytest.mark.exercise("11.1")
+class GatherWorld:
+    """n fake ranks whose gather really gathers: rank r's gather keeps its part; rank 0's (run last) returns
+    every part side by side, in rank order, the others None — as torch.distributed.gather to rank 0."""
+
+    def __init__(self, n):
+        self.parts = {}
+        self.ranks = [FakeGroup(r, n) for r in range(n)]
+        for tp in self.ranks:
+            tp.gather = lambda x, r=tp.rank: self._gather(r, x)
+
+    def _gather(self, rank, x):
+        self.parts[rank] = x
+        return torch.cat([self.parts[r] for r in range(len(self.ranks))], dim=-1) if rank == 0 else None
+
+
+@pytest.mark.exercise("11.2")
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_column_parallel_holds_output_rows_and_concatenates(n):
     L = implementation("nanoserve.distributed.linear")
@@ -44,7 +61,7 @@ def test_column_parallel_holds_output_rows_and_concatenates(n):
     torch.testing.assert_close(out, F.linear(x, W))
 
 
-@pytest.mark.exercise("11.1")
+@pytest.mark.exercise("11.2")
 def test_column_parallel_replicated_kv_slices():
     """4 ranks over 2 KV heads (head_dim 3): ranks 0, 1 hold KV head 0, ranks 2, 3 KV head 1."""
     L = implementation("nanoserve.distributed.linear")
@@ -55,7 +72,7 @@ def test_column_parallel_replicated_kv_slices():
         assert torch.equal(s.weight, W[3 * (tp.rank // 2):3 * (tp.rank // 2) + 3])
 
 
-@pytest.mark.exercise("11.2")
+@pytest.mark.exercise("11.3")
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_row_parallel_partial_sums_add_up(n):
     L = implementation("nanoserve.distributed.linear")
@@ -71,7 +88,7 @@ def test_row_parallel_partial_sums_add_up(n):
     torch.testing.assert_close(sum(parts), F.linear(x, W))  # what the all_reduce adds up
 
 
-@pytest.mark.exercise("11.2")
+@pytest.mark.exercise("11.3")
 def test_column_then_row_is_the_whole_mlp():
     """The Megatron MLP: gate/up column-parallel, SiLU·up per slice, down row-parallel; one sum at the end."""
     L = implementation("nanoserve.distributed.linear")
@@ -86,35 +103,94 @@ def test_column_then_row_is_the_whole_mlp():
     torch.testing.assert_close(total, F.linear(F.silu(F.linear(x, Wg)) * F.linear(x, Wu), Wd))
 
 
-@pytest.mark.parametrize("vocab,n", [(256, 3), (10, 4), (12, 2)])
+@pytest.mark.exercise("11.4")
+@pytest.mark.parametrize("vocab,n", [(256, 3), (10, 4), (12, 2), (7, 1)])
 def test_vocab_parallel_embedding_and_lm_head(vocab, n):
+    V = implementation("nanoserve.distributed.vocab")
     torch.manual_seed(vocab)
     W = torch.randn(vocab, 5)
     ids = torch.tensor([0, vocab - 1, 3, vocab // 2, 3])
-    embeds = [VocabParallelEmbedding(vocab, 5, tp) for tp in ranks(n)]
-    heads = [ParallelLMHead(vocab, 5, tp) for tp in ranks(n)]
+    embeds = [V.VocabParallelEmbedding(vocab, 5, tp) for tp in ranks(n)]
+    world = GatherWorld(n)
+    heads = [V.ParallelLMHead(vocab, 5, tp) for tp in world.ranks]
     for layer in embeds + heads:
         layer.weight_loader(W)
     per_rank = -(-vocab // n)
     assert [tuple(e.weight.shape) for e in embeds] == [(per_rank, 5)] * n  # padded to equal shards
-    # every id is looked up by exactly one rank, the others add zeros
+    assert [e.shard_offset for e in embeds] == [r * per_rank for r in range(n)]
+    assert sum(e.shard_size for e in embeds) == vocab
+    assert torch.equal(torch.cat([e.weight for e in embeds])[vocab:], torch.zeros(n * per_rank - vocab, 5))
+    # every id is looked up by exactly one rank, the others add zeros: the all_reduce's sum
     torch.testing.assert_close(sum(e(ids) for e in embeds), F.embedding(ids, W))
     h = torch.randn(2, 5)
-    rank0 = torch.cat([torch.nn.functional.linear(h, head.weight) for head in heads], dim=-1)  # the gather
-    torch.testing.assert_close(rank0[:, :vocab], h @ W.T)
-    assert torch.all(rank0[:, vocab:] == 0)  # padding rows: cut off by ParallelLMHead
+    outs = [head(h) for head in reversed(heads)]  # ranks n-1 .. 0: rank 0 gathers last
+    assert all(o is None for o in outs[:-1])
+    torch.testing.assert_close(outs[-1], h @ W.T)  # (2, vocab): the padding's logits cut off
 
 
+@pytest.mark.exercise("11.4")
+def test_embedding_ignores_ids_of_other_ranks():
+    """An id outside a rank's rows gives zeros there, whatever that rank's table holds: no wrap-around, no
+    index error."""
+    V = implementation("nanoserve.distributed.vocab")
+    W = torch.arange(1.0, 13.0).view(6, 2)
+    rank1 = V.VocabParallelEmbedding(6, 2, FakeGroup(1, 2))  # rows 3, 4, 5
+    rank1.weight_loader(W)
+    assert torch.equal(rank1(torch.tensor([0, 2, 3, 5])), torch.tensor([[0.0, 0], [0, 0], [7, 8], [11, 12]]))
+
+
+@pytest.mark.exercise("11.1")
 def test_split_heads_shards_replicates_or_refuses():
+    split_heads = implementation("nanoserve.distributed.shard").split_heads
     smol = LlamaConfig()  # 9 query / 3 KV heads
     assert split_heads(smol, 1) == HeadSplit(9, 3, 1)
     assert split_heads(smol, 3) == HeadSplit(3, 1, 3)
     assert split_heads(smol, 9) == HeadSplit(1, 1, 3)  # each KV head on 3 ranks
     assert [split_heads(smol, 9).kv_shard(r, 9) for r in range(9)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_attention_heads=9"):
-        split_heads(smol, 2)
-    tiny = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
-    with pytest.raises(ValueError, match=r"cannot split num_key_value_heads=3 \(num_attention_heads=6\)"):
-        split_heads(tiny, 2)
     llama8b = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
-    assert [split_heads(llama8b, n).num_kv_heads for n in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert [split_heads(llama8b, n).num_kv_heads for n in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
+    assert [split_heads(llama8b, n).num_kv_shards for n in (1, 2, 4, 8, 16, 32)] == [1, 2, 4, 8, 8, 8]
+    assert split_heads(llama8b, 16).num_heads == 2
+
+
+@pytest.mark.exercise("11.1")
+def test_split_heads_refuses_uneven_splits_naming_the_counts():
+    split_heads = implementation("nanoserve.distributed.shard").split_heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*num_attention_heads=9"):
+        split_heads(LlamaConfig(), 2)  # 9 query heads do not split over 2
+    tiny = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*num_key_value_heads=3"):
+        split_heads(tiny, 2)  # 6 query heads do, but 3 KV heads neither split over 2 nor 2 ranks over 3
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        split_heads(tiny, 0)
+
+
+def test_finished_rungs_of_exercise_11_build_the_shards(exercises):
+    """--student 11 with 11.1, 11.3 and 11.4 done and 11.2 stubbed: a shard is built by the learner's split_heads,
+    RowParallelLinear and vocabulary layers, and the reference's ColumnParallelLinear; at TP 1 it computes the
+    whole model's logits."""
+    from nanoserve.distributed.parallel_state import TPGroup
+    from nanoserve.distributed.shard import linear_layers_for, load_shard_from_state, shard_llama
+    from nanoserve.model import Llama
+
+    from tests.test_student import finish
+
+    finish("nanoserve.distributed.shard", ["split_heads"])
+    finish("nanoserve.distributed.vocab", ["VocabParallelEmbedding.__init__", "VocabParallelEmbedding.weight_loader",
+                                           "VocabParallelEmbedding.forward", "ParallelLMHead.forward"])
+    finish("nanoserve.distributed.linear", ["RowParallelLinear.__init__", "RowParallelLinear.weight_loader",
+                                            "RowParallelLinear.forward"])
+    torch.manual_seed(0)
+    config = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192)
+    full = Llama(config).eval()
+    with pytest.warns(UserWarning, match="Exercise 11.2 not finished"):
+        layers = linear_layers_for("11")
+    shard = load_shard_from_state(shard_llama(config, TPGroup(), layers), full.state_dict())
+    block = shard.layers[0]
+    assert type(shard.embed_tokens).__module__ == type(shard.lm_head).__module__ == "student_nanoserve_distributed_vocab"
+    assert type(block.mlp.down_proj).__module__ == "student_nanoserve_distributed_linear"
+    assert block.mlp.up_proj.forward.__module__ == "nanoserve.distributed.linear"  # 11.2: the reference's code
+    assert layers.split_heads.__module__ == "student_nanoserve_distributed_shard"
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    with torch.no_grad():
+        torch.testing.assert_close(shard.compute_logits(shard(ids)), full.compute_logits(full(ids)))

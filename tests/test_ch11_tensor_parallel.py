@@ -61,6 +61,20 @@ def record_logits(llm):
     return seen
 
 
+def parallel_samples(engine, prompt_token_ids, params):
+    """The n completions of one request (n > 1 runs through LLMEngine: LLM keeps one output per input),
+    and that at least one step copied a block (copy-on-write after the fork)."""
+    engine.add_request("fork", prompt_token_ids, params)
+    done, copied = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finish_reason is not None:  # this completion's end (`finished`: the whole request's)
+                done[out.index] = out.token_ids
+        copied |= bool(engine.last_scheduler_output.blocks_to_copy)
+    assert copied, "the fork should copy the prompt's shared last block"
+    return [done[i] for i in range(params.n)]
+
+
 def run_stepwise(llm, prompts, params):
     """Tokens by request and whether any step preempted."""
     ids = [llm.add_request(p, params) for p in prompts]
@@ -114,6 +128,14 @@ class TestTP3:
         alone = [tp3.generate(p, GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
         assert alone == ref_alone == ref_tokens
 
+    def test_forked_completions_copy_on_write_on_every_rank(self, tp3, model63):
+        """n = 2: the completions share the prompt's partial last block until each writes into it; then
+        every rank copies its slice of that block (the copy travels in the step), so both completions draw
+        what they draw at TP 1."""
+        fork = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+        assert parallel_samples(tp3.engine, PROMPTS[0]["prompt_token_ids"], fork) == \
+            parallel_samples(LLM(model63, **POOL).engine, PROMPTS[0]["prompt_token_ids"], fork)
+
     def test_kv_pool_holds_one_kv_head_per_rank(self, tp3, model63):
         """Memory math: 2 (K, V) · 2 layers · 1 KV head · 16 head_dim · 4 B = 256 B per token per rank, a
         third of TP 1's 768 B: the same bytes hold 3× the blocks."""
@@ -132,17 +154,66 @@ def test_refused_split_names_the_heads_and_starts_nothing(model63):
     assert child_pids() == before
 
 
-@pytest.mark.exercise("11.2")
+@pytest.mark.exercise("11.3")
 def test_tp2_replicated_kv_head_gives_tp1_tokens():
     """6 query heads, 1 KV head: each rank holds 3 query heads and a copy of the KV head. Graded: with
-    `make grade CH=11` both ranks build their layers from YOUR exercises/11-tensor-parallel/linear.py."""
+    `make grade CH=11` both ranks build their layers from YOUR finished exercises/11-tensor-parallel/ files
+    (the reference where a rung is still a stub), the all_reduce between real processes over gloo."""
     layers = implementation("nanoserve.distributed.linear")
-    layers.ColumnParallelLinear(2, 2, type("TP1", (), {"rank": 0, "size": 1})())  # a stub fails here, at once
+    layers.RowParallelLinear(2, 2, type("TP1", (), {"rank": 0, "size": 1})())  # a stub fails here, at once
     model = tiny(1)
     want = [o.token_ids for o in LLM(model, **POOL).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
     with LLM(model, tensor_parallel_size=2, student=use_student(), **POOL) as llm:
         got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
     assert got == want
+
+
+def hand_step():
+    """3 sequences, 5 tokens: A decodes at position 9, B prefills [0, 3), C decodes at 4; block_size 4."""
+    from nanoserve.engine.model_runner import ModelInput
+    from nanoserve.kv.paged_attention import AttentionMetadata
+
+    metadata = AttentionMetadata.build([[7, 2, 5], [3], [0, 6]], [10, 3, 5], [1, 3, 1], 4)
+    return ModelInput(torch.tensor([11, 20, 21, 22, 30]), torch.tensor([9, 0, 1, 2, 4]), metadata,
+                      torch.tensor([0, 3, 4]), sampled_seqs=[])
+
+
+@pytest.mark.exercise("11.5")
+def test_pack_step_sizes_and_round_trip_by_hand():
+    codec = implementation("nanoserve.distributed.parallel_state")
+    batch = hand_step()
+    sizes, payload = codec.pack_step(batch, [(5, 8), (6, 9)])
+    assert tuple(sizes) == (5, 3, 3, 3, 2) and payload.dtype == torch.long
+    assert payload.numel() == 5 * 3 + 3 * 3 + 3 + 4 + 3 + 2 * 2  # 38 integers, 304 bytes
+    fields = codec.unpack_step(list(sizes) + [0, 0], payload)  # the header's zero padding rides along
+    m = batch.attn_metadata
+    want = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": m.slot_mapping,
+            "block_tables": m.block_tables, "seq_lens": m.seq_lens, "cu_seqlens_q": m.cu_seqlens_q,
+            "logits_indices": batch.logits_indices, "blocks_to_copy": torch.tensor([[5, 8], [6, 9]])}
+    assert set(fields) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(fields[name], tensor.long()), name
+    assert m.slot_mapping.tolist() == [21, 12, 13, 14, 24]  # worked by hand: block · 4 + offset
+
+
+@pytest.mark.exercise("11.5")
+def test_a_step_without_copies():
+    codec = implementation("nanoserve.distributed.parallel_state")
+    sizes, payload = codec.pack_step(hand_step())
+    assert tuple(sizes) == (5, 3, 3, 3, 0) and payload.numel() == 34
+    assert tuple(codec.unpack_step(list(sizes), payload)["blocks_to_copy"].shape) == (0, 2)
+
+
+@pytest.mark.exercise("11.5")
+def test_tp2_forked_completions_travel_through_your_step_broadcast():
+    """The same step packed by YOUR pack_step on rank 0 and unpacked by YOUR unpack_step on rank 1, copy-on-write
+    pairs included (n = 2 forks the prompt's last block): the tokens of TP 1."""
+    implementation("nanoserve.distributed.parallel_state").pack_step(hand_step())  # a stub fails here, at once
+    model = tiny(1)
+    fork = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    want = parallel_samples(LLM(model, **POOL).engine, PROMPTS[1]["prompt_token_ids"], fork)
+    with LLM(model, tensor_parallel_size=2, student=use_student(), **POOL) as llm:
+        assert parallel_samples(llm.engine, PROMPTS[1]["prompt_token_ids"], fork) == want
 
 
 def assert_failed_cleanly(llm, before_children, before_shm, excinfo, *words):
@@ -192,9 +263,16 @@ def test_real_smollm2_tp3_matches_tp1(smollm2):
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Name a colour."}]]
     params = SamplingParams(temperature=0, max_tokens=6)
-    want = [o.token_ids for o in LLM(smollm2).generate(chats, params, use_tqdm=False)]
+    # seeded parallel sampling: completion i of n forks the prompt's blocks, copy-on-write on every rank
+    fork = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=4)
+    reference = LLM(smollm2)
+    want = [o.token_ids for o in reference.generate(chats, params, use_tqdm=False)]
+    prompt = reference.prompt_token_ids(chats[0])
+    want_fork = parallel_samples(reference.engine, prompt, fork)
     before = child_pids()
     with LLM(tensor_parallel_size=3) as llm:  # each rank reads its slice of the embedded GGUF
         got = [o.token_ids for o in llm.generate(chats, params, use_tqdm=False)]
+        got_fork = parallel_samples(llm.engine, prompt, fork)
     assert got == want
+    assert got_fork == want_fork and want_fork[0] != want_fork[1]
     assert child_pids() == before

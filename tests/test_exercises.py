@@ -1,4 +1,4 @@
-"""The course's own check of its exercises (COURSE.md, "Exercises"), for every chapter that has one:
+"""The course's own check of its exercises (README.md, "Exercises"), for every chapter that has one:
 
 - the reference scores full marks on the graded tests;
 - the pristine stubs score zero, and every failure is a NotImplementedError (not an import error);

@@ -42,26 +42,27 @@ class BlockManager(ReferenceBlockManager):
         """Exercise 5.4. Grow `seq_id`'s block table to cover positions [0, num_tokens) and return it; return
         None — changing nothing at all — if the free blocks do not suffice.
 
-        1. A new sequence (no table yet) starts from its cached prefix: `self._cached_prefix(token_ids)` gives
-           the blocks to share and their hashes. Count what you need: new blocks for the positions not yet
-           covered, plus one for copy-on-write (below), plus every hit block whose ref count is 0 (reviving a
-           cached block takes it off the free list). `self.allocator.can_allocate(total)` or return None.
-        2. Pin the hits first (`incref` each), THEN allocate the new blocks: a cached block no one holds sits
-           in the free list, and allocating first could hand it out. Each new block gets new contents, so
-           `self.prefix_cache.evict(block)` (add what it returns to stats.evicted_blocks).
-        3. Copy-on-write: if this call writes into a partially filled block (num_slots % block_size != 0)
-           that another table also holds (ref count > 1, after a fork), swap it for one of the new blocks,
-           free your hold on the shared one and record (shared, new) in self.pending_copies.
-        4. A new sequence's table goes into self.block_tables, its hit hashes into self.block_hashes; count
-           stats.queried_tokens (len(token_ids)), hit_tokens and hit_blocks. Update self.num_slots[seq_id]
-           (at least the positions the hits cover). With prefix caching on, register the full blocks
-           (_register_full_blocks).
+        What must hold afterwards (the tests of 5.4 check each):
+          - all or nothing: when the free blocks cannot cover everything this call needs — new blocks, a
+            block for copy-on-write, and the cached blocks it revives — it returns None and no table, ref
+            count, free list, stat or cache entry has changed;
+          - a new sequence (no table yet) starts from its cached prefix (`self._cached_prefix(token_ids)`):
+            it shares those blocks (their ref counts go up) and its table starts with them; a cached block
+            that no one held is taken off the free list, and is never also handed out as a "new" block;
+          - a newly allocated block holds no cached contents any more (the prefix cache forgets it; the
+            evictions are counted in stats.evicted_blocks);
+          - copy-on-write: this call never writes into a block another table still holds (ref count > 1
+            after a fork); such a partially filled last block is swapped in this table for a fresh one, this
+            table's hold on the shared one is released, and (shared, fresh) waits in self.pending_copies;
+          - the bookkeeping: self.block_tables, self.block_hashes (the hit chain) and self.num_slots for the
+            sequence; stats.queried_tokens, hit_tokens and hit_blocks counted once per new sequence; with
+            prefix caching on, every full block is registered (_register_full_blocks).
 
             m = BlockManager(num_blocks=8, block_size=4)
             m.allocate_slots(1, list(range(10)), 10)  -> [0, 1, 2]   blocks 0 and 1 full: registered
             m.allocate_slots(2, list(range(10)), 10)  -> [0, 1, 3]   0 and 1 shared (ref count 2), 3 is new
         """
-        raise NotImplementedError("Exercise 5.4: grow the block table (prefix hit, pin, allocate, copy-on-write)")
+        raise NotImplementedError("Exercise 5.4: grow the block table (prefix hits, new blocks, copy-on-write)")
 
     def _register_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> None:
         """Exercise 5.4. Register in the prefix cache every full block of `seq_id` among its first num_tokens

@@ -35,7 +35,7 @@ class AttentionMetadata(ReferenceAttentionMetadata):
             seq_lens      (num_seqs,)
             cu_seqlens_q  (num_seqs + 1,)  0, then the running sum of query_lens
         Raise ValueError if the three lists differ in length, or (mentioning "query_len") if a query_len is
-        not in 1..seq_len.
+        not in [1, seq_len].
 
         >>> m = AttentionMetadata.build([[3], [0, 2]], seq_lens=[3, 6], query_lens=[3, 1], block_size=4)
         >>> m.slot_mapping.tolist(), m.block_tables.tolist(), m.cu_seqlens_q.tolist()
@@ -109,7 +109,7 @@ class DecodeGroup:
 
             Hkv = 2, num_blocks = 10, tables [[4], [7, 1]], seq_lens [3, 6], block_size 4
             MB = 2, tiles [4, 0, 7, 1, 14, 10, 17, 11]   (sequence 0's table padded with block 0)
-            padding: sequence 0 positions 3..7, sequence 1 positions 6, 7
+            padding: sequence 0 positions [3, 8), sequence 1 positions [6, 8)
         """
         raise NotImplementedError("Exercise 5.6: the tile ids of the gather and the padding mask")
 

@@ -46,17 +46,20 @@ class Scheduler(ReferenceScheduler):
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Exercise 6.1: admit waiting sequences, head first; return the budget left.
 
-        Admit `self.waiting[0]` again and again while there is budget left and a seat for it: the running
-        set may hold `max_num_seqs` seats, and a sequence takes `seq.num_seats` of them (n for a request
-        with n completions, which forks into n sequences once its prompt is computed; 1 otherwise).
-
-        For the head `seq`:
-          computed = self.num_cached_tokens(seq)         # tokens already in the prefix cache (6.4)
-          n = self.num_new_tokens(seq, computed, budget)  # how many it computes now (6.2); 0: it waits
-        If n is 0 or `self._allocate(seq, computed + n)` says None, stop: the head is never overtaken.
-        Else take it off the queue and make it RUNNING: num_computed_tokens = computed, scheduled_time
-        = time.perf_counter() if it has none yet (a preempted sequence keeps its first one), insert it
-        into self.running in urgency order, `self._schedule(out, seq, n)`, and spend n of the budget.
+        What must hold when it returns:
+          - admission is first come, first served in urgency order: a sequence is admitted only if every
+            sequence before it in `self.waiting` was; the first one that cannot start (no budget, no seat,
+            no blocks) stops the admissions this step — nobody overtakes it;
+          - the running set never holds more than `max_num_seqs` seats (a sequence takes `seq.num_seats`:
+            n for a request with n completions, 1 otherwise);
+          - an admitted sequence skips what the prefix cache already holds (6.4), computes as many tokens
+            as 6.2 allows from there, has blocks for them, is RUNNING, sits in `self.running` in urgency
+            order, is in `out` with its token count, and those tokens are off the budget;
+          - its `scheduled_time` is when it was *first* admitted (chapter 09 measures queueing time from it:
+            a preempted sequence coming back keeps its first one);
+          - a sequence that is not admitted is left exactly as it was (it holds no new blocks).
+        Example: budget 8, chunking off, waiting [A (5-token prompt), B (5), C (1)]: A is admitted (3 left);
+        B does not fit whole, so B and C both wait, although C would fit.
         """
         raise NotImplementedError("Exercise 6.1: write Scheduler.schedule_waiting (see its docstring and README.md)")
 
@@ -73,12 +76,17 @@ class Scheduler(ReferenceScheduler):
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Exercise 6.3: schedule the running sequences, most urgent first; return the budget left.
 
-        Walk `self.running` with an index while budget is left. Each `seq` computes
-        `n = self.num_new_tokens(seq, seq.num_computed_tokens, budget)` tokens, for which its table must
-        cover `seq.num_computed_tokens + n` tokens. While `self._allocate` says None, preempt the LAST
-        running sequence (the least urgent): pop it, `self.preempt` it, append its id to
-        `out.preempted_seq_ids`, and try again — unless the victim was `seq` itself, which then just waits.
-        Once the allocation works, `self._schedule(out, seq, n)`, spend n and go to the next one.
+        What must hold when it returns:
+          - the running sequences are served in urgency order (`self.running[0]` first) while budget lasts,
+            each computing what 6.2 allows and holding the blocks for it;
+          - when the pool is short for a sequence, blocks are taken back by preempting (`self.preempt`) the
+            LEAST urgent running sequences, one at a time, until it fits; each victim leaves `self.running`
+            and its id is in `out.preempted_seq_ids`;
+          - a sequence never preempts a more urgent one: if the only one left to take blocks from is the
+            sequence itself, it is the one preempted, and it waits;
+          - every sequence still in `self.running` afterwards is in `out`, or was not reached for lack of budget.
+        Example: running [A, B, C] (A most urgent), a pool with one free block and A and B each needing a new
+        one: A takes it; B's turn preempts C, whose freed blocks give B its block.
         """
         raise NotImplementedError("Exercise 6.3: write Scheduler.schedule_running (see its docstring and README.md)")
 

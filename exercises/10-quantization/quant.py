@@ -1,12 +1,14 @@
 """Exercise 10 — weight-only quantization: int8 per output channel, and the GGUF's Q4_1 blocks.
 
-Your version of the four functions of nanoserve/model/quant.py that make a quantized model's weights:
+Your version of the five functions of nanoserve/model/quant.py that make a quantized model's weights:
 same names, same signatures. The layers that use them (Int8Linear, Q4Linear, the embedding) and
-`quantize_model` are given, imported below. Replace each `raise NotImplementedError`, then run
-`make grade CH=10`; then serve with YOUR weights: `python -m nanoserve batch --weights q4 --student ...`.
+`quantize_model` are given, imported below. A ladder of three rungs, each graded alone
+(`make grade CH=10 EX=10.2`): the reference stands in for the rungs you have not done. Then serve with
+YOUR weights: `python -m nanoserve batch --weights q4 --student ...`.
 
-    int8:  s = max|w_row| / 127 (rounded to bf16),  q = round(w / s) in -127..127,  w ≈ q · s
-    Q4_1:  a block of 20 bytes = d (float16) | m (float16) | 16 bytes of nibbles;  w = d · q + m
+    10.1  int8, symmetric, one scale per output row      quantize_int8, dequantize_int8
+    10.2  the GGUF's Q4_1 blocks, byte by byte             unpack_q4_1
+    10.3  Q4_1 onto torch's int4 kernel                    int4_scale_and_zero, dequantize_q4
 """
 
 import torch
@@ -30,33 +32,43 @@ from nanoserve.model.quant import (  # noqa: F401  (given: the engine uses them 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exercise 10.1. (out, in) float -> q (out, in) int8 in -127..127 and scale (out,) bfloat16, w ≈ q · scale.
 
-    Round the scale to bf16 *first* (the kernel multiplies by the bf16 value), then q = round(w / scale)
-    with that scale, clamped to -127..127. Keep an all-zero row from dividing by zero (clamp the scale
-    to a tiny positive number, e.g. 1e-30). Example: row [0.5, -1.27, 0.01] -> q [50, -127, 1].
+    Symmetric, one scale per output row, the largest |w| of the row landing on ±127. The kernel multiplies
+    by the bf16 scale, so q must be the best integer for *that* scale: every dequantized weight within half a
+    step (scale / 2) of w. An all-zero row gives q = 0 (no NaN). Example: row [0.5, -1.27, 0.01] ->
+    q [50, -127, 1].
     """
-    raise NotImplementedError("Exercise 10.1: scale = max|w| / 127 per row (bf16), q = round(w / scale)")
+    raise NotImplementedError("Exercise 10.1: int8 per output row, one bf16 scale each")
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Exercise 10.1. q (out, in) int8, scale (out,) -> float32 (out, in) = q · scale, row by row."""
-    raise NotImplementedError("Exercise 10.1: q times its row's scale, in float32")
+    """Exercise 10.1. q (out, in) int8, scale (out,) -> (out, in) float32, w ≈ q · scale row by row."""
+    raise NotImplementedError("Exercise 10.1: back to float32")
 
 
 def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exercise 10.2. GGUF Q4_1 bytes (rows, in/32, 20) uint8 -> q (rows, in) uint8 in 0..15,
-    d and m (rows, in/32) float32.
+    d and m (rows, in/32) float32, so that weight i of a row is d[i // 32] · q[i] + m[i // 32].
 
-    Bytes 0-1 of a block are d as float16, bytes 2-3 are m as float16 (`.contiguous().view(torch.float16)`
-    reinterprets two uint8 as one float16); byte 4 + j holds weight j in its low nibble (`& 0x0F`) and
-    weight j + 16 in its high nibble (`>> 4`). Raise ValueError for anything but a (rows, n, 20) uint8 tensor.
+    One block of 20 bytes:  d (2 bytes, float16) | m (2 bytes, float16) | qs (16 bytes)
+    byte j of qs holds weight j in its low nibble and weight j + 16 in its high nibble.
+    ValueError (naming the expected 20) for anything but a 3-d uint8 tensor of 20-byte blocks.
     """
-    raise NotImplementedError("Exercise 10.2: d, m from bytes 0-3 (float16); low nibbles then high nibbles")
+    raise NotImplementedError("Exercise 10.2: a Q4_1 block's d, m and 32 integers")
+
+
+def int4_scale_and_zero(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exercise 10.3. Q4_1's (d, m) -> the int4 kernel's (scale, zero), (rows, in/32) float32 each.
+
+    torch's kernel (`_weight_int4pack_mm_for_cpu`) computes each weight as (q − 8) · scale + zero with the
+    very integers q of the file; Q4_1 means d · q + m. Return the scale and zero that make the two agree for
+    every q in 0..15. Example, a block with d = 0.5, m = -3: q = 0 is -3.0 and q = 15 is 4.5 either way.
+    """
+    raise NotImplementedError("Exercise 10.3: the kernel's scale and zero from Q4_1's d and m")
 
 
 def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Exercise 10.2. The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32 weights in a row.
-
-    q (out, in), scale and zero (out, in/32) -> float32 (out, in). With scale = d and zero = m + 8·d
-    it gives back Q4_1's w = d · q + m.
+    """Exercise 10.3. The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32 weights in a row
+    (the prefill path dequantizes with it). q (out, in) in 0..15, scale and zero (out, in/32) -> (out, in)
+    float32. Example: q [0, 15, ...] in a group with scale 0.5, zero 1.0 -> [-3.0, 4.5, ...].
     """
-    raise NotImplementedError("Exercise 10.2: view q as (out, in/32, 32) groups, (q - 8) * scale + zero")
+    raise NotImplementedError("Exercise 10.3: the kernel's (q - 8) · scale + zero, group by group")

@@ -160,6 +160,9 @@ def run(args):
         f"--max-num-batched-tokens {args.max_num_batched_tokens}"] + ([f"--threads {args.threads}"] if args.threads else [])))
     print(f"threads: {torch.get_num_threads()}, float32, KV pool: {llm.engine.block_manager.num_blocks} blocks "
           f"of {args.block_size} tokens")
+    print(f"workload: {len(workload)} requests, {sum(len(p) for p, _ in workload):,} prompt tokens (longest "
+          f"{max(len(p) for p, _ in workload)}), {sum(n for _, n in workload):,} output tokens (longest "
+          f"{max(n for _, n in workload)})")
     sequential = subset(args.sequential_requests) if args.sequential_requests else []
     # spread the sequential requests over the run, which takes at least as many steps as the longest output
     every = max(1, max(n for _, n in workload) // max(1, len(sequential)))

@@ -102,7 +102,7 @@ def run_model(args) -> list:
     print(f"\nmodelled: one decode step on H100s, bf16, context {args.context} tokens per sequence "
           f"(nanoserve/distributed/cost_model.py; link latency per ring hop assumed: NVLink "
           f"{H100_NVLINK.link_latency_s * 1e6:g} us, PCIe {H100_PCIE.link_latency_s * 1e6:g} us)")
-    print(f"{'model':>12} {'B':>3} {'TP':>3} {'weights/GPU':>12} {'KV/GPU':>8} {'memory ms':>10} {'compute ms':>11} "
+    print(f"{'model':>12} {'B':>3} {'TP':>3} {'read/GPU':>12} {'KV/GPU':>8} {'memory ms':>10} {'compute ms':>11} "
           f"{'AR NVLink ms':>13} {'AR PCIe ms':>11} {'step NVLink':>12} {'step PCIe':>10} {'fits 80GB':>9}")
     for name in ("llama-3-8b", "llama-3-70b"):
         for batch in (1, 64):

@@ -140,7 +140,8 @@ class InOrderWriter:
 
 def run(args):
     try:
-        with open(args.input, encoding="utf-8") as f:
+        # utf-8-sig: a leading byte-order mark (Windows editors write one) is skipped, not read as JSON
+        with open(args.input, encoding="utf-8-sig") as f:
             lines = f.read().splitlines()
     except UnicodeDecodeError as e:
         raise checks.UsageError(f"{args.input} is not UTF-8 text: {e}") from None

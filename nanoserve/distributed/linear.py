@@ -33,7 +33,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp, num_shards: int | None = None,
                  shard_index: int | None = None):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): the grader puts this method into the learner's class (exercise 11.2)
         num_shards = tp.size if num_shards is None else num_shards
         shard_index = tp.rank if shard_index is None else shard_index
         if out_features % num_shards:
@@ -56,7 +56,7 @@ class RowParallelLinear(nn.Module):
     partial products are summed by an all_reduce, so every rank gets the whole (N, out) output."""
 
     def __init__(self, in_features: int, out_features: int, tp):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): the grader puts this method into the learner's class (exercise 11.3)
         if in_features % tp.size:
             raise ValueError(f"RowParallelLinear: {in_features} input features do not split over {tp.size} ranks")
         self.tp = tp

@@ -5,8 +5,9 @@
                          rank 0 loads its slice, waits for every "loaded" (or an error, or a death)
                          all three join one gloo process group (MASTER_ADDR:MASTER_PORT, default a free
                          loopback port; on several machines, rank 0's address)
-      engine step:       rank 0 broadcasts the step's integers; every rank runs its shard of the
-                         forward pass, meeting in 2 all_reduces per layer; rank 0 gathers logits and samples
+      engine step:       rank 0 broadcasts the step's integers (copy-on-write pairs included); every rank
+                         copies those blocks, then runs its shard of the forward pass, meeting in
+                         2 all_reduces per layer; rank 0 gathers logits and samples
       LLM.close():       rank 0 broadcasts SHUTDOWN; the workers leave the group and exit; rank 0 joins them
 
 Faults never hang: a worker that raises sends its traceback down its pipe and exits at once, which
@@ -52,6 +53,9 @@ class ModelSource:
         return cls(config=model.config, state=state_bytes(model), student=student)
 
     def load(self, tp: TPGroup):
+        from nanoserve.student import StudentCode
+
+        tp.codec = StudentCode(self.student).module("nanoserve.distributed.parallel_state")  # exercise 11.5's, or ours
         layers = linear_layers_for(self.student)
         if self.state is None:
             return load_shard_from_gguf(self.gguf_path, tp, layers)
@@ -108,7 +112,9 @@ def worker_loop(tp: TPGroup, model) -> None:
         if command == INIT_KV_CACHE:
             worker.init_kv_cache(*args[:2])
         elif command == STEP:
-            f = unpack_step(args, payload)
+            f = (tp.codec.unpack_step if tp.codec else unpack_step)(args, payload)
+            # copy-on-write first, as rank 0 did: this rank's slice of a block a fork still shared
+            worker.model_runner.kv_cache.copy_blocks(f["blocks_to_copy"].tolist())
             metadata = AttentionMetadata(f["slot_mapping"], f["block_tables"], f["seq_lens"], f["cu_seqlens_q"])
             batch = ModelInput(f["input_ids"], f["positions"], metadata, f["logits_indices"], sampled_seqs=[])
             worker.model_runner.execute_model_input(batch)  # rank 0 gets the logits through the gather

@@ -10,7 +10,8 @@ the worker and the model runner are the same code with and without tensor parall
     receive              ranks > 0 wait for the next command           multiproc.worker_loop
 
 A step travels as integers only (`pack_step`): token ids, positions, slot mapping, block tables,
-query starts, the rows to sample — a few hundred bytes. No Sequence, no SamplingParams, no
+query starts, the rows to sample, and the blocks to copy before the step writes (copy-on-write after a
+fork: every rank holds its slice of every block, so every rank copies) — a few hundred bytes. No Sequence, no SamplingParams, no
 activation crosses the wire: the other ranks need to know *what* to compute, not *why*; rank 0,
 which owns the requests, alone samples. That is why the scheduler deals in integers only.
 """
@@ -25,7 +26,8 @@ import torch.distributed as dist
 STEP, INIT_KV_CACHE, SHUTDOWN = 1, 2, 3
 HEADER_LEN = 8  # [command, payload length, *arguments], zero-padded: one fixed-size broadcast announces the rest
 # the integer tensors of one step, in the order they are packed (block_tables is 2-d)
-STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "logits_indices")
+STEP_FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "logits_indices",
+               "blocks_to_copy")
 
 
 class WorkerError(RuntimeError):
@@ -42,6 +44,7 @@ class TPGroup:
     all_reduce_bytes: int = 0
     num_all_reduces: int = 0
     error: str | None = None  # set when the group was shut down after a fault: every later step raises it
+    codec: object = None  # what packs and unpacks a step (pack_step, unpack_step): this module, or exercise 11.5's
 
     @property
     def is_driver(self) -> bool:
@@ -90,31 +93,34 @@ class TPGroup:
             dist.broadcast(payload, src=0)
         return command, args, payload
 
-    def broadcast_step(self, batch) -> None:
-        """Rank 0: send this step's model input (a ModelInput) to the other ranks; a no-op at TP = 1."""
+    def broadcast_step(self, batch, blocks_to_copy=()) -> None:
+        """Rank 0: send this step's model input (a ModelInput) and its copy-on-write pairs (src, dst) to
+        the other ranks; a no-op at TP = 1."""
         if self.size > 1:
-            shape, payload = pack_step(batch)
+            shape, payload = (self.codec.pack_step if self.codec else pack_step)(batch, blocks_to_copy)
             self.broadcast_command(STEP, *shape, payload=payload)
 
 
-def pack_step(batch) -> tuple[tuple[int, ...], torch.Tensor]:
-    """A ModelInput's integers: their sizes (num_tokens, num_seqs, max_blocks, num_sampled) and one flat
-    int64 tensor. 3 sequences, 5 tokens, tables 2 blocks wide, 2 rows sampled: 5·3 + 6 + 3 + 4 + 2 = 30
-    integers, 240 bytes."""
+def pack_step(batch, blocks_to_copy=()) -> tuple[tuple[int, ...], torch.Tensor]:
+    """A ModelInput's integers and the step's (src, dst) block copies: their sizes (num_tokens, num_seqs,
+    max_blocks, num_sampled, num_copies) and one flat int64 tensor. 3 sequences, 5 tokens, tables 2 blocks
+    wide, 2 rows sampled, 1 copy: 5·3 + 6 + 3 + 4 + 2 + 2 = 32 integers, 256 bytes."""
     m = batch.attn_metadata
     num_seqs, max_blocks = m.block_tables.shape
-    sizes = (batch.input_ids.numel(), num_seqs, max_blocks, batch.logits_indices.numel())
+    copies = torch.tensor(list(blocks_to_copy), dtype=torch.long).view(-1, 2)  # (num_copies, 2)
+    sizes = (batch.input_ids.numel(), num_seqs, max_blocks, batch.logits_indices.numel(), len(copies))
     parts = [batch.input_ids, batch.positions, m.slot_mapping, m.block_tables, m.seq_lens, m.cu_seqlens_q,
-             batch.logits_indices]
+             batch.logits_indices, copies]
     return sizes, torch.cat([p.flatten() for p in parts])
 
 
 def unpack_step(sizes: list[int], payload: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The inverse of pack_step: {name: tensor} for the names in STEP_FIELDS."""
-    num_tokens, num_seqs, max_blocks, num_sampled = sizes[:4]
-    lengths = [num_tokens] * 3 + [num_seqs * max_blocks, num_seqs, num_seqs + 1, num_sampled]
+    """The inverse of pack_step: {name: tensor} for the names in STEP_FIELDS (blocks_to_copy: (num_copies, 2))."""
+    num_tokens, num_seqs, max_blocks, num_sampled, num_copies = sizes[:5]
+    lengths = [num_tokens] * 3 + [num_seqs * max_blocks, num_seqs, num_seqs + 1, num_sampled, 2 * num_copies]
     fields = dict(zip(STEP_FIELDS, payload.split(lengths)))
     fields["block_tables"] = fields["block_tables"].view(num_seqs, max_blocks)
+    fields["blocks_to_copy"] = fields["blocks_to_copy"].view(num_copies, 2)
     return fields
 
 

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from nanoserve.distributed.linear import MergedColumnParallelLinear
-from nanoserve.distributed.vocab import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.llama import Llama
 from nanoserve.model.stacked import STACKED_PARAMS, fused_name
@@ -63,31 +62,38 @@ def split_heads(config: LlamaConfig, tp_size: int) -> HeadSplit:
 
 
 def linear_layers_for(student=False):
-    """The module whose ColumnParallelLinear / RowParallelLinear build the shards: the reference, or with
-    chapter 11 selected in `student` (True, "11", ["11"], ...) the learner's exercises/11-tensor-parallel/linear.py
-    once it is finished (a stub left in it falls back to the reference with a warning, like every exercise)."""
+    """What builds the shards: the parallel layers (linear.py's ColumnParallelLinear, RowParallelLinear, ...;
+    vocab.py's VocabParallelEmbedding, ParallelLMHead) and `split_heads`. The reference's, or with chapter 11
+    selected in `student` (True, "11", ["11"], ...) the learner's exercises/11-tensor-parallel/ files where
+    finished, rung by rung (a stub left falls back to the reference with a warning, like every exercise)."""
+    from types import SimpleNamespace
+
+    from nanoserve.distributed import linear
     from nanoserve.student import StudentCode
 
-    return StudentCode(student).module("nanoserve.distributed.linear")
+    code = StudentCode(student)
+    vocab = code.module("nanoserve.distributed.vocab")
+    return SimpleNamespace(**{**vars(linear), **vars(code.module("nanoserve.distributed.linear"))},
+                           VocabParallelEmbedding=vocab.VocabParallelEmbedding, ParallelLMHead=vocab.ParallelLMHead,
+                           split_heads=code.module("nanoserve.distributed.shard").split_heads)
 
 
 def shard_llama(config: LlamaConfig, tp, linear_layers=None) -> Llama:
     """An empty Llama whose Linear layers are rank tp.rank's shards (weights uninitialised: load them next).
 
     Built on the meta device first, so the full model is never allocated; only the shards are.
-    `linear_layers`: the module with ColumnParallelLinear / RowParallelLinear (default the reference,
-    nanoserve.distributed.linear; exercise 11 passes the learner's).
+    `linear_layers`: what `linear_layers_for` returns (default the reference's; exercise 11 passes the learner's).
     """
     linear_layers = linear_layers or linear_layers_for(False)
     Column, Row = linear_layers.ColumnParallelLinear, linear_layers.RowParallelLinear
     # the fused layers stack slices that the (learner's) ColumnParallelLinear computes; they are the reference's
     from nanoserve.distributed.linear import QKVParallelLinear
-    split = split_heads(config, tp.size)
+    split = linear_layers.split_heads(config, tp.size)
     h, D, kv_shard = config.hidden_size, config.head_dim, split.kv_shard(tp.rank, tp.size)
     with torch.device("meta"), _no_embedding_init():
         model = Llama(config)
-    model.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp)
-    model.lm_head = ParallelLMHead(config.vocab_size, h, tp)
+    model.embed_tokens = linear_layers.VocabParallelEmbedding(config.vocab_size, h, tp)
+    model.lm_head = linear_layers.ParallelLMHead(config.vocab_size, h, tp)
     for block in model.layers:
         attn, mlp = block.self_attn, block.mlp
         attn.num_heads, attn.num_kv_heads = split.num_heads, split.num_kv_heads  # LlamaAttention reads these
@@ -194,7 +200,7 @@ def load_shard_from_gguf(path, tp, linear_layers=None) -> Llama:
         else:
             w = read_gguf_slice(t, getattr(module, "shard_dim", None), getattr(module, "shard_offset", 0),
                                 getattr(module, "shard_size", 0))
-            target = module.weight.data[:w.shape[0]] if isinstance(module, VocabParallelEmbedding) else module.weight.data
+            target = module.weight.data[:w.shape[0]]  # a vocabulary shard's padding rows stay zero
         if t.name.endswith(("attn_q.weight", "attn_k.weight")):
             # llama.cpp's row order, undone per head: this slice holds whole heads (w.shape[0] / D of them)
             w = unpermute_qk(w, w.shape[0] // config.head_dim)

@@ -212,7 +212,7 @@ class LLMEngine:
 
     def _fork(self, seq: Sequence, sampled: dict[str, int], now: float) -> list[Sequence]:
         """Parallel sampling: once the prompt of a request with n > 1 is computed and its first token
-        sampled, completions 1..n-1 start as forks holding the same blocks (the runner sampled their first
+        sampled, completions [1, n) start as forks holding the same blocks (the runner sampled their first
         tokens from the same logits). A shared, partially filled last block is copied when a completion
         first writes into it (BlockManager.allocate_slots -> SchedulerOutput.blocks_to_copy)."""
         params = seq.sampling_params

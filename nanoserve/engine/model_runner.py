@@ -97,11 +97,14 @@ class ModelRunner:
         for the sequences that sample."""
         for seq_id in out.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        self.kv_cache.copy_blocks(out.blocks_to_copy)  # copy-on-write: before anyone writes into the copies
+        # copy-on-write: before anyone writes into the copies. A copy is only ever made for a sequence this
+        # step schedules (BlockManager.allocate_slots), so the step below carries it to the other ranks.
+        self.kv_cache.copy_blocks(out.blocks_to_copy)
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
-        self.tp_group.broadcast_step(batch)  # the other ranks run this step's shard with us (a no-op at TP 1)
+        # the other ranks copy the same blocks and run this step's shard with us (a no-op at TP 1)
+        self.tp_group.broadcast_step(batch, out.blocks_to_copy)
         logits = self.execute_model_input(batch, degraded)
         return self.sample(batch.sampled_seqs, logits) if batch.sampled_seqs else {}
 

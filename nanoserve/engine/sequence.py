@@ -12,7 +12,7 @@ The scheduler reads only integers from here: how many tokens the sequence has
 are the same thing seen this way: "compute tokens [num_computed_tokens, num_computed_tokens + n)".
 
     prompt = [t0 t1 t2 t3 t4], generated = [t5]      num_tokens = 6
-    K/V cached for t0..t4                            num_computed_tokens = 5
+    K/V cached for positions [0, 5): t0 to t4       num_computed_tokens = 5
     next step computes 1 token (t5) and samples t6   -> a decode
 
 Preemption by recompute frees the blocks: num_computed_tokens drops to 0 and the sequence waits
@@ -21,7 +21,7 @@ prefix caching on, its own freed blocks that are still cached are hits, and only
 recomputed (tests/test_ch06_llm.py: 5 tokens of 13 recomputed, all 13 without prefix caching).
 
 Parallel sampling (n > 1): completion 0 is the request's own sequence (seq_id = request_id); once
-its prompt is computed the engine forks completions 1..n-1 (child_seq_id), each with its `index`.
+its prompt is computed the engine forks completions [1, n) (child_seq_id), each with its `index`.
 """
 
 import enum

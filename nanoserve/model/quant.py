@@ -25,8 +25,8 @@ is the kernel; for prefill-sized ones the kernels are several times slower than 
 dequantizes its weight for that one call, rounds it to bf16 and multiplies with F.linear in bf16 (oneDNN's
 bf16 GEMM, AMX on this CPU: faster than float32 MKL, and it too accumulates in float32). That costs one
 pass over the weights per prefill step, against 2–4 bytes per weight for a copy kept beside them. The two
-paths see the same inputs; the prefill path's weights carry one more rounding (to bf16, 2^-9 relative),
-and the order of the float32 additions differs.
+paths see the same inputs; the prefill path's weights carry one more rounding (to bf16: at most 2^-8
+relative, half a unit in the last of its 8 significant bits), and the order of the float32 additions differs.
 
 The embedding and LM head are Q8_0 in the GGUF (int8 in groups of 32). torch's int8 kernel has one scale
 per row only, so they are re-quantized per row (int8, one matrix shared by the lookup and the LM head):
@@ -102,6 +102,16 @@ def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.reshape(rows, num_blocks * Q4_GROUP_SIZE), d, m
 
 
+def int4_scale_and_zero(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1's (d, m) -> the int4 kernel's (scale, zero), (rows, in/32) float32 each, so that the kernel's
+    (q − 8) · scale + zero is Q4_1's d · q + m for every q in 0..15: scale = d, zero = m + 8·d.
+
+    Example, one block with d = 0.5, m = -3: q = 0 is -3 and q = 15 is 4.5 in both forms; the kernel's
+    scale 0.5 and zero 1.0 ((0 − 8) · 0.5 + 1 = -3). The integers go into the kernel unchanged.
+    """
+    return d, m + 8 * d
+
+
 def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32. q (out, in), scale/zero (out, in/32)."""
     out, inp = q.shape
@@ -172,7 +182,7 @@ class Q4Linear(QuantLinear):
     takes its scales in the activations' dtype: d loses its 3 lowest bits of float16 mantissa there.
     """
 
-    def __init__(self, blocks: torch.Tensor, name: str = "", unpack=unpack_q4_1):
+    def __init__(self, blocks: torch.Tensor, name: str = "", unpack=unpack_q4_1, to_int4=int4_scale_and_zero):
         try:
             q, d, m = unpack(blocks)
         except ValueError as e:
@@ -185,7 +195,7 @@ class Q4Linear(QuantLinear):
         self.register_buffer("blocks", blocks, persistent=False)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             q.to(torch.int32), INT4_INNER_K_TILES), persistent=False)
-        scale_and_zero = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)  # (in/32, out, 2)
+        scale_and_zero = torch.stack(to_int4(d, m), dim=-1).transpose(0, 1)  # (in/32, out, 2)
         self.register_buffer("scale_and_zero", scale_and_zero.contiguous().to(torch.bfloat16), persistent=False)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +297,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
 
     int8: every decoder Linear from its float32 weight. q4: every decoder Linear from `q4_blocks`
     (module name -> its GGUF Q4_1 blocks (out, in/32, 20)). Both: embedding and LM head int8 per row.
-    functions: a module with `quantize_int8` and `unpack_q4_1` (default: this one; exercise 10's
+    functions: a module with `quantize_int8`, `unpack_q4_1` and `int4_scale_and_zero` (default: this one; exercise 10's
     file when the learner's quantizer serves, see `LLM(student=True)`).
     """
     from nanoserve.model.layers import Linear
@@ -305,7 +315,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
         if weights == "q4":
             if name not in (q4_blocks or {}):
                 raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
-            new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1)
+            new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1, f.int4_scale_and_zero)
         else:
             new = Int8Linear.from_float(module.weight, name, f.quantize_int8)
         parent, _, attr = name.rpartition(".")
