@@ -242,7 +242,7 @@ def test_quantized_tiny_model_stays_near_float32(tiny_pair, weights):
             assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8", "q4"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "q4", "bf16"])
 def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weights):
     """memory.weight_bytes (counted from the config) == decode_bytes (counted over the model's tensors)."""
     import copy
