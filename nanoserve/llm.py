@@ -33,7 +33,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
                  weights: str | None = None, degrade_under_load: int | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, speculative: str | None = None, num_speculative_tokens: int = 4):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -43,7 +43,8 @@ class LLM:
         kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
         a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
-        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`)."""
+        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
+        speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14)."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -80,7 +81,8 @@ class LLM:
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
-                              degrade_under_load=degrade_under_load)
+                              degrade_under_load=degrade_under_load, speculative=speculative,
+                              num_speculative_tokens=num_speculative_tokens)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         except BaseException:

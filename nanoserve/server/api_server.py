@@ -140,7 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = req.sampling_params(max_tokens)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            outputs = await state.engine.add_request(request_id, prompt_ids, params)
+            outputs = await state.engine.add_request(request_id, prompt_ids, params, speculative=req.speculative)
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",

@@ -73,6 +73,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # nanoserve's extension (chapter 14): false = never speculate for this request
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
