@@ -70,6 +70,9 @@ STUDENT_FILES = {
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
+    "nanoserve.spec_decode.ngram": "14-speculative-decoding/ngram.py",
+    "nanoserve.spec_decode.acceptance": "14-speculative-decoding/acceptance.py",
+    "nanoserve.spec_decode.rollback": "14-speculative-decoding/rollback.py",
 }
 
 
@@ -91,6 +94,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "6.2": ["Scheduler.num_new_tokens"],
         "6.3": ["Scheduler.schedule_running", "Scheduler.preempt", "Scheduler.check_fits_alone"],
         "6.4": ["Scheduler.num_cached_tokens"],
+    },
+    "nanoserve.spec_decode.acceptance": {
+        "14.2": ["greedy_accept"],
+        "14.3": ["residual", "rejection_sample"],
     },
 }
 

@@ -95,6 +95,7 @@ def test_a_wrong_rule_is_caught():
             return [d]
         return [int(torch.multinomial(p[0], 1, generator=g))]
 
+    assert chi_square(draw_first_tokens(acceptance().rejection_sample, seed=3), P) < CHI2_999_DF5  # the right rule
     assert chi_square(draw_first_tokens(resample_from_p), P) > 10 * CHI2_999_DF5
     assert chi_square(draw_first_tokens(lambda d, p, q, g: d), P) > 10 * CHI2_999_DF5
 

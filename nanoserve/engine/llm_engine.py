@@ -128,8 +128,11 @@ class LLMEngine:
         self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
         self.proposer = self._make_proposer(model)
-        # chapter 14's rollback (the learner's, exercise 14.4, where finished)
+        # chapter 14's rollback and acceptance rules (the learner's, exercises 14.2-14.4, where finished)
         self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
+        if self.proposer is not None:
+            for worker in self.executor.workers:
+                worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
         self.spec_stats = SpecDecodeStats()
 
     # ---- requests -------------------------------------------------------------------------

@@ -16,12 +16,14 @@ top-k, top-p) plain sampling draws from, so the accepted tokens follow the distr
 import torch
 
 from nanoserve.sampling import make_generator, probabilities
-from nanoserve.spec_decode.acceptance import greedy_accept, rejection_sample
+from nanoserve.spec_decode import acceptance as reference_acceptance
 
 
 def verify_and_sample(runner, seqs, logits: torch.Tensor) -> dict[str, int | list[int]]:
     """{seq_id: token} for the sequences without proposals (runner.sample), {seq_id: [tokens]} for the
-    ones with (accepted proposals + the correction or bonus). logits: (sum of 1 + k per seq, vocab)."""
+    ones with (accepted proposals + the correction or bonus). logits: (sum of 1 + k per seq, vocab).
+    runner.spec_acceptance, if set: the acceptance module to use (the learner's, exercises 14.2 and 14.3)."""
+    acceptance = getattr(runner, "spec_acceptance", reference_acceptance)
     plain_rows, plain_seqs, spec = [], [], []
     row = 0
     for seq in seqs:
@@ -37,10 +39,10 @@ def verify_and_sample(runner, seqs, logits: torch.Tensor) -> dict[str, int | lis
         proposal, params = seq.spec_token_ids, seq.sampling_params
         rows = logits[row:row + len(proposal) + 1]  # (k + 1, vocab)
         if params.greedy:
-            sampled[seq.seq_id] = greedy_accept(proposal, rows.argmax(-1).tolist())
+            sampled[seq.seq_id] = acceptance.greedy_accept(proposal, rows.argmax(-1).tolist())
             continue
         if seq.seq_id not in runner.generators:
             runner.generators[seq.seq_id] = make_generator(params)
         target = torch.stack([probabilities(r, params) for r in rows])
-        sampled[seq.seq_id] = rejection_sample(proposal, target, None, runner.generators[seq.seq_id])
+        sampled[seq.seq_id] = acceptance.rejection_sample(proposal, target, None, runner.generators[seq.seq_id])
     return sampled
