@@ -12,6 +12,7 @@ import pytest
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.sampling import SamplingParams
+from tests.test_ch06_engine import run  # submit all, step until idle, check the pool is whole
 from tests.tiny_model import tiny_llama
 
 
@@ -31,22 +32,6 @@ def requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return out
 
 
-def run(engine, reqs, params=None, record=None):
-    """{request index: generated ids}; asserts the pool is whole at the end. record(engine) after each step."""
-    for i, (prompt, max_tokens) in enumerate(reqs):
-        p = params[i] if params else SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request(str(i), prompt, p)
-    results = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[int(out.request_id)] = out.token_ids
-        if record:
-            record(engine)
-    assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
-    return results
-
-
 def engine(model, speculative=None, eos=-1, **config):
     config = {"num_blocks": 128, "block_size": 4, "speculative_disable_by_batch_size": None, **config}
     return LLMEngine(model, EngineConfig(speculative=speculative, **config), eos_token_id=eos)
@@ -64,15 +49,14 @@ def test_greedy_is_token_identical_alone_and_in_a_mixed_batch(model, plain, meth
     assert {0: run(e, reqs[:1])[0]} == {0: plain[0]}  # alone
     e = engine(model, method, num_speculative_tokens=k, max_num_batched_tokens=32)  # prefills and verifies mix
     mixed_steps = []
-    assert run(e, reqs, record=lambda e: mixed_steps.append(mixed(e))) == {i: plain[i] for i in range(len(reqs))}
+    assert run(e, reqs, on_step=lambda so: mixed_steps.append(mixed(so))) == {i: plain[i] for i in range(len(reqs))}
     s = e.spec_stats
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some accepted, some rolled back
     assert any(mixed_steps)
 
 
-def mixed(e) -> bool:
-    """Did the last step verify proposals beside a prefill chunk?"""
-    so = e.last_scheduler_output
+def mixed(so) -> bool:
+    """Did the step verify proposals beside a prefill chunk?"""
     return any(n > 1 and s.num_output_tokens > 2 for s, n in ((s, so.num_scheduled_tokens[s.seq_id])
                                                               for s in so.scheduled_seqs)) and \
         any(s.num_output_tokens == 0 for s in so.scheduled_seqs)
@@ -83,7 +67,7 @@ def test_rollback_and_preemption_in_the_same_run(model, plain):
     freed, preempted = [], []
     rollback = e.rollback
     e.rollback = lambda seq_id, n: freed.extend(rollback(seq_id, n)) or []
-    assert run(e, requests(12), record=lambda e: preempted.extend(e.last_scheduler_output.preempted_seq_ids)) == plain
+    assert run(e, requests(12), on_step=lambda so: preempted.extend(so.preempted_seq_ids)) == plain
     assert preempted, "the pool was meant to be too small: no preemption happened"
     assert freed, "no rollback gave a block back"
 
@@ -119,8 +103,9 @@ def test_opt_out_and_the_batch_size_policy(model):
     assert e.spec_stats.num_drafts == 0
     e = engine(model, "ngram", speculative_disable_by_batch_size=2)
     drafts_while_two_run = []
-    run(e, reqs, record=lambda e: drafts_while_two_run.append(
-        len(e.scheduler.running) >= 2 and any(len(s.spec_token_ids) for s in e.scheduler.running)))
+    run(e, reqs, on_step=lambda so: drafts_while_two_run.append(
+        len(so.scheduled_seqs) >= 2 and any(so.num_scheduled_tokens[s.seq_id] > 1 and s.num_output_tokens > 1
+                                            for s in so.scheduled_seqs)))
     assert not any(drafts_while_two_run)
     assert e.spec_stats.num_drafts > 0  # the last one alone speculated
 

@@ -7,10 +7,9 @@ Your version of nanoserve/spec_decode/ngram.py: same class, same methods. Replac
 
 class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4):
-        """Raise ValueError unless 1 <= min_n <= max_n."""
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        """Exercise 14.1. Keep the shortest and the longest suffix length to match (self.min_n, self.max_n);
+        raise ValueError unless 1 <= min_n <= max_n."""
+        raise NotImplementedError("Exercise 14.1: check and keep min_n and max_n")
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Exercise 14.1. Up to k token ids that may follow `token_ids` (prompt + output so far).
