@@ -48,5 +48,5 @@ def test_ngram_greedy_parity_alone_and_batched(smollm2, prompts, plain):
 def test_draft_greedy_parity(smollm2, prompts, plain):
     config = EngineConfig(num_blocks=128, speculative="draft", num_speculative_tokens=2, draft_num_layers=4)
     engine = LLMEngine(smollm2, config)
-    assert run(engine, prompts[:1], max_tokens=12) == [plain[0][:12]]
+    assert run(engine, prompts[:1], max_tokens=8) == [plain[0][:8]]
     assert engine.spec_stats.num_draft_tokens > 0
