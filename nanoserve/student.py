@@ -76,6 +76,9 @@ STUDENT_FILES = {
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
+    "nanoserve.spec_decode.ngram": "14-speculative-decoding/ngram.py",
+    "nanoserve.spec_decode.acceptance": "14-speculative-decoding/acceptance.py",
+    "nanoserve.spec_decode.rollback": "14-speculative-decoding/rollback.py",
 }
 
 
@@ -120,6 +123,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     "nanoserve.engine.event_feed": {
         "12.3": ["Subscription.put", "Subscription.take"],
         "12.4": ["EventFeed.emit_if_due"],
+    },
+    "nanoserve.spec_decode.acceptance": {
+        "14.2": ["greedy_accept"],
+        "14.3": ["residual", "rejection_sample"],
     },
 }
 

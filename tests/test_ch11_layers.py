@@ -189,7 +189,8 @@ def test_finished_rungs_of_exercise_11_build_the_shards(exercises):
     block = shard.layers[0]
     assert type(shard.embed_tokens).__module__ == type(shard.lm_head).__module__ == "student_nanoserve_distributed_vocab"
     assert type(block.mlp.down_proj).__module__ == "student_nanoserve_distributed_linear"
-    assert block.mlp.up_proj.forward.__module__ == "nanoserve.distributed.linear"  # 11.2: the reference's code
+    # the fused gate_up / qkv layers are the reference's, their slices cut by ColumnParallelLinear (11.2: the reference's)
+    assert type(block.mlp.gate_up_proj).__module__ == type(block.self_attn.qkv_proj).__module__ == "nanoserve.distributed.linear"
     assert layers.split_heads.__module__ == "student_nanoserve_distributed_shard"
     ids = torch.tensor([3, 1, 4, 1, 5])
     with torch.no_grad():

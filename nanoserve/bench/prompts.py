@@ -8,6 +8,9 @@
   system      25 %   SHARED_SYSTEM_PROMPT, then a short user turn         186-190 (175 shared)     uniform 32..96
 
 (prompt lengths: the chat template rendered and tokenized, over course_prompts(400, seed=0).)
+A fourth kind, "grounded" (chapter 14), is drawn only when asked for (kinds=["grounded"]): a task that
+answers *from a given text* — repeat, rewrite, extract — so the answer copies spans of its prompt, which
+is what n-gram speculation feeds on. Output 48..96 tokens.
 The shared system prompt is the same 175 tokens in every "system" request: what prefix caching saves.
 Any OpenAI-compatible server gets the same messages (its own chat template renders them).
 
@@ -65,6 +68,13 @@ DOCUMENT_QUESTIONS = ["What happened to the church?", "How often do the trains s
                       "Why did young people leave the town?"]
 
 KINDS = [("chat", 0.5), ("document", 0.25), ("system", 0.25)]
+OPT_IN_KINDS = [("grounded", 1.0)]  # only with kinds=[...]: the default mix stays what chapter 09 measured
+
+GROUNDED_TASKS = ["Copy the text above exactly, word for word.",
+                  "Rewrite the text above as a numbered list, one sentence per item, keeping the words.",
+                  "Extract every sentence of the text above that mentions a place or a building.",
+                  "Summarise the text above, reusing its own sentences.",
+                  "Repeat the text above, but in the past tense."]
 
 
 def _chat(rng: random.Random) -> dict:
@@ -93,15 +103,22 @@ def _system(rng: random.Random) -> dict:
             "messages": [{"role": "system", "content": SHARED_SYSTEM_PROMPT}, {"role": "user", "content": question}]}
 
 
+def _grounded(rng: random.Random) -> dict:
+    text = " ".join(rng.sample(SENTENCES, rng.randint(4, 8)))
+    return {"kind": "grounded", "output_len": rng.randint(48, 96),
+            "messages": [{"role": "user", "content": f"{text}\n\n{rng.choice(GROUNDED_TASKS)}"}]}
+
+
 def course_prompts(num_prompts: int, seed: int = 0, kinds=None) -> list[dict]:
     """`num_prompts` requests [{"kind", "messages", "output_len"}], the same for the same seed.
 
-    kinds: restrict to some of "chat", "document", "system" (their shares renormalised).
+    kinds: restrict to some of "chat", "document", "system", "grounded" (their shares renormalised);
+    None: the first three (grounded is opt-in).
     """
-    table = [(k, w) for k, w in KINDS if kinds is None or k in kinds]
+    table = [(k, w) for k, w in KINDS + OPT_IN_KINDS if (k in kinds if kinds is not None else (k, w) in KINDS)]
     if not table:
-        raise ValueError(f"no known kind in {kinds}; known: {[k for k, _ in KINDS]}")
-    make = {"chat": _chat, "document": _document, "system": _system}
+        raise ValueError(f"no known kind in {kinds}; known: {[k for k, _ in KINDS + OPT_IN_KINDS]}")
+    make = {"chat": _chat, "document": _document, "system": _system, "grounded": _grounded}
     rng = random.Random(seed)
     names, weights = zip(*table)
     return [make[rng.choices(names, weights)[0]](rng) for _ in range(num_prompts)]

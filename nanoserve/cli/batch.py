@@ -61,6 +61,10 @@ def add_engine_args(p):
                    help="fp32, int8 or q4: how the weights are kept (chapter 10)")
     p.add_argument("--degrade-under-load", type=checks.positive_int, default=None, metavar="N",
                    help="with N requests waiting, run steps on a q4 copy of the weights until N/2 wait (chapter 10)")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding (chapter 14): n-gram prompt lookup, or the model's first layers as a draft")
+    p.add_argument("--num-speculative-tokens", type=checks.positive_int, default=4, metavar="K",
+                   help="with --speculative: tokens proposed and verified per step")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
@@ -73,7 +77,8 @@ def llm_from_args(args, tokenizer=None):
                max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
                enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer,
                attention_backend=args.attention_backend, weights=args.weights,
-               degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size)
+               degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
+               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

@@ -18,12 +18,15 @@ The engine sees token ids. The tokenizer is optional and only turns ids back int
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
+from nanoserve.spec_decode.proposer import make_proposer
 from nanoserve.text.stop import check_stop, is_stop_token
 from nanoserve.student import StudentCode
 
@@ -47,6 +50,13 @@ class EngineConfig:
     # Chapter 10: with at least this many requests waiting, steps run on the degraded (quantized) copy of the
     # weights, until the queue falls to half of it (hysteresis). None: off, nothing changes.
     degrade_under_load: int | None = None
+    # Chapter 14: speculative decoding. "ngram" (prompt lookup) | "draft" (the model's first layers) | None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # proposals per sequence and step (k)
+    speculative_disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # None: speculate at any batch
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix matched (vLLM's names)
+    prompt_lookup_max: int = 4  # ngram: the longest
+    draft_num_layers: int | None = None  # draft: the first L layers (None: a quarter of them)
 
 
 @dataclass
@@ -121,12 +131,20 @@ class LLMEngine:
         self.texts: dict[str, str] = {}
         self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
+        self.proposer = self._make_proposer(model)
+        # chapter 14's rollback and acceptance rules (the learner's, exercises 14.2-14.4, where finished)
+        self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
+        if self.proposer is not None:
+            for worker in self.executor.workers:
+                worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
+        self.spec_stats = SpecDecodeStats()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
-                    arrival_time: float | None = None, tenant: str | None = None) -> None:
+                    arrival_time: float | None = None, tenant: str | None = None, speculative: bool = True) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
-        metrics' use; None: nobody in particular."""
+        metrics' use; None: nobody in particular. speculative: False opts this request out of chapter 14's
+        speculation."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -150,6 +168,7 @@ class LLMEngine:
                        tenant=tenant)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
+        seq.speculative = speculative
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
@@ -183,7 +202,11 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         scheduler_output = self.scheduler.schedule()
+        if self.proposer is not None:
+            self._trim_proposals(scheduler_output)
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         self.last_scheduler_output = scheduler_output
@@ -193,22 +216,95 @@ class LLMEngine:
             self._update_precision()
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
+        verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
         outputs = []
         logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
+            if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
+                parent.num_computed_tokens = parent.num_tokens - 1
             for seq in [parent] + self._fork(parent, sampled, now):
-                token_id = seq.output_token_ids[-1]
-                if self.config.degrade_under_load is not None:
-                    self.token_precisions.setdefault(seq.seq_id, []).append(self.precision)
-                status, new_text = self._check_stop(seq, token_id)
+                new_ids, status, new_text = self._check_new_tokens(seq, verified.get(seq.seq_id, 1))
                 if status is None:
-                    outputs.append(self._output(seq, [token_id], new_text))
+                    outputs.append(self._output(seq, new_ids, new_text))
                 else:
                     self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
-                    outputs.append(self._finish(seq, [token_id], new_text, now))
+                    outputs.append(self._finish(seq, new_ids, new_text, now))
                 if seq.seq_id in logprobs:
                     outputs[-1].logprobs = [logprobs[seq.seq_id]]
         return outputs
+
+    def _check_new_tokens(self, seq: Sequence, num_new: int) -> tuple[list[int], SequenceStatus | None, str]:
+        """Stop checks for the step's num_new tokens (more than one after a verification), one at a time,
+        as if each came from its own step: a stop string met early drops the tokens after it."""
+        new_text, status = "", None
+        first = seq.num_output_tokens - num_new
+        for n in range(first + 1, seq.num_output_tokens + 1):
+            if self.config.degrade_under_load is not None:
+                self.token_precisions.setdefault(seq.seq_id, []).append(self.precision)
+            status, delta = self._check_stop(seq, seq.output_token_ids[n - 1], n)
+            new_text += delta
+            if status is not None:
+                del seq.output_token_ids[n:], seq.token_times[n:]
+                break
+        return seq.output_token_ids[first:], status, new_text
+
+    # ---- chapter 14: speculative decoding ----------------------------------------------------------
+    def _make_proposer(self, model):
+        c = self.config
+        if c.speculative is None:
+            return None
+        if c.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {c.num_speculative_tokens}")
+        if c.speculative == "ngram":  # the learner's (exercise 14.1) where finished
+            ngram = self.student.module("nanoserve.spec_decode.ngram")
+            return ngram.NgramProposer(min_n=c.prompt_lookup_min, max_n=c.prompt_lookup_max)
+        return make_proposer(c.speculative, model, num_layers=c.draft_num_layers)
+
+    def _propose(self) -> None:
+        """Proposals for the running sequences about to decode (the policy may say none: policy.py). At most
+        the tokens the request has left minus one: the verification adds one token of its own."""
+        running = self.scheduler.running
+        k = num_speculative_tokens(self.config.num_speculative_tokens, len(running),
+                                   self.config.speculative_disable_by_batch_size)
+        for seq in running:
+            left = seq.max_tokens - seq.num_output_tokens - 1
+            decoding = seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
+            seq.spec_token_ids = (self.proposer.propose(seq.token_ids, min(k, left))
+                                  if k and left > 0 and seq.speculative and decoding and
+                                  seq.sampling_params.logprobs is None else [])  # verification reports no logprobs
+
+    def _trim_proposals(self, out: SchedulerOutput) -> None:
+        """Keep the proposals the scheduler gave budget to (a step short of tokens verifies fewer; a
+        preempted sequence none)."""
+        for seq in self.scheduler.seqs.values():
+            if seq.spec_token_ids:
+                n = out.num_scheduled_tokens.get(seq.seq_id, 0)
+                del seq.spec_token_ids[max(0, seq.num_computed_tokens + n - seq.num_tokens):]
+
+    def _accept(self, out: SchedulerOutput, sampled: dict, now: float) -> dict[str, int]:
+        """Turn each verified sequence's [accepted..., correction or bonus] into what update_from_output
+        expects: the accepted tokens appended here, the last one left in `sampled`; the slots of the
+        rejected ones rolled back (rollback.py). Returns {seq_id: number of new tokens}."""
+        verified = {}
+        for seq in out.scheduled_seqs:
+            tokens = sampled.get(seq.seq_id)
+            if not isinstance(tokens, list):
+                continue
+            k, params = len(seq.spec_token_ids), seq.sampling_params
+            seq.spec_token_ids = []
+            self.spec_stats.num_drafts += 1
+            self.spec_stats.num_draft_tokens += k
+            self.spec_stats.num_accepted_tokens += len(tokens) - 1
+            tokens = tokens[:seq.max_tokens - seq.num_output_tokens]
+            stop = next((i for i, t in enumerate(tokens) if is_stop_token(t, params, self.eos_token_id)), None)
+            tokens = tokens if stop is None else tokens[:stop + 1]
+            for t in tokens[:-1]:
+                seq.append_token(t, now)
+            sampled[seq.seq_id] = tokens[-1]
+            if seq.status is SequenceStatus.RUNNING:
+                self.rollback(seq.seq_id, seq.num_tokens)  # [0, num_tokens) hold real K/V now
+            verified[seq.seq_id] = len(tokens)
+        return verified
 
     def _fork(self, seq: Sequence, sampled: dict[str, int], now: float) -> list[Sequence]:
         """Parallel sampling: once the prompt of a request with n > 1 is computed and its first token
@@ -245,15 +341,16 @@ class LLMEngine:
         elif self.degraded and waiting <= threshold // 2:
             self.degraded = False
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, str]:
+    def _check_stop(self, seq: Sequence, token_id: int, num_output: int | None = None) -> tuple[SequenceStatus | None, str]:
         """(finish status or None, the text delta to emit), by chapter 03's rules (nanoserve/text/stop.py):
-        EOS and stop ids stop without text, a stop string stops and is cut off, max_tokens is "length"."""
+        EOS and stop ids stop without text, a stop string stops and is cut off, max_tokens is "length".
+        num_output: check as if the output ended after that many tokens (None: all of them)."""
         params = seq.sampling_params
         detok = self.detokenizers.get(seq.seq_id)
         stop_token = is_stop_token(token_id, params, self.eos_token_id)
         new_text = detok.add(token_id) if detok is not None and not stop_token else ""
         old_text = self.texts[seq.seq_id]
-        reason, text = check_stop(seq.output_token_ids, old_text + new_text, params, self.eos_token_id, len(new_text))
+        reason, text = check_stop(seq.output_token_ids[:num_output], old_text + new_text, params, self.eos_token_id, len(new_text))
         if reason is not None and detok is not None and len(text) == len(detok.text):
             text += detok.flush()  # not cut at a stop string: an unfinished character's bytes become '�'
         # A stop string may begin inside text already streamed: the delta is then empty, and the

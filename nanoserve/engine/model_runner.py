@@ -34,6 +34,7 @@ from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows
 from nanoserve.sampling import make_generator
+from nanoserve.spec_decode.verify import verify_and_sample
 
 
 class SampledTokens(dict):
@@ -75,12 +76,13 @@ class ModelRunner:
         for seq in out.scheduled_seqs:
             start = seq.num_computed_tokens
             end = start + out.num_scheduled_tokens[seq.seq_id]
-            input_ids += seq.token_ids[start:end]
+            k = len(seq.spec_token_ids)  # chapter 14: proposals ride after the real tokens
+            input_ids += (seq.token_ids + seq.spec_token_ids if k else seq.token_ids)[start:end]
             positions += range(start, end)
             seq_lens.append(end)
             query_lens.append(end - start)
-            if end == seq.num_tokens:  # the step reaches the last known token: sample the next one
-                logits_indices.append(len(input_ids) - 1)
+            if end == seq.num_tokens + k:  # the step reaches the last known token: sample the next one
+                logits_indices += range(len(input_ids) - 1 - k, len(input_ids))  # k + 1 rows with proposals
                 sampled_seqs.append(seq)
         tables = [out.block_tables[seq.seq_id] for seq in out.scheduled_seqs]
         return ModelInput(
@@ -106,7 +108,11 @@ class ModelRunner:
         # the other ranks copy the same blocks and run this step's shard with us (a no-op at TP 1)
         self.tp_group.broadcast_step(batch, out.blocks_to_copy)
         logits = self.execute_model_input(batch, degraded)
-        return self.sample(batch.sampled_seqs, logits) if batch.sampled_seqs else {}
+        if not batch.sampled_seqs:
+            return {}
+        if logits is not None and len(logits) > len(batch.sampled_seqs):  # chapter 14: some sequences verify proposals
+            return verify_and_sample(self, batch.sampled_seqs, logits)
+        return self.sample(batch.sampled_seqs, logits)
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:

@@ -194,7 +194,7 @@ class Scheduler:
             the same, 8 computed, budget 8:          2 (the last chunk, [8, 10): it samples)
             a decode (1 left), any budget:            1
         """
-        n = seq.num_tokens - num_computed_tokens
+        n = seq.num_tokens + len(seq.spec_token_ids) - num_computed_tokens  # chapter 14: + the proposals to verify
         if n <= budget:
             return n
         return budget if self.config.enable_chunked_prefill else 0

@@ -74,6 +74,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    # chapter 14: proposed next tokens to verify in the next step (never in token_ids until accepted)
+    spec_token_ids: list[int] = field(default_factory=list)
+    speculative: bool = True  # add_request(..., speculative=False): this request never speculates
     # metrics (perf_counter seconds)
     scheduled_time: float | None = None  # first time the scheduler admitted it
     first_token_time: float | None = None

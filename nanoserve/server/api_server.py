@@ -217,7 +217,7 @@ def build_app(state: ServerState) -> FastAPI:
         tenant = request.state.tenant
         try:
             outputs = await state.engine.add_request(request_id, prompt_ids, params, request.state.priority,
-                                                     tenant=tenant)
+                                                     tenant=tenant, speculative=req.speculative)
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
         state.count(tenant, "admitted")

@@ -13,6 +13,9 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
     nanoserve:request_queue_time_seconds                       histograms
     nanoserve:degraded                                         gauge: 1 while steps run on the degraded
                                                                (q4) copy of the weights (chapter 10), else 0
+    nanoserve:spec_decode_num_drafts_total / _num_draft_tokens_total / _num_accepted_tokens_total
+                                                               counters (chapter 14): verified proposals, the
+                                                               tokens proposed, of them accepted
     nanoserve:generation_tokens_by_precision_total{precision=...}  counter: generated tokens by the weights
                                                                they were computed with ("fp32", "int8", "q4")
     nanoserve:tenant_requests_total{tenant=...,outcome=...}    counter: requests per tenant (--api-keys, chapter 08)
@@ -77,6 +80,11 @@ class PrometheusStatLogger:
                                        registry=self.registry)
         self.tenant_tokens = Counter(PREFIX + "tenant_tokens", "Prompt + generated tokens charged to a tenant.",
                                      ["model_name", "tenant"], registry=self.registry)
+        self.spec_counters = {name: counter(f"spec_decode_{name}", doc) for name, doc in (
+            ("num_drafts", "Speculative proposals verified (one per sequence and step)."),
+            ("num_draft_tokens", "Tokens proposed and verified."),
+            ("num_accepted_tokens", "Proposed tokens the target accepted."))}
+        self._spec_seen = {name: 0 for name in self.spec_counters}
         self.model_name = model_name
         self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
 
@@ -92,6 +100,10 @@ class PrometheusStatLogger:
         self._prefix_seen = (queried, hit)
         if scheduler_output is not None:
             self.num_preemptions.inc(len(scheduler_output.preempted_seq_ids))
+        for name, metric in self.spec_counters.items():  # chapter 14: the engine's cumulative counts, as deltas
+            value = getattr(engine.spec_stats, name)
+            metric.inc(value - self._spec_seen[name])
+            self._spec_seen[name] = value
         self.degraded.set(engine.degraded)  # chapter 10: the mode of the step just run
         by_precision = self.tokens_by_precision.labels(self.model_name, engine.precision)
         for out in outputs:

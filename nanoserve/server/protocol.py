@@ -116,6 +116,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # nanoserve's extension: seconds from arrival to the last token (the server's --request-timeout caps it)
     timeout: float | None = Field(None, gt=0)
+    speculative: bool = True  # nanoserve's extension (chapter 14): false = never speculate for this request
 
     @field_validator("stop")
     @classmethod

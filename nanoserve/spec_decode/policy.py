@@ -1,0 +1,44 @@
+"""Chapter 14 — when to speculate.
+
+At batch 1 a decode step reads every weight for one token: verifying k more tokens is nearly free, so
+any accepted proposal is profit. As the batch grows the step turns compute-bound (chapter 09's roofline):
+the k rejected tokens of every sequence become real work that delays everyone. So speculation turns off
+once the running batch reaches `disable_by_batch_size` (vLLM's `speculative_disable_by_batch_size`);
+the default is the crossover `bench spec` measured on the course machine (chapter 14). A request can opt
+out alone (add_request(..., speculative=False)).
+"""
+
+from dataclasses import dataclass
+
+# bench spec on the shared 2-core CPU: n-gram k=4 gained at batch 1 on grounded prompts (up to 1.34x) and lost at
+# 4 requests at once (0.65x): speculate only while a sequence runs alone (chapter 14, section 6)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters in vLLM's names: proposals verified, proposed tokens, of them accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step emits on average: accepted proposals + the correction/bonus."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def num_speculative_tokens(k: int, batch_size: int, disable_by_batch_size: int | None) -> int:
+    """How many tokens to propose per sequence this step: k, or 0 once the batch is too large.
+
+    >>> num_speculative_tokens(4, 1, 4), num_speculative_tokens(4, 4, 4), num_speculative_tokens(4, 9, None)
+    (4, 0, 4)
+    """
+    if disable_by_batch_size is not None and batch_size >= disable_by_batch_size:
+        return 0
+    return k

@@ -1,0 +1,35 @@
+"""Chapter 14 — a proposer guesses the next tokens of a sequence from what it has seen so far.
+
+    proposer.propose([5, 6, 7, 8, 5, 6], k=2)   -> [7, 8]      (n-gram: "5 6" was followed by "7 8")
+
+Any guess is allowed: verification (acceptance.py) only ever keeps tokens the target model would have
+produced itself, so a bad proposer costs speed, never correctness. It may return fewer than k tokens,
+or none (nothing to propose: the sequence takes a plain decode step).
+
+Both proposers here are deterministic (q is one-hot at the proposed token): n-gram lookup by nature,
+the draft because it proposes its argmax. acceptance.rejection_sample takes any q, so a sampling draft
+would plug in without changing the verifier.
+"""
+
+from typing import Protocol
+
+PROPOSERS = ("ngram", "draft")
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k token ids that may follow `token_ids` (prompt + output so far)."""
+        ...
+
+
+def make_proposer(method: str, model=None, **options) -> Proposer:
+    """The proposer of `--speculative METHOD`: "ngram" (no model) or "draft" (the target's first layers)."""
+    if method == "ngram":
+        from nanoserve.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(**options)
+    if method == "draft":
+        from nanoserve.spec_decode.draft import DraftProposer
+
+        return DraftProposer(model, **options)
+    raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {method!r}")

@@ -1,0 +1,51 @@
+"""Chapter 14 — the model runner's side of verification: k + 1 rows of logits -> the sequence's new tokens.
+
+A sequence with k proposals was laid out in the flat batch as k + 1 query tokens (its last real token,
+then d_1..d_k), and the runner computed logits for all k + 1 rows (prepare_inputs); every other sampled
+sequence has its usual one row:
+
+    A decodes (no proposal), B verifies 3 proposals, C decodes
+    logits rows  [a | b0 b1 b2 b3 | c]     (1 + 4 + 1, vocab)
+    A, C -> ModelRunner.sample as always (one token each)
+    B    -> greedy_accept / rejection_sample -> 1..4 tokens
+
+Row j scores the position after proposal[:j], so it gets the request's logit_bias and penalties as plain
+sampling would there (nanoserve.sampling.apply_penalties over prompt + output + proposal[:j]); the target's
+probabilities then come from nanoserve.sampling.probabilities, the same transform (temperature, min-p,
+top-k, top-p) plain sampling draws from, so the accepted tokens follow the distribution the request asked for.
+"""
+
+import torch
+
+from nanoserve.sampling import apply_penalties, make_generator, probabilities
+from nanoserve.spec_decode import acceptance as reference_acceptance
+
+
+def verify_and_sample(runner, seqs, logits: torch.Tensor) -> dict[str, int | list[int]]:
+    """{seq_id: token} for the sequences without proposals (runner.sample), {seq_id: [tokens]} for the
+    ones with (accepted proposals + the correction or bonus). logits: (sum of 1 + k per seq, vocab).
+    runner.spec_acceptance, if set: the acceptance module to use (the learner's, exercises 14.2 and 14.3)."""
+    acceptance = getattr(runner, "spec_acceptance", reference_acceptance)
+    plain_rows, plain_seqs, spec = [], [], []
+    row = 0
+    for seq in seqs:
+        k = len(seq.spec_token_ids)
+        if k:
+            spec.append((seq, row))
+        else:
+            plain_rows.append(row)
+            plain_seqs.append(seq)
+        row += k + 1
+    sampled = runner.sample(plain_seqs, logits[plain_rows]) if plain_seqs else {}
+    for seq, row in spec:
+        proposal, params = seq.spec_token_ids, seq.sampling_params
+        rows = torch.stack([apply_penalties(r, params, seq.prompt_token_ids, seq.output_token_ids + proposal[:j])
+                            for j, r in enumerate(logits[row:row + len(proposal) + 1].float())])  # (k + 1, vocab)
+        if params.greedy:
+            sampled[seq.seq_id] = acceptance.greedy_accept(proposal, rows.argmax(-1).tolist())
+            continue
+        if seq.seq_id not in runner.generators:
+            runner.generators[seq.seq_id] = make_generator(params)
+        target = torch.stack([probabilities(r, params) for r in rows])
+        sampled[seq.seq_id] = acceptance.rejection_sample(proposal, target, None, runner.generators[seq.seq_id])
+    return sampled

@@ -1,0 +1,118 @@
+"""Chapter 14 — speculative decoding in the engine, on the tiny random-weight model.
+
+The oracle: the same requests without speculation. Greedy outputs must be token-identical alone, in mixed
+batches (speculating and plain sequences, prefills and decodes in one step), under preemption (a rollback
+and a preemption in the same run), with stop tokens inside an accepted run, and every run ends with the
+pool whole and nothing rejected in the prefix cache.
+"""
+
+import random
+
+import pytest
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.sampling import SamplingParams
+from tests.test_ch06_engine import run  # submit all, step until idle, check the pool is whole
+from tests.tiny_model import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+def requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Prompts that repeat themselves (so n-gram lookup finds something) with random noise mixed in."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        motif = [rng.randrange(256) for _ in range(rng.randint(2, 6))]
+        prompt = (motif * 8)[:rng.randint(6, 40)] + [rng.randrange(256) for _ in range(rng.randint(0, 5))]
+        out.append((prompt, rng.randint(8, 40)))
+    return out
+
+
+def engine(model, speculative=None, eos=-1, **config):
+    config = {"num_blocks": 128, "block_size": 4, "speculative_disable_by_batch_size": None, **config}
+    return LLMEngine(model, EngineConfig(speculative=speculative, **config), eos_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return run(engine(model), requests(12))
+
+
+@pytest.mark.parametrize("method, k", [("ngram", 2), ("ngram", 4), ("draft", 3)])
+def test_greedy_is_token_identical_alone_and_in_a_mixed_batch(model, plain, method, k):
+    reqs = requests(12)[:12 if method == "ngram" else 5]  # the draft runs its layers once per proposed token
+    e = engine(model, method, num_speculative_tokens=k)
+    assert {0: run(e, reqs[:1])[0]} == {0: plain[0]}  # alone
+    e = engine(model, method, num_speculative_tokens=k, max_num_batched_tokens=32)  # prefills and verifies mix
+    mixed_steps = []
+    assert run(e, reqs, on_step=lambda so: mixed_steps.append(mixed(so))) == {i: plain[i] for i in range(len(reqs))}
+    s = e.spec_stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # some accepted, some rolled back
+    assert any(mixed_steps)
+
+
+def mixed(so) -> bool:
+    """Did the step verify proposals beside a prefill chunk?"""
+    return any(n > 1 and s.num_output_tokens > 2 for s, n in ((s, so.num_scheduled_tokens[s.seq_id])
+                                                              for s in so.scheduled_seqs)) and \
+        any(s.num_output_tokens == 0 for s in so.scheduled_seqs)
+
+
+def test_rollback_and_preemption_in_the_same_run(model, plain):
+    e = engine(model, "ngram", num_speculative_tokens=4, num_blocks=24, max_num_batched_tokens=64)
+    freed, preempted = [], []
+    rollback = e.rollback
+    e.rollback = lambda seq_id, n: freed.extend(rollback(seq_id, n)) or []
+    assert run(e, requests(12), on_step=lambda so: preempted.extend(so.preempted_seq_ids)) == plain
+    assert preempted, "the pool was meant to be too small: no preemption happened"
+    assert freed, "no rollback gave a block back"
+
+
+def test_nothing_rejected_reaches_the_prefix_cache(model):
+    e = engine(model, "ngram", num_speculative_tokens=4)
+    inserted = []
+    insert = e.block_manager.prefix_cache.insert
+    e.block_manager.prefix_cache.insert = lambda h, parent, tokens, block: (inserted.append(tuple(tokens)),
+                                                                            insert(h, parent, tokens, block))
+    reqs = requests(12)
+    out = run(e, reqs)
+    real = {tuple((p + out[i])[j:j + 4]) for i, (p, _) in enumerate(reqs) for j in range(0, len(p) + len(out[i]), 4)}
+    assert inserted and set(inserted) <= real
+    assert e.spec_stats.num_accepted_tokens < e.spec_stats.num_draft_tokens  # and some tokens were rejected
+
+
+def test_stop_token_inside_an_accepted_run(model, plain):
+    """With EOS a token that the greedy outputs produce mid-way, the output stops exactly where a plain run stops."""
+    eos = plain[3][len(plain[3]) // 2]
+    params = [SamplingParams(temperature=0, max_tokens=m) for _, m in requests(12)]
+    base = run(engine(model, eos=eos), requests(12), params)
+    assert any(len(base[i]) < requests(12)[i][1] for i in base)  # some stopped early
+    assert run(engine(model, "ngram", num_speculative_tokens=8, eos=eos), requests(12), params) == base
+
+
+def test_opt_out_and_the_batch_size_policy(model):
+    reqs = requests(3)
+    e = engine(model, "ngram")
+    e.add_request("no", reqs[0][0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), speculative=False)
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.spec_stats.num_drafts == 0
+    e = engine(model, "ngram", speculative_disable_by_batch_size=2)
+    drafts_while_two_run = []
+    run(e, reqs, on_step=lambda so: drafts_while_two_run.append(
+        len(so.scheduled_seqs) >= 2 and any(so.num_scheduled_tokens[s.seq_id] > 1 and s.num_output_tokens > 1
+                                            for s in so.scheduled_seqs)))
+    assert not any(drafts_while_two_run)
+    assert e.spec_stats.num_drafts > 0  # the last one alone speculated
+
+
+def test_seeded_sampling_with_speculation_completes_and_is_reproducible(model):
+    reqs = requests(4)
+    params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=m, ignore_eos=True) for i, (_, m) in enumerate(reqs)]
+    a = run(engine(model, "ngram"), reqs, params)
+    assert a == run(engine(model, "ngram"), reqs, params)
+    assert all(len(a[i]) == reqs[i][1] for i in a)
