@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nanoserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -28,7 +30,8 @@ class SamplingParams:
     temperature: 0 = greedy; top_k: 0 or -1 = off; top_p: 1.0 = off; seed: None = the global RNG;
     max_tokens: most new tokens; stop: strings that end the output (the text is cut before them);
     stop_token_ids: ids that end the output; ignore_eos: keep going past the EOS token;
-    n: completions of the same prompt (parallel sampling: the prompt is computed once, chapter 06).
+    n: completions of the same prompt (parallel sampling: the prompt is computed once, chapter 06);
+    structured: the grammar the output must follow (chapter 13: JSON schema, regex, choice), None = free text.
     """
 
     temperature: float = 1.0
@@ -40,6 +43,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    structured: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
+            raise ValueError(f"structured must be a StructuredOutputsParams or None, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.text.stop import check_stop, is_stop_token
 from nanoserve.student import StudentCode
 
@@ -117,6 +118,10 @@ class LLMEngine:
         self.texts: dict[str, str] = {}
         self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
+        # chapter 13: grammars, matchers and each step's token masks (the learner's 13.2 / 13.3 where finished)
+        self.structured = StructuredOutputManager(tokenizer, self.vocab_size,
+                                                  matcher_module=student.module("nanoserve.structured.matcher"),
+                                                  bitmask_module=student.module("nanoserve.structured.bitmask"))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
@@ -135,10 +140,14 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        # chapter 13: compiled here unless the async engine compiled it ahead (then a cache hit)
+        grammar = None if sampling_params.structured is None else self.structured.prepare(sampling_params)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
+        if grammar is not None:
+            self.structured.add_request(request_id, grammar)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
@@ -175,6 +184,7 @@ class LLMEngine:
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         self.last_scheduler_output = scheduler_output
+        scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         if self.config.degrade_under_load is None:
             sampled = self.executor.execute_model(scheduler_output)
         else:
@@ -271,6 +281,7 @@ class LLMEngine:
         if not self.num_live[seq.request_id]:
             del self.num_live[seq.request_id]
         out = self._output(seq, new_token_ids, new_text)
+        self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)
         del self.texts[seq.seq_id]

@@ -93,7 +93,7 @@ class ModelRunner:
         batch = self.prepare_inputs(out)
         self.tp_group.broadcast_step(batch)  # the other ranks run this step's shard with us (a no-op at TP 1)
         logits = self.execute_model_input(batch, degraded)
-        return self.sample(batch.sampled_seqs, logits) if batch.sampled_seqs else {}
+        return self.sample(batch.sampled_seqs, logits, out.grammar_bitmask) if batch.sampled_seqs else {}
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
@@ -107,9 +107,12 @@ class ModelRunner:
         logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # (num_sampled, vocab)
         return None if logits is None else logits.cpu()
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token}. A prompt with n > 1 samples its first token n times from its one row of logits:
-        completion i under child_seq_id(request_id, i), with its own generator (the engine forks it)."""
+        completion i under child_seq_id(request_id, i), with its own generator (the engine forks it).
+        grammar_bitmask (chapter 13): the constrained rows' masks, applied first, to those rows only."""
+        if grammar_bitmask is not None:
+            grammar_bitmask.apply(seqs, logits)  # disallowed tokens -> -inf, before greedy / temperature / top-k
         greedy = logits.argmax(-1).tolist()  # one call for every greedy row
         sampled = {}
         for row, seq in enumerate(seqs):
