@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import TokenBucketLimiter
+from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, error_body, parse_body)
@@ -141,6 +142,8 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             outputs = await state.engine.add_request(request_id, prompt_ids, params)
+        except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
+            raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",

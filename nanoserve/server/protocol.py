@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nanoserve.sampling import SamplingParams
+from nanoserve.structured.params import StructuredOutputsParams
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -57,6 +58,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's name / schema / strict (the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # `schema` is a BaseModel attribute: renamed, same field on the wire
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """Chapter 13: {"type": "text"} (free text), {"type": "json_object"}, or {"type": "json_schema", ...}."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of json (a schema), regex, choice, grammar (EBNF)."""
+
+    model_config = _STRICT
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(BaseModel):
     """The fields both endpoints share (OpenAI's names; top_k and ignore_eos are vLLM's extensions)."""
 
@@ -73,14 +102,36 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None  # chapter 13
+    structured_outputs: StructuredOutputsFields | None = None  # chapter 13, vLLM's extension
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        structured = self.structured_params()
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                   max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos,
-                                  n=self.n)
+                                  n=self.n, structured=structured)
         except ValueError as e:  # what the models cannot say, SamplingParams does (an empty stop string)
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """response_format / structured_outputs -> the grammar the output must follow (None: free text)."""
+        fmt, ext = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and ext is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            if ext is not None:
+                return StructuredOutputsParams(json=ext.json_, regex=ext.regex, choice=ext.choice, grammar=ext.grammar)
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None:
+                raise APIError(400, 'response_format of type "json_schema" needs a "json_schema" object',
+                               "response_format.json_schema")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        except ValueError as e:
+            raise APIError(400, str(e), "response_format" if ext is None else "structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:
