@@ -204,11 +204,11 @@ def test_constrained_outputs_follow_their_grammar_and_neighbours_are_untouched(t
         mixed.add_request(f"free{i}", prompts[i], p)
     constrained = {
         "json": StructuredOutputsParams(json=PERSON), "choice": StructuredOutputsParams(choice=["red", "green"]),
-        "regex": StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), "object": StructuredOutputsParams(json_object=True),
+        "regex": StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
     }
     for name, structured in constrained.items():
         for temp in [0, 1.0]:
-            mixed.add_request(f"{name}{temp}", prompts[1], SamplingParams(temperature=temp, seed=1, max_tokens=60,
+            mixed.add_request(f"{name}{temp}", prompts[1], SamplingParams(temperature=temp, seed=1, max_tokens=40,
                                                                           structured=structured))
     got = run(mixed)
     for i in range(len(free)):
@@ -219,7 +219,6 @@ def test_constrained_outputs_follow_their_grammar_and_neighbours_are_untouched(t
         jsonschema.validate(json.loads(text), PERSON)
         assert got[f"choice{temp}", 0][1] in ("red", "green")
         assert __import__("re").fullmatch(r"[0-9]{3}-[a-z]{2}", got[f"regex{temp}", 0][1])
-        assert got[f"object{temp}", 0][2] != "stop" or isinstance(json.loads(got[f"object{temp}", 0][1]), dict)
     assert mixed.structured.matchers == {} and mixed.structured.grammars == {}  # released with their requests
 
 
