@@ -70,6 +70,9 @@ STUDENT_FILES = {
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
+    "nanoserve.structured.choice": "13-structured-outputs/choice.py",
+    "nanoserve.structured.bitmask": "13-structured-outputs/bitmask.py",
+    "nanoserve.structured.matcher": "13-structured-outputs/matcher.py",
 }
 
 
