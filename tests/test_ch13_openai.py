@@ -51,14 +51,14 @@ async def ask(client, name, constrained, stream, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_16_at_once_every_constrained_output_validates_free_text_mostly_does_not(url, temperature):
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
     names = [NAMES[i % len(NAMES)] for i in range(16)]
 
-    async def batch(constrained):
-        return await asyncio.gather(*(ask(client, n, constrained, stream=i % 2 == 1, temperature=temperature, seed=i)
-                                      for i, n in enumerate(names)))
+    async def batches():  # one event loop for the client's connections
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
+        return [await asyncio.gather(*(ask(client, n, constrained, stream=i % 2 == 1, temperature=temperature, seed=i)
+                                       for i, n in enumerate(names))) for constrained in (True, False)]
 
-    constrained, free = asyncio.run(batch(True)), asyncio.run(batch(False))
+    constrained, free = asyncio.run(batches())
     ok = [valid(n, t) for n, t in zip(names, constrained)]
     free_ok = [valid(n, t) for n, t in zip(names, free)]
     print(f"temperature {temperature}: response_format {sum(ok)}/16 valid, without {sum(free_ok)}/16")
@@ -68,11 +68,13 @@ def test_16_at_once_every_constrained_output_validates_free_text_mostly_does_not
 
 @pytest.mark.slow
 def test_alone_greedy_and_sampled_each_schema_validates(url):
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
-    for i, name in enumerate(NAMES):
-        for temperature in [0, 1.0]:
-            text = asyncio.run(ask(client, name, True, stream=False, temperature=temperature, seed=100 + i))
-            assert valid(name, text), (name, temperature, text)
+    async def one_by_one():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none")
+        return [(name, temperature, await ask(client, name, True, stream=False, temperature=temperature, seed=100 + i))
+                for i, name in enumerate(NAMES) for temperature in [0, 1.0]]
+
+    for name, temperature, text in asyncio.run(one_by_one()):
+        assert valid(name, text), (name, temperature, text)
 
 
 @pytest.mark.slow
