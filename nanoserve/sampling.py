@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from nanoserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -39,6 +41,7 @@ class SamplingParams:
     {token id: bias in [-100, 100]} added to the logits; min_p in [0, 1] (0: off); logprobs: the top
     logprobs to return per generated token (None: none; 0: only the sampled token's); prompt_logprobs:
     the same for every prompt token (None: not computed).
+    Chapter 13: structured: the grammar the output must follow (JSON schema, regex, choice), None = free text.
     """
 
     temperature: float = 1.0
@@ -57,6 +60,7 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,6 +97,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
+            raise ValueError(f"structured must be a StructuredOutputsParams or None, got {self.structured!r}")
 
     @property
     def penalized(self) -> bool:

@@ -79,6 +79,9 @@ STUDENT_FILES = {
     "nanoserve.spec_decode.ngram": "14-speculative-decoding/ngram.py",
     "nanoserve.spec_decode.acceptance": "14-speculative-decoding/acceptance.py",
     "nanoserve.spec_decode.rollback": "14-speculative-decoding/rollback.py",
+    "nanoserve.structured.choice": "13-structured-outputs/choice.py",
+    "nanoserve.structured.bitmask": "13-structured-outputs/bitmask.py",
+    "nanoserve.structured.matcher": "13-structured-outputs/matcher.py",
 }
 
 

@@ -91,6 +91,8 @@ class AsyncLLMEngine:
         so a server can answer 400 before it starts streaming."""
         if not self.is_running:
             raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
+        if sampling_params.structured is not None:  # chapter 13: compiled in a pool thread, not the engine's
+            await self.engine.structured.cache.compile_async(sampling_params.structured)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         with self._lock:

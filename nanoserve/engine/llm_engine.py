@@ -27,6 +27,7 @@ from nanoserve.engine.worker import Worker
 from nanoserve.kernels.backend import resolve_attention_backend
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
+from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.text.stop import check_stop, is_stop_token
 from nanoserve.student import StudentCode
 
@@ -138,6 +139,10 @@ class LLMEngine:
             for worker in self.executor.workers:
                 worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
         self.spec_stats = SpecDecodeStats()
+        # chapter 13: grammars, matchers and each step's token masks (the learner's 13.2 / 13.3 where finished)
+        self.structured = StructuredOutputManager(tokenizer, self.vocab_size,
+                                                  matcher_module=student.module("nanoserve.structured.matcher"),
+                                                  bitmask_module=student.module("nanoserve.structured.bitmask"))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
@@ -164,12 +169,16 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        # chapter 13: compiled here unless the async engine compiled it ahead (then a cache hit)
+        grammar = None if sampling_params.structured is None else self.structured.prepare(sampling_params)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
                        tenant=tenant)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
+        if grammar is not None:
+            self.structured.add_request(request_id, grammar)
         if self.tokenizer is not None:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
@@ -210,6 +219,7 @@ class LLMEngine:
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         self.last_scheduler_output = scheduler_output
+        scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         if self.config.degrade_under_load is None:
             sampled = self.executor.execute_model(scheduler_output)
         else:
@@ -266,12 +276,14 @@ class LLMEngine:
         running = self.scheduler.running
         k = num_speculative_tokens(self.config.num_speculative_tokens, len(running),
                                    self.config.speculative_disable_by_batch_size)
+        # verification reports no logprobs, and a grammar's matcher advances one token at a time: those don't speculate
+        plain = lambda p: p.logprobs is None and p.structured is None  # noqa: E731
         for seq in running:
             left = seq.max_tokens - seq.num_output_tokens - 1
             decoding = seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
             seq.spec_token_ids = (self.proposer.propose(seq.token_ids, min(k, left))
-                                  if k and left > 0 and seq.speculative and decoding and
-                                  seq.sampling_params.logprobs is None else [])  # verification reports no logprobs
+                                  if k and left > 0 and seq.speculative and decoding and plain(seq.sampling_params)
+                                  else [])
 
     def _trim_proposals(self, out: SchedulerOutput) -> None:
         """Keep the proposals the scheduler gave budget to (a step short of tokens verifies fewer; a
@@ -384,6 +396,7 @@ class LLMEngine:
         if not self.num_live[seq.request_id]:
             del self.num_live[seq.request_id]
         out = self._output(seq, new_token_ids, new_text)
+        self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)
         del self.texts[seq.seq_id]

@@ -111,8 +111,8 @@ class ModelRunner:
         if not batch.sampled_seqs:
             return {}
         if logits is not None and len(logits) > len(batch.sampled_seqs):  # chapter 14: some sequences verify proposals
-            return verify_and_sample(self, batch.sampled_seqs, logits)
-        return self.sample(batch.sampled_seqs, logits)
+            return verify_and_sample(self, batch.sampled_seqs, logits, out.grammar_bitmask)
+        return self.sample(batch.sampled_seqs, logits, out.grammar_bitmask)
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
@@ -126,10 +126,13 @@ class ModelRunner:
         logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # (num_sampled, vocab)
         return None if logits is None else logits.cpu()
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[str, int]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples
         its first token n times from its one row of logits: completion i under child_seq_id(request_id, i),
-        with its own generator (the engine forks it). The drawing itself is nanoserve/engine/sampler.py's."""
+        with its own generator (the engine forks it). The drawing itself is nanoserve/engine/sampler.py's.
+        grammar_bitmask (chapter 13): the constrained rows' masks, applied first, to those rows only."""
+        if grammar_bitmask is not None:
+            grammar_bitmask.apply(seqs, logits)  # disallowed tokens -> -inf, before penalties / greedy / temperature
         ids, rows = [], []
         for row, seq in enumerate(seqs):
             params = seq.sampling_params

@@ -35,6 +35,7 @@ from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Tenant, TenantLimits, TokenBucketLimiter
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs
+from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        RequestTimeout, TokenizeRequest, error_body, parse_body)
@@ -218,6 +219,8 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             outputs = await state.engine.add_request(request_id, prompt_ids, params, request.state.priority,
                                                      tenant=tenant, speculative=req.speculative)
+        except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
+            raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
         state.count(tenant, "admitted")

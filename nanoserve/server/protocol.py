@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from nanoserve.sampling import SamplingParams
+from nanoserve.structured.params import StructuredOutputsParams
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -25,7 +26,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 UNSUPPORTED = {
     "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
     "functions": "function calling (the deprecated form of tools)", "function_call": "function calling",
-    "response_format": "structured outputs", "audio": "audio output", "modalities": "audio output",
+    "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "web_search_options": "web search", "reasoning_effort": "reasoning models",
     "verbosity": "reasoning models", "service_tier": "service tiers", "suffix": "insertion (completions' suffix)",
 }
@@ -85,6 +86,34 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's name / schema / strict (the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")  # `schema` is a BaseModel attribute: renamed, same field on the wire
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """Chapter 13: {"type": "text"} (free text), {"type": "json_object"}, or {"type": "json_schema", ...}."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of json (a schema), regex, choice, grammar (EBNF)."""
+
+    model_config = _STRICT
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(BaseModel):
     """The fields both endpoints share: OpenAI's names, and vLLM's sampling extensions that nanoserve
     implements (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids)."""
@@ -117,6 +146,8 @@ class _SamplingFields(BaseModel):
     # nanoserve's extension: seconds from arrival to the last token (the server's --request-timeout caps it)
     timeout: float | None = Field(None, gt=0)
     speculative: bool = True  # nanoserve's extension (chapter 14): false = never speculate for this request
+    response_format: ResponseFormat | None = None  # chapter 13
+    structured_outputs: StructuredOutputsFields | None = None  # chapter 13, vLLM's extension
 
     @field_validator("stop")
     @classmethod
@@ -139,15 +170,36 @@ class _SamplingFields(BaseModel):
         return bias
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        structured = self.structured_params()
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                                   max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, n=self.n,
                                   stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                                   min_p=self.min_p, logprobs=self.num_logprobs,
-                                  logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()})
+                                  logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                                  structured=structured)
         except ValueError as e:  # what the models cannot say, SamplingParams does (an empty stop string)
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """response_format / structured_outputs -> the grammar the output must follow (None: free text)."""
+        fmt, ext = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and ext is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            if ext is not None:
+                return StructuredOutputsParams(json=ext.json_, regex=ext.regex, choice=ext.choice, grammar=ext.grammar)
+            if fmt is None or fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None:
+                raise APIError(400, 'response_format of type "json_schema" needs a "json_schema" object',
+                               "response_format.json_schema")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+        except ValueError as e:
+            raise APIError(400, str(e), "response_format" if ext is None else "structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:

@@ -21,10 +21,11 @@ from nanoserve.sampling import apply_penalties, make_generator, probabilities
 from nanoserve.spec_decode import acceptance as reference_acceptance
 
 
-def verify_and_sample(runner, seqs, logits: torch.Tensor) -> dict[str, int | list[int]]:
+def verify_and_sample(runner, seqs, logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int | list[int]]:
     """{seq_id: token} for the sequences without proposals (runner.sample), {seq_id: [tokens]} for the
     ones with (accepted proposals + the correction or bonus). logits: (sum of 1 + k per seq, vocab).
-    runner.spec_acceptance, if set: the acceptance module to use (the learner's, exercises 14.2 and 14.3)."""
+    runner.spec_acceptance, if set: the acceptance module to use (the learner's, exercises 14.2 and 14.3).
+    grammar_bitmask: chapter 13's masks, for the plain rows (a constrained request never speculates)."""
     acceptance = getattr(runner, "spec_acceptance", reference_acceptance)
     plain_rows, plain_seqs, spec = [], [], []
     row = 0
@@ -36,7 +37,7 @@ def verify_and_sample(runner, seqs, logits: torch.Tensor) -> dict[str, int | lis
             plain_rows.append(row)
             plain_seqs.append(seq)
         row += k + 1
-    sampled = runner.sample(plain_seqs, logits[plain_rows]) if plain_seqs else {}
+    sampled = runner.sample(plain_seqs, logits[plain_rows], grammar_bitmask) if plain_seqs else {}
     for seq, row in spec:
         proposal, params = seq.spec_token_ids, seq.sampling_params
         rows = torch.stack([apply_penalties(r, params, seq.prompt_token_ids, seq.output_token_ids + proposal[:j])

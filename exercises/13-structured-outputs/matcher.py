@@ -1,0 +1,45 @@
+"""Exercise 13.3 — a grammar matcher kept in step with the engine's sequence: advance and roll back.
+
+This file mirrors nanoserve/structured/matcher.py; the engine syncs one of your SequenceMatchers per
+constrained completion before every step once it is finished (`--student 13`). The grader checks the masks
+it gives after each sync against a fresh xgrammar matcher fed the same tokens from scratch.
+
+xgrammar's GrammarMatcher, the one you drive: `accept_token(id) -> bool` (False: refused, state unchanged),
+`rollback(k)` (undo the last k accepted tokens), `fill_next_token_bitmask(bitmask, row)`, `is_terminated()`.
+
+Run `make grade CH=13` to grade it.
+"""
+
+import xgrammar as xgr
+
+
+class GrammarViolation(RuntimeError):
+    """The sequence holds a token its grammar refuses (only possible if something bypassed the mask)."""
+
+
+class SequenceMatcher:
+    """xgrammar's GrammarMatcher plus the tokens it has accepted (given)."""
+
+    def __init__(self, grammar: "xgr.CompiledGrammar"):
+        self.matcher = xgr.GrammarMatcher(grammar)
+        self.tokens: list[int] = []  # accepted so far, in order
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Bring the matcher to the state after exactly `output_token_ids` (the sequence's output tokens now).
+
+        The sequence may have grown (a decode step: accept the new tokens), be unchanged (it was preempted and
+        recomputed: its outputs are kept), or have lost or replaced its last tokens (speculative tokens that
+        were rejected): keep the longest common prefix of self.tokens and output_token_ids, roll back what
+        the matcher holds past it, accept the rest. Keep self.tokens equal to what the matcher has accepted.
+        A token the grammar refuses raises GrammarViolation.
+        """
+        raise NotImplementedError("Exercise 13.3: SequenceMatcher.sync — roll back to the common prefix, then accept")
+
+    def fill(self, bitmask, row: int) -> None:
+        """Write the next-token mask into bitmask[row] (given)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token (EOS) was accepted (given)."""
+        return self.matcher.is_terminated()

@@ -1,0 +1,142 @@
+"""`python -m nanoserve bench structured`: chapter 13's cost of structured outputs, measured side by side.
+
+The chapter's schemas (nanoserve/structured/schemas.py) asked of the real SmolLM2, greedy, at 1 and at 16
+concurrent requests, two systems interleaved round by round (C, U, C, U, ...: this machine drifts):
+
+  constrained     response_format json_schema: each request carries its grammar; every step fills the
+                  constrained rows' masks and applies them
+  unconstrained   the same prompts without a grammar, EOS ignored, each generating exactly as many tokens
+                  as its constrained twin did in the round before: the same batch, step for step
+
+Reported: TPOT p50 (chapter 09's definition, the engine's own clock) and output tokens/s; the compile time of
+each schema cold (a fresh cache) and cached; the engine's mask time per step (syncing the matchers and filling
+the rows) and the apply time of a 16-row bitmask, ours (bitmask.py) beside xgrammar's C++ kernel.
+"""
+
+import time
+
+import torch
+
+from nanoserve.metrics import percentile
+
+
+def register(sub):
+    p = sub.add_parser("structured", help="structured outputs: TPOT / throughput with and without a grammar (chapter 13)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per system (the best is kept)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=run)
+
+
+def compile_times(tokenizer, vocab_size: int) -> dict[str, tuple[float, float]]:
+    """schema -> (cold seconds, cached seconds): a fresh GrammarCache, then the same schema again."""
+    from nanoserve.structured.compiler import GrammarCache
+    from nanoserve.structured.params import StructuredOutputsParams
+    from nanoserve.structured.schemas import SCHEMAS
+
+    cache = GrammarCache(tokenizer, vocab_size)
+    times = {}
+    for name, schema in SCHEMAS.items():
+        params = StructuredOutputsParams(json=schema)
+        t0 = time.perf_counter()
+        cache.compile(params)
+        t1 = time.perf_counter()
+        cache.compile(StructuredOutputsParams(json=dict(schema)))  # another request, the same schema
+        times[name] = (t1 - t0, time.perf_counter() - t1)
+    return times
+
+
+def apply_times(vocab_size: int, rows: int = 16, repeat: int = 20) -> tuple[float, float]:
+    """Seconds to mask `rows` rows of logits: ours (bitmask.py), xgrammar's CPU kernel."""
+    import xgrammar as xgr
+
+    from nanoserve.structured.bitmask import apply_token_bitmask
+
+    logits = torch.randn(rows, vocab_size)
+    mask = torch.randint(-2**31, 2**31, (rows, (vocab_size + 31) // 32), dtype=torch.int64).to(torch.int32)
+    index = list(range(rows))
+    results = []
+    for fn in (lambda: apply_token_bitmask(logits, mask, index),
+               lambda: xgr.apply_token_bitmask_inplace(logits, mask, indices=index)):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        results.append((time.perf_counter() - t0) / repeat)
+    return results[0], results[1]
+
+
+def run_round(engine, prompts, structured, lengths, concurrency: int, max_tokens: int) -> dict:
+    """Every request to the end, `concurrency` at a time; {i: (tokens, tpot)}, and the wall time."""
+    from nanoserve.sampling import SamplingParams
+
+    out, t0, pending = {}, time.perf_counter(), list(range(len(prompts)))
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.get_num_unfinished_requests() < concurrency:
+            i = pending.pop(0)
+            if structured is not None:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured[i])
+            else:  # the constrained twin's length, exactly
+                params = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+            engine.add_request(f"r{i}", prompts[i], params)
+        for o in engine.step():
+            if o.finished:
+                out[int(o.request_id[1:])] = (len(o.token_ids), o.metrics["tpot"])
+    return {"requests": out, "seconds": time.perf_counter() - t0}
+
+
+def run(args):
+    from nanoserve.llm import LLM
+    from nanoserve.model import load_gguf
+    from nanoserve.structured.params import StructuredOutputsParams
+    from nanoserve.structured.schemas import SCHEMAS, prompt
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(load_gguf(), num_blocks=512, max_num_seqs=16)
+    engine, tokenizer = llm.engine, llm.tokenizer
+    vocab = engine.vocab_size
+    names = list(SCHEMAS)
+
+    print("grammar compile time per schema (a fresh cache, then the same schema again):")
+    for name, (cold, cached) in compile_times(tokenizer, vocab).items():
+        print(f"  {name:8s} cold {cold * 1e3:7.2f} ms   cached {cached * 1e3:6.3f} ms")
+
+    results = {}
+    for concurrency in args.concurrency:
+        n = len(names) if concurrency == 1 else concurrency
+        picked = [names[i % len(names)] for i in range(n)]
+        prompts = [tokenizer.encode_chat(prompt(name)) for name in picked]
+        structured = [StructuredOutputsParams(json=SCHEMAS[name]) for name in picked]
+        best = {}
+        lengths = None
+        for _ in range(args.rounds):
+            engine.structured.mask_seconds, engine.structured.mask_steps = 0.0, 0
+            c = run_round(engine, prompts, structured, None, concurrency, args.max_tokens)
+            c["mask_per_step"] = engine.structured.mask_seconds / max(1, engine.structured.mask_steps)
+            lengths = [c["requests"][i][0] for i in range(n)]
+            u = run_round(engine, prompts, None, lengths, concurrency, args.max_tokens)
+            for system, r in (("constrained", c), ("unconstrained", u)):
+                tokens = sum(t for t, _ in r["requests"].values())
+                r["tpot_p50"] = percentile([tp for _, tp in r["requests"].values() if tp is not None], 50)
+                r["tokens_per_s"] = tokens / r["seconds"]
+                if system not in best or r["tpot_p50"] < best[system]["tpot_p50"]:
+                    best[system] = r
+        results[concurrency] = best
+
+    print(f"\ngreedy, max_tokens {args.max_tokens}, best of {args.rounds} interleaved rounds (shared machine: "
+          f"read the ratios):")
+    print(f"  {'concurrency':>11s} {'system':>14s} {'TPOT p50':>10s} {'tokens/s':>9s} {'mask/step':>10s}")
+    for concurrency, best in results.items():
+        for system in ("constrained", "unconstrained"):
+            r = best[system]
+            mask = f"{r['mask_per_step'] * 1e3:7.2f} ms" if "mask_per_step" in r else ""
+            print(f"  {concurrency:>11d} {system:>14s} {r['tpot_p50'] * 1e3:7.1f} ms {r['tokens_per_s']:9.1f} {mask:>10s}")
+        overhead = best["constrained"]["tpot_p50"] / best["unconstrained"]["tpot_p50"] - 1
+        print(f"  {'':>11s} TPOT overhead at {concurrency}: {overhead * 100:+.1f} %")
+    ours, theirs = apply_times(vocab)
+    print(f"\napplying a 16-row bitmask to (16, {vocab}) logits: ours (bitmask.py) {ours * 1e3:.2f} ms, "
+          f"xgrammar's CPU kernel {theirs * 1e3:.2f} ms")
+    cmd = f"python -m nanoserve bench structured --rounds {args.rounds} --max-tokens {args.max_tokens}"
+    print(f"\nreproduce: {cmd}")

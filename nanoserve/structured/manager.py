@@ -1,0 +1,95 @@
+"""Chapter 13 — the engine's side of structured outputs: grammars per request, matchers per completion,
+and one step's bitmask (vLLM's StructuredOutputManager, in small).
+
+    add_request            compile (a cache hit when the async engine compiled it ahead, off this thread)
+    before each forward    for every constrained sequence that samples this step:
+                             sync its matcher to seq.output_token_ids, fill its row of the bitmask
+    ModelRunner.sample     GrammarBitmask.apply: -inf on the disallowed tokens of those rows only
+    a sequence finishes    release its matcher
+
+The engine thread fills the masks (xgrammar: tens of microseconds a row) while the scheduler never sees
+them: the bitmask rides in SchedulerOutput to the model runner like the block tables do.
+"""
+
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+import nanoserve.structured.bitmask as reference_bitmask
+import nanoserve.structured.matcher as reference_matcher
+from nanoserve.structured.compiler import MAX_GRAMMAR_BYTES, GrammarCache, StructuredOutputError
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's masks: bitmask[rows[seq_id]] is the mask of that sequence's next token."""
+
+    bitmask: torch.Tensor  # (num_constrained, ceil(vocab / 32)) int32
+    rows: dict[str, int]  # seq_id -> its row in `bitmask`
+    bitmask_module: ModuleType = reference_bitmask  # the learner's exercises/13 bitmask.py under --student 13
+
+    def apply(self, seqs, logits: torch.Tensor) -> None:
+        """In place on logits (len(seqs), vocab): row i of seqs[i] masked if it is constrained, else untouched."""
+        rows = [i for i, seq in enumerate(seqs) if seq.seq_id in self.rows]
+        if rows:
+            picked = self.bitmask[[self.rows[seqs[i].seq_id] for i in rows]]
+            self.bitmask_module.apply_token_bitmask(logits, picked, rows)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
+                 matcher_module: ModuleType = reference_matcher, bitmask_module: ModuleType = reference_bitmask):
+        self.tokenizer, self.vocab_size, self.max_grammar_bytes = tokenizer, vocab_size, max_grammar_bytes
+        self.matcher_module, self.bitmask_module = matcher_module, bitmask_module
+        self._cache: GrammarCache | None = None  # built on the first structured request (xgrammar's setup: ~50 ms)
+        self.grammars: dict[str, object] = {}  # request_id -> CompiledGrammar
+        self.matchers: dict[str, object] = {}  # seq_id -> SequenceMatcher
+        self.mask_seconds = 0.0  # time spent syncing matchers and filling masks (bench structured)
+        self.mask_steps = 0
+
+    @property
+    def cache(self) -> GrammarCache:
+        if self._cache is None:
+            if self.tokenizer is None:
+                raise StructuredOutputError("structured outputs need an engine with a tokenizer (the grammar "
+                                            "speaks text, the mask needs every token's bytes)")
+            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.max_grammar_bytes)
+        return self._cache
+
+    def prepare(self, params):
+        """The CompiledGrammar of a request's SamplingParams (checked). Raises StructuredOutputError."""
+        if params.ignore_eos:
+            raise StructuredOutputError("ignore_eos cannot be combined with structured outputs: the grammar "
+                                        "ends the output with EOS")
+        return self.cache.compile(params.structured)
+
+    def add_request(self, request_id: str, grammar) -> None:
+        """The request entered the engine: its completions will be matched against `grammar`."""
+        self.grammars[request_id] = grammar
+
+    def grammar_bitmask(self, scheduler_output) -> GrammarBitmask | None:
+        """The masks of this step's constrained sequences that sample (None if there are none)."""
+        seqs = [s for s in scheduler_output.scheduled_seqs
+                if s.request_id in self.grammars and scheduler_output.samples(s)]
+        if not seqs:
+            return None
+        t0 = time.perf_counter()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            matcher = self.matchers.get(seq.seq_id)
+            if matcher is None:  # a new completion (n > 1: each its own, all fresh at the prompt's first token)
+                matcher = self.matchers[seq.seq_id] = self.matcher_module.SequenceMatcher(self.grammars[seq.request_id])
+            matcher.sync(seq.output_token_ids)
+            matcher.fill(bitmask, row)
+        self.mask_seconds += time.perf_counter() - t0
+        self.mask_steps += 1
+        return GrammarBitmask(bitmask, {s.seq_id: row for row, s in enumerate(seqs)}, self.bitmask_module)
+
+    def release(self, seq_id: str, request_id: str, request_done: bool) -> None:
+        """A completion finished: drop its matcher; the request's grammar goes with its last completion."""
+        self.matchers.pop(seq_id, None)
+        if request_done:
+            self.grammars.pop(request_id, None)
