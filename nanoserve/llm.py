@@ -33,7 +33,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
                  weights: str | None = None, degrade_under_load: int | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
+                 slo_tpot_ms: float | None = None, slo_reject: bool = False):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -43,7 +44,9 @@ class LLM:
         kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
         a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
-        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`)."""
+        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
+        scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
+        default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost)."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -80,7 +83,8 @@ class LLM:
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
-                              degrade_under_load=degrade_under_load)
+                              degrade_under_load=degrade_under_load, scheduling_policy=scheduling_policy,
+                              slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         except BaseException:

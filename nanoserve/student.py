@@ -70,6 +70,8 @@ STUDENT_FILES = {
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
+    "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
+    "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
 }
 
 
@@ -91,6 +93,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "6.2": ["Scheduler.num_new_tokens"],
         "6.3": ["Scheduler.schedule_running", "Scheduler.preempt", "Scheduler.check_fits_alone"],
         "6.4": ["Scheduler.num_cached_tokens"],
+    },
+    "nanoserve.engine.policies.slo": {
+        "15.1": ["SLOPolicy.order_waiting"],
+        "15.2": ["SLOPolicy.choose_victim"],
     },
 }
 

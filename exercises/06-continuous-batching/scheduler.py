@@ -75,8 +75,9 @@ class Scheduler(ReferenceScheduler):
 
         Walk `self.running` with an index while budget is left. Each `seq` computes
         `n = self.num_new_tokens(seq, seq.num_computed_tokens, budget)` tokens, for which its table must
-        cover `seq.num_computed_tokens + n` tokens. While `self._allocate` says None, preempt the LAST
-        running sequence (the least urgent): pop it, `self.preempt` it, append its id to
+        cover `seq.num_computed_tokens + n` tokens. While `self._allocate` says None, preempt a victim:
+        `victim = self.choose_victim(i)` takes it out of self.running[i:] (the scheduling policy's choice,
+        chapter 15; by default the LAST one, the least urgent), `self.preempt` it, append its id to
         `out.preempted_seq_ids`, and try again — unless the victim was `seq` itself, which then just waits.
         Once the allocation works, `self._schedule(out, seq, n)`, spend n and go to the next one.
         """

@@ -81,7 +81,7 @@ class AsyncLLMEngine:
 
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+                          priority: int = 0, tenant: str | None = None, slo=None) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; returns its output stream once the engine took it (at the next
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
         so a server can answer 400 before it starts streaming."""
@@ -93,7 +93,8 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
-            self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority))
+            self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
+                                     {"tenant": tenant, "slo": slo}))
         self._wakeup.set()
         try:
             await stream.added
@@ -103,9 +104,10 @@ class AsyncLLMEngine:
         return self._outputs(request_id, stream.queue)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """add_request and its stream in one: `async for out in engine.generate(...)`."""
-        async for out in await self.add_request(request_id, prompt_token_ids, sampling_params, priority):
+                       priority: int = 0, tenant: str | None = None, slo=None) -> AsyncIterator[RequestOutput]:
+        """add_request and its stream in one: `async for out in engine.generate(...)`. `tenant` and `slo`
+        (SLOTargets): chapter 15's scheduling policies read them."""
+        async for out in await self.add_request(request_id, prompt_token_ids, sampling_params, priority, tenant, slo):
             yield out
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -189,10 +191,10 @@ class AsyncLLMEngine:
         with self._lock:
             adds, self._inbox_adds = self._inbox_adds, []
             aborts, self._inbox_aborts = self._inbox_aborts, []
-        for request_id, prompt_token_ids, params, priority in adds:
+        for request_id, prompt_token_ids, params, priority, extra in adds:
             stream = self._streams[request_id]
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, priority)
+                self.engine.add_request(request_id, prompt_token_ids, params, priority, **extra)
             except Exception as e:  # noqa: BLE001 — refused: the caller's add_request raises it
                 with self._lock:
                     del self._streams[request_id]

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from nanoserve.engine.executor import Executor
+from nanoserve.engine.policies import SLOTargets, make_policy
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
@@ -47,6 +48,15 @@ class EngineConfig:
     # Chapter 10: with at least this many requests waiting, steps run on the degraded (quantized) copy of the
     # weights, until the queue falls to half of it (hysteresis). None: off, nothing changes.
     degrade_under_load: int | None = None
+    # Chapter 15: the scheduling policy (nanoserve/engine/policies/): "fcfs" | "priority" | "slo" | "fair";
+    # the server's default SLO targets (ms), per-tenant SLO overrides and fair-share weights, and whether the
+    # slo policy refuses a request whose TTFT deadline is lost (instead of serving it late)
+    scheduling_policy: str = "priority"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False
+    tenant_weights: dict | None = None  # tenant -> weight (fair); missing tenants weigh 1
+    tenant_slos: dict | None = None  # tenant -> SLOTargets (slo)
 
 
 @dataclass
@@ -63,6 +73,7 @@ class RequestOutput:
     # n > 1: one output per completion and step, `index` says which; `finished` turns True on the last
     # output of the whole request, each completion's own end is its finish_reason
     index: int = 0
+    reject_reason: str | None = None  # chapter 15: the scheduling policy refused the request (finish_reason "abort")
 
 
 class LLMEngine:
@@ -103,7 +114,12 @@ class LLMEngine:
         self.block_manager = block_manager(num_blocks, config.block_size, config.enable_prefix_caching,
                                            allocator=allocator, prefix_cache=prefix_cache)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager)
+        # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
+        policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),
+                             slo_reject=config.slo_reject, tenant_weights=config.tenant_weights,
+                             tenant_slos=config.tenant_slos, modules=student.module)
+        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager,
+                                                                                 policy=policy)
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -120,7 +136,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, tenant: str | None = None,
+                    slo: SLOTargets | None = None) -> None:
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -135,7 +152,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
-        seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params)
+        seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
+                       tenant=tenant, slo=slo)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
@@ -175,13 +193,14 @@ class LLMEngine:
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         self.last_scheduler_output = scheduler_output
+        rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
         if self.config.degrade_under_load is None:
             sampled = self.executor.execute_model(scheduler_output)
         else:
             self._update_precision()
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
-        outputs = []
+        outputs = rejected
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
             for seq in [parent] + self._fork(parent, sampled, now):
                 token_id = seq.output_token_ids[-1]
@@ -206,7 +225,8 @@ class LLMEngine:
         children = []
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
-                             seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i)
+                             seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
+                             tenant=seq.tenant, slo=seq.slo)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:
@@ -257,6 +277,7 @@ class LLMEngine:
             finish_reason=seq.status.finish_reason,
             metrics=self._metrics(seq) if seq.is_finished else {},
             index=seq.index,
+            reject_reason=seq.reject_reason,
         )
 
     def _metrics(self, seq: Sequence) -> dict:

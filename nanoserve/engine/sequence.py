@@ -68,11 +68,14 @@ class Sequence:
     # parallel sampling (n > 1): the request this sequence is completion `index` of; "" = seq_id
     request_id: str = ""
     index: int = 0
+    tenant: str | None = None  # who sent it (chapter 15's fair policy shares tokens across tenants)
+    slo: Any = None  # chapter 15: the request's own SLOTargets (nanoserve/engine/policies/base.py), or None
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    reject_reason: str | None = None  # chapter 15: why the scheduling policy refused it (--slo-reject)
     # metrics (perf_counter seconds)
     scheduled_time: float | None = None  # first time the scheduler admitted it
     first_token_time: float | None = None

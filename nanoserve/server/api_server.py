@@ -140,7 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
         params = req.sampling_params(max_tokens)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            outputs = await state.engine.add_request(request_id, prompt_ids, params)
+            outputs = await state.engine.add_request(request_id, prompt_ids, params, slo=req.slo_targets())
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -154,6 +154,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(500, str(e)) from None
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        rejected = [f.reject_reason for f in finals if getattr(f, "reject_reason", None)]
+        if rejected:  # chapter 15: --slo-reject refused it, its TTFT deadline was lost
+            raise APIError(503, rejected[0], "ttft_slo_ms")
         choices = [({"index": f.index, "message": {"role": "assistant", "content": f.text}} if kind == "chat"
                     else {"index": f.index, "text": f.text}) | {"logprobs": None, "finish_reason": f.finish_reason}
                    for f in finals]

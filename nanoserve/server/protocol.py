@@ -73,6 +73,17 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    # chapter 15's extension: this request's own SLO targets (the slo scheduling policy reads them)
+    ttft_slo_ms: float | None = Field(None, gt=0)
+    tpot_slo_ms: float | None = Field(None, gt=0)
+
+    def slo_targets(self):
+        """The request's SLOTargets, or None when it asks none (the tenant's or the server's then apply)."""
+        from nanoserve.engine.policies import SLOTargets
+
+        if self.ttft_slo_ms is None and self.tpot_slo_ms is None:
+            return None
+        return SLOTargets(self.ttft_slo_ms, self.tpot_slo_ms)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
