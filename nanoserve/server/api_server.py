@@ -68,6 +68,13 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.nanoserve = state
     cfg = state.config
 
+    @app.middleware("http")
+    async def count_responses(request: Request, call_next):  # chapter 15's 5xx-rate alert reads this
+        response = await call_next(request)
+        if state.stat_logger is not None:
+            state.stat_logger.record_response(response.status_code)
+        return response
+
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
         return JSONResponse(e.body(), e.status, headers=e.headers)
