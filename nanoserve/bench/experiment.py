@@ -527,7 +527,7 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
-    http_only = args.name == "servers" or (args.name == "concurrency" and args.url)
+    http_only = args.name in ("servers", "scheduling") or (args.name == "concurrency" and args.url)  # scheduling: its own
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     print(f"command: {command}\nthreads: {torch.get_num_threads()}")
