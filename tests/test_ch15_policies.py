@@ -338,3 +338,35 @@ def test_engine_takes_the_policy_from_its_config_and_reports_a_rejection():
     assert engine.block_manager.get_num_free_blocks() == 32
     with pytest.raises(ValueError, match="scheduling policy"):
         LLMEngine(tiny_llama(), EngineConfig(num_blocks=8, scheduling_policy="round-robin"))
+
+
+def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_503():
+    import json
+    import urllib.error
+    import urllib.request
+
+    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.server.runner import serving
+    from nanoserve.text.tokenizer import Tokenizer
+    from tests.tiny_model import tiny_llama
+
+    tokenizer = Tokenizer.from_gguf()
+    engine = LLMEngine(tiny_llama(vocab_size=49152, max_position_embeddings=1024),
+                       EngineConfig(num_blocks=32, block_size=16, scheduling_policy="slo", slo_reject=True), tokenizer)
+
+    def post(body):
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
+
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        # a TTFT target of 1 microsecond is lost before the first step: refused, with the reason
+        status, body = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001})
+        assert status == 503 and "TTFT deadline lost" in body["error"]["message"], body
+        status, body = post({"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "ttft_slo_ms": 60_000})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        status, body = post({"prompt": "Hi", "ttft_slo_ms": -5})
+        assert status == 400 and body["error"]["param"] == "ttft_slo_ms"
