@@ -34,7 +34,9 @@ class LLM:
                  student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
                  weights: str | None = None, degrade_under_load: int | None = None,
                  tensor_parallel_size: int = 1, kernel_crossover_tokens: int | None = None,
-                 large_step_weights: str = "copy", speculative: str | None = None, num_speculative_tokens: int = 4):
+                 large_step_weights: str = "copy", speculative: str | None = None, num_speculative_tokens: int = 4,
+                 scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
+                 slo_tpot_ms: float | None = None, slo_reject: bool = False):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -50,7 +52,9 @@ class LLM:
         "copy" of each quantized weight for those steps (2 bytes per weight more: SmolLM2 q4 95 MB + 269 MB) or
         "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
         a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
-        speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14)."""
+        speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
+        scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
+        default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost)."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -92,7 +96,8 @@ class LLM:
         config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
                               enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
                               degrade_under_load=degrade_under_load, speculative=speculative,
-                              num_speculative_tokens=num_speculative_tokens)
+                              num_speculative_tokens=num_speculative_tokens, scheduling_policy=scheduling_policy,
+                              slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         except BaseException:

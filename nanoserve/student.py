@@ -82,6 +82,8 @@ STUDENT_FILES = {
     "nanoserve.structured.choice": "13-structured-outputs/choice.py",
     "nanoserve.structured.bitmask": "13-structured-outputs/bitmask.py",
     "nanoserve.structured.matcher": "13-structured-outputs/matcher.py",
+    "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
+    "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
 }
 
 
@@ -130,6 +132,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     "nanoserve.spec_decode.acceptance": {
         "14.2": ["greedy_accept"],
         "14.3": ["residual", "rejection_sample"],
+    },
+    "nanoserve.engine.policies.slo": {
+        "15.1": ["SLOPolicy.order_waiting"],
+        "15.2": ["SLOPolicy.choose_victim"],
     },
 }
 

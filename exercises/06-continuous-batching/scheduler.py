@@ -79,8 +79,9 @@ class Scheduler(ReferenceScheduler):
         What must hold when it returns:
           - the running sequences are served in urgency order (`self.running[0]` first) while budget lasts,
             each computing what 6.2 allows and holding the blocks for it;
-          - when the pool is short for a sequence, blocks are taken back by preempting (`self.preempt`) the
-            LEAST urgent running sequences, one at a time, until it fits; each victim leaves `self.running`
+          - when the pool is short for the sequence at index i, blocks are taken back by preempting
+            (`self.preempt`) the victims `self.choose_victim(i)` names (chapter 15's policies choose; by default
+            the LEAST urgent running sequence), one at a time, until it fits; each victim leaves `self.running`
             and its id is in `out.preempted_seq_ids`;
           - a sequence never preempts a more urgent one: if the only one left to take blocks from is the
             sequence itself, it is the one preempted, and it waits;

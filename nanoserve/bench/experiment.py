@@ -15,6 +15,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   dtype            float32 vs bfloat16 weights and KV on this CPU: tokens/s and greedy agreement
   concurrency      through HTTP: throughput, TTFT and TPOT vs the number of concurrent clients (1 -> 64)
   servers          through HTTP: `bench serve` against several servers, interleaved round by round
+  scheduling       chapter 15: a bursty two-tenant workload under each scheduling policy (fcfs, priority, slo,
+                   slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
 
 Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
 """
@@ -27,7 +29,8 @@ import time
 
 import torch
 
-EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers"]
+EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
+               "scheduling"]
 
 
 def register(sub):
@@ -54,8 +57,9 @@ def greedy(n: int):
 
 
 def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict, list[dict]]:
-    """Run `arrivals` [(step, request id, prompt ids, output tokens)] to the end: each request is added just
-    before engine step `step`. Returns ({id: RequestRecord}, one trace row per step)."""
+    """Run `arrivals` [(step, request id, prompt ids, output tokens[, add_request kwargs])] to the end: each
+    request is added just before engine step `step`. Returns ({id: RequestRecord}, one trace row per step).
+    A request the scheduling policy refused (chapter 15) is a failed record, its reason the error."""
     from nanoserve.bench.offline import stamp_outputs
     from nanoserve.metrics import RequestRecord
 
@@ -66,12 +70,14 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
         if not engine.has_unfinished_requests():
             step = max(step, pending[0][0])  # idle: jump to the next arrival
         while pending and pending[0][0] <= step:
-            _, rid, prompt, n = pending.pop(0)
+            _, rid, prompt, n, *kwargs = pending.pop(0)
             records[rid] = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
-            engine.add_request(rid, prompt, greedy(n))
+            engine.add_request(rid, prompt, greedy(n), **(kwargs[0] if kwargs else {}))
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - t0
+        for rejected in [o for o in outputs if getattr(o, "reject_reason", None)]:
+            records[rejected.request_id].success, records[rejected.request_id].error = False, rejected.reject_reason
         stamp_outputs(records, outputs, now)
         out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
         preemptions += len(out.preempted_seq_ids)
@@ -491,7 +497,13 @@ def _metrics():
     return importlib.import_module("nanoserve.metrics")
 
 
-RUNNERS = {"chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
+def scheduling(args, model, tokenizer):
+    from nanoserve.bench.scheduling import scheduling as run_scheduling
+
+    return run_scheduling(args, model, tokenizer)
+
+
+RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers}
 
 
@@ -515,7 +527,7 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
-    http_only = args.name == "servers" or (args.name == "concurrency" and args.url)
+    http_only = args.name in ("servers", "scheduling") or (args.name == "concurrency" and args.url)  # scheduling: its own
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     print(f"command: {command}\nthreads: {torch.get_num_threads()}")

@@ -65,6 +65,14 @@ def add_engine_args(p):
                    help="speculative decoding (chapter 14): n-gram prompt lookup, or the model's first layers as a draft")
     p.add_argument("--num-speculative-tokens", type=checks.positive_int, default=4, metavar="K",
                    help="with --speculative: tokens proposed and verified per step")
+    p.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority", "slo", "fair"],
+                   help="who is admitted, served and preempted first (chapter 15; default: priority, then arrival)")
+    p.add_argument("--slo-ttft-ms", type=checks.positive_float, default=None, metavar="MS",
+                   help="the slo policy's default time-to-first-token target (a request may ask its own)")
+    p.add_argument("--slo-tpot-ms", type=checks.positive_float, default=None, metavar="MS",
+                   help="the slo policy's default time-per-output-token target")
+    p.add_argument("--slo-reject", action="store_true",
+                   help="slo policy: refuse a request whose TTFT deadline is already lost instead of serving it late")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
@@ -78,7 +86,9 @@ def llm_from_args(args, tokenizer=None):
                enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer,
                attention_backend=args.attention_backend, weights=args.weights,
                degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
-               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+               scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+               slo_reject=args.slo_reject)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

@@ -84,7 +84,7 @@ class AsyncLLMEngine:
 
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                          priority: int = 0, tenant: str | None = None,
+                          priority: int = 0, tenant: str | None = None, slo=None,
                           speculative: bool = True) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; returns its output stream once the engine took it (at the next
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
@@ -100,7 +100,7 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
-                                     {"tenant": tenant, "speculative": speculative}))
+                                     {"tenant": tenant, "slo": slo, "speculative": speculative}))
         self._wakeup.set()
         try:
             await stream.added
@@ -110,10 +110,11 @@ class AsyncLLMEngine:
         return self._outputs(request_id, stream.queue)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       priority: int = 0, tenant: str | None = None,
+                       priority: int = 0, tenant: str | None = None, slo=None,
                        speculative: bool = True) -> AsyncIterator[RequestOutput]:
-        """add_request and its stream in one: `async for out in engine.generate(...)`."""
-        async for out in await self.add_request(request_id, prompt_token_ids, sampling_params, priority, tenant,
+        """add_request and its stream in one: `async for out in engine.generate(...)`. `tenant` and `slo`
+        (SLOTargets): chapter 15's scheduling policies read them; speculative: chapter 14's opt-out."""
+        async for out in await self.add_request(request_id, prompt_token_ids, sampling_params, priority, tenant, slo,
                                                 speculative):
             yield out
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from nanoserve.engine.executor import Executor
+from nanoserve.engine.policies import SLOTargets, make_policy
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import Worker
@@ -58,6 +59,15 @@ class EngineConfig:
     prompt_lookup_min: int = 1  # ngram: the shortest suffix matched (vLLM's names)
     prompt_lookup_max: int = 4  # ngram: the longest
     draft_num_layers: int | None = None  # draft: the first L layers (None: a quarter of them)
+    # Chapter 15: the scheduling policy (nanoserve/engine/policies/): "fcfs" | "priority" | "slo" | "fair";
+    # the server's default SLO targets (ms), per-tenant SLO overrides and fair-share weights, and whether the
+    # slo policy refuses a request whose TTFT deadline is lost (instead of serving it late)
+    scheduling_policy: str = "priority"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False
+    tenant_weights: dict | None = None  # tenant -> weight (fair); missing tenants weigh 1
+    tenant_slos: dict | None = None  # tenant -> SLOTargets (slo)
 
 
 @dataclass
@@ -77,6 +87,7 @@ class RequestOutput:
     # chapter 08: the TokenLogprob (nanoserve/engine/sampler.py) of each of new_token_ids, when the request
     # asked for logprobs (None otherwise)
     logprobs: list | None = None
+    reject_reason: str | None = None  # chapter 15: the scheduling policy refused the request (finish_reason "abort")
 
 
 class LLMEngine:
@@ -118,7 +129,12 @@ class LLMEngine:
         self.block_manager = block_manager(num_blocks, config.block_size, config.enable_prefix_caching,
                                            allocator=allocator, prefix_cache=prefix_cache)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager)
+        # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
+        policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),
+                             slo_reject=config.slo_reject, tenant_weights=config.tenant_weights,
+                             tenant_slos=config.tenant_slos, modules=student.module)
+        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager,
+                                                                                 policy=policy)
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -146,10 +162,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
-                    arrival_time: float | None = None, tenant: str | None = None, speculative: bool = True) -> None:
+                    arrival_time: float | None = None, tenant: str | None = None,
+                    slo: SLOTargets | None = None, speculative: bool = True) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
-        metrics' use; None: nobody in particular. speculative: False opts this request out of chapter 14's
-        speculation."""
+        metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
+        this request out of chapter 14's speculation."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -172,7 +189,7 @@ class LLMEngine:
         # chapter 13: compiled here unless the async engine compiled it ahead (then a cache hit)
         grammar = None if sampling_params.structured is None else self.structured.prepare(sampling_params)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
-                       tenant=tenant)
+                       tenant=tenant, slo=slo)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
@@ -220,6 +237,7 @@ class LLMEngine:
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         self.last_scheduler_output = scheduler_output
         scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
+        rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
         if self.config.degrade_under_load is None:
             sampled = self.executor.execute_model(scheduler_output)
         else:
@@ -227,7 +245,7 @@ class LLMEngine:
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
-        outputs = []
+        outputs = rejected
         logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
             if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
@@ -330,7 +348,7 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant)
+                             tenant=seq.tenant, slo=seq.slo)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:
@@ -382,6 +400,7 @@ class LLMEngine:
             finish_reason=seq.status.finish_reason,
             metrics=self._metrics(seq) if seq.is_finished else {},
             index=seq.index,
+            reject_reason=seq.reject_reason,
         )
 
     def _metrics(self, seq: Sequence) -> dict:

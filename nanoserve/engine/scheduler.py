@@ -29,6 +29,11 @@ The policy, one method per idea (exercises/06 writes them one at a time, rungs 6
     preempt(seq)                6.3  recompute preemption: free the blocks, keep the tokens, wait again
     check_fits_alone(seq)       6.3  add_seq's guard: refuse what could never run, even alone
 
+Chapter 15 makes the orders a policy (nanoserve/engine/policies/): each step, the scheduler asks it to order
+the running sequences (who gets the budget first) and the waiting ones (who is admitted first), to pick the
+preemption victim, and whether a waiting request is refused; the default, "priority", is the order above.
+Time comes from `clock` (time.perf_counter; tests pass a fake one).
+
 vLLM v0 splits its scheduler the same way (_schedule_running, _schedule_prefills); v1 runs the same two
 loops, running then waiting, inside one schedule().
 
@@ -46,6 +51,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from nanoserve.engine.policies.base import PriorityPolicy
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -71,6 +77,7 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # the worker cannot see the BlockManager
     preempted_seq_ids: list[str] = field(default_factory=list)
     finished_seq_ids: list[str] = field(default_factory=list)  # since the last step: workers drop their state
+    rejected_seqs: list[Sequence] = field(default_factory=list)  # refused by the policy this step (reject_reason)
     # (src, dst) whole-block copies the worker does before the forward pass: copy-on-write of a shared
     # last block after a fork (BlockManager.take_copies; vLLM v0's blocks_to_copy)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -93,9 +100,12 @@ def _urgency(seq: Sequence) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager):
+    def __init__(self, config: SchedulerConfig, block_manager, policy=None, clock=time.perf_counter):
         self.config = config
         self.block_manager = block_manager  # chapter 05's BlockManager (or the learner's)
+        self.policy = policy or PriorityPolicy()  # chapter 15: the orders (nanoserve/engine/policies/)
+        self.clock = clock
+        self.now = clock()  # the current step's time, read once per schedule()
         self.waiting: list[Sequence] = []  # sorted by urgency: WAITING and PREEMPTED sequences
         self.running: list[Sequence] = []  # sorted by urgency: they hold blocks
         self.seqs: dict[str, Sequence] = {}  # every live sequence by id
@@ -136,7 +146,13 @@ class Scheduler:
         """One step's plan: the running sequences first, then admissions (the policy: see the top of this file)."""
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
+        self.now = now = self.clock()
+        for seq in [s for s in self.waiting if self.policy.reject_reason(s, now)]:
+            seq.reject_reason = self.policy.reject_reason(seq, now)
+            out.rejected_seqs.append(self.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED))
+        self.running = self.policy.order_running(self.running, now)
         budget = self.schedule_running(out, self.config.max_num_batched_tokens)
+        self.waiting = self.policy.order_waiting(self.waiting, now)  # after the running ones were charged (fair)
         if not out.preempted_seq_ids:  # memory is too tight for who runs already: admitting more would only preempt
             self.schedule_waiting(out, budget)
         if not out.scheduled_seqs and self.waiting and not self.running:
@@ -156,7 +172,7 @@ class Scheduler:
             seq = self.running[i]
             n = self.num_new_tokens(seq, seq.num_computed_tokens, budget)
             while self._allocate(seq, seq.num_computed_tokens + n) is None:
-                victim = self.running.pop()
+                victim = self.choose_victim(i)
                 self.preempt(victim)
                 out.preempted_seq_ids.append(victim.seq_id)
                 if victim is seq:
@@ -166,6 +182,13 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def choose_victim(self, i: int) -> Sequence:
+        """Take the preemption victim out of self.running[i:] (not scheduled yet this step): the policy's choice;
+        with the default policy the last one, the least urgent."""
+        victim = self.policy.choose_victim(self.running[i:], self.now)
+        self.running.remove(victim)
+        return victim
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit from the head of the waiting queue while budget, seats and blocks last; returns the budget left.
@@ -181,7 +204,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = computed
             if seq.scheduled_time is None:
-                seq.scheduled_time = time.perf_counter()
+                seq.scheduled_time = self.clock()
             bisect.insort(self.running, seq, key=_urgency)
             self._schedule(out, seq, n)
             budget -= n
@@ -215,6 +238,7 @@ class Scheduler:
         out.scheduled_seqs.append(seq)
         out.num_scheduled_tokens[seq.seq_id] = n
         out.block_tables[seq.seq_id] = list(self.block_manager.block_table(seq.seq_id))  # a snapshot
+        self.policy.on_scheduled(seq, n)
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         """Parallel sampling: `child` joins the running set holding the parent's blocks (BlockManager.fork:

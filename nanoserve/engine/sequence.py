@@ -68,7 +68,8 @@ class Sequence:
     # parallel sampling (n > 1): the request this sequence is completion `index` of; "" = seq_id
     request_id: str = ""
     index: int = 0
-    tenant: str | None = None  # chapter 08: the API key's tenant that sent it (None: no tenants)
+    tenant: str | None = None  # chapter 08: the API key's tenant that sent it (None: no tenants); chapter 15's fair policy
+    slo: Any = None  # chapter 15: the request's own SLOTargets (nanoserve/engine/policies/base.py), or None
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -77,6 +78,7 @@ class Sequence:
     # chapter 14: proposed next tokens to verify in the next step (never in token_ids until accepted)
     spec_token_ids: list[int] = field(default_factory=list)
     speculative: bool = True  # add_request(..., speculative=False): this request never speculates
+    reject_reason: str | None = None  # chapter 15: why the scheduling policy refused it (--slo-reject)
     # metrics (perf_counter seconds)
     scheduled_time: float | None = None  # first time the scheduler admitted it
     first_token_time: float | None = None

@@ -117,6 +117,13 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.nanoserve = state
     cfg = state.config
 
+    @app.middleware("http")
+    async def count_responses(request: Request, call_next):  # chapter 15's 5xx-rate alert reads this
+        response = await call_next(request)
+        if state.stat_logger is not None:
+            state.stat_logger.record_response(response.status_code)
+        return response
+
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
         return JSONResponse(e.body(), e.status, headers=e.headers)
@@ -218,7 +225,8 @@ def build_app(state: ServerState) -> FastAPI:
         tenant = request.state.tenant
         try:
             outputs = await state.engine.add_request(request_id, prompt_ids, params, request.state.priority,
-                                                     tenant=tenant, speculative=req.speculative)
+                                                     tenant=tenant, slo=req.slo_targets(),
+                                                     speculative=req.speculative)
         except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
             raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
@@ -244,6 +252,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(500, str(e)) from None
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        rejected = [f.reject_reason for f in finals if getattr(f, "reject_reason", None)]
+        if rejected:  # chapter 15: --slo-reject refused it, its TTFT deadline was lost
+            raise APIError(503, rejected[0], "ttft_slo_ms")
         choices = [({"index": f.index, "message": {"role": "assistant", "content": f.text}} if kind == "chat"
                     else {"index": f.index, "text": f.text})
                    | {"logprobs": shape and shape(f.logprobs), "finish_reason": f.finish_reason}

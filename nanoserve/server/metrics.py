@@ -4,6 +4,8 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
 
     nanoserve:num_requests_running / num_requests_waiting      gauges: the scheduler's two queues
     nanoserve:kv_cache_usage_perc                              gauge: fraction of KV blocks held (0..1)
+    nanoserve:kv_cache_fragmentation                           gauge: slots of held blocks that hold no token,
+                                                               over all slots of held blocks (0..1; chapter 15)
     nanoserve:prefix_cache_queries_total / _hits_total         counters, in prompt tokens
     nanoserve:num_preemptions_total                            counter: recompute preemptions
     nanoserve:prompt_tokens_total / generation_tokens_total    counters
@@ -11,6 +13,7 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
     nanoserve:time_to_first_token_seconds, inter_token_latency_seconds,
     nanoserve:request_time_per_output_token_seconds, e2e_request_latency_seconds,
     nanoserve:request_queue_time_seconds                       histograms
+    nanoserve:http_responses_total{status="2xx"|"4xx"|"5xx"}  counter: HTTP responses by status class (chapter 15)
     nanoserve:degraded                                         gauge: 1 while steps run on the degraded
                                                                (q4) copy of the weights (chapter 10), else 0
     nanoserve:spec_decode_num_drafts_total / _num_draft_tokens_total / _num_accepted_tokens_total
@@ -41,6 +44,23 @@ PREFIX = "nanoserve:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 
 
+def kv_fragmentation(running, blocks) -> float:
+    """Slots of the running sequences' blocks that hold no token, over all their slots (0 with none held).
+
+    A block is shared after a fork or a prefix-cache hit: it counts once, as full as its fullest holder.
+    Blocks allocated ahead for this step's tokens, and the unfilled tail of each last block, are the empty slots:
+
+        block_size 4; A holds 2 blocks with 5 tokens computed, B 1 block with 4   -> 3 of 12 slots empty: 0.25
+    """
+    filled: dict[int, int] = {}
+    for seq in running:
+        for j, block in enumerate(blocks.block_table(seq.seq_id)):
+            tokens = min(blocks.block_size, max(0, seq.num_computed_tokens - j * blocks.block_size))
+            filled[block] = max(filled.get(block, 0), tokens)
+    slots = len(filled) * blocks.block_size
+    return 1 - sum(filled.values()) / slots if slots else 0.0
+
+
 class PrometheusStatLogger:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -58,6 +78,8 @@ class PrometheusStatLogger:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running set (they hold KV blocks).")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones too).")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.kv_cache_fragmentation = gauge("kv_cache_fragmentation",
+                                            "Allocated KV slots holding no token / allocated KV slots (0..1).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Recompute preemptions.")
@@ -85,6 +107,8 @@ class PrometheusStatLogger:
             ("num_draft_tokens", "Tokens proposed and verified."),
             ("num_accepted_tokens", "Proposed tokens the target accepted."))}
         self._spec_seen = {name: 0 for name in self.spec_counters}
+        self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
+                                      ["model_name", "status"], registry=self.registry)
         self.model_name = model_name
         self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
 
@@ -94,6 +118,7 @@ class PrometheusStatLogger:
         self.num_requests_running.set(len(scheduler.running))
         self.num_requests_waiting.set(len(scheduler.waiting))
         self.kv_cache_usage.set(blocks.usage)
+        self.kv_cache_fragmentation.set(kv_fragmentation(scheduler.running, blocks))
         queried, hit = blocks.stats.queried_tokens, blocks.stats.hit_tokens
         self.prefix_cache_queries.inc(queried - self._prefix_seen[0])
         self.prefix_cache_hits.inc(hit - self._prefix_seen[1])
@@ -124,6 +149,9 @@ class PrometheusStatLogger:
                 histogram.observe(value)
         for gap in m.get("itl", []):
             self.itl.observe(gap)
+
+    def record_response(self, status_code: int) -> None:
+        self.http_responses.labels(self.model_name, f"{status_code // 100}xx").inc()
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)

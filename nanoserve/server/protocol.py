@@ -149,6 +149,10 @@ class _SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None  # chapter 13
     structured_outputs: StructuredOutputsFields | None = None  # chapter 13, vLLM's extension
 
+    # chapter 15's extension: this request's own SLO targets (the slo scheduling policy reads them)
+    ttft_slo_ms: float | None = Field(None, gt=0)
+    tpot_slo_ms: float | None = Field(None, gt=0)
+
     @field_validator("stop")
     @classmethod
     def _few_short_stops(cls, stop):
@@ -168,6 +172,13 @@ class _SamplingFields(BaseModel):
             if not -100 <= value <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
         return bias
+    def slo_targets(self):
+        """The request's SLOTargets, or None when it asks none (the tenant's or the server's then apply)."""
+        from nanoserve.engine.policies import SLOTargets
+
+        if self.ttft_slo_ms is None and self.tpot_slo_ms is None:
+            return None
+        return SLOTargets(self.ttft_slo_ms, self.tpot_slo_ms)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         structured = self.structured_params()

@@ -1,0 +1,17 @@
+"""Chapter 15 — scheduling policies: who is admitted first, who gets the step's token budget first, who is
+preempted. The scheduler (chapter 06) keeps the mechanics — budget, seats, blocks, chunking — and asks a
+policy three questions (nanoserve/engine/policies/base.py):
+
+    policy          admission order              budget order (running)         preemption victim
+    fcfs            arrival                      arrival                        latest arrival
+    priority        (priority, arrival)          (priority, arrival)            least urgent   (the default)
+    slo             earliest TTFT deadline       least TPOT slack first         most slack
+    fair            lowest tenant virtual time   lowest tenant virtual time     highest virtual time
+
+    policy = make_policy("slo", default_slo=SLOTargets(ttft_ms=500, tpot_ms=100))
+    Scheduler(config, block_manager, policy=policy)
+"""
+
+from nanoserve.engine.policies.base import POLICIES, SchedulingPolicy, SLOTargets, make_policy
+
+__all__ = ["POLICIES", "SchedulingPolicy", "SLOTargets", "make_policy"]
