@@ -70,6 +70,7 @@ STUDENT_FILES = {
     "nanoserve.kv.block_manager": "05-paged-kv/block_manager.py",
     "nanoserve.kv.paged_attention": "05-paged-kv/paged_attention.py",
     "nanoserve.engine.model_runner": "06-continuous-batching/model_runner.py",
+    "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
 }
 
 
@@ -91,6 +92,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "6.2": ["Scheduler.num_new_tokens"],
         "6.3": ["Scheduler.schedule_running", "Scheduler.preempt", "Scheduler.check_fits_alone"],
         "6.4": ["Scheduler.num_cached_tokens"],
+    },
+    "nanoserve.cluster.routing": {
+        "16.1": ["power_of_two_choices"],
+        "16.2": ["prefix_affinity"],
     },
 }
 
