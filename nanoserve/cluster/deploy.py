@@ -92,10 +92,13 @@ def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autosca
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, tries: int = 3) -> None:
     """ray.init: connect to `address`, or start a local Ray with `num_cpus` logical CPUs. On a loaded
-    machine the raylet can give up waiting for its agents (Ray's own 15 s limit): try again."""
+    machine the raylet can give up waiting for its agents (Ray's own 15 s limit): the processes that
+    attempt started are stopped (by pid) and it tries again."""
+    import psutil
     import ray
 
     for attempt in range(tries):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
                      log_to_driver=False, logging_level="ERROR")
@@ -103,6 +106,10 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
         except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception for "timed out during startup"
             if address is not None or "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
+            for p in psutil.Process().children(recursive=True):
+                if p.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
 
 
 @contextlib.contextmanager
