@@ -91,7 +91,7 @@ def run_fleet(args, sock, config, ready) -> int:
     print(f"starting {args.replicas or f'{args.min_replicas or 1}..{args.max_replicas}'} replicas on Ray Serve "
           f"(router: {args.router}) ...", flush=True)
     with fleet(spec_from_args(args), args.replicas, autoscaling, args.router, args.ray_address, args.ray_num_cpus,
-               args.replica_cpus) as f:
+               args.replica_cpus, student=args.student) as f:
         server = Server(build_state(f, tokenizer, **vars(config)), args.host, args.port, args.shutdown_timeout,
                         args.log_level, on_ready=ready)
         add_fleet_routes(server.config.app, f)

@@ -69,8 +69,10 @@ class Fleet:
 
 
 def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None,
-               router: str = "pow2", num_cpus: float = 1, max_ongoing_requests: int = 16, imbalance: int = 4):
-    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`."""
+               router: str = "pow2", num_cpus: float = 1, max_ongoing_requests: int = 16, imbalance: int = 4,
+               student: bool | str | list[str] = False):
+    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`. student: the prefix
+    router runs the learner's routing policies (exercise 16) where finished."""
     from ray.serve.config import RequestRouterConfig
 
     if router not in ROUTERS:
@@ -85,7 +87,7 @@ def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autosca
         from nanoserve.cluster.router import PrefixAwareRouter
 
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAwareRouter, request_router_kwargs={"imbalance": imbalance},
+            request_router_class=PrefixAwareRouter, request_router_kwargs={"imbalance": imbalance, "student": student},
             request_routing_stats_period_s=1)
     return LLMReplica.options(**options).bind(spec)
 

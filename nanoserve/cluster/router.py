@@ -23,14 +23,17 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from nanoserve.cluster.routing import power_of_two_choices, prefix_affinity
+from nanoserve.student import StudentCode
 
 
 class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 4, max_hashes: int = 1 << 16, seed: int | None = None):
+    def initialize_state(self, imbalance: int = 4, max_hashes: int = 1 << 16, seed: int | None = None,
+                         student: bool | str | list[str] = False):
         """imbalance: how many requests busier than the least loaded replica the owner of a prefix may be
-        and still get it. max_hashes: how many block hashes the router remembers (LRU)."""
+        and still get it. max_hashes: how many block hashes the router remembers (LRU). student: with
+        chapter 16 selected, the learner's exercises/16-beyond-one-server/routing.py decides (if finished)."""
         self.imbalance, self.max_hashes = imbalance, max_hashes
+        self.policies = StudentCode(student).module("nanoserve.cluster.routing")
         self.owner_of: OrderedDict[int, str] = OrderedDict()  # block hash -> replica unique id
         self.rng = random.Random(seed)
 
@@ -43,9 +46,9 @@ class PrefixAwareRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         queue_lens = self._queue_lens(candidate_replicas)
         hashes = (pending_request.kwargs.get("block_hashes") or []) if pending_request is not None else []
-        choice, _ = prefix_affinity(hashes, self.owner_of, queue_lens, self.imbalance)
+        choice, _ = self.policies.prefix_affinity(hashes, self.owner_of, queue_lens, self.imbalance)
         if choice is None:
-            choice = power_of_two_choices(queue_lens, self.rng)
+            choice = self.policies.power_of_two_choices(queue_lens, self.rng)
         rest = sorted((r for r in candidate_replicas if r.replica_id.unique_id != choice),
                       key=lambda r: queue_lens[r.replica_id.unique_id])
         return [[by_id[choice]]] + ([rest] if rest else [])
