@@ -78,16 +78,10 @@ class LLMReplica:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params,
                        block_hashes: list[int] | None = None):
-        """The request's stream: ("added", replica id) or ("refused", message), then its RequestOutputs.
-        block_hashes is for the router (it reads them from the request); the engine hashes for itself."""
-        try:
-            outputs = await self.engine.add_request(request_id, prompt_token_ids, sampling_params)
-        except ValueError as e:
-            yield ("refused", str(e))
-            return
-        yield ("added", self.replica_id)
-        async for out in outputs:  # a cancelled call (the client went away) aborts the request here
-            yield out
+        """The request's stream (see replica_stream). block_hashes is for the router (it reads them from
+        the request); the engine hashes for itself."""
+        async for item in replica_stream(self.engine, self.replica_id, request_id, prompt_token_ids, sampling_params):
+            yield item
 
     def info(self) -> dict:
         """Limits the ingress validates against, and this replica's counters (the routing experiment)."""
@@ -105,6 +99,19 @@ class LLMReplica:
             self.metrics_server.shutdown()
         if getattr(self, "llm", None) is not None:
             self.llm.close()
+
+
+async def replica_stream(engine, replica_id: str, request_id: str, prompt_token_ids: list[int], sampling_params):
+    """("added", replica id) or ("refused", message), then the request's RequestOutputs from `engine`
+    (an AsyncLLMEngine). A cancelled call (the client went away) aborts the request (chapter 08)."""
+    try:
+        outputs = await engine.add_request(request_id, prompt_token_ids, sampling_params)
+    except ValueError as e:
+        yield ("refused", str(e))
+        return
+    yield ("added", replica_id)
+    async for out in outputs:
+        yield out
 
 
 def _pace(engine, delay_s: float) -> None:
