@@ -5,11 +5,14 @@ the end; each replica gets one CPU, hence one torch thread, and the tiny random 
 References: chapter 08's one-process server on the same weights (same greedy text, same error bodies),
 the replicas' own counters, Ray Serve's own replica count, and the OS's process table."""
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -126,16 +129,9 @@ def test_autoscaling_follows_a_burst_and_the_idle_after(ray_session):
         trace = []
 
         async def burst():
-            import asyncio
-import json
-import re
-
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
                 body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
                 return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
-
-        import asyncio
-        import threading
 
         replies = []
         worker = threading.Thread(target=lambda: replies.extend(asyncio.run(burst())))
