@@ -132,8 +132,11 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
         info = handle.info.remote().result()
         yield Fleet(handle, ReplicaClient(handle, info), started)
     finally:
+        from nanoserve.cluster.replica import forget_replicas
+
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
+            forget_replicas()
         if started:
             with contextlib.suppress(Exception):
                 serve.shutdown()

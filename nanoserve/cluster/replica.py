@@ -157,9 +157,16 @@ def _announce(replica_id: str, url: str) -> None:
     _internal_kv_put(f"metrics/{replica_id}", url, overwrite=True, namespace=KV_NAMESPACE)
 
 
+def forget_replicas() -> None:
+    """Drop every announced URL (the application is being deleted)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(b"metrics/", del_by_prefix=True, namespace=KV_NAMESPACE)
+
+
 def replica_metrics_urls() -> dict[str, str]:
-    """replica id -> its /metrics URL, for every replica that announced one (dead ones included until
-    Ray Serve's replacement overwrites nothing: a scraper skips the URLs that do not answer)."""
+    """replica id -> its /metrics URL, for every replica of this application that announced one (a replica
+    that died stays listed: a scraper skips the URLs that do not answer)."""
     from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
 
     keys = _internal_kv_list(b"metrics/", namespace=KV_NAMESPACE)
