@@ -19,8 +19,10 @@ replicas (ceil(total ongoing / target)), and below it for `downscale_delay_s` it
 """
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from nanoserve.cluster.client import ReplicaClient
 from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
@@ -99,6 +101,12 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
     import psutil
     import ray
 
+    if address is None:
+        # the replicas import what this process imports: nanoserve's checkout (and, in the tests and the
+        # notebook, its tests/ package for the tiny model) must be on their path too, installed or not
+        root = str(Path(__file__).resolve().parents[2])
+        paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
     for attempt in range(tries):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
