@@ -7,6 +7,7 @@
 """
 
 import signal
+import sys
 import threading
 
 from nanoserve.cluster.deploy import ROUTERS, Autoscaling
@@ -90,13 +91,22 @@ def run_fleet(args, sock, config, ready) -> int:
     tokenizer = Tokenizer.from_gguf(args.model)
     print(f"starting {args.replicas or f'{args.min_replicas or 1}..{args.max_replicas}'} replicas on Ray Serve "
           f"(router: {args.router}) ...", flush=True)
-    with fleet(spec_from_args(args), args.replicas, autoscaling, args.router, args.ray_address, args.ray_num_cpus,
-               args.replica_cpus, student=args.student) as f:
-        server = Server(build_state(f, tokenizer, **vars(config)), args.host, args.port, args.shutdown_timeout,
-                        args.log_level, on_ready=ready)
-        add_fleet_routes(server.config.app, f)
-        server.run(sockets=[sock])
-        # Ray's own SIGINT handler may be back: Ctrl-C during the teardown must not leave Ray behind
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with fleet(spec_from_args(args), args.replicas, autoscaling, args.router, args.ray_address, args.ray_num_cpus,
+                   args.replica_cpus, student=args.student) as f:
+            server = Server(build_state(f, tokenizer, **vars(config)), args.host, args.port, args.shutdown_timeout,
+                            args.log_level, on_ready=ready)
+            add_fleet_routes(server.config.app, f)
+            server.run(sockets=[sock])
+            # Ray's own SIGINT handler may be back: Ctrl-C during the teardown must not leave Ray behind
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ConnectionError as e:  # --ray-address that answers nothing
+        print(f"error: cannot join the Ray cluster at {args.ray_address}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 — Ray's bare Exception: its node did not come up
+        if "timed out during startup" not in str(e):
+            raise
+        print(f"error: Ray could not start on this machine: {e}", file=sys.stderr)
+        return 1
     return 0
