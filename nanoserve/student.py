@@ -84,6 +84,7 @@ STUDENT_FILES = {
     "nanoserve.structured.matcher": "13-structured-outputs/matcher.py",
     "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
     "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
+    "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
 }
 
 
@@ -136,6 +137,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     "nanoserve.engine.policies.slo": {
         "15.1": ["SLOPolicy.order_waiting"],
         "15.2": ["SLOPolicy.choose_victim"],
+    },
+    "nanoserve.cluster.routing": {
+        "16.1": ["power_of_two_choices"],
+        "16.2": ["prefix_affinity"],
     },
 }
 

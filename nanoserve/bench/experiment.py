@@ -17,10 +17,13 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   servers          through HTTP: `bench serve` against several servers, interleaved round by round
   scheduling       chapter 15: a bursty two-tenant workload under each scheduling policy (fcfs, priority, slo,
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
+  routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
+                   long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
 
 Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
 """
 
+import importlib
 import json
 import os
 import random
@@ -30,7 +33,7 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling"]
+               "scheduling", "routing"]
 
 
 def register(sub):
@@ -44,6 +47,7 @@ def register(sub):
                         "concurrency without --url starts nanoserve in this process")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
+    p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -504,7 +508,8 @@ def scheduling(args, model, tokenizer):
 
 
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
-           "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers}
+           "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
+           "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a)}
 
 
 def run(args):
@@ -527,8 +532,10 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
-    http_only = args.name in ("servers", "scheduling") or (args.name == "concurrency" and args.url)  # scheduling: its own
+    http_only = args.name in ("servers", "scheduling", "routing") or (args.name == "concurrency" and args.url)  # scheduling: its own
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
+    if args.name == "routing":  # the replicas load the model themselves
+        model, tokenizer = None, Tokenizer.from_gguf()
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     print(f"command: {command}\nthreads: {torch.get_num_threads()}")
     result, figure = RUNNERS[args.name](args, model, tokenizer)

@@ -14,6 +14,7 @@ import socket
 import sys
 
 from nanoserve.cli.batch import add_engine_args, llm_from_args
+from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, run_fleet
 
 
 def register(sub):
@@ -40,6 +41,7 @@ def register(sub):
                    help="seconds running streams may take to finish at shutdown before they are aborted")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
+    add_fleet_args(p)
     p.set_defaults(func=run)
 
 
@@ -69,7 +71,7 @@ def check_args(args) -> str | None:
             args.api_keys = load_api_keys(args.api_keys)
         except ValueError as e:
             return f"--api-keys: {e}"
-    return None
+    return check_fleet_args(args)
 
 
 def how_to_call(url: str, model: str, api_key: bool) -> str:
@@ -104,17 +106,10 @@ def run(args):
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'} ...", flush=True)
-    try:
-        llm = llm_from_args(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    stat_logger = PrometheusStatLogger(args.served_model_name)
     config = ServerConfig(args.served_model_name, args.api_key, args.metrics_need_key, args.max_waiting_requests,
                           args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student,
-                          api_keys=args.api_keys, request_timeout=args.request_timeout)
-    state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
+                          api_keys=args.api_keys, request_timeout=args.request_timeout,
+                          metrics_compat=args.metrics_compat)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
@@ -124,9 +119,38 @@ def run(args):
         print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop).{key_note} Try:\n", flush=True)
         print(how_to_call(url, args.served_model_name, args.api_key is not None or bool(args.api_keys)) + "\n",
               flush=True)
-        print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
+        if is_fleet(args):
+            print(f"each replica's /metrics: {url}/replicas\n", flush=True)
+        else:
+            print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
+
+    if is_fleet(args):  # chapter 16: the engines are Ray Serve replicas, this process is their ingress
+        code = run_fleet(args, sock, config, ready)
+        print("nanoserve: stopped (Ray shut down)", flush=True)
+        return code
+    print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'} ...", flush=True)
+    try:
+        llm = llm_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stat_logger = PrometheusStatLogger(args.served_model_name, args.metrics_compat)
+    state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
+    publisher = None
+    if args.kv_events_endpoint is not None:  # chapter 16: the prefix cache's events, vLLM's wire format
+        from nanoserve.kv.kv_events import record_kv_events
+        from nanoserve.server.kv_events import KVEventPublisher
+
+        try:
+            publisher = KVEventPublisher(record_kv_events(llm.engine.block_manager), args.kv_events_endpoint)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"KV-cache events (vLLM's format): {publisher.endpoint}", flush=True)
 
     with llm:  # with --tensor-parallel-size the worker processes stop with the server (chapter 11)
         Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
+    if publisher is not None:
+        publisher.close()
     print("nanoserve: stopped", flush=True)
     return 0

@@ -15,6 +15,15 @@ closes its gloo sockets, so rank 0's next collective fails within moments ("Conn
 instead of waiting out a timeout; a worker killed outright closes them too. The Executor then calls
 `WorkerProcesses.fail`: it names the rank and the cause, kills what is left, and marks the group dead.
 The processes talk only through pipes (socket pairs) and gloo's TCP sockets: no shared memory.
+
+Several machines (chapter 16): the standard launcher starts one process per node instead of the spawn,
+
+    torchrun --nnodes 3 --nproc-per-node 1 --node-rank R --master-addr HOST0 --master-port 29500 \
+        -m nanoserve batch --tensor-parallel-size 3 --input requests.jsonl --output results.jsonl
+
+and `start_workers` sees torchrun's RANK / WORLD_SIZE: rank 0 goes on to run the command as the
+engine; every other rank loads its shard, joins the group (env://, torchrun's MASTER_ADDR:MASTER_PORT)
+and runs `worker_loop` — the same code as a spawned worker — until rank 0 says SHUTDOWN, then exits.
 """
 
 import datetime
@@ -218,6 +227,30 @@ def exit_story(p) -> str:
     return f"exited with status {code}"
 
 
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (torch.distributed.run) started this process, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def join_torchrun(source: ModelSource, tp_size: int, rank: int, world_size: int):
+    """The ranks torchrun started, one per node: rank 0 returns (WorkerProcesses with no local process,
+    its model); any other rank serves rank 0's steps here and exits the process when told to stop."""
+    if world_size != tp_size:
+        raise ValueError(f"torchrun started {world_size} ranks but the tensor-parallel size is {tp_size}: "
+                         "give --nnodes x --nproc-per-node = --tensor-parallel-size")
+    tp = TPGroup(rank, tp_size)
+    model = source.load(tp)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    if rank != 0:
+        worker_loop(tp, model)
+        dist.destroy_process_group()
+        os._exit(0)  # this rank's command ends here: rank 0 alone runs it
+    tp.workers = WorkerProcesses(tp, [], [])  # the other ranks live on other nodes: nothing to spawn or join
+    return tp.workers, model
+
+
 def start_workers(model, tp_size: int, student=False):
     """Start ranks 1 .. tp_size−1, load rank 0's shard here, join the group: (WorkerProcesses, rank 0's model).
 
@@ -235,6 +268,9 @@ def start_workers(model, tp_size: int, student=False):
         split_heads(config_from_gguf(open_gguf(source.gguf_path or embedded_gguf_path())), tp_size)
     if dist.is_initialized():
         raise RuntimeError("this process already drives a tensor-parallel group: close that LLM first")
+    launched = torchrun_rank()
+    if launched is not None:  # chapter 16: torchrun started one rank per node, each runs this
+        return join_torchrun(source, tp_size, *launched)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or free_port(addr))
     num_threads = max(1, torch.get_num_threads() // tp_size)  # the ranks share this machine's cores

@@ -56,6 +56,7 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds a client may take to send its body
     retry_after_s: int = 1  # what a 503 for a full queue tells the client
     student: bool | str | list[str] = False  # with chapter 08 selected: the learner's exercises/08-http-serving/streaming.py
+    metrics_compat: str | None = None  # "vllm": /metrics also under vLLM's names (chapter 16)
 
 
 class ServerState:

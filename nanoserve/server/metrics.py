@@ -25,6 +25,10 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
                                                                admitted, rate_limited (429), timed_out (408)
     nanoserve:tenant_tokens_total{tenant=...}                  counter: prompt + generated tokens per tenant
 
+With `compat="vllm"` (`serve --metrics-compat vllm`, chapter 16) the three gauges a fleet's endpoint
+picker reads (Kubernetes' Gateway API Inference Extension, llm-d) are also exported under vLLM's own
+names: vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc.
+
 The share of tokens served degraded over the last 5 minutes, in PromQL (the degraded copy is always q4,
 and a server that degrades never serves q4 otherwise):
 
@@ -42,6 +46,9 @@ disable_created_metrics()  # no `_created` twin of every counter: the scrape rea
 PREFIX = "nanoserve:"
 # seconds: from a fast decode step on a quiet machine to a long queue under overload
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
+
+
+METRICS_COMPAT = ("vllm",)
 
 
 def kv_fragmentation(running, blocks) -> float:
@@ -62,7 +69,10 @@ def kv_fragmentation(running, blocks) -> float:
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, compat: str | None = None):
+        """compat: None, or "vllm" to also export the queue and KV gauges under vLLM's names."""
+        if compat is not None and compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics compat must be one of {METRICS_COMPAT}, got {compat!r}")
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
 
@@ -110,6 +120,12 @@ class PrometheusStatLogger:
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
                                       ["model_name", "status"], registry=self.registry)
         self.model_name = model_name
+        # the same values under another server's names: vLLM's, for a fleet's endpoint picker
+        self.compat = {} if compat is None else {
+            name: Gauge(f"{compat}:{name}", f"{doc} (= nanoserve:{name})", **label).labels(model_name)
+            for name, doc in (("num_requests_running", "Requests in the running set."),
+                              ("num_requests_waiting", "Requests waiting to be scheduled."),
+                              ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."))}
         self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
 
     def record(self, engine, outputs, scheduler_output=None) -> None:
@@ -119,6 +135,10 @@ class PrometheusStatLogger:
         self.num_requests_waiting.set(len(scheduler.waiting))
         self.kv_cache_usage.set(blocks.usage)
         self.kv_cache_fragmentation.set(kv_fragmentation(scheduler.running, blocks))
+        for name, value in (("num_requests_running", len(scheduler.running)),
+                            ("num_requests_waiting", len(scheduler.waiting)), ("kv_cache_usage_perc", blocks.usage)):
+            if name in self.compat:
+                self.compat[name].set(value)
         queried, hit = blocks.stats.queried_tokens, blocks.stats.hit_tokens
         self.prefix_cache_queries.inc(queried - self._prefix_seen[0])
         self.prefix_cache_hits.inc(hit - self._prefix_seen[1])

@@ -93,7 +93,7 @@ def serving(engine, tokenizer, shutdown_timeout: float = 10.0, **config):
     """Serve an LLMEngine from a thread on a free loopback port: yields (base URL, Server), then shuts
     down gracefully. `config`: ServerConfig's fields (api_key=..., max_waiting_requests=...)."""
     config = ServerConfig(**config)
-    stat_logger = PrometheusStatLogger(config.model_name)
+    stat_logger = PrometheusStatLogger(config.model_name, config.metrics_compat)
     state = ServerState(AsyncLLMEngine(engine, stat_logger), tokenizer, config, stat_logger)
     server = Server(state, "127.0.0.1", 0, shutdown_timeout=shutdown_timeout)
     port = server.start_in_thread()

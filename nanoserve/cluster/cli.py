@@ -1,0 +1,112 @@
+"""Chapter 16 — `serve`'s fleet flags: replicas on Ray Serve, the router, autoscaling, vLLM-compatible signals.
+
+    python -m nanoserve serve --replicas 2 [--router prefix]            a local Ray, started and stopped here
+    python -m nanoserve serve --replicas 2 --ray-address auto           an existing Ray cluster (`ray start`)
+    python -m nanoserve serve --min-replicas 1 --max-replicas 4 --target-ongoing-requests 2
+    python -m nanoserve serve --metrics-compat vllm --kv-events-endpoint tcp://127.0.0.1:5557   (one process)
+"""
+
+import signal
+import sys
+import threading
+
+from nanoserve.cluster.deploy import ROUTERS, Autoscaling
+
+
+def add_fleet_args(p) -> None:
+    from nanoserve.cli import checks
+
+    g = p.add_argument_group("beyond one server (chapter 16)")
+    g.add_argument("--replicas", type=checks.positive_int, default=None,
+                   help="run this many engine replicas on Ray Serve behind this server (default: one engine, "
+                        "in this process)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster ('auto' or host:port) instead of starting a local Ray")
+    g.add_argument("--router", choices=ROUTERS, default="pow2",
+                   help="pow2: Ray Serve's power of two choices; prefix: to the replica holding the prompt's "
+                        "leading KV blocks, unless it is busy")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (= its torch threads)")
+    g.add_argument("--ray-num-cpus", type=checks.positive_int, default=None,
+                   help="CPUs of the local Ray (default: the machine's)")
+    g.add_argument("--min-replicas", type=checks.positive_int, default=None,
+                   help="autoscale from this many replicas (with --max-replicas)")
+    g.add_argument("--max-replicas", type=checks.positive_int, default=None, help="autoscale up to this many replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=2.0,
+                   help="autoscaling target: requests in flight per replica")
+    g.add_argument("--upscale-delay-s", type=float, default=30.0, help="load must stay above target this long to add")
+    g.add_argument("--downscale-delay-s", type=float, default=600.0, help="and below it this long to remove")
+    g.add_argument("--metrics-compat", choices=["vllm"], default=None,
+                   help="also export vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc")
+    g.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
+                   help="publish KV-cache events in vLLM's format (msgpack over ZMQ PUB) here, e.g. "
+                        "tcp://127.0.0.1:5557 (one process only)")
+
+
+def is_fleet(args) -> bool:
+    return args.replicas is not None or args.max_replicas is not None or args.ray_address is not None
+
+
+def check_fleet_args(args) -> str | None:
+    autoscale = args.min_replicas is not None or args.max_replicas is not None
+    if autoscale and args.replicas is not None:
+        return "give --replicas or --min-replicas/--max-replicas (autoscaling), not both"
+    if args.min_replicas is not None and args.max_replicas is None:
+        return "--min-replicas needs --max-replicas"
+    if autoscale and (args.min_replicas or 1) > args.max_replicas:
+        return f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}"
+    if args.target_ongoing_requests <= 0:
+        return f"--target-ongoing-requests must be > 0, got {args.target_ongoing_requests}"
+    if args.upscale_delay_s < 0 or args.downscale_delay_s < 0:
+        return "--upscale-delay-s and --downscale-delay-s must be >= 0"
+    if args.replica_cpus <= 0:
+        return f"--replica-cpus must be > 0, got {args.replica_cpus}"
+    if is_fleet(args) and args.kv_events_endpoint is not None:
+        return "--kv-events-endpoint is for one process; with replicas each would need its own endpoint"
+    if is_fleet(args) and args.tensor_parallel_size > 1:
+        return "--tensor-parallel-size with --replicas is not supported: pick one"
+    return None
+
+
+def spec_from_args(args):
+    from nanoserve.cluster.replica import ReplicaSpec
+
+    engine_kwargs = dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         enable_chunked_prefill=not args.no_chunked_prefill,
+                         enable_prefix_caching=not args.no_prefix_caching, student=args.student,
+                         attention_backend=args.attention_backend, weights=args.weights)
+    return ReplicaSpec(args.model, engine_kwargs, model_name=args.served_model_name, metrics_compat=args.metrics_compat)
+
+
+def run_fleet(args, sock, config, ready) -> int:
+    """Serve chapter 08's app in this process in front of Ray Serve replicas, until SIGTERM / Ctrl-C."""
+    from nanoserve.cluster.deploy import add_fleet_routes, build_state, fleet
+    from nanoserve.server.runner import Server
+    from nanoserve.text.tokenizer import Tokenizer
+
+    autoscaling = None
+    if args.max_replicas is not None:
+        autoscaling = Autoscaling(args.min_replicas or 1, args.max_replicas, args.target_ongoing_requests,
+                                  args.upscale_delay_s, args.downscale_delay_s)
+    tokenizer = Tokenizer.from_gguf(args.model)
+    print(f"starting {args.replicas or f'{args.min_replicas or 1}..{args.max_replicas}'} replicas on Ray Serve "
+          f"(router: {args.router}) ...", flush=True)
+    try:
+        with fleet(spec_from_args(args), args.replicas, autoscaling, args.router, args.ray_address, args.ray_num_cpus,
+                   args.replica_cpus, student=args.student) as f:
+            server = Server(build_state(f, tokenizer, **vars(config)), args.host, args.port, args.shutdown_timeout,
+                            args.log_level, on_ready=ready)
+            add_fleet_routes(server.config.app, f)
+            server.run(sockets=[sock])
+            # Ray's own SIGINT handler may be back: Ctrl-C during the teardown must not leave Ray behind
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ConnectionError as e:  # --ray-address that answers nothing
+        print(f"error: cannot join the Ray cluster at {args.ray_address}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 — Ray's bare Exception: its node did not come up
+        if "timed out during startup" not in str(e):
+            raise
+        print(f"error: Ray could not start on this machine: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,99 @@
+"""Chapter 16 — the ingress's engine: what chapter 08's server talks to when the engines are Ray Serve replicas.
+
+The HTTP app (nanoserve/server/api_server.py) is not forked: `ServerState(ReplicaClient(handle), ...)`
+gives it an object with AsyncLLMEngine's face, so validation, streaming and error shapes are chapter 08's:
+
+    AsyncLLMEngine (one process)              ReplicaClient (a fleet)
+    add_request(id, ids, params) -> stream    the same, over `handle.options(stream=True).generate`
+    ValueError: prompt too long (-> 400)      the replica answers ("refused", why): the same ValueError
+    EngineStepError mid-stream (-> error      the replica died mid-stream (RayActorError): EngineStepError
+      line in the stream, or 500)               naming it; Ray Serve starts a replacement
+    num_unfinished_requests()                 requests in flight at this ingress
+
+The ingress also computes each prompt's block hashes (chapter 05's chain over its full blocks) once,
+and sends them with the request: the prefix-aware router reads them, it never tokenizes.
+"""
+
+import asyncio
+from types import SimpleNamespace
+
+from ray.exceptions import RayActorError, RayError
+
+from nanoserve.engine.async_engine import EngineStepError
+from nanoserve.kv.prefix_cache import block_hashes
+from nanoserve.server.protocol import APIError
+
+MAX_ROUTED_BLOCKS = 64  # the router only needs the start of the chain: system prompts are the shared part
+
+
+def routing_hashes(prompt_token_ids: list[int], block_size: int, limit: int = MAX_ROUTED_BLOCKS) -> list[int]:
+    """The chain hashes of the prompt's leading full blocks, as the engine's prefix cache names them
+    (the last token is always computed, so a block that ends on it is never a hit: leave it out)."""
+    usable = min(max(len(prompt_token_ids) - 1, 0) // block_size, limit) * block_size
+    return block_hashes(prompt_token_ids[:usable], block_size)
+
+
+class ReplicaClient:
+    def __init__(self, handle, info: dict, first_output_timeout_s: float = 120.0):
+        """handle: the LLMReplica deployment's handle; info: one replica's `info()` (limits, block size)."""
+        self.handle = handle.options(stream=True)
+        self.block_size = info["block_size"]
+        # the server reads the limits it validates against from engine.engine (as on an LLMEngine)
+        self.engine = SimpleNamespace(max_model_len=info["max_model_len"], max_seq_len=info["max_seq_len"])
+        self.first_output_timeout_s = first_output_timeout_s
+        self.num_requests_running = 0  # unknown at the ingress: every request in flight counts as waiting
+        self.in_flight = 0
+        self.routed: list[tuple[str, str]] = []  # (request id, replica id): the router's decisions, in order
+        self.is_running = False
+
+    def start(self) -> None:
+        self.is_running = True
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.is_running = False
+
+    def num_unfinished_requests(self) -> int:
+        return self.in_flight
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0):
+        """Route the request to a replica; returns its output stream once that replica's engine took it.
+        ValueError if the engine refused it (as AsyncLLMEngine.add_request), APIError 503 if no replica
+        answered within first_output_timeout_s."""
+        hashes = routing_hashes(prompt_token_ids, self.block_size)
+        gen = self.handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, block_hashes=hashes)
+        self.in_flight += 1
+        try:
+            kind, detail = await asyncio.wait_for(gen.__anext__(), self.first_output_timeout_s)
+        except BaseException as e:
+            self.in_flight -= 1
+            gen.cancel()
+            if isinstance(e, TimeoutError):
+                raise APIError(503, f"no replica took the request within {self.first_output_timeout_s:g} s",
+                               headers={"Retry-After": "1"}) from None
+            if isinstance(e, RayError):
+                raise APIError(503, f"the replica failed before the request started: {type(e).__name__}",
+                               headers={"Retry-After": "1"}) from None
+            raise
+        if kind == "refused":
+            self.in_flight -= 1
+            raise ValueError(detail)
+        self.routed.append((request_id, detail))
+        return self._outputs(gen, detail)
+
+    async def _outputs(self, gen, replica_id: str):
+        finished = False
+        try:
+            async for out in gen:
+                finished = out.finished
+                yield out
+        except RayActorError as e:  # the replica's process died: never a hang, a clear error
+            finished = True
+            raise EngineStepError(f"replica {replica_id} died while serving this request "
+                                  f"({type(e).__name__}); Ray Serve is replacing it, retry") from None
+        except RayError as e:
+            finished = True
+            raise EngineStepError(f"replica {replica_id} failed: {type(e).__name__}: {e}") from None
+        finally:
+            self.in_flight -= 1
+            if not finished:
+                gen.cancel()  # the client went away: the replica's stream is cancelled, which aborts the request

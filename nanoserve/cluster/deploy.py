@@ -1,0 +1,194 @@
+"""Chapter 16 — start a fleet: Ray, Ray Serve, N replicas, chapter 08's HTTP app in front.
+
+    with fleet(ReplicaSpec(), replicas=2, router="prefix") as f:          # a local Ray, stopped after
+        f.client                                                          # the ingress's engine (client.py)
+    with serving_fleet(ReplicaSpec(), replicas=2) as (url, f):            # + the HTTP server on a free port
+        openai.OpenAI(base_url=url + "/v1", api_key="none")...
+
+    python -m nanoserve serve --replicas 2 [--router prefix] [--ray-address auto]
+    python -m nanoserve serve --min-replicas 1 --max-replicas 2 --target-ongoing-requests 2 \\
+        --upscale-delay-s 2 --downscale-delay-s 10                        # autoscaling
+
+The ingress runs in this process (no Ray Serve HTTP proxy: nanoserve's own server and validation);
+the DeploymentHandle in it routes each request, with Ray Serve's default router (power of two
+choices) or the prefix-aware one (router.py), to a replica actor.
+
+Autoscaling is Ray Serve's: every replica reports its ongoing requests; when the average over a
+look-back window stays above `target_ongoing_requests` for `upscale_delay_s`, the controller adds
+replicas (ceil(total ongoing / target)), and below it for `downscale_delay_s` it removes them.
+"""
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanoserve.cluster.client import ReplicaClient
+from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
+
+APP_NAME = "nanoserve"
+ROUTERS = ("pow2", "prefix")
+
+
+@dataclass
+class Autoscaling:
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    metrics_interval_s: float = 10.0  # how often replicas report (Ray Serve's default 10 s; tests: shorter)
+    look_back_period_s: float = 30.0
+
+    def config(self) -> dict:
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": self.min_replicas, "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": self.look_back_period_s}
+
+
+@dataclass
+class Fleet:
+    handle: object
+    client: ReplicaClient
+    started_ray: bool
+
+    def num_replicas(self) -> int:
+        """Replicas running now (from Ray Serve's status)."""
+        from ray import serve
+
+        dep = serve.status().applications[APP_NAME].deployments["LLMReplica"]
+        return dep.replica_states.get("RUNNING", 0)
+
+    def infos(self, calls: int = 8) -> dict[str, dict]:
+        """`info()` of the replicas that answer `calls` calls (the router spreads them), by replica id."""
+        out = {}
+        for _ in range(calls):
+            info = self.handle.info.remote().result()
+            out[info["replica_id"]] = info
+        return out
+
+
+def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None,
+               router: str = "pow2", num_cpus: float = 1, max_ongoing_requests: int = 16, imbalance: int = 4,
+               student: bool | str | list[str] = False):
+    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`. student: the prefix
+    router runs the learner's routing policies (exercise 16) where finished."""
+    from ray.serve.config import RequestRouterConfig
+
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    options = {"ray_actor_options": {"num_cpus": num_cpus}, "max_ongoing_requests": max_ongoing_requests,
+               "health_check_period_s": 2, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 5}
+    if autoscaling is not None:
+        options["autoscaling_config"] = autoscaling.config()
+    else:
+        options["num_replicas"] = replicas
+    if router == "prefix":
+        from nanoserve.cluster.router import PrefixAwareRouter
+
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAwareRouter, request_router_kwargs={"imbalance": imbalance, "student": student},
+            request_routing_stats_period_s=1)
+    return LLMReplica.options(**options).bind(spec)
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, tries: int = 3) -> None:
+    """ray.init: connect to `address`, or start a local Ray with `num_cpus` logical CPUs. On a loaded
+    machine the raylet can give up waiting for its agents (Ray's own 15 s limit): the processes that
+    attempt started are stopped (by pid) and it tries again."""
+    import psutil
+    import ray
+
+    if address is None:
+        # the replicas import what this process imports: nanoserve's checkout (and, in the tests and the
+        # notebook, its tests/ package for the tiny model) must be on their path too, installed or not
+        root = str(Path(__file__).resolve().parents[2])
+        paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    for attempt in range(tries):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
+                     log_to_driver=False, logging_level="ERROR")
+            return
+        except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception for "timed out during startup"
+            if address is not None or "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+            for p in psutil.Process().children(recursive=True):
+                if p.pid not in before:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+
+
+@contextlib.contextmanager
+def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None, router: str = "pow2",
+          ray_address: str | None = None, num_cpus: int | None = None, replica_cpus: float = 1, **kw):
+    """Deploy the replicas (starting a local Ray unless ray_address names a cluster); yields a Fleet; on
+    exit deletes the application and, if it started Ray, shuts Ray down (no Ray process is left)."""
+    import ray
+    from ray import serve
+
+    started = not ray.is_initialized()
+    if started:
+        start_ray(ray_address, num_cpus)
+    try:
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        app = deployment(spec, replicas, autoscaling, router, replica_cpus, **kw)
+        handle = serve.run(app, name=APP_NAME, route_prefix=None)
+        info = handle.info.remote().result()
+        yield Fleet(handle, ReplicaClient(handle, info), started)
+    finally:
+        from nanoserve.cluster.replica import forget_replicas
+
+        with contextlib.suppress(Exception):
+            serve.delete(APP_NAME)
+            forget_replicas()
+        if started:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+
+
+def build_state(f: Fleet, tokenizer, **config):
+    """Chapter 08's ServerState around the fleet's client: the same app, validation and errors."""
+    from nanoserve.server.api_server import ServerConfig, ServerState
+
+    return ServerState(f.client, tokenizer, ServerConfig(**config))
+
+
+def add_fleet_routes(app, f: Fleet) -> None:
+    """GET /replicas: each replica's id and its own /metrics URL (where a fleet's scraper reads them)."""
+    from nanoserve.cluster.replica import replica_metrics_urls
+
+    @app.get("/replicas")
+    async def replicas():
+        return {"replicas": [{"replica_id": rid, "metrics_url": url} for rid, url in replica_metrics_urls().items()]}
+
+
+@contextlib.contextmanager
+def serving_fleet(spec: ReplicaSpec, tokenizer=None, model_name: str | None = None, **fleet_kw):
+    """A fleet behind nanoserve's HTTP server on a free loopback port: yields (base URL, Fleet)."""
+    from nanoserve.server.runner import Server
+    from nanoserve.text.tokenizer import Tokenizer
+
+    tokenizer = tokenizer or Tokenizer.from_gguf(spec.model)
+    with fleet(spec, **fleet_kw) as f:
+        server = Server(build_state(f, tokenizer, model_name=model_name or spec.model_name), "127.0.0.1", 0)
+        add_fleet_routes(server.config.app, f)
+        port = server.start_in_thread(timeout=60)
+        try:
+            yield f"http://127.0.0.1:{port}", f
+        finally:
+            server.stop()
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:
+    """Poll until predicate() is true; False after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

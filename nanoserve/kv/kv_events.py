@@ -1,0 +1,100 @@
+"""Chapter 16 — KV-cache events: what a fleet router learns when blocks enter or leave the prefix cache.
+
+A prefix-aware router in front of many servers wants to know which server holds which prefix.
+Guessing from where it sent requests goes stale as soon as a server evicts; vLLM therefore publishes
+an event per change, and nanoserve records the same three kinds, named as vLLM names them:
+
+    BlockStored(block_hashes=[h2], parent_block_hash=h1, token_ids=[16 ids], block_size=16)
+    BlockRemoved(block_hashes=[h2])        the allocator handed the block out for new contents
+    AllBlocksCleared()                     the cache was emptied (a restart)
+
+They are recorded here, in kv/, as plain objects; sending them (msgpack over ZMQ, vLLM's wire format)
+is the server's business (nanoserve/server/kv_events.py), so the KV code imports no network library.
+
+    log = record_kv_events(engine.block_manager)    # wraps its prefix cache, before the first request
+    ...                                             # requests run
+    log.take()                                      # [BlockStored(...), BlockRemoved(...), ...], drained
+"""
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "GPU"  # vLLM's name for "the device's KV pool"; here it is the CPU's
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = "GPU"
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+@dataclass
+class KVEventLog:
+    """Events in the order they happened; the engine thread appends, a publisher thread takes."""
+    events: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def append(self, event) -> None:
+        with self.lock:
+            self.events.append(event)
+
+    def take(self) -> list:
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+
+class RecordingPrefixCache:
+    """A prefix cache (the reference's or the learner's) that also logs every insert and eviction.
+
+    Only what really changes the cache is an event: an insert the cache refused (hash already taken)
+    and an eviction of a block that was not cached are not.
+    """
+
+    def __init__(self, inner, block_size: int, log: KVEventLog):
+        self.inner, self.block_size, self.log = inner, block_size, log
+        self.hash_block = inner.hash_block
+
+    def get(self, block_hash, parent_hash, token_ids):
+        return self.inner.get(block_hash, parent_hash, token_ids)
+
+    def insert(self, block_hash, parent_hash, token_ids, block_id) -> bool:
+        stored = self.inner.insert(block_hash, parent_hash, token_ids, block_id)
+        if stored:
+            self.log.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+        return stored
+
+    def evict(self, block_id) -> bool:
+        entry = self.inner.entries.get(block_id)
+        evicted = self.inner.evict(block_id)
+        if evicted and entry is not None:
+            self.log.append(BlockRemoved([entry[0]]))
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name):  # entries, block_of_hash: read by the engine view (chapter 12) and tests
+        return getattr(self.inner, name)
+
+
+def record_kv_events(block_manager) -> KVEventLog:
+    """Wrap the block manager's prefix cache so that it logs events; returns the log. Call it before the
+    first request: blocks cached earlier were never announced. The first event says so: AllBlocksCleared."""
+    log = KVEventLog()
+    log.append(AllBlocksCleared())
+    block_manager.prefix_cache = RecordingPrefixCache(block_manager.prefix_cache, block_manager.block_size, log)
+    return log

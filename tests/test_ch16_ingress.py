@@ -1,0 +1,133 @@
+"""Chapter 16 — the ingress without Ray: chapter 08's app over a ReplicaClient whose "handle" calls
+replica_stream on an in-process engine, as a Ray Serve replica would. Checked against chapter 08's own
+server on the same weights: the same greedy text (streamed and not), the same 400 body; and a replica that
+dies mid-stream (Ray's RayActorError) ends the stream with a clear error, never a hang."""
+
+import asyncio
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from ray.exceptions import ActorDiedError
+
+from nanoserve.cluster.client import ReplicaClient, routing_hashes
+from nanoserve.cluster.deploy import Fleet
+from nanoserve.cluster.replica import replica_stream
+from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.kv.prefix_cache import block_hashes
+from nanoserve.server.api_server import ServerConfig, ServerState
+from nanoserve.server.runner import Server, serving
+from tests.tiny_model import tiny_llama
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def without_ids(body: dict) -> str:
+    """An error body with its request id blanked (each server names its own request)."""
+    return re.sub(r"(chat)?cmpl-[0-9a-f]+", "ID", json.dumps(body))
+
+
+class FakeStream:
+    """What `handle.options(stream=True).generate.remote(...)` returns: an async iterator with cancel()."""
+
+    def __init__(self, gen, die_after: int | None = None):
+        self.gen, self.die_after, self.n, self.cancelled = gen, die_after, 0, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.die_after is not None and self.n >= self.die_after:
+            await self.gen.aclose()
+            raise ActorDiedError()
+        self.n += 1
+        return await self.gen.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+        asyncio.ensure_future(self.gen.aclose())
+
+
+class FakeHandle:
+    def __init__(self, engine: AsyncLLMEngine, die_after: int | None = None):
+        self.engine, self.die_after, self.calls = engine, die_after, []
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, request_id, prompt_ids, params, block_hashes=None):
+        self.calls.append(block_hashes)
+        return FakeStream(replica_stream(self.engine, "replica-x", request_id, prompt_ids, params), self.die_after)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(vocab_size=49152, max_position_embeddings=1024)
+
+
+def ingress(tiny, tokenizer, die_after=None):
+    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer))
+    engine.start()
+    info = {"block_size": 16, "max_model_len": engine.engine.max_model_len, "max_seq_len": engine.engine.max_seq_len}
+    handle = FakeHandle(engine, die_after)
+    client = ReplicaClient(handle, info)
+    server = Server(ServerState(client, tokenizer, ServerConfig(model_name="tiny")), "127.0.0.1", 0)
+    return server, engine, handle, Fleet(handle, client, False)
+
+
+def test_routing_hashes_are_the_prefix_cache_chain():
+    ids = list(range(100, 150))  # 50 tokens: 3 full blocks of 16, the last token never counts
+    assert routing_hashes(ids, 16) == block_hashes(ids, 16)[:3]
+    assert routing_hashes(ids[:48], 16) == block_hashes(ids, 16)[:2]  # 48 tokens: block 3 ends on the last one
+    assert routing_hashes(ids, 16, limit=1) == block_hashes(ids, 16)[:1]
+
+
+def test_the_ingress_answers_like_chapter_08(tiny, smollm2_tokenizer):
+    tokenizer = smollm2_tokenizer
+    greedy = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    too_long = {"model": "tiny", "prompt": "hello " * 2000, "max_tokens": 4}
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer)
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        one = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        expect = one.chat.completions.create(messages=HI, **greedy).choices[0].message.content
+        expect_400 = httpx.post(url + "/v1/completions", json=too_long)
+    server, replica_engine, handle, _ = ingress(tiny, tokenizer)
+    port = server.start_in_thread()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        assert client.chat.completions.create(messages=HI, **greedy).choices[0].message.content == expect
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(messages=HI, stream=True, **greedy))
+        assert streamed == expect
+        got = httpx.post(url + "/v1/completions", json=too_long)
+        assert expect_400.status_code == 400 and (got.status_code, without_ids(got.json())) == (400, without_ids(expect_400.json()))
+        chat_ids = tokenizer.encode_chat(HI)
+        assert handle.calls[0] == routing_hashes(chat_ids, 16)  # the hashes travel with the request
+    finally:
+        server.stop()
+        replica_engine.shutdown()
+    assert replica_engine.engine.scheduler.seqs == {}
+
+
+def test_a_replica_that_dies_mid_stream_ends_the_stream_with_an_error(tiny, smollm2_tokenizer):
+    server, replica_engine, _, fleet = ingress(tiny, smollm2_tokenizer, die_after=3)  # ack + 2 outputs, then dead
+    port = server.start_in_thread()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 50, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "replica replica-x died" in lines[-2] and '"code": 500' in lines[-2]
+        assert len(lines) == 2 + 2  # the two outputs it sent, the error, [DONE]
+        reply = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert reply.status_code == 500 and "died" in reply.json()["error"]["message"]
+        assert fleet.client.in_flight == 0
+    finally:
+        server.stop()
+        replica_engine.shutdown()

@@ -1,0 +1,104 @@
+"""Chapter 16 — KV-cache events in vLLM's format, and vLLM's metric names (the protocol fleet routers speak).
+
+The subscriber decodes with msgpack alone (vLLM's schema written out by hand) and rebuilds the set of
+cached blocks from the events; it must equal what the block manager's prefix cache holds."""
+
+import time
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.kv.prefix_cache import block_hashes
+from nanoserve.kv.kv_events import record_kv_events
+from nanoserve.sampling import SamplingParams
+from nanoserve.server.kv_events import KVEventPublisher
+from nanoserve.server.runner import serving
+from tests.tiny_model import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_llama(vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+def subscribe(endpoint: str):
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(endpoint)
+    return ctx, sub
+
+
+def test_kv_events_match_the_block_manager(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=12, block_size=4, max_num_seqs=2))
+    log = record_kv_events(engine.block_manager)
+    publisher = KVEventPublisher(log, "tcp://127.0.0.1:*")
+    ctx, sub = subscribe(publisher.endpoint)
+    time.sleep(0.3)  # PUB drops what it sends before the subscription is through ("slow joiner")
+    shared = list(range(10, 22))  # 3 full blocks of 4
+    prompts = [shared + [1, 2, 3, 4, 5], shared + [6, 7], list(range(40, 70))]  # the third forces evictions
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+    publisher.close()
+    batches, seqs = [], []
+    while True:
+        try:
+            topic, seq, payload = sub.recv_multipart()
+        except zmq.Again:
+            break
+        seqs.append(int.from_bytes(seq, "big"))
+        batches.append(msgpack.unpackb(payload, raw=False))
+        if sub.poll(300) == 0:
+            break
+    sub.close()
+    ctx.term()
+    assert seqs == list(range(len(seqs))) and seqs, "numbered batches, none lost"
+    events = [e for ts, evs in batches for e in evs]
+    assert events[0] == ["AllBlocksCleared"]
+    cached, kinds = {}, set()
+    for e in events[1:]:
+        kinds.add(e[0])
+        if e[0] == "BlockStored":
+            _, hashes, parent, tokens, size, lora, medium = e
+            assert size == 4 and len(tokens) == 4 and lora is None
+            assert parent is None or parent in cached, "a stored block's parent was stored before it"
+            cached[hashes[0]] = (parent, tokens)
+        elif e[0] == "BlockRemoved":
+            for h in e[1]:
+                del cached[h]
+    assert kinds == {"BlockStored", "BlockRemoved"}, "12 blocks cannot hold all three prompts: evictions"
+    entries = engine.block_manager.prefix_cache.entries  # the block manager's own record
+    assert {h.to_bytes(32, "little"): (None if p is None else p.to_bytes(32, "little"), list(t))
+            for h, p, t in entries.values()} == cached
+    # the hashes are chapter 05's chain over the prompt: the first stored block is the shared prefix's
+    first = block_hashes(shared, 4)[0].to_bytes(32, "little")
+    assert next(e for e in events if e[0] == "BlockStored")[1] == [first]
+
+
+def test_vllm_metric_names(tiny, tokenizer):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, max_num_seqs=2), tokenizer)
+    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
+        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3}, timeout=60)
+        text = httpx.get(url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+            assert 'model_name="tiny"' in name
+    assert set(values) == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0  # all done
+    nano = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("nanoserve:kv_cache_usage_perc")}
+    assert values["vllm:kv_cache_usage_perc"] == nano["nanoserve:kv_cache_usage_perc"]

@@ -1,0 +1,201 @@
+"""Chapter 16 — nanoserve replicas on Ray Serve: the OpenAI API of chapter 08 in front, the routers, the
+autoscaler and a replica killed mid-stream. One local Ray (2 logical CPUs) for the module, shut down at
+the end; each replica gets one CPU, hence one torch thread, and the tiny random model.
+
+References: chapter 08's one-process server on the same weights (same greedy text, same error bodies),
+the replicas' own counters, Ray Serve's own replica count, and the OS's process table."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from nanoserve.cluster.deploy import Autoscaling, serving_fleet, start_ray, wait_for
+from nanoserve.cluster.replica import ReplicaSpec
+from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.server.runner import serving
+from tests.tiny_model import tiny_llama
+
+TINY = {"vocab_size": 49152, "max_position_embeddings": 1024}
+ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 4}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def without_ids(body: dict) -> str:
+    """An error body with its request id blanked (each server names its own request)."""
+    return re.sub(r"(chat)?cmpl-[0-9a-f]+", "ID", json.dumps(body))
+
+
+def spec(**kw) -> ReplicaSpec:
+    return ReplicaSpec(factory="tests.tiny_model:tiny_llama", factory_kwargs=TINY, engine_kwargs=ENGINE,
+                       model_name="tiny", **kw)
+
+
+def ray_processes() -> list[psutil.Process]:
+    """Ray's processes started from this test process (raylet, GCS, workers, agents)."""
+    return [p for p in psutil.Process().children(recursive=True) if "ray" in " ".join(p.cmdline()).lower()]
+
+
+@pytest.fixture(scope="module")
+def ray_session(smollm2_tokenizer):
+    import ray
+
+    try:
+        start_ray(num_cpus=2)
+    except Exception as e:  # noqa: BLE001 — Ray's own bare Exception when its node agents start too slowly
+        if "timed out during startup" not in str(e):
+            raise
+        pytest.skip(f"Ray could not start its node on this machine (3 tries): {e}")
+    try:
+        yield smollm2_tokenizer
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        assert wait_for(lambda: not ray_processes(), 30), f"Ray left behind: {ray_processes()}"
+
+
+def test_two_replicas_answer_like_one_server(ray_session):
+    tokenizer = ray_session
+    engine = LLMEngine(tiny_llama(**TINY), EngineConfig(**ENGINE), tokenizer)
+    greedy = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    too_long = {"model": "tiny", "prompt": "hello " * 2000, "max_tokens": 4}
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        one = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        expect_chat = one.chat.completions.create(messages=HI, **greedy).choices[0].message.content
+        expect_text = one.completions.create(prompt="Once upon a time", **greedy).choices[0].text
+        expect_400 = httpx.post(url + "/v1/completions", json=too_long)
+        expect_unknown = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "model": "nope"})
+    with serving_fleet(spec(metrics_compat="vllm"), tokenizer, replicas=2) as (url, fleet):
+        assert fleet.num_replicas() == 2
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        for _ in range(3):  # some of them on each replica (power of two choices)
+            assert client.chat.completions.create(messages=HI, **greedy).choices[0].message.content == expect_chat
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(messages=HI, stream=True, **greedy))
+        assert streamed == expect_chat
+        assert client.completions.create(prompt="Once upon a time", **greedy).choices[0].text == expect_text
+        got = httpx.post(url + "/v1/completions", json=too_long)
+        assert (got.status_code, without_ids(got.json())) == (expect_400.status_code, without_ids(expect_400.json()))
+        assert expect_400.status_code == 400
+        got = httpx.post(url + "/v1/chat/completions", json={"messages": HI, "model": "nope"})
+        assert (got.status_code, got.json()) == (expect_unknown.status_code, expect_unknown.json())
+        replicas = httpx.get(url + "/replicas").json()["replicas"]
+        assert len(replicas) >= 2
+        served = 0
+        for r in replicas:
+            try:
+                text = httpx.get(r["metrics_url"], timeout=5).text
+            except httpx.HTTPError:
+                continue  # a replica of an earlier deployment
+            assert "vllm:num_requests_waiting" in text and "vllm:kv_cache_usage_perc" in text
+            served += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                          if line.startswith("nanoserve:request_success_total"))
+        assert served == 5, "every request finished on some replica, counted once"
+
+
+def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
+    tokenizer = ray_session
+    systems = [f"You are assistant number {i}. " + "Answer briefly and politely. " * 12 for i in range(3)]
+    with serving_fleet(spec(), tokenizer, replicas=2, router="prefix") as (url, fleet):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        for turn in range(3):
+            for s in systems:
+                client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
+                    {"role": "system", "content": s}, {"role": "user", "content": f"question {turn}"}])
+        where = [replica for _, replica in fleet.client.routed]
+        by_system = [set(where[i::3]) for i in range(3)]
+        assert all(len(r) == 1 for r in by_system), f"each system prompt stays on one replica: {by_system}"
+        infos = fleet.infos()
+        queried = sum(i["queried_tokens"] for i in infos.values())
+        hits = sum(i["hit_tokens"] for i in infos.values())
+        # every repeat of a system prompt finds its blocks: 6 of 9 requests hit their whole system prompt
+        prompt_blocks = len(tokenizer.encode_chat([{"role": "system", "content": systems[0]}])) // 16
+        assert hits >= 6 * prompt_blocks * 16 and hits < queried
+
+
+def test_autoscaling_follows_a_burst_and_the_idle_after(ray_session):
+    tokenizer = ray_session
+    fast = Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
+                       downscale_delay_s=2, metrics_interval_s=0.5, look_back_period_s=1)
+    with serving_fleet(spec(step_delay_s=0.05), tokenizer, replicas=None, autoscaling=fast) as (url, fleet):
+        assert fleet.num_replicas() == 1
+        trace = []
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
+                return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+
+        replies = []
+        worker = threading.Thread(target=lambda: replies.extend(asyncio.run(burst())))
+        worker.start()
+        scaled_up = wait_for(lambda: trace.append(fleet.num_replicas()) or trace[-1] == 2, 90)
+        worker.join()
+        assert scaled_up, f"replicas seen during the burst: {trace}"
+        assert [r.status_code for r in replies] == [200] * 6
+        assert wait_for(lambda: fleet.num_replicas() == 1, 60), "idle: back to min_replicas"
+
+
+def test_a_replica_killed_mid_stream_fails_its_request_and_is_replaced(ray_session):
+    tokenizer = ray_session
+    with serving_fleet(spec(step_delay_s=0.1), tokenizer, replicas=2) as (url, fleet):
+        pids = {rid: info["pid"] for rid, info in fleet.infos(calls=12).items()}
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "stream": True}
+        lines = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:  # the stream is under way: kill the replica serving it
+                    replica = fleet.client.routed[-1][1]
+                    os.kill(pids[replica], signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert "died" in error["message"] and replica in error["message"], error
+        assert wait_for(lambda: fleet.num_replicas() == 2 and replica not in fleet.infos(calls=6), 90), \
+            "Ray Serve starts a replacement"
+        reply = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
+
+
+def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path):
+    """The CLI as a user runs it (the real model): a local Ray started and stopped by the command."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--replicas", "2", "--port", "0",
+                             "--num-blocks", "64", "--ray-num-cpus", "2", "--shutdown-timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url, said = None, []
+        for line in proc.stdout:
+            said.append(line)
+            if line.startswith("nanoserve: serving"):
+                url = line.split(" at ")[1].split(" ")[0]
+                break
+        if url is None and "timed out during startup" in "".join(said):
+            pytest.skip("Ray could not start its node on this machine")
+        assert url, "the server came up:\n" + "".join(said)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[
+            {"role": "user", "content": "What is the capital of France?"}], max_tokens=8, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in " ".join(c.cmdline()) for c in children)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert wait_for(lambda: not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children), 30), \
+        "no Ray process left after the command exits"

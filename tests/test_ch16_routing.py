@@ -1,0 +1,82 @@
+"""Chapter 16 — the load-balancing policies (graded: 16.1 power of two choices, 16.2 prefix affinity).
+
+Independent references: hand-worked cases, a replay of the same random generator, and least-loaded's
+and random choice's maximum queue in a balls-into-bins simulation."""
+
+import random
+
+import pytest
+
+from nanoserve.student import implementation
+
+
+def policies():
+    return implementation("nanoserve.cluster.routing")
+
+
+@pytest.mark.exercise("16.1")
+def test_power_of_two_picks_the_shorter_of_two_samples():
+    p2c = policies().power_of_two_choices
+    queues = {"a": 5, "b": 0, "c": 3, "d": 3}
+    for seed in range(50):
+        first, second = random.Random(seed).sample(sorted(queues), 2)  # the draw the contract names
+        expect = second if queues[second] < queues[first] else first
+        assert p2c(queues, random.Random(seed)) == expect, f"seed {seed}: sampled {first}, {second}"
+    assert p2c({"only": 9}, random.Random(0)) == "only"
+
+
+@pytest.mark.exercise("16.1")
+def test_power_of_two_balances_almost_like_least_loaded():
+    """Balls into bins: 10 replicas, 1000 requests that each stay. Random choice's fullest replica is far
+    above the mean of 100; two choices stay within a few of it (the log log n result)."""
+    p2c = policies().power_of_two_choices
+    rng = random.Random(1)
+    two, rand = dict.fromkeys("abcdefghij", 0), dict.fromkeys("abcdefghij", 0)
+    for _ in range(1000):
+        two[p2c(two, rng)] += 1
+        rand[rng.choice(sorted(rand))] += 1
+    assert sum(two.values()) == 1000
+    assert max(two.values()) - 100 <= 3 < max(rand.values()) - 100
+
+
+@pytest.mark.exercise("16.2")
+def test_prefix_affinity_follows_the_longest_leading_run():
+    affinity = policies().prefix_affinity
+    owners = {1: "a", 2: "a", 3: "b", 7: "b"}
+    queues = {"a": 2, "b": 0}
+    assert affinity([1, 2, 3], owners, queues, imbalance=4) == ("a", 2)  # run stops where b's block starts
+    assert affinity([1, 9, 2], owners, queues, imbalance=4) == ("a", 1)  # and at an unknown hash
+    assert affinity([7, 1], owners, queues, imbalance=4) == ("b", 1)
+    assert affinity([9, 1, 2], owners, queues, imbalance=4) == (None, 0)  # only the leading blocks count
+    assert affinity([], owners, queues, imbalance=4) == (None, 0)
+
+
+@pytest.mark.exercise("16.2")
+def test_prefix_affinity_falls_back_when_the_owner_is_busy_or_gone():
+    affinity = policies().prefix_affinity
+    owners = {1: "a", 2: "a"}
+    assert affinity([1, 2], owners, {"a": 2, "b": 0}, imbalance=2) == ("a", 2)  # 2 busier: still allowed
+    assert affinity([1, 2], owners, {"a": 3, "b": 0, "c": 1}, imbalance=2) == ("b", 0)  # 3 busier: least loaded
+    assert affinity([1, 2], owners, {"b": 4, "c": 1}, imbalance=2) == (None, 0)  # a died: not a live replica
+
+
+@pytest.mark.exercise("16.2")
+def test_prefix_affinity_in_a_routing_loop_keeps_each_prefix_on_one_replica():
+    """Four system prompts, each a chain of 3 blocks; requests arrive in turn and are learned where they go
+    (as PrefixAwareRouter.on_request_routed does). While queues stay level every prompt sticks to one
+    replica; then one replica is loaded past the threshold and its prompts move."""
+    mod = policies()
+    rng = random.Random(0)
+    owners, queues, placed = {}, {"r1": 0, "r2": 0}, {}
+    for i in range(40):
+        prompt = i % 4
+        hashes = [prompt * 10 + b for b in range(3)]
+        choice, _ = mod.prefix_affinity(hashes, owners, queues, imbalance=2)
+        choice = choice or mod.power_of_two_choices(queues, rng)
+        placed.setdefault(prompt, set()).add(choice)
+        for h in hashes:
+            owners[h] = choice
+    assert all(len(where) == 1 for where in placed.values()), placed
+    busy = next(iter(placed[0]))
+    other = "r2" if busy == "r1" else "r1"
+    assert mod.prefix_affinity([0, 1, 2], owners, {busy: 9, other: 0}, imbalance=2) == (other, 0)
