@@ -268,12 +268,14 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(engine, token
                 lines = r.iter_lines()
                 assert [next(lines) for _ in range(6)]  # a few chunks, then hang up mid-stream
         assert_pool_whole(engine)
-        assert len(aborted) == 1 and aborted[0].startswith("chatcmpl-")
+        # aborted (more than once is fine: the disconnect, the stream's close and the response's end each say so,
+        # and an abort of a finished id is ignored), and only this request
+        assert len(set(aborted)) == 1 and aborted[0].startswith("chatcmpl-")
         # a non-streaming request whose client gives up is aborted too
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=400, ignore_eos=True), timeout=0.5)
         assert_pool_whole(engine)
-        assert len(aborted) == 2
+        assert len(set(aborted)) == 2  # this one too, once or more
         scrape = httpx.get(f"{url}/metrics").text
         assert 'nanoserve:request_success_total{finished_reason="abort",model_name="tiny"} 2.0' in scrape
 

@@ -57,7 +57,7 @@ def record_logits(llm):
     """Wrap rank 0's sampler to keep every step's logits (the gathered, full-vocabulary ones)."""
     runner = llm.engine.executor.workers[0].model_runner
     seen, sample = [], runner.sample
-    runner.sample = lambda seqs, logits: seen.append(logits.clone()) or sample(seqs, logits)
+    runner.sample = lambda seqs, logits, *rest: seen.append(logits.clone()) or sample(seqs, logits, *rest)
     return seen
 
 

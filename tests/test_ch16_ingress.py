@@ -59,9 +59,10 @@ class FakeHandle:
     def options(self, **_):
         return self
 
-    def remote(self, request_id, prompt_ids, params, block_hashes=None):
+    def remote(self, request_id, prompt_ids, params, block_hashes=None, **engine_kwargs):
         self.calls.append(block_hashes)
-        return FakeStream(replica_stream(self.engine, "replica-x", request_id, prompt_ids, params), self.die_after)
+        return FakeStream(replica_stream(self.engine, "replica-x", request_id, prompt_ids, params, **engine_kwargs),
+                          self.die_after)
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ class ReplicaClient:
         self.num_requests_running = 0  # unknown at the ingress: every request in flight counts as waiting
         self.in_flight = 0
         self.routed: list[tuple[str, str]] = []  # (request id, replica id): the router's decisions, in order
+        self._streams: dict = {}  # request id -> its replica's stream, while in flight (abort cancels it)
         self.is_running = False
 
     def start(self) -> None:
@@ -55,12 +56,15 @@ class ReplicaClient:
     def num_unfinished_requests(self) -> int:
         return self.in_flight
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0):
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
+                          **engine_kwargs):
         """Route the request to a replica; returns its output stream once that replica's engine took it.
         ValueError if the engine refused it (as AsyncLLMEngine.add_request), APIError 503 if no replica
-        answered within first_output_timeout_s."""
+        answered within first_output_timeout_s. engine_kwargs (tenant, slo, speculative) travel to the
+        replica's AsyncLLMEngine.add_request as they are."""
         hashes = routing_hashes(prompt_token_ids, self.block_size)
-        gen = self.handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, block_hashes=hashes)
+        gen = self.handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, block_hashes=hashes,
+                                          priority=priority, **engine_kwargs)
         self.in_flight += 1
         try:
             kind, detail = await asyncio.wait_for(gen.__anext__(), self.first_output_timeout_s)
@@ -78,9 +82,17 @@ class ReplicaClient:
             self.in_flight -= 1
             raise ValueError(detail)
         self.routed.append((request_id, detail))
-        return self._outputs(gen, detail)
+        self._streams[request_id] = gen
+        return self._outputs(request_id, gen, detail)
 
-    async def _outputs(self, gen, replica_id: str):
+    def abort(self, request_id: str) -> None:
+        """As AsyncLLMEngine.abort (the server's timeouts and disconnects call it): cancel the replica's stream,
+        which aborts the request in that replica's engine. An id not in flight (finished) is ignored."""
+        gen = self._streams.pop(request_id, None)
+        if gen is not None:
+            gen.cancel()
+
+    async def _outputs(self, request_id: str, gen, replica_id: str):
         finished = False
         try:
             async for out in gen:
@@ -95,5 +107,6 @@ class ReplicaClient:
             raise EngineStepError(f"replica {replica_id} failed: {type(e).__name__}: {e}") from None
         finally:
             self.in_flight -= 1
+            self._streams.pop(request_id, None)
             if not finished:
                 gen.cancel()  # the client went away: the replica's stream is cancelled, which aborts the request

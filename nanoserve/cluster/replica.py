@@ -77,10 +77,12 @@ class LLMReplica:
         _announce(self.replica_id, self.metrics_url)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params,
-                       block_hashes: list[int] | None = None):
+                       block_hashes: list[int] | None = None, **engine_kwargs):
         """The request's stream (see replica_stream). block_hashes is for the router (it reads them from
-        the request); the engine hashes for itself."""
-        async for item in replica_stream(self.engine, self.replica_id, request_id, prompt_token_ids, sampling_params):
+        the request); the engine hashes for itself. engine_kwargs: AsyncLLMEngine.add_request's priority,
+        tenant, slo, speculative."""
+        async for item in replica_stream(self.engine, self.replica_id, request_id, prompt_token_ids, sampling_params,
+                                         **engine_kwargs):
             yield item
 
     def info(self) -> dict:
@@ -101,11 +103,12 @@ class LLMReplica:
             self.llm.close()
 
 
-async def replica_stream(engine, replica_id: str, request_id: str, prompt_token_ids: list[int], sampling_params):
+async def replica_stream(engine, replica_id: str, request_id: str, prompt_token_ids: list[int], sampling_params,
+                         **engine_kwargs):
     """("added", replica id) or ("refused", message), then the request's RequestOutputs from `engine`
     (an AsyncLLMEngine). A cancelled call (the client went away) aborts the request (chapter 08)."""
     try:
-        outputs = await engine.add_request(request_id, prompt_token_ids, sampling_params)
+        outputs = await engine.add_request(request_id, prompt_token_ids, sampling_params, **engine_kwargs)
     except ValueError as e:
         yield ("refused", str(e))
         return
