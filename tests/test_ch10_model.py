@@ -41,18 +41,19 @@ def tokenizer():
 def test_q4_layers_hold_the_files_blocks_and_their_values(q4, smollm2):
     reader = open_gguf(embedded_gguf_path())
     tensors = {t.name: t for t in reader.tensors}
-    for gguf_name, ours, heads in [("blk.0.attn_q.weight", "layers.0.self_attn.q_proj", 9),
-                                   ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj", 3),
-                                   ("blk.29.ffn_down.weight", "layers.29.mlp.down_proj", None)]:
+    # q and k are rows of the fused qkv_proj (q 0-575, k 576-767, v 768-959), down_proj a layer of its own
+    for gguf_name, ours, rows, heads in [("blk.0.attn_q.weight", "layers.0.self_attn.qkv_proj", slice(0, 576), 9),
+                                         ("blk.0.attn_k.weight", "layers.0.self_attn.qkv_proj", slice(576, 768), 3),
+                                         ("blk.29.ffn_down.weight", "layers.29.mlp.down_proj", slice(None), None)]:
         layer = q4.get_submodule(ours)
         assert isinstance(layer, Q4Linear)
         raw = np.array(tensors[gguf_name].data)  # (out, in/32 * 20): the file's bytes
         raw = unpermute_qk(raw, heads) if heads else raw
-        assert np.array_equal(layer.blocks.numpy().reshape(raw.shape), raw)  # the bytes, as they are
+        assert np.array_equal(layer.blocks[rows].numpy().reshape(raw.shape), raw)  # the bytes, as they are
         q, d, m = unpack_q4_1(layer.blocks)
         assert torch.equal(layer.unpacked(), q)
         values = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
-        assert torch.equal(values, smollm2.get_submodule(ours).weight)  # == gguf.dequantize, bit for bit
+        assert torch.equal(values[rows], smollm2.get_submodule(ours).weight[rows])  # == gguf.dequantize, bit for bit
         scale, zero = layer.scale_and_zero.transpose(0, 1).unbind(-1)
         assert torch.equal(scale, d.bfloat16()) and torch.equal(zero, (m + 8 * d).bfloat16())
     assert isinstance(q4.lm_head, Int8Linear) and q4.lm_head.qweight is q4.embed_tokens.qweight
