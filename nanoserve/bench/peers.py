@@ -8,6 +8,8 @@ batch of all of them, as bench offline's HF baseline), so a drift of the shared 
 system in every round; each system's figure is its median round. Then, per nanoserve format, batch-1 decode
 tokens/s and the prefill rate of one --prefill-tokens prompt.
 
+With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the attention in bf16).
+
 Output tokens per second of wall time; the ratio column is against transformers bf16, the strongest peer.
 """
 
@@ -23,6 +25,8 @@ def register(sub):
     p.add_argument("--num-requests", type=int, nargs="+", default=[16, 64])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "q4"], choices=["fp32", "bf16", "int8", "q4"])
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp32", "bf16"],
+                   help="nanoserve's KV pool: each format runs once per dtype given (auto: float32)")
     p.add_argument("--hf", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="transformers dtypes to compare with (none: skip them)")
     p.add_argument("--rounds", type=int, default=2)
@@ -91,13 +95,14 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
-          f"--formats {' '.join(args.formats)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
+          f"--formats {' '.join(args.formats)} --kv-cache-dtype {' '.join(args.kv_cache_dtype)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
           f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else ""), flush=True)
     print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
           f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds")
     tokenizer = Tokenizer.from_gguf()
-    llms = {f"nanoserve {f}": LLM(weights=f, num_blocks=max(args.num_requests) * 24,
-                                  max_num_seqs=max(args.num_requests)) for f in args.formats}
+    llms = {f"nanoserve {f}" + ("" if kv == "auto" else f", kv {kv}"):
+            LLM(weights=f, kv_cache_dtype=kv, num_blocks=max(args.num_requests) * 24, max_num_seqs=max(args.num_requests))
+            for f in args.formats for kv in args.kv_cache_dtype}
     hf = {}
     if args.hf:
         from transformers import AutoModelForCausalLM

@@ -20,7 +20,8 @@ The roofline: the same command measures this machine's read bandwidth (sum of a 
 float32 GEMM peak (a 2048³ matmul). A step must read every weight once (and the K/V it attends to), and do
 2 FLOPs per weight per token: its time is at least max(bytes / bandwidth, FLOPs / peak). The larger term
 says which resource bounds the step; measured time far above both, with a large scheduler/Python share,
-means overhead bounds it.
+means overhead bounds it. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
+but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor.
 """
 
 import contextlib
@@ -37,11 +38,17 @@ GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading 
 
 
 def register(sub):
+    from nanoserve.cli.checks import weight_format
+
     p = sub.add_parser("profile", help="where a prefill and a decode step spend their time, plus the roofline (chapter 09)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=3, help="decode steps profiled per batch size")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--weights", default="fp32", type=weight_format,
+                   help="fp32, bf16, int8 or q4 (chapter 10; the quantized ones with the kernel crossover)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the KV pool's dtype (auto: float32)")
     p.add_argument("--out-dir", default="results/profile", help="profile.json and profile.png go here")
     p.set_defaults(func=run)
 
@@ -54,8 +61,9 @@ def labelled_methods():
     from nanoserve.model.block import DecoderBlock, LlamaAttention
     from nanoserve.model.layers import MLP, Linear, RMSNorm
     from nanoserve.model.llama import Llama
+    from nanoserve.model.quant import QuantLinear
 
-    return [(Linear, "forward", "linear"), (PagedAttention, "__call__", "attention"),
+    return [(Linear, "forward", "linear"), (QuantLinear, "forward", "linear"), (PagedAttention, "__call__", "attention"),
             (PagedKVCache, "store_kv", "K/V gather/store"),
             (RMSNorm, "forward", "norms/RoPE/act"), (MLP, "forward", "norms/RoPE/act"),
             (LlamaAttention, "forward", "norms/RoPE/act"), (DecoderBlock, "forward", "norms/RoPE/act"),
@@ -242,14 +250,14 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     biggest = max(args.batch_sizes)
-    llm = LLM(max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
+    llm = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
               num_blocks=biggest * (args.prompt_len // 16 + 2) + 8)
     bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
     results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, seed=b) for b in args.batch_sizes]
     bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
     print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
-          f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps}" + (f" --threads {args.threads}" if args.threads else ""))
-    print(f"threads: {torch.get_num_threads()}, float32; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}" + (f" --threads {args.threads}" if args.threads else ""))
+    print(f"threads: {torch.get_num_threads()}, weights {args.weights}; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM peak {peak / 1e9:.1f} GFLOP/s (ridge at {peak / bandwidth:.1f} FLOP/byte)")
     for r in results:
         for phase in ("decode", "prefill"):

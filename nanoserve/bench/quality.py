@@ -47,12 +47,13 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def greedy_outputs(model, tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Greedy token ids per chat prompt, all prompts batched through the engine; EOS ignored (N tokens each)."""
+def greedy_outputs(model, tokenizer, prompts: list[str], max_tokens: int, **llm_kwargs) -> list[list[int]]:
+    """Greedy token ids per chat prompt, all prompts batched through the engine; EOS ignored (N tokens each).
+    llm_kwargs: more of LLM's arguments (e.g. kv_cache_dtype="bf16")."""
     from nanoserve.llm import LLM
     from nanoserve.sampling import SamplingParams
 
-    llm = LLM(model, num_blocks=len(prompts) * (8 + max_tokens // 16))  # a chat prompt fits in 8 blocks of 16
+    llm = LLM(model, num_blocks=len(prompts) * (8 + max_tokens // 16), **llm_kwargs)  # a chat prompt fits in 8 blocks of 16
     chats = [[{"role": "user", "content": p}] for p in prompts]
     outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     return [o.token_ids for o in outs]

@@ -73,6 +73,8 @@ def add_engine_args(p):
                    help="the slo policy's default time-per-output-token target")
     p.add_argument("--slo-reject", action="store_true",
                    help="slo policy: refuse a request whose TTFT deadline is already lost instead of serving it late")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the KV pool's dtype: auto = the model's (float32); bf16 halves the bytes per token (ch 06)")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
@@ -88,7 +90,7 @@ def llm_from_args(args, tokenizer=None):
                degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-               slo_reject=args.slo_reject)
+               slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

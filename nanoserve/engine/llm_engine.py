@@ -24,7 +24,7 @@ from nanoserve.engine.executor import Executor
 from nanoserve.engine.policies import SLOTargets, make_policy
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
-from nanoserve.engine.worker import Worker
+from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
@@ -68,6 +68,10 @@ class EngineConfig:
     slo_reject: bool = False
     tenant_weights: dict | None = None  # tenant -> weight (fair); missing tenants weigh 1
     tenant_slos: dict | None = None  # tenant -> SLOTargets (slo)
+    # The KV pool's dtype (vLLM's --kv-cache-dtype): "auto" = the model's parameters' (float32 for every
+    # GGUF format), "fp32", or "bf16" — half the bytes per token, so twice the blocks in the same memory and
+    # half the bytes each decode step gathers; the attention math then runs in bf16 (torch backend only).
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -114,7 +118,13 @@ class LLMEngine:
         # chapter 05's paged attention and metadata (the learner's rungs 5.3, 5.5, 5.6 where finished)
         paged_kv = student.module("nanoserve.kv.paged_attention")
         runner = student.module("nanoserve.engine.model_runner").ModelRunner  # the learner's with 06 (exercise 6.5)
-        self.executor = Executor([Worker(model, attention_backend=self.attention_backend, paged_attention=kernel,
+        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+        if triton and config.kv_cache_dtype != "auto":
+            raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
+                             "model's dtype (chapter 07)")
+        self.executor = Executor([Worker(model, KV_CACHE_DTYPES[config.kv_cache_dtype],
+                                          attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)

@@ -158,14 +158,17 @@ class PagedAttention:
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.cache.store_kv(layer_idx, k, v, self.metadata.slot_mapping)
         k_cache, v_cache = self.cache.k_cache[layer_idx], self.cache.v_cache[layer_idx]
+        # A bf16 pool under a float32 model (kv_cache_dtype="bf16"): the attention math runs in the pool's dtype
+        # (half the bytes to gather and read), its output goes back to the model's.
+        model_dtype, q, k, v = q.dtype, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
+        self.cache.store_kv(layer_idx, k, v, self.metadata.slot_mapping)
         out = torch.empty_like(q)
         for group in self.decode_groups:
             out[group.tokens] = group.attend(q[group.tokens], k_cache, v_cache)
         for start, end, seq_len, table, mask in self.prefills:
             out[start:end] = attend_sequence(q[start:end], k_cache, v_cache, table, seq_len, mask)
-        return out
+        return out.to(model_dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
