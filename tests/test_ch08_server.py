@@ -19,6 +19,7 @@ from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.server.protocol import APIError
 from nanoserve.server.runner import serving
 from nanoserve.student import implementation
+from tests.test_student import exercises  # noqa: F401  (fixture: a copy of exercises/ the loader reads)
 from tests.tiny_model import tiny_llama
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -421,3 +422,28 @@ def test_terminal_chat_through_the_server_keeps_the_conversation(engine, tokeniz
     end = {"stop": "\n", "length": " [max tokens]\n"}
     assert "".join(shown) == (f"assistant> {first.message.content}{end[first.finish_reason]}"
                               f"assistant> {second.message.content}{end[second.finish_reason]}")
+
+
+def test_finished_08_rungs_serve_through_student_08(engine, tokenizer, exercises, capsys):
+    """`serve --student 08`: the learner's finished files (here the reference, copied in) answer the requests —
+    8.1's params, 8.2's stream, 8.3's bridge, 8.4's limiter — and the run says so; an unfinished one falls back."""
+    for module in ("nanoserve.server.request_params", "nanoserve.server.streaming", "nanoserve.engine.async_engine"):
+        exercises(module)
+    with pytest.warns(UserWarning, match=r"Exercise 8\.4 not finished in exercises/08-http-serving/limits\.py"):
+        with serving(engine, tokenizer, model_name="tiny", student="08", rate_limit=100) as (url, server):
+            state = server.state
+            assert type(state.engine).__module__ == "student_nanoserve_engine_async_engine"
+            assert state.request_params.__name__ == "student_nanoserve_server_request_params"
+            assert state.streaming.__name__ == "student_nanoserve_server_streaming"
+            assert state.limits.__name__ == "nanoserve.server.limits"  # still a stub: the reference's
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(stream=True, n=2), timeout=60) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "data: [DONE]"
+            assert {json.loads(e[6:])["choices"][0]["index"] for e in events[:-1]} == {0, 1}
+            calls = state.student.calls
+            assert calls["to_sampling_params"] == 1 and calls["openai_stream"] == 1
+            assert calls["AsyncLLMEngine.add_request"] == 1 and calls["AsyncLLMEngine._drain_inbox"] > 0
+    err = capsys.readouterr().err
+    assert "--student 08: the server runs" in err and "yours      to_sampling_params" in err
+    assert "reference  nanoserve.server.limits  (exercises/08-http-serving/limits.py still raises" in err
+    assert_pool_whole(engine)
