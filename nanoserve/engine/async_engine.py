@@ -18,6 +18,9 @@ Only the engine thread ever touches the LLMEngine, so the engine itself needs no
 an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
 When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
 A step that raises fails the requests that were in it (their streams raise) and the loop goes on.
+
+Exercise 8.3 (exercises/08-http-serving/async_engine.py) writes the bridge: add_request, _outputs, abort,
+_drain_inbox and _emit; `serve --student 08` runs the learner's class.
 """
 
 import asyncio

@@ -18,6 +18,9 @@ A tenant (`--api-keys FILE`) has a requests/s bucket and a tokens-per-minute buc
 tokens, `tokens_per_minute` of them refilling over a minute). A request is admitted while the token
 bucket is not in debt; its tokens are charged as they are known (the prompt at admission, each
 generated token as it comes), so one long request may overdraw it and the next waits until it is paid.
+
+Exercise 8.4 (exercises/08-http-serving/limits.py) writes TokenBucketLimiter.try_acquire, too_many_requests and
+check_queue.
 """
 
 import json
