@@ -61,7 +61,10 @@ STUDENT_FILES = {
     "nanoserve.engine.scheduler": "06-continuous-batching/scheduler.py",
     "nanoserve.sampling": "03-tokens-and-sampling/sampling.py",
     "nanoserve.text.detokenizer": "03-tokens-and-sampling/detokenizer.py",
+    "nanoserve.server.request_params": "08-http-serving/request_params.py",
     "nanoserve.server.streaming": "08-http-serving/streaming.py",
+    "nanoserve.engine.async_engine": "08-http-serving/async_engine.py",
+    "nanoserve.server.limits": "08-http-serving/limits.py",
     "nanoserve.kernels.triton_paged_attention": "07-triton-paged-attention/triton_paged_attention.py",
     "nanoserve.kernels.triton_store_kv": "07-triton-paged-attention/triton_store_kv.py",
     "nanoserve.model.quant": "10-quantization/quant.py",
@@ -358,9 +361,9 @@ class StudentCode:
                           f"{', '.join(sorted(swapped))} runs instead, with your other rungs", stacklevel=3)
         return with_reference(mod, name, rungs)
 
-    def describe(self) -> str:
-        """Whose code runs: one line per module the run asked for."""
-        lines = [f"--student {','.join(sorted(self.chapters))}: the engine runs"]
+    def describe(self, runs: str = "the engine runs", idle: bool = True) -> str:
+        """Whose code runs: one line per module the run asked for (idle: and the chapters none of it is from)."""
+        lines = [f"--student {','.join(sorted(self.chapters))}: {runs}"]
         for name, use in self.used.items():
             if isinstance(use, tuple):
                 path, names, rungs = use
@@ -369,7 +372,7 @@ class StudentCode:
                     lines.append(f"  reference  {', '.join(RUNGS[name][rung])}  (Exercise {rung} not finished)")
             else:
                 lines.append(f"  reference  {name}  ({use})")
-        idle = sorted(self.chapters - {STUDENT_FILES[name][:2] for name in self.used})
+        idle = sorted(self.chapters - {STUDENT_FILES[name][:2] for name in self.used}) if idle else []
         if idle:
             lines.append(f"  (no exercise of chapter {', '.join(idle)} plugs into this run: grade them with "
                          f"make grade CH=NN)")

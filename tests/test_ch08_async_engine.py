@@ -1,6 +1,8 @@
-"""Chapter 08 — AsyncLLMEngine on a tiny random model: the streams carry exactly what the synchronous
-LLMEngine produces, abort frees blocks at the next step boundary, a failing step fails only its
-requests, the thread sleeps when idle and is gone after shutdown."""
+"""Chapter 08 — exercise 8.3, AsyncLLMEngine on a tiny random model: the streams carry exactly what the
+synchronous LLMEngine produces, abort frees blocks at the next step boundary, a refused or cancelled add leaves
+nothing, a failing step fails only its requests, the thread sleeps when idle and is gone after shutdown.
+Graded: `make grade CH=08 EX=8.3` runs these against exercises/08-http-serving/async_engine.py (every coroutine
+under a timeout: a bridge that loses an output fails instead of hanging)."""
 
 import asyncio
 import threading
@@ -8,10 +10,21 @@ import time
 
 import pytest
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.engine.async_engine import EngineStepError
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.sampling import SamplingParams
+from nanoserve.student import implementation
 from tests.tiny_model import tiny_llama
+
+pytestmark = pytest.mark.exercise("8.3")
+
+
+def AsyncLLMEngine(engine):  # noqa: N802 — the graded class: the learner's under make grade
+    return implementation("nanoserve.engine.async_engine").AsyncLLMEngine(engine)
+
+
+def run(coro, timeout: float = 60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +64,7 @@ def async_engine(tiny):
     assert not engine.is_running
 
 
-def count_steps(engine: AsyncLLMEngine) -> list[int]:
+def count_steps(engine) -> list[int]:
     """Wrap LLMEngine.step so the test can count the steps the thread took."""
     steps, step = [0], engine.engine.step
 
@@ -76,7 +89,7 @@ def test_concurrent_streams_equal_the_synchronous_engine(tiny, async_engine):
     async def main():
         return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
 
-    assert asyncio.run(main()) == expected
+    assert run(main()) == expected
     assert_pool_whole(async_engine.engine)
 
 
@@ -93,7 +106,7 @@ def test_abort_from_a_coroutine_takes_effect_at_the_next_step_boundary(async_eng
             state["last"] = out
         return state["last"]
 
-    last = asyncio.run(main())
+    last = run(main())
     assert last.finished and last.finish_reason == "abort"
     assert len(last.token_ids) <= 3 + 1  # at most the step that was already running when abort() came
     assert steps[0] - state["steps_at_abort"] <= 1
@@ -106,7 +119,7 @@ def test_leaving_a_stream_early_aborts_the_request(async_engine):
             if len(out.token_ids) == 2:
                 break  # the generator's finally aborts, as a cancelled HTTP handler does
 
-    asyncio.run(main())
+    run(main())
     deadline = time.monotonic() + 5
     while async_engine.num_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -122,7 +135,7 @@ def test_a_refused_request_raises_in_add_request_and_leaves_nothing(async_engine
         with pytest.raises(ValueError, match="context"):
             await async_engine.add_request("long", [1] * 500, greedy(20))
 
-    asyncio.run(main())
+    run(main())
     assert async_engine.num_unfinished_requests() == 0
     assert_pool_whole(async_engine.engine)
 
@@ -145,7 +158,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(async_engine):
         # the same engine keeps serving
         return [out async for out in async_engine.generate("fine", [4, 5, 6], greedy(5))][-1]
 
-    assert asyncio.run(main()).finish_reason == "length"
+    assert run(main()).finish_reason == "length"
     assert async_engine.is_running
     assert_pool_whole(async_engine.engine)
 
@@ -180,7 +193,7 @@ def test_n_completions_stream_with_their_index_and_a_failing_completion_fails_th
                 pass
         return outs
 
-    outs = asyncio.run(asyncio.wait_for(main(), 60))  # a stream nobody ends would hang: fail instead
+    outs = run(main())  # a stream nobody ends would hang: fail instead
     assert sorted(o.index for o in outs if o.finish_reason) == [0, 1, 2] and outs[-1].finished
     assert sum(o.finished for o in outs) == 1 and all(len(o.token_ids) == 4 for o in outs if o.finish_reason)
     assert_pool_whole(async_engine.engine)
@@ -201,7 +214,7 @@ def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
                 threading.Thread(target=engine.shutdown).start()
             got.append(out)
 
-    asyncio.run(main())
+    run(main())
     assert got[-1].finish_reason == "abort"
     deadline = time.monotonic() + 5
     while engine.is_running and time.monotonic() < deadline:
@@ -213,4 +226,63 @@ def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
         with pytest.raises(RuntimeError, match="not running"):
             await engine.add_request("late", [1, 2], greedy(2))
 
-    asyncio.run(after())
+    run(after())
+
+
+def test_adds_wait_for_the_step_boundary_and_each_stream_gets_only_its_own(tiny, async_engine):
+    """Requests added while a step runs join at the next boundary (the engine thread alone adds them); each
+    stream carries exactly its request's outputs, in order, as the synchronous engine makes them."""
+    expected = offline(tiny, PROMPTS[:3], greedy(6))
+    real_step, seen_steps = async_engine.engine.step, []
+
+    def step():
+        seen_steps.append(threading.current_thread().name)
+        time.sleep(0.01)  # a slow step: the adds below land while it runs
+        return real_step()
+
+    async_engine.engine.step = step
+
+    async def one(i, delay):
+        await asyncio.sleep(delay)
+        outs = [out async for out in async_engine.generate(f"s{i}", PROMPTS[i], greedy(6))]
+        assert {o.request_id for o in outs} == {f"s{i}"}
+        return outs[-1].token_ids
+
+    async def main():
+        return await asyncio.gather(one(0, 0), one(1, 0.005), one(2, 0.02))
+
+    assert run(main()) == expected
+    assert set(seen_steps) == {"nanoserve-engine"}  # only the engine thread ever stepped the engine
+    assert_pool_whole(async_engine.engine)
+
+
+def test_a_duplicate_id_is_refused_and_a_cancelled_add_leaves_nothing(async_engine):
+    real_step = async_engine.engine.step
+
+    def slow():  # 300 tokens would take 3 s or more: only an abort ends these requests within the second below
+        time.sleep(0.01)
+        return real_step()
+
+    async_engine.engine.step = slow
+
+    async def main():
+        first = await async_engine.add_request("same", [1, 2, 3], greedy(300, ignore_eos=True))
+        with pytest.raises(ValueError, match="same"):
+            await async_engine.add_request("same", [4, 5], greedy(2))
+        async for _ in first:  # read one output, then leave: the stream's end aborts the request
+            break
+        await first.aclose()
+        # a caller cancelled while its add waits for the step boundary (a client gone that early)
+        task = asyncio.ensure_future(async_engine.add_request("gone", [1, 2, 3], greedy(300, ignore_eos=True)))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    deadline = time.monotonic() + 1.0
+    while (async_engine.num_unfinished_requests() or async_engine.engine.has_unfinished_requests()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert async_engine.num_unfinished_requests() == 0
+    assert_pool_whole(async_engine.engine)

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.server.limits import Tenant, TokenBucketLimiter, load_api_keys
+from nanoserve.server.limits import Tenant, load_api_keys
 from nanoserve.server.runner import serving
+from nanoserve.student import implementation
 from tests.test_ch08_server import assert_openai_error, assert_pool_whole, chat_body, slow_steps
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
 
@@ -30,6 +31,24 @@ def engine(tiny, tokenizer):
     return LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), tokenizer)
 
 
+def TokenBucketLimiter(*args, **kwargs):  # noqa: N802 — the graded class: the learner's under make grade
+    return implementation("nanoserve.server.limits").TokenBucketLimiter(*args, **kwargs)
+
+
+@pytest.mark.exercise("8.4")
+def test_token_bucket_worked_example():
+    limiter = TokenBucketLimiter(rate=2, burst=3)
+    assert [limiter.try_acquire("k", now=0.0) for _ in range(4)] == [0.0, 0.0, 0.0, 0.5]
+    assert limiter.try_acquire("k", now=0.25) == pytest.approx(0.25)  # half a token dripped in: 0.25 s to go
+    assert limiter.try_acquire("k", now=0.5) == 0.0  # one whole token: taken
+    assert limiter.try_acquire("other", now=0.5) == 0.0  # another key, another (full) bucket
+    assert limiter.try_acquire("k", now=100.0, cost=3) == 0.0  # refilled, but never beyond the burst of 3 ...
+    assert limiter.try_acquire("k", now=100.0) == pytest.approx(0.5)  # ... so the next one waits
+    assert limiter.try_acquire("k", now=101.0, cost=2.5) == pytest.approx(0.25)  # 2 there, 0.5 more at 2/s
+    assert limiter.try_acquire("k", now=101.0) == 0.0  # a refusal took nothing: 2 still there
+
+
+@pytest.mark.exercise("8.4")
 def test_buckets_expire_and_the_table_stays_bounded():
     limiter = TokenBucketLimiter(rate=10, burst=2, max_keys=1000)
     tracemalloc.start()

@@ -16,7 +16,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.server.protocol import APIError
 from nanoserve.server.runner import serving
+from nanoserve.student import implementation
+from tests.test_student import exercises  # noqa: F401  (fixture: a copy of exercises/ the loader reads)
 from tests.tiny_model import tiny_llama
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -58,6 +61,19 @@ def assert_pool_whole(engine, timeout=5.0):
         time.sleep(0.01)
     assert not engine.scheduler.seqs, f"requests left behind: {list(engine.scheduler.seqs)}"
     assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+
+
+def graded(server, module: str):
+    """Swap the graded `module` into a running server: under `make grade` the learner's file (even a stub, which
+    a real --student run would replace by the reference), else the reference. Only that one module: every other
+    rung stays the reference's, so a rung is graded on its own."""
+    state, mod = server.state, implementation(module)
+    attr = {"nanoserve.server.request_params": "request_params", "nanoserve.server.streaming": "streaming",
+            "nanoserve.server.limits": "limits"}[module]
+    setattr(state, attr, mod)
+    if attr == "limits" and state.limiter is not None:
+        state.limiter = mod.TokenBucketLimiter(state.config.rate_limit, state.config.rate_burst)
+    return server
 
 
 def chat_body(**kw):
@@ -147,10 +163,17 @@ def test_api_key(engine, tokenizer):
         assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
+@pytest.mark.exercise("8.4")
 def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenizer, monkeypatch):
+    limits = implementation("nanoserve.server.limits")
+    assert limits.check_queue(0, 1, 1) is None and limits.check_queue(5, None, 1) is None
+    with pytest.raises(APIError) as e:
+        limits.check_queue(3, 3, 7)
+    assert (e.value.status, e.value.headers) == (503, {"Retry-After": "7"}) and "3" in e.value.message
     engine = LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=1), tokenizer)
     slow_steps(engine)
     with serving(engine, tokenizer, model_name="tiny", max_waiting_requests=1) as (url, server):
+        graded(server, "nanoserve.server.limits")
         long = chat_body(max_tokens=400, ignore_eos=True, stream=True)
         async_engine = server.state.engine
 
@@ -175,13 +198,20 @@ def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenize
     assert_pool_whole(engine)
 
 
+@pytest.mark.exercise("8.4")
 def test_rate_limit_is_429_with_retry_after(engine, tokenizer):
-    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.1, rate_burst=2) as (url, _):  # a token per 10 s
+    limits = implementation("nanoserve.server.limits")
+    e = limits.too_many_requests(2.25, "slow down")
+    assert (e.status, e.message, e.headers) == (429, "slow down; retry in 2.25 s", {"Retry-After": "3"})
+    assert limits.too_many_requests(0.01, "x").headers == {"Retry-After": "1"}  # never 0
+    assert limits.too_many_requests(3.0, "x").headers == {"Retry-After": "3"}  # whole seconds stay as they are
+    with serving(engine, tokenizer, model_name="tiny", rate_limit=0.1, rate_burst=2) as (url, server):  # 1 per 10 s
+        graded(server, "nanoserve.server.limits")
         codes = [httpx.get(f"{url}/v1/models").status_code for _ in range(2)]
         r = httpx.get(f"{url}/v1/models")
         assert codes == [200, 200]
-        assert_openai_error(r, 429)
-        assert int(r.headers["retry-after"]) >= 1
+        error = assert_openai_error(r, 429)
+        assert r.headers["retry-after"] == "10" and error["type"] == "RateLimitError"  # (1 - 0) / 0.1 s, rounded up
         assert httpx.get(f"{url}/health").status_code == 200  # health is not rate limited
 
 
@@ -392,3 +422,28 @@ def test_terminal_chat_through_the_server_keeps_the_conversation(engine, tokeniz
     end = {"stop": "\n", "length": " [max tokens]\n"}
     assert "".join(shown) == (f"assistant> {first.message.content}{end[first.finish_reason]}"
                               f"assistant> {second.message.content}{end[second.finish_reason]}")
+
+
+def test_finished_08_rungs_serve_through_student_08(engine, tokenizer, exercises, capsys):
+    """`serve --student 08`: the learner's finished files (here the reference, copied in) answer the requests —
+    8.1's params, 8.2's stream, 8.3's bridge, 8.4's limiter — and the run says so; an unfinished one falls back."""
+    for module in ("nanoserve.server.request_params", "nanoserve.server.streaming", "nanoserve.engine.async_engine"):
+        exercises(module)
+    with pytest.warns(UserWarning, match=r"Exercise 8\.4 not finished in exercises/08-http-serving/limits\.py"):
+        with serving(engine, tokenizer, model_name="tiny", student="08", rate_limit=100) as (url, server):
+            state = server.state
+            assert type(state.engine).__module__ == "student_nanoserve_engine_async_engine"
+            assert state.request_params.__name__ == "student_nanoserve_server_request_params"
+            assert state.streaming.__name__ == "student_nanoserve_server_streaming"
+            assert state.limits.__name__ == "nanoserve.server.limits"  # still a stub: the reference's
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(stream=True, n=2), timeout=60) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "data: [DONE]"
+            assert {json.loads(e[6:])["choices"][0]["index"] for e in events[:-1]} == {0, 1}
+            calls = state.student.calls
+            assert calls["to_sampling_params"] == 1 and calls["openai_stream"] == 1
+            assert calls["AsyncLLMEngine.add_request"] == 1 and calls["AsyncLLMEngine._drain_inbox"] > 0
+    err = capsys.readouterr().err
+    assert "--student 08: the server runs" in err and "yours      to_sampling_params" in err
+    assert "reference  nanoserve.server.limits  (exercises/08-http-serving/limits.py still raises" in err
+    assert_pool_whole(engine)

@@ -92,10 +92,9 @@ def how_to_call(url: str, model: str, api_key: bool) -> str:
 
 
 def run(args):
-    from nanoserve.engine.async_engine import AsyncLLMEngine
-    from nanoserve.server.api_server import ServerConfig, ServerState
+    from nanoserve.server.api_server import ServerConfig
     from nanoserve.server.metrics import PrometheusStatLogger
-    from nanoserve.server.runner import Server
+    from nanoserve.server.runner import Server, server_state
 
     problem = check_args(args)
     if problem is None:
@@ -135,7 +134,7 @@ def run(args):
         print(f"error: {e}", file=sys.stderr)
         return 2
     stat_logger = PrometheusStatLogger(args.served_model_name, args.metrics_compat)
-    state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, config, stat_logger)
+    state = server_state(llm.engine, llm.tokenizer, config, stat_logger)  # --student 08: the learner's 8.1-8.4
     publisher = None
     if args.kv_events_endpoint is not None:  # chapter 16: the prefix cache's events, vLLM's wire format
         from nanoserve.kv.kv_events import record_kv_events

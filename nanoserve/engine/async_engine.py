@@ -18,6 +18,9 @@ Only the engine thread ever touches the LLMEngine, so the engine itself needs no
 an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
 When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
 A step that raises fails the requests that were in it (their streams raise) and the loop goes on.
+
+Exercise 8.3 (exercises/08-http-serving/async_engine.py) writes the bridge: add_request, _outputs, abort,
+_drain_inbox and _emit; `serve --student 08` runs the learner's class.
 """
 
 import asyncio
@@ -212,13 +215,18 @@ class AsyncLLMEngine:
         aborted = [self.engine.abort_request(request_id) for request_id in aborts]
         self._emit([out for out in aborted if out is not None])
 
-    def _emit(self, outputs: list[RequestOutput], scheduler_output=None) -> None:
-        """Count the outputs in the metrics, then hand each to its request's stream."""
+    def _record(self, outputs: list[RequestOutput], scheduler_output=None) -> None:
+        """Count a step's outputs (or a batch of aborts') in the metrics, if there is a stat logger."""
         if self.stat_logger is not None and (outputs or scheduler_output is not None):
             try:
                 self.stat_logger.record(self.engine, outputs, scheduler_output)
             except Exception as e:  # noqa: BLE001 — a metrics bug must not stop the serving
                 warnings.warn(f"stat logger failed: {e!r}")
+
+    def _emit(self, outputs: list[RequestOutput], scheduler_output=None) -> None:
+        """Count the outputs in the metrics, then hand each to its request's stream (the last one, finished,
+        also takes the stream out of the table)."""
+        self._record(outputs, scheduler_output)
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)

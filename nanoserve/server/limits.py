@@ -18,14 +18,39 @@ A tenant (`--api-keys FILE`) has a requests/s bucket and a tokens-per-minute buc
 tokens, `tokens_per_minute` of them refilling over a minute). A request is admitted while the token
 bucket is not in debt; its tokens are charged as they are known (the prompt at admission, each
 generated token as it comes), so one long request may overdraw it and the next waits until it is paid.
+
+Exercise 8.4 (exercises/08-http-serving/limits.py) writes TokenBucketLimiter.try_acquire, too_many_requests and
+check_queue.
 """
 
 import json
+import math
 import time
 import tomllib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanoserve.server.protocol import APIError
+
+
+def too_many_requests(wait: float, message: str) -> APIError:
+    """Exercise 8.4: the 429 for a request refused by a bucket that has what it needs in `wait` seconds.
+    HTTP's Retry-After counts whole seconds: round up (a client told 0 would retry at once).
+
+        >>> e = too_many_requests(0.5, "rate limit of 2 requests/s exceeded")
+        >>> e.status, e.message, e.headers
+        (429, 'rate limit of 2 requests/s exceeded; retry in 0.50 s', {'Retry-After': '1'})
+    """
+    return APIError(429, f"{message}; retry in {wait:.2f} s", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+
+
+def check_queue(num_waiting: int, max_waiting: int | None, retry_after_s: int) -> None:
+    """Exercise 8.4: the bound on the waiting queue (vLLM's --max-num-queued-reqs). With `max_waiting` requests
+    already waiting (None: no bound), the next one is a 503 with Retry-After: come back, or go elsewhere."""
+    if max_waiting is not None and num_waiting >= max_waiting:
+        raise APIError(503, f"the server is busy: {num_waiting} requests are waiting (max {max_waiting})",
+                       headers={"Retry-After": str(retry_after_s)})
 
 
 class TokenBucketLimiter:
@@ -56,7 +81,7 @@ class TokenBucketLimiter:
             self.buckets.popitem(last=False)
 
     def try_acquire(self, key: str, now: float | None = None, cost: float = 1.0) -> float:
-        """Take `cost` tokens for `key`: 0.0 if granted, else the seconds until they will be there."""
+        """Exercise 8.4: take `cost` tokens for `key`: 0.0 if granted, else the seconds until they will be there."""
         now = time.monotonic() if now is None else now
         tokens = self._level(key, now)
         if tokens >= cost:

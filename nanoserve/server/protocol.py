@@ -15,7 +15,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from nanoserve.sampling import SamplingParams
 from nanoserve.structured.params import StructuredOutputsParams
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -172,6 +171,7 @@ class _SamplingFields(BaseModel):
             if not -100 <= value <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
         return bias
+
     def slo_targets(self):
         """The request's SLOTargets, or None when it asks none (the tenant's or the server's then apply)."""
         from nanoserve.engine.policies import SLOTargets
@@ -179,19 +179,6 @@ class _SamplingFields(BaseModel):
         if self.ttft_slo_ms is None and self.tpot_slo_ms is None:
             return None
         return SLOTargets(self.ttft_slo_ms, self.tpot_slo_ms)
-
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        structured = self.structured_params()
-        try:
-            return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                                  max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, n=self.n,
-                                  stop_token_ids=self.stop_token_ids, presence_penalty=self.presence_penalty,
-                                  frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                                  min_p=self.min_p, logprobs=self.num_logprobs,
-                                  logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                                  structured=structured)
-        except ValueError as e:  # what the models cannot say, SamplingParams does (an empty stop string)
-            raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
 
     def structured_params(self) -> StructuredOutputsParams | None:
         """response_format / structured_outputs -> the grammar the output must follow (None: free text)."""

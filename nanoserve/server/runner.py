@@ -1,6 +1,6 @@
 """Chapter 08 — running the server: uvicorn around the app, with a graceful shutdown.
 
-    state = ServerState(AsyncLLMEngine(llm.engine, stat_logger), llm.tokenizer, ServerConfig(), stat_logger)
+    state = server_state(llm.engine, llm.tokenizer, ServerConfig(), stat_logger)   # an AsyncLLMEngine around it
     Server(state, "127.0.0.1", 8000, shutdown_timeout=10).run()   # the CLI: until SIGTERM / Ctrl-C
 
     with serving(llm.engine, llm.tokenizer) as (url, server):      # tests, notebooks, benchmarks:
@@ -22,9 +22,9 @@ import contextlib
 
 import uvicorn
 
-from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.server.api_server import ServerConfig, ServerState, build_app
 from nanoserve.server.metrics import PrometheusStatLogger
+from nanoserve.student import StudentCode
 
 
 class Server(uvicorn.Server):
@@ -88,13 +88,20 @@ class Server(uvicorn.Server):
             self._thread = None
 
 
+def server_state(engine, tokenizer, config: ServerConfig, stat_logger=None) -> ServerState:
+    """The routes' state over an AsyncLLMEngine around `engine` — with config.student selecting chapter 08, the
+    learner's AsyncLLMEngine (exercise 8.3, once finished) and server modules, from one StudentCode."""
+    student = StudentCode(config.student)
+    async_engine = student.module("nanoserve.engine.async_engine").AsyncLLMEngine(engine, stat_logger)
+    return ServerState(async_engine, tokenizer, config, stat_logger, student)
+
+
 @contextlib.contextmanager
 def serving(engine, tokenizer, shutdown_timeout: float = 10.0, **config):
     """Serve an LLMEngine from a thread on a free loopback port: yields (base URL, Server), then shuts
     down gracefully. `config`: ServerConfig's fields (api_key=..., max_waiting_requests=...)."""
     config = ServerConfig(**config)
-    stat_logger = PrometheusStatLogger(config.model_name, config.metrics_compat)
-    state = ServerState(AsyncLLMEngine(engine, stat_logger), tokenizer, config, stat_logger)
+    state = server_state(engine, tokenizer, config, PrometheusStatLogger(config.model_name, config.metrics_compat))
     server = Server(state, "127.0.0.1", 0, shutdown_timeout=shutdown_timeout)
     port = server.start_in_thread()
     try:

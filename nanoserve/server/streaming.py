@@ -18,6 +18,7 @@ so the stream reads
 
 Holding back only while the tail could still grow into a stop string keeps the sent text a prefix
 of the final text at every step, so the deltas concatenate to exactly the non-streamed answer.
+Exercise 8.2 (exercises/08-http-serving/streaming.py) writes stop_hold_back, text_deltas and openai_stream.
 """
 
 import json
