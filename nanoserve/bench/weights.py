@@ -6,7 +6,8 @@
                 dequantize-then-F.linear; at 1 token also the kernels with float32 activations.
                 This is the measurement behind QUANT_MAX_TOKENS (nanoserve/model/quant.py).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
-                16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format
+                16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
+                int8 and q4 as LLM serves them: their kernel up to KERNEL_CROSSOVER_TOKENS, a bf16 copy beyond
 
 The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
 timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
@@ -171,6 +172,11 @@ def run(args):
         product_table(models, args.tokens, args.repeats)
         progress("product table done")
 
+    from nanoserve.model.quant import set_kernel_crossover
+
+    for name, model in models.items():  # the engines serve as LLM does: the kernel up to the crossover, a bf16 copy beyond
+        if name in ("int8", "q4"):
+            set_kernel_crossover(model)
     with torch.inference_mode():
         engines = {n: LLMEngine(m, EngineConfig(kv_cache_memory=384 << 20)) for n, m in models.items()}
         lockstep(engines, make_workload(4, (8, 16), (2, 4), 1, config.vocab_size))  # warm up
