@@ -104,8 +104,8 @@ def check_admin_args(args) -> str | None:
     if args.warmup_requests < 0:
         return f"--warmup-requests must be >= 0, got {args.warmup_requests}"
     if args.tensor_parallel_size > 1 or is_fleet(args) or args.kv_events_endpoint is not None:
-        return ("--admin-key reloads the engine of this process: not with --tensor-parallel-size > 1, replicas "
-                "or --kv-events-endpoint (reload those by restarting replicas one at a time, chapter 16)")
+        return ("--admin-key reloads the engine of this process: not with --tensor-parallel-size > 1, --replicas "
+                "or --kv-events-endpoint (a fleet updates by restarting its replicas one at a time, chapter 16)")
     return None
 
 

@@ -27,6 +27,7 @@ others serve, and reloads it (chapter 16).
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import hmac
 import time
@@ -47,6 +48,16 @@ def version_name(weights: str, n: int) -> str:
         'nanoserve-q4-2'
     """
     return f"nanoserve-{weights}-{n}"
+
+
+def release_memory() -> None:
+    """Collect the retired engine's reference cycles now, then hand the freed heap back to the OS: glibc keeps
+    freed pages of its heap mapped (the process' RSS would not fall) until malloc_trim asks it to return them."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): the memory is free for this process, if not the OS
+        pass
 
 
 @dataclass(eq=False)
@@ -172,7 +183,7 @@ class EngineVersions:
         await asyncio.to_thread(version.engine.shutdown)
         self.retiring.remove(version)
         del version
-        gc.collect()  # the engine's reference cycles: its memory back now, not at some later collection
+        release_memory()
 
 
 class ReloadRequest(BaseModel):
