@@ -57,6 +57,9 @@ class Server(uvicorn.Server):
         """SIGHUP's blue-green update, its outcome in one line on stderr (an APIError: the old version serves on)."""
         from nanoserve.server.protocol import APIError
 
+        if self.state.draining:
+            print("nanoserve: reload ignored: the server is shutting down", file=sys.stderr, flush=True)
+            return
         try:
             done = await self.state.versions.reload(**kw)
             print(f"nanoserve: reloaded, serving {done['version']} (load {done['load_s']:.1f} s, warm-up "

@@ -79,6 +79,7 @@ class EngineVersions:
         self.warmup_requests, self.warmup_max_tokens, self.warmup_timeout_s = \
             warmup_requests, warmup_max_tokens, warmup_timeout_s
         self.retiring: list[ModelVersion] = []  # switched away from, in-flight requests still finishing
+        self.shadow: ModelVersion | None = None  # loaded, warming up, not serving yet
         self.served = 1  # versions that have served (the n of the next name is this + 1)
         self.reloading = False
         self._tasks: set[asyncio.Task] = set()  # the retirements under way (a reference, or asyncio may drop them)
@@ -98,7 +99,7 @@ class EngineVersions:
         return sum(v.engine.num_unfinished_requests() + v.leases for v in (self.current, *self.retiring))
 
     def shutdown(self) -> None:
-        for version in (*self.retiring, self.current):
+        for version in (*self.retiring, *([self.shadow] if self.shadow else []), self.current):
             version.engine.shutdown()
 
     async def reload(self, weights: str | None = None, model_file: str | None = None,
@@ -134,6 +135,7 @@ class EngineVersions:
         # the shadow records no metrics while it warms up: the server's counters are about its clients
         shadow = ModelVersion(name, weights, AsyncLLMEngine(engine, None, thread_name=f"nanoserve-engine-{name}"))
         del engine
+        self.shadow = shadow
         shadow.engine.start()
         t1 = time.perf_counter()
         try:
@@ -142,6 +144,8 @@ class EngineVersions:
             await asyncio.to_thread(shadow.engine.shutdown)
             why = f"no answer within {self.warmup_timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
             raise APIError(500, f"warming up {name} failed: {why}; {still}") from None
+        finally:
+            self.shadow = None
         shadow.engine.stat_logger = old.engine.stat_logger
         # the switch: one assignment on the event loop, between two requests; the next lease() is green's
         self.current, self.served = shadow, self.served + 1
