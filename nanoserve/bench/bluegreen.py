@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from nanoserve.cli.checks import positive_int
+from nanoserve.cli.checks import positive_int, weight_format
 from nanoserve.metrics import percentile
 
 PHASES = ("before", "during", "after")
@@ -32,8 +32,8 @@ PHASES = ("before", "during", "after")
 def register(sub):
     p = sub.add_parser("bluegreen", help="a blue-green model update under load: TTFT before / during / after, "
                                          "peak memory (chapter 15)")
-    p.add_argument("--from", dest="from_weights", default="fp32", help="blue's weights (fp32, int8, q4)")
-    p.add_argument("--to", dest="to_weights", default="q4", help="green's weights")
+    p.add_argument("--from", dest="from_weights", default="fp32", type=weight_format, help="blue's weights (fp32, int8, q4)")
+    p.add_argument("--to", dest="to_weights", default="q4", type=weight_format, help="green's weights")
     p.add_argument("--clients", type=positive_int, default=4, help="concurrent streaming clients")
     p.add_argument("--max-tokens", type=positive_int, default=16, help="greedy output tokens per request (EOS ignored)")
     p.add_argument("--before-s", type=float, default=20.0, help="seconds of load before the reload")
