@@ -36,7 +36,8 @@ class LLM:
                  tensor_parallel_size: int = 1, kernel_crossover_tokens: int | None = None,
                  large_step_weights: str = "copy", speculative: str | None = None, num_speculative_tokens: int = 4,
                  scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
-                 slo_tpot_ms: float | None = None, slo_reject: bool = False, kv_cache_dtype: str = "auto"):
+                 slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
+                 tenant_slos: dict | None = None, kv_cache_dtype: str = "auto"):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -54,7 +55,8 @@ class LLM:
         a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
         scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
-        default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost).
+        default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
+        tenant_weights (tenant -> its fair share) and tenant_slos (tenant -> SLOTargets): the server's tenants file.
         kv_cache_dtype: "auto" (the model's parameters', float32 here), "fp32" or "bf16" (half the bytes per
         token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16)."""
         from nanoserve.kernels.backend import resolve_attention_backend
@@ -101,7 +103,7 @@ class LLM:
                               degrade_under_load=degrade_under_load, speculative=speculative,
                               num_speculative_tokens=num_speculative_tokens, scheduling_policy=scheduling_policy,
                               slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject,
-                              kv_cache_dtype=kv_cache_dtype)
+                              tenant_weights=tenant_weights, tenant_slos=tenant_slos, kv_cache_dtype=kv_cache_dtype)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
         except BaseException:

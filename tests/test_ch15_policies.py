@@ -6,6 +6,7 @@ stamps sampled tokens with the clock's time, so deadlines and slack are exact nu
 (SLOPolicy.order_waiting), 15.2 (SLOPolicy.choose_victim), 15.3 (fair_order), each on its own.
 """
 
+import json
 import math
 
 import pytest
@@ -370,3 +371,105 @@ def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_50
         assert status == 200 and body["usage"]["completion_tokens"] == 2
         status, body = post({"prompt": "Hi", "ttft_slo_ms": -5})
         assert status == 400 and body["error"]["param"] == "ttft_slo_ms"
+
+
+# ---- the tenants file: weights and SLO targets through the HTTP server -----------------------------------------
+
+TENANTS = """
+[keys."sk-big"]
+tenant = "big"
+weight = 4
+[keys."sk-small"]
+tenant = "small"
+[keys."sk-strict"]
+tenant = "strict"
+ttft_slo_ms = 0.001
+tpot_slo_ms = 50
+"""
+
+
+def tenants_server(tmp_path, *flags):
+    """What `serve --api-keys FILE ...` builds, on the tiny model: the CLI's own argument checks, then LLM with
+    the tenant settings they derived (serve.py passes the same keyword arguments to llm_from_args)."""
+    import argparse
+
+    from nanoserve.cli import serve
+    from nanoserve.llm import LLM
+    from nanoserve.text.tokenizer import Tokenizer
+    from tests.tiny_model import tiny_llama
+
+    path = tmp_path / "keys.toml"
+    path.write_text(TENANTS)
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--api-keys", str(path), *flags])
+    assert serve.check_args(args) is None
+    tokenizer = Tokenizer.from_gguf()
+    llm = LLM(tiny_llama(vocab_size=49152, max_position_embeddings=1024), tokenizer=tokenizer, num_blocks=32,
+              scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_reject=args.slo_reject,
+              **args.tenant_settings)
+    return llm.engine, tokenizer, args.api_keys
+
+
+def test_the_tenants_file_gives_the_fair_policy_its_weights(tmp_path):
+    import httpx
+
+    from nanoserve.server.runner import serving
+
+    engine, tokenizer, keys = tenants_server(tmp_path, "--scheduling-policy", "fair")
+    policy = engine.scheduler.policy
+    assert policy.weights == {"big": 4, "small": 1.0, "strict": 1.0}
+    with serving(engine, tokenizer, model_name="tiny", api_keys=keys) as (url, _):
+        for key, prompt in (("sk-big", [10, 11, 12, 13, 14]), ("sk-small", [20, 21, 22, 23, 24])):
+            r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                           json={"prompt": prompt, "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+    # each request: a 5-token prefill, then 2 decodes = 7 tokens; virtual time = tokens / weight
+    assert policy.virtual_time == {"big": 7 / 4, "small": 7.0}
+
+
+def test_the_tenants_file_gives_the_slo_policy_its_targets_and_a_stream_gets_the_rejection(tmp_path):
+    import httpx
+
+    from nanoserve.server.runner import serving
+
+    engine, tokenizer, keys = tenants_server(tmp_path, "--scheduling-policy", "slo", "--slo-reject",
+                                             "--slo-ttft-ms", "60000")
+    policy = engine.scheduler.policy
+    assert policy.tenant_slos == {"strict": SLOTargets(ttft_ms=0.001, tpot_ms=50)}
+    assert policy.default == SLOTargets(ttft_ms=60000)
+
+    def post(key, stream=False, **extra):
+        body = {"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "stream": stream, **extra}
+        with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, json=body,
+                          timeout=60) as r:
+            return r.status_code, [line for line in r.iter_lines() if line]
+
+    with serving(engine, tokenizer, model_name="tiny", api_keys=keys) as (url, _):
+        status, lines = post("sk-strict")  # its tenant's 1-microsecond TTFT target: lost before the first step
+        assert status == 503 and "TTFT deadline lost" in json.loads(lines[0])["error"]["message"]
+        assert "target is 0.001 ms" in json.loads(lines[0])["error"]["message"]
+        assert post("sk-small")[0] == 200  # the server's 60 s default
+        assert post("sk-strict", ttft_slo_ms=60000)[0] == 200  # the request's own field over its tenant's
+        # streamed: the status line went out before the scheduler refused it; the refusal is an error event
+        status, lines = post("sk-strict", stream=True)
+        assert status == 200 and lines[-1] == "data: [DONE]", lines
+        error = json.loads(lines[-2][len("data: "):])["error"]
+        assert error["code"] == 503 and "TTFT deadline lost" in error["message"]
+        assert not any('"finish_reason": "abort"' in line for line in lines)
+    assert engine.block_manager.get_num_free_blocks() == 32
+
+
+@pytest.mark.parametrize("setting, message", [
+    ('weight = 0', "weight must be > 0"), ('weight = "heavy"', "weight must be > 0"),
+    ('ttft_slo_ms = -1', "ttft_slo_ms must be > 0"), ('tpot_slo_ms = true', "tpot_slo_ms must be > 0"),
+])
+def test_the_tenants_file_refuses_bad_weights_and_targets(setting, message):
+    from nanoserve.server.limits import load_api_keys_dict, scheduling_settings
+    import tomllib
+
+    with pytest.raises(ValueError, match=message):
+        load_api_keys_dict(tomllib.loads(f'[keys."k"]\ntenant = "t"\n{setting}\n'))
+    two_keys = load_api_keys_dict(tomllib.loads('[keys."k1"]\ntenant = "t"\nweight = 2\n[keys."k2"]\ntenant = "t"\n'))
+    with pytest.raises(ValueError, match="different weights"):
+        scheduling_settings(two_keys)

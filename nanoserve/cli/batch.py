@@ -79,7 +79,9 @@ def add_engine_args(p):
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
 
-def llm_from_args(args, tokenizer=None):
+def llm_from_args(args, tokenizer=None, **extra):
+    """The LLM the engine flags describe; `extra`: more of LLM's keyword arguments (serve: the tenants' weights
+    and SLO targets, chapter 15)."""
     from nanoserve.llm import LLM
 
     return LLM(getattr(args, "model", None), block_size=args.block_size,
@@ -90,7 +92,7 @@ def llm_from_args(args, tokenizer=None):
                degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-               slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype)
+               slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype, **extra)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

@@ -9,7 +9,7 @@ import importlib
 
 BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention", "http", "serve", "profile",
               "experiment", "weights", "quality", "tp",
-              "engine_view", "degrade", "soak", "peers", "spec", "structured"]
+              "engine_view", "degrade", "soak", "peers", "spec", "structured", "bluegreen"]
 
 
 def register(sub):

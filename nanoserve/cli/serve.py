@@ -7,8 +7,14 @@
 The engine knobs are the ones `batch` and `bench offline` take (nanoserve/cli/batch.py's
 add_engine_args). SIGTERM or Ctrl-C drains: running streams get up to --shutdown-timeout seconds,
 then the rest are aborted, and the process exits 0. The terminal chat is `python -m nanoserve chat`.
+
+With --admin-key (chapter 15) the model can change without a restart: `POST /admin/reload` with the admin key
+and `{"weights": "q4"}` (or `{"model_file": "other.gguf"}`), or SIGHUP (the same file and format, re-read),
+loads the next version beside the current one, warms it and switches to it (nanoserve/server/versions.py).
 """
 
+import contextlib
+import copy
 import os
 import socket
 import sys
@@ -28,6 +34,12 @@ def register(sub):
     p.add_argument("--api-keys", metavar="FILE", default=None,
                    help="tenants: a TOML or JSON file mapping each API key to a tenant name, requests_per_second, "
                         "tokens_per_minute and priority (chapter 08); a request needs one of its keys")
+    p.add_argument("--admin-key", default=os.environ.get("NANOSERVE_ADMIN_KEY"),
+                   help="enable POST /admin/reload (and SIGHUP) for a blue-green model update (chapter 15), with "
+                        "'Authorization: Bearer KEY'; no API key opens it (default: $NANOSERVE_ADMIN_KEY; none: no "
+                        "admin route at all)")
+    p.add_argument("--warmup-requests", type=int, default=4, metavar="N",
+                   help="with --admin-key: requests a reloaded version must answer before it takes traffic")
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="abort a request still unfinished S seconds after it arrived: 408, or an error event in a "
                         "stream (a request's own `timeout` field may ask for less)")
@@ -71,7 +83,30 @@ def check_args(args) -> str | None:
             args.api_keys = load_api_keys(args.api_keys)
         except ValueError as e:
             return f"--api-keys: {e}"
-    return check_fleet_args(args)
+    from nanoserve.server.limits import scheduling_settings
+
+    try:  # chapter 15: the tenants' weights and SLO targets, for the engine's scheduling policy
+        args.tenant_settings = scheduling_settings(args.api_keys)
+    except ValueError as e:
+        return f"--api-keys: {e}"
+    problem = check_admin_args(args)
+    return problem or check_fleet_args(args)
+
+
+def check_admin_args(args) -> str | None:
+    """--admin-key's refusals: a blue-green reload swaps one engine in this process."""
+    if args.admin_key is None:
+        return None
+    if not args.admin_key.strip():
+        return "--admin-key (or NANOSERVE_ADMIN_KEY) is empty"
+    if args.admin_key == args.api_key or args.admin_key in (args.api_keys or {}):
+        return "--admin-key must differ from every API key: a client's key must not reload the model"
+    if args.warmup_requests < 0:
+        return f"--warmup-requests must be >= 0, got {args.warmup_requests}"
+    if args.tensor_parallel_size > 1 or is_fleet(args) or args.kv_events_endpoint is not None:
+        return ("--admin-key reloads the engine of this process: not with --tensor-parallel-size > 1, --replicas "
+                "or --kv-events-endpoint (a fleet updates by restarting its replicas one at a time, chapter 16)")
+    return None
 
 
 def how_to_call(url: str, model: str, api_key: bool) -> str:
@@ -91,6 +126,17 @@ def how_to_call(url: str, model: str, api_key: bool) -> str:
     ])
 
 
+def reloader(args, tokenizer):
+    """POST /admin/reload's loader: the engine these flags describe, with the reload's weights and model file."""
+
+    def load(weights: str, model_file: str | None):
+        again = copy.copy(args)
+        again.weights, again.model = weights, model_file or args.model
+        return llm_from_args(again, tokenizer, **args.tenant_settings).engine
+
+    return load
+
+
 def run(args):
     from nanoserve.server.api_server import ServerConfig
     from nanoserve.server.metrics import PrometheusStatLogger
@@ -108,7 +154,8 @@ def run(args):
     config = ServerConfig(args.served_model_name, args.api_key, args.metrics_need_key, args.max_waiting_requests,
                           args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student,
                           api_keys=args.api_keys, request_timeout=args.request_timeout,
-                          metrics_compat=args.metrics_compat)
+                          metrics_compat=args.metrics_compat, admin_key=args.admin_key, weights=args.weights,
+                          warmup_requests=args.warmup_requests)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
@@ -129,12 +176,13 @@ def run(args):
         return code
     print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'} ...", flush=True)
     try:
-        llm = llm_from_args(args)
+        llm = llm_from_args(args, **args.tenant_settings)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    loader = reloader(args, llm.tokenizer) if args.admin_key else None
     stat_logger = PrometheusStatLogger(args.served_model_name, args.metrics_compat)
-    state = server_state(llm.engine, llm.tokenizer, config, stat_logger)  # --student 08: the learner's 8.1-8.4
+    state = server_state(llm.engine, llm.tokenizer, config, stat_logger, loader)  # --student 08: the learner's 8.1-8.4
     publisher = None
     if args.kv_events_endpoint is not None:  # chapter 16: the prefix cache's events, vLLM's wire format
         from nanoserve.kv.kv_events import record_kv_events
@@ -147,7 +195,10 @@ def run(args):
             return 2
         print(f"KV-cache events (vLLM's format): {publisher.endpoint}", flush=True)
 
-    with llm:  # with --tensor-parallel-size the worker processes stop with the server (chapter 11)
+    # with --tensor-parallel-size the worker processes stop with the server (chapter 11); with --admin-key (one
+    # process: nothing to stop) the server's versions keep the only reference to the engine, so a reload frees it
+    closing, llm = (llm if loader is None else contextlib.nullcontext()), None
+    with closing:
         Server(state, args.host, args.port, args.shutdown_timeout, args.log_level, on_ready=ready).run(sockets=[sock])
     if publisher is not None:
         publisher.close()

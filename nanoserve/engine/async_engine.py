@@ -47,10 +47,12 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, stat_logger=None):
+    def __init__(self, engine: LLMEngine, stat_logger=None, thread_name: str = "nanoserve-engine"):
         """stat_logger: optional, `stat_logger.record(engine, outputs, scheduler_output)` runs in the engine
-        thread after every step and every batch of aborts (the server's Prometheus metrics)."""
+        thread after every step and every batch of aborts (the server's Prometheus metrics). thread_name: the
+        engine thread's (chapter 15's blue-green update names each version's thread, so a test can see it go)."""
         self.engine = engine
+        self.thread_name = thread_name
         self.stat_logger = stat_logger
         self._lock = threading.Lock()  # guards the inbox and the stream table
         # (request_id, prompt ids, params, priority, the engine's other add_request kwargs: tenant, speculative, ...)
@@ -70,7 +72,7 @@ class AsyncLLMEngine:
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
             self._thread.start()
 
     def shutdown(self, timeout: float | None = None) -> None:

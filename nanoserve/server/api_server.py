@@ -36,6 +36,7 @@ from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Tenant, TenantLimits
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs
+from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -58,14 +59,20 @@ class ServerConfig:
     retry_after_s: int = 1  # what a 503 for a full queue tells the client
     student: bool | str | list[str] = False  # with chapter 08 selected: the learner's exercises/08-http-serving/
     metrics_compat: str | None = None  # "vllm": /metrics also under vLLM's names (chapter 16)
+    # chapter 15's blue-green update: POST /admin/reload exists only with an admin key (never an API key's);
+    # `weights` names the first version (nanoserve-<weights>-1), warmup_requests: a shadow's warm-up
+    admin_key: str | None = None
+    weights: str = "fp32"
+    warmup_requests: int = 4
 
 
 class ServerState:
-    """What the routes share: the engine, the tokenizer, the limits, and whether we are draining."""
+    """What the routes share: the engine, the tokenizer, the limits, and whether we are draining.
+    `loader(weights, model_file) -> LLMEngine`: how a reload builds the next version (chapter 15; None: none)."""
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, config: ServerConfig, stat_logger=None,
-                 student: StudentCode | None = None):
-        self.engine, self.tokenizer, self.config, self.stat_logger = engine, tokenizer, config, stat_logger
+                 student: StudentCode | None = None, loader=None):
+        self.tokenizer, self.config, self.stat_logger = tokenizer, config, stat_logger
         # with --student 08 the learner's exercises/08-http-serving/ files where finished (8.1, 8.2, 8.4; 8.3 is
         # the AsyncLLMEngine handed in: runner.server_state builds it from the same StudentCode)
         self.student = student if student is not None else StudentCode(config.student)
@@ -74,11 +81,19 @@ class ServerState:
         self.limits = self.student.module("nanoserve.server.limits")
         if "08" in self.student.chapters:
             print(self.student.describe("the server runs", idle=False), file=sys.stderr)
+        warmup = tokenizer.encode_chat([{"role": "user", "content": "Hello"}]) if loader is not None else ()
+        # chapter 15: the version serving new requests (state.engine) and those still finishing
+        self.versions = EngineVersions(engine, config.weights, loader, warmup, config.warmup_requests)
         self.limiter = self.limits.TokenBucketLimiter(config.rate_limit, config.rate_burst) if config.rate_limit else None
         self.tenants = TenantLimits(config.api_keys or {})
         self.draining = False  # set at shutdown: new requests get 503 while running streams finish
         self.max_model_len = engine.engine.max_model_len
         self.max_seq_len = engine.engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
+
+    @property
+    def engine(self) -> AsyncLLMEngine:
+        """The current version's engine: the one a request arriving now is served by."""
+        return self.versions.current.engine
 
     def count(self, tenant: str | None, outcome: str, tokens: int = 0) -> None:
         """A tenant's request (outcome) or tokens, in the metrics (nothing without tenants or metrics)."""
@@ -94,10 +109,13 @@ class ServerState:
         self.count(tenant, "", tokens)
 
     async def metered(self, request_id: str, outputs, tenant: str | None, deadline: float | None,
-                      timeout: float | None):
+                      timeout: float | None, engine: AsyncLLMEngine | None = None):
         """The engine's outputs, each generated token charged to the tenant; past `deadline` (the event
-        loop's clock) a RequestTimeout. Leaving early aborts the request — explicitly: closing `outputs`
-        would not if it never started (a deadline already past, a client gone before the first token)."""
+        loop's clock) a RequestTimeout; a request the scheduling policy refused (chapter 15, --slo-reject)
+        an APIError 503 — in a stream, an error event then [DONE]. Leaving early aborts the request on
+        `engine` (the version it runs on; default the current one) — explicitly: closing `outputs` would
+        not if it never started (a deadline already past, a client gone before the first token)."""
+        engine = engine or self.engine
         loop = asyncio.get_running_loop()
         finished = False
         try:
@@ -113,11 +131,13 @@ class ServerState:
                 except TimeoutError:
                     self.count(tenant, "timed_out")
                     raise RequestTimeout(timeout) from None
+                if getattr(out, "reject_reason", None):
+                    raise APIError(503, out.reject_reason, "ttft_slo_ms")
                 self.charge(tenant, len(out.new_token_ids))
                 yield out
         finally:
             if not finished:
-                self.engine.abort(request_id)  # at the next step boundary; a finished id is ignored
+                engine.abort(request_id)  # at the next step boundary; a finished id is ignored
             await outputs.aclose()
 
 
@@ -220,9 +240,10 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
         try:
-            outputs = await state.engine.add_request(request_id, prompt_ids, params, request.state.priority,
-                                                     tenant=tenant, slo=req.slo_targets(),
-                                                     speculative=req.speculative)
+            with state.versions.lease() as served:  # chapter 15: this request's version, to its last token
+                outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
+                                                          tenant=tenant, slo=req.slo_targets(),
+                                                          speculative=req.speculative)
         except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
             raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
@@ -231,9 +252,9 @@ def build_app(state: ServerState) -> FastAPI:
         state.charge(tenant, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(request_id, outputs, tenant, deadline, timeout)
+        outputs = state.metered(request_id, outputs, tenant, deadline, timeout, served.engine)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": cfg.model_name}
+                "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
         shape = None
         if params.logprobs is not None:  # the choice's `logprobs` in the endpoint's own shape
             shape = functools.partial(chat_logprobs if kind == "chat" else completion_logprobs, state.tokenizer)
@@ -241,16 +262,13 @@ def build_app(state: ServerState) -> FastAPI:
             lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
             # the abort after the response also covers a client gone before the stream began (nothing to close)
             return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(abort_async, state.engine, request_id))
+                                     background=BackgroundTask(abort_async, served.engine, request_id))
         try:
             finals = await until_done_or_disconnect(request, outputs)
         except EngineStepError as e:
             raise APIError(500, str(e)) from None
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        rejected = [f.reject_reason for f in finals if getattr(f, "reject_reason", None)]
-        if rejected:  # chapter 15: --slo-reject refused it, its TTFT deadline was lost
-            raise APIError(503, rejected[0], "ttft_slo_ms")
         choices = [({"index": f.index, "message": {"role": "assistant", "content": f.text}} if kind == "chat"
                     else {"index": f.index, "text": f.text})
                    | {"logprobs": shape and shape(f.logprobs), "finish_reason": f.finish_reason}
@@ -277,7 +295,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models():
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoserve", "max_model_len": state.max_model_len}]}
+                                            "owned_by": "nanoserve", "max_model_len": state.max_model_len,
+                                            "version": state.versions.current.name}]}  # chapter 15's reloads
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(request: Request):
@@ -312,6 +331,8 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_engine_view(app, state, check_key)  # chapter 12: GET /engine, the live page, and its /engine/events
+    if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
+        add_admin_routes(app, state, read_body)
     return app
 
 

@@ -21,6 +21,10 @@ generated token as it comes), so one long request may overdraw it and the next w
 
 Exercise 8.4 (exercises/08-http-serving/limits.py) writes TokenBucketLimiter.try_acquire, too_many_requests and
 check_queue.
+Chapter 15's scheduling policies read three more settings of a tenant: `weight` (its share under `fair`,
+default 1) and `ttft_slo_ms` / `tpot_slo_ms` (its targets under `slo`, over the server's --slo-* defaults and
+under a request's own fields). `scheduling_settings` turns the table into the engine's tenant_weights and
+tenant_slos (EngineConfig): the scheduler knows tenants by name only, never keys.
 """
 
 import json
@@ -112,6 +116,9 @@ class Tenant:
     burst: int = 10
     tokens_per_minute: int | None = None
     priority: int = 0  # the engine's: lower is served first (vLLM's convention)
+    weight: float = 1.0  # chapter 15's fair policy: its share of each step's tokens, relative to the others
+    ttft_slo_ms: float | None = None  # chapter 15's slo policy: its targets (None: the server's default)
+    tpot_slo_ms: float | None = None
 
 
 def load_api_keys(path: str | Path) -> dict[str, Tenant]:
@@ -123,6 +130,9 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
         requests_per_second = 5
         tokens_per_minute = 20000
         priority = 0
+        weight = 2              # chapter 15: twice the share of a weight-1 tenant under --scheduling-policy fair
+        ttft_slo_ms = 500       # chapter 15: its targets under --scheduling-policy slo
+        tpot_slo_ms = 100
     """
     path = Path(path)
     try:
@@ -142,12 +152,14 @@ def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
     for key, spec in keys.items():
         if not key.strip() or not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str):
             raise ValueError(f"{where}: key {key[:4]}...: needs a table with a string `tenant`")
-        unknown = set(spec) - {"tenant", "requests_per_second", "burst", "tokens_per_minute", "priority"}
+        unknown = set(spec) - {"tenant", "requests_per_second", "burst", "tokens_per_minute", "priority", "weight",
+                               "ttft_slo_ms", "tpot_slo_ms"}
         if unknown:
             raise ValueError(f"{where}: tenant {spec['tenant']!r}: unknown setting {sorted(unknown)[0]!r}")
         tenant = Tenant(spec["tenant"], spec.get("requests_per_second"), spec.get("burst", 10),
-                        spec.get("tokens_per_minute"), spec.get("priority", 0))
-        for name in ("requests_per_second", "tokens_per_minute"):
+                        spec.get("tokens_per_minute"), spec.get("priority", 0), spec.get("weight", 1.0),
+                        spec.get("ttft_slo_ms"), spec.get("tpot_slo_ms"))
+        for name in ("requests_per_second", "tokens_per_minute", "weight", "ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(tenant, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{where}: tenant {tenant.name!r}: {name} must be > 0, got {value!r}")
@@ -155,6 +167,28 @@ def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
             raise ValueError(f"{where}: tenant {tenant.name!r}: burst must be an int >= 1 and priority an int")
         tenants[key] = tenant
     return tenants
+
+
+def scheduling_settings(tenants: dict[str, Tenant] | None) -> dict:
+    """The tenants' weights and SLO targets, by tenant name, as EngineConfig's (and LLM's) keyword arguments;
+    {} without tenants. A tenant whose keys disagree (two keys, two weights) is refused: whose would it be?
+
+        >>> scheduling_settings({"k1": Tenant("a", weight=2, ttft_slo_ms=500), "k2": Tenant("b")})
+        {'tenant_weights': {'a': 2, 'b': 1.0}, 'tenant_slos': {'a': SLOTargets(ttft_ms=500, tpot_ms=None)}}
+    """
+    from nanoserve.engine.policies import SLOTargets
+
+    if not tenants:
+        return {}
+    weights, slos = {}, {}
+    for t in tenants.values():
+        slo = SLOTargets(t.ttft_slo_ms, t.tpot_slo_ms) if (t.ttft_slo_ms, t.tpot_slo_ms) != (None, None) else None
+        if weights.get(t.name, t.weight) != t.weight or slos.get(t.name, slo) != slo:
+            raise ValueError(f"tenant {t.name!r}: its keys give different weights or SLO targets")
+        weights[t.name] = t.weight
+        if slo is not None:
+            slos[t.name] = slo
+    return {"tenant_weights": weights, "tenant_slos": slos}
 
 
 class TenantLimits:

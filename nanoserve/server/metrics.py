@@ -39,6 +39,8 @@ and a server that degrades never serves q4 otherwise):
 server owns its registry, so two servers in one process (tests, the notebook) do not mix.
 """
 
+import weakref
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 disable_created_metrics()  # no `_created` twin of every counter: the scrape reads as the table above
@@ -116,7 +118,6 @@ class PrometheusStatLogger:
             ("num_drafts", "Speculative proposals verified (one per sequence and step)."),
             ("num_draft_tokens", "Tokens proposed and verified."),
             ("num_accepted_tokens", "Proposed tokens the target accepted."))}
-        self._spec_seen = {name: 0 for name in self.spec_counters}
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
                                       ["model_name", "status"], registry=self.registry)
         self.model_name = model_name
@@ -126,7 +127,9 @@ class PrometheusStatLogger:
             for name, doc in (("num_requests_running", "Requests in the running set."),
                               ("num_requests_waiting", "Requests waiting to be scheduled."),
                               ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."))}
-        self._prefix_seen = (0, 0)  # the block manager's cumulative (queried, hit) tokens at the last step
+        # per engine, its cumulative counts at the last step (the counters get the deltas): during a blue-green
+        # update (chapter 15) two engines record, and the new one's counts start at 0
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def record(self, engine, outputs, scheduler_output=None) -> None:
         """Called in the engine thread after every step (with its plan) and every batch of aborts."""
@@ -139,16 +142,17 @@ class PrometheusStatLogger:
                             ("num_requests_waiting", len(scheduler.waiting)), ("kv_cache_usage_perc", blocks.usage)):
             if name in self.compat:
                 self.compat[name].set(value)
+        seen = self._seen.setdefault(engine, {"queried": 0, "hit": 0, **{name: 0 for name in self.spec_counters}})
         queried, hit = blocks.stats.queried_tokens, blocks.stats.hit_tokens
-        self.prefix_cache_queries.inc(queried - self._prefix_seen[0])
-        self.prefix_cache_hits.inc(hit - self._prefix_seen[1])
-        self._prefix_seen = (queried, hit)
+        self.prefix_cache_queries.inc(queried - seen["queried"])
+        self.prefix_cache_hits.inc(hit - seen["hit"])
+        seen["queried"], seen["hit"] = queried, hit
         if scheduler_output is not None:
             self.num_preemptions.inc(len(scheduler_output.preempted_seq_ids))
         for name, metric in self.spec_counters.items():  # chapter 14: the engine's cumulative counts, as deltas
             value = getattr(engine.spec_stats, name)
-            metric.inc(value - self._spec_seen[name])
-            self._spec_seen[name] = value
+            metric.inc(value - seen[name])
+            seen[name] = value
         self.degraded.set(engine.degraded)  # chapter 10: the mode of the step just run
         by_precision = self.tokens_by_precision.labels(self.model_name, engine.precision)
         for out in outputs:

@@ -10,11 +10,15 @@ Shutdown, in order: the app starts answering 503 + Retry-After (`draining`) — 
 on new connections too, since the socket keeps listening while the running requests finish (a client
 or load balancer told 503 retries elsewhere; a refused connection says less) — for up to
 `shutdown_timeout` seconds; then uvicorn stops listening, cancels what is left (each cancelled
-request is aborted, its blocks freed), and last the engine thread stops.
+request is aborted, its blocks freed), and last the engine thread stops (every loaded version's: chapter 15).
+
+SIGHUP (chapter 15, a server started with a loader in the main thread): reload — the same model file in the
+same weights format, as a blue-green update (nanoserve/server/versions.py); one line on stderr says how it went.
 """
 
 import asyncio
 import signal
+import sys
 import threading
 import time
 
@@ -44,14 +48,30 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
+        if self.started and self.state.versions.loader is not None and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.reload()))
         if self.started and self.on_ready is not None:
             self.on_ready()
+
+    async def reload(self, **kw) -> None:
+        """SIGHUP's blue-green update, its outcome in one line on stderr (an APIError: the old version serves on)."""
+        from nanoserve.server.protocol import APIError
+
+        if self.state.draining:
+            print("nanoserve: reload ignored: the server is shutting down", file=sys.stderr, flush=True)
+            return
+        try:
+            done = await self.state.versions.reload(**kw)
+            print(f"nanoserve: reloaded, serving {done['version']} (load {done['load_s']:.1f} s, warm-up "
+                  f"{done['warmup_s']:.1f} s); {done['previous']} retires once its requests finish", file=sys.stderr, flush=True)
+        except APIError as e:
+            print(f"nanoserve: reload failed: {e.message}", file=sys.stderr, flush=True)
 
     async def shutdown(self, sockets=None) -> None:
         self.state.draining = True  # from now on every new request gets 503
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.timeout_graceful_shutdown
-        while self.state.engine.num_unfinished_requests() and loop.time() < deadline:  # still listening
+        while self.state.versions.num_unfinished_requests() and loop.time() < deadline:  # still listening
             await asyncio.sleep(0.02)
         self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())  # what is left of it
         await super().shutdown(sockets)
@@ -67,7 +87,7 @@ class Server(uvicorn.Server):
         try:
             super().run(sockets)
         finally:
-            self.state.engine.shutdown()
+            self.state.versions.shutdown()
 
     def start_in_thread(self, timeout: float = 30.0) -> int:
         """Serve from a background thread; returns the port once it accepts connections."""
@@ -88,20 +108,24 @@ class Server(uvicorn.Server):
             self._thread = None
 
 
-def server_state(engine, tokenizer, config: ServerConfig, stat_logger=None) -> ServerState:
+def server_state(engine, tokenizer, config: ServerConfig, stat_logger=None, loader=None) -> ServerState:
     """The routes' state over an AsyncLLMEngine around `engine` — with config.student selecting chapter 08, the
-    learner's AsyncLLMEngine (exercise 8.3, once finished) and server modules, from one StudentCode."""
+    learner's AsyncLLMEngine (exercise 8.3, once finished) and server modules, from one StudentCode. loader: how
+    POST /admin/reload builds the next version (chapter 15), or None."""
     student = StudentCode(config.student)
     async_engine = student.module("nanoserve.engine.async_engine").AsyncLLMEngine(engine, stat_logger)
-    return ServerState(async_engine, tokenizer, config, stat_logger, student)
+    return ServerState(async_engine, tokenizer, config, stat_logger, student, loader)
 
 
 @contextlib.contextmanager
-def serving(engine, tokenizer, shutdown_timeout: float = 10.0, **config):
+def serving(engine, tokenizer, shutdown_timeout: float = 10.0, loader=None, **config):
     """Serve an LLMEngine from a thread on a free loopback port: yields (base URL, Server), then shuts
-    down gracefully. `config`: ServerConfig's fields (api_key=..., max_waiting_requests=...)."""
+    down gracefully. `config`: ServerConfig's fields (api_key=..., max_waiting_requests=...); loader: how
+    POST /admin/reload builds the next version (chapter 15, with admin_key=...)."""
     config = ServerConfig(**config)
-    state = server_state(engine, tokenizer, config, PrometheusStatLogger(config.model_name, config.metrics_compat))
+    stat_logger = PrometheusStatLogger(config.model_name, config.metrics_compat)
+    state = server_state(engine, tokenizer, config, stat_logger, loader)
+    del engine  # the server's versions hold the only reference: a reload (chapter 15) can free it
     server = Server(state, "127.0.0.1", 0, shutdown_timeout=shutdown_timeout)
     port = server.start_in_thread()
     try:
