@@ -76,6 +76,8 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (num_sampled,) rows of the flat batch whose next token we sample
     sampled_seqs: list[Sequence]
+    # chapter 08: with prompt logprobs, logits_indices[:num_sampling_rows] sample and the rest score prompts
+    num_sampling_rows: int | None = None
 
 
 class ModelRunner:
@@ -163,6 +165,7 @@ class ModelRunner:
                     start += end - begin
             offset += n
         if extra:
+            batch.num_sampling_rows = len(batch.logits_indices)
             batch.logits_indices = torch.cat([batch.logits_indices, torch.tensor(extra, dtype=torch.long)])
         return found
 
@@ -179,13 +182,20 @@ class ModelRunner:
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
         """The forward pass (on the degraded copy of the weights if asked, chapter 10); the logits
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
-        ranks > 0, which only help compute them)."""
+        ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
         hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
             return None
-        logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # (num_sampled, vocab)
-        return None if logits is None else logits.cpu()
+        rows, k = batch.logits_indices.to(self.device), batch.num_sampling_rows
+        # The prompt rows get an LM head call of their own, so the sampling rows' logits are bit for bit what they
+        # are without them (a GEMM's rows may round differently at another row count). Not at TP > 1: the other
+        # ranks do not know the split and run one gather for all rows, so this rank must run the same one.
+        split = k is not None and 0 < k < len(rows) and self.tp_group.size == 1
+        parts = [model.compute_logits(hidden[r]) for r in ((rows[:k], rows[k:]) if split else (rows,))]
+        if parts[0] is None:
+            return None
+        return torch.cat([p.cpu() for p in parts]) if split else parts[0].cpu()  # (num_sampled [+ prompt rows], vocab)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples
