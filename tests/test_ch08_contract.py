@@ -235,3 +235,117 @@ def test_n_completions_count_their_prompt_once_in_the_metrics(engine, tokenizer)
                   for s in f.samples}
         assert values["nanoserve:prompt_tokens_total"] == len(tokenizer.encode("Once upon"))
         assert values["nanoserve:generation_tokens_total"] == 3 * 2
+
+
+# ---- prompt logprobs (echo): the perplexity use case ----------------------------------------------------
+
+def reference_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """Plain torch, no cache, no engine: log-softmax of the float32 logits of every prompt position.
+    Row p scores prompt[p + 1]."""
+    with torch.no_grad():
+        return torch.log_softmax(model.compute_logits(model(torch.tensor(prompt))).float(), -1)
+
+
+def test_prompt_logprobs_across_chunks_and_past_a_cached_prefix(tiny):
+    prompt = torch.randint(0, 49152, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = reference_prompt_logprobs(tiny, prompt)
+    other = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True, logprobs=2)
+
+    def run(prompt_logprobs: int | None, caching: bool = True):
+        # a 16-token budget: the 45-token prompt spans 3 chunks, sharing steps with the other request
+        engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=8, max_num_batched_tokens=16,
+                                              enable_prefix_caching=caching))
+        engine.add_request("warm", prompt[:40], SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished_requests():  # leaves 4 full blocks of the prompt in the prefix cache
+            engine.step()
+        engine.add_request("echo", prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=1,
+                                                          prompt_logprobs=prompt_logprobs))
+        engine.add_request("other", prompt[:30], other)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert_pool_whole(engine)
+        return outs, engine.block_manager.stats
+
+    outs, stats = run(prompt_logprobs=3)
+    scored = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+    assert len(scored) == 1 and [o.request_id for o in outs if o.prompt_logprobs] == ["echo"]  # once, with its first token
+    entries = scored[0]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p, e in enumerate(entries[1:], start=1):
+        assert e.token_id == prompt[p] and abs(e.logprob - float(ref[p - 1, prompt[p]])) < 1e-4
+        assert [t for t, _ in e.top] == ref[p - 1].topk(3).indices.tolist()
+        x = ref[p - 1, prompt[p]]  # its rank, up to ties within float32 noise (the tiny model's logits are flat)
+        assert int((ref[p - 1] > x + 1e-4).sum()) + 1 <= e.rank <= int((ref[p - 1] > x - 1e-4).sum()) + 1
+    # the echo request looked nothing up (its 45 positions all computed); "other" still hit the cache
+    assert stats.hit_blocks == 3
+    # batch invariance: the same steps without prompt logprobs (prefix caching off in both runs, or the echo
+    # request would hit the cache in one of them) draw bit for bit the same tokens and logprobs, its own included
+    drawn = lambda outs: [(o.request_id, o.new_token_ids, o.logprobs) for o in outs]  # noqa: E731
+    assert drawn(run(prompt_logprobs=3, caching=False)[0]) == drawn(run(prompt_logprobs=None, caching=False)[0])
+
+
+def test_echo_in_openai_shapes(engine, tokenizer, tiny):
+    prompt = "The cat sat on the mat."
+    ids = tokenizer.encode(prompt)
+    ref = reference_prompt_logprobs(tiny, ids)
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        kw = dict(model="tiny", prompt=prompt, temperature=0, echo=True)
+        done = client.completions.create(max_tokens=2, logprobs=2, extra_body={"ignore_eos": True}, **kw)
+        plain = client.completions.create(max_tokens=2, logprobs=2, extra_body={"ignore_eos": True},
+                                          **{**kw, "echo": False})
+        choice, lp = done.choices[0], done.choices[0].logprobs
+        assert choice.text == prompt + plain.choices[0].text
+        assert lp.tokens == [tokenizer.decode([t]) for t in ids] + plain.choices[0].logprobs.tokens
+        assert "".join(lp.tokens) == choice.text and lp.text_offset[0] == 0
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+        for p in range(1, len(ids)):
+            assert abs(lp.token_logprobs[p] - float(ref[p - 1, ids[p]])) < 1e-4
+            assert list(lp.top_logprobs[p]) == [tokenizer.decode([t]) for t in ref[p - 1].topk(2).indices.tolist()]
+        assert lp.token_logprobs[len(ids):] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+        assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == 2
+        # max_tokens 0: score only, the prompt back with its logprobs, nothing generated
+        scored = client.completions.create(max_tokens=0, logprobs=0, **kw)
+        assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+        assert scored.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-5)
+        assert scored.usage.completion_tokens == 0 and scored.usage.total_tokens == len(ids)
+        # echo without logprobs: the text only; n > 1: every choice starts with the prompt
+        texts = client.completions.create(max_tokens=2, n=2, **kw).choices
+        assert all(c.text.startswith(prompt) and c.logprobs is None for c in texts)
+        for body, param in [({"prompt": prompt, "max_tokens": 0}, "max_tokens"),
+                            ({"prompt": prompt, "echo": True, "stream": True}, "echo")]:
+            assert assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 400)["param"] == param
+    assert_pool_whole(engine)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_match_transformers_through_the_openai_client(smollm2, hf_model, hf_tokenizer):
+    from nanoserve.llm import LLM
+
+    prefix = "Perplexity measures how surprised a language model is by a text: the lower, the better."
+    texts = [prefix + " The capital of France is Paris.", prefix + " def fibonacci(n): return n"]
+    # a 16-token budget: every prompt spans several chunks; the second one starts with the first's cached prefix
+    llm = LLM(smollm2, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
+    with serving(llm.engine, llm.tokenizer, model_name="smol") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        client.completions.create(model="smol", prompt=prefix, max_tokens=1)  # the prefix is now cached
+        for text in texts:
+            lp = client.completions.create(model="smol", prompt=text, max_tokens=0, echo=True, logprobs=5).choices[0].logprobs
+            ids = hf_tokenizer(text)["input_ids"]
+            assert ids == llm.tokenizer.encode(text) and len(lp.token_logprobs) == len(ids)
+            with torch.no_grad():  # transformers' log-softmax of each prompt position's logits
+                rows = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+            assert lp.token_logprobs[0] is None
+            diffs = [abs(lp.token_logprobs[p] - float(rows[p - 1, ids[p]])) for p in range(1, len(ids))]
+            assert max(diffs) < 2e-3
+            for p in range(1, len(ids)):
+                best = rows[p - 1].topk(5)
+                assert list(lp.top_logprobs[p])[:3] == [llm.tokenizer.decode([t]) for t in best.indices[:3].tolist()]
+                assert max(abs(a - float(b)) for a, b in zip(lp.top_logprobs[p].values(), best.values)) < 2e-3
+        stats = llm.engine.block_manager.stats
+        assert stats.hit_blocks == 0  # the echo requests looked nothing up ...
+        client.completions.create(model="smol", prompt=texts[0], max_tokens=1)
+        assert stats.hit_blocks >= len(llm.tokenizer.encode(prefix)) // 16  # ... though the prefix was cached
+    assert llm.engine.block_manager.get_num_free_blocks() == llm.engine.block_manager.num_blocks

@@ -6,11 +6,12 @@ Mirror of nanoserve/server/request_params.py (same name, same signature). Read c
 What you have: `req` is a ChatCompletionRequest or a CompletionRequest (nanoserve/server/protocol.py) that
 pydantic has already checked field by field — types strictly, ranges, unknown fields refused. Its fields carry
 OpenAI's names (temperature, top_p, n, stop, seed, logit_bias with *string* keys as JSON has them, ...) and
-vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids). Three helpers on it are given:
+vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids). Four helpers on it are given:
 
     req.requested_max_tokens    the client's max_tokens (chat: max_completion_tokens or max_tokens), or the
                                 endpoint's own default; None when the endpoint leaves it to the server
     req.num_logprobs            the top logprobs to return per token (None: none); raises its own APIError
+    req.num_prompt_logprobs     the same for every prompt token (completions with echo), None otherwise
     req.structured_params()     the grammar the output must follow, or None; raises its own APIError
 
 Grade it:      make grade CH=08 EX=8.1

@@ -91,6 +91,9 @@ class RequestOutput:
     # chapter 08: the TokenLogprob (nanoserve/engine/sampler.py) of each of new_token_ids, when the request
     # asked for logprobs (None otherwise)
     logprobs: list | None = None
+    # chapter 08: SamplingParams.prompt_logprobs asked: one entry per prompt token, None for the first (nothing
+    # comes before it) and a TokenLogprob for each other; on the step the first token is out (every completion's)
+    prompt_logprobs: list | None = None
     reject_reason: str | None = None  # chapter 15: the scheduling policy refused the request (finish_reason "abort")
 
 
@@ -156,6 +159,7 @@ class LLMEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", -1)
         self.detokenizers = {}  # request_id -> IncrementalDetokenizer
         self.texts: dict[str, str] = {}
+        self.prompt_logprobs: dict[str, list] = {}  # chapter 08: request_id -> the prompt entries scored so far
         self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
         self.proposer = self._make_proposer(model)
@@ -257,9 +261,11 @@ class LLMEngine:
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
         outputs = rejected
         logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
+        self._collect_prompt_logprobs(getattr(sampled, "prompt_logprobs", {}))
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
             if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
                 parent.num_computed_tokens = parent.num_tokens - 1
+            prompt_logprobs = self._prompt_logprobs_done(parent)
             for seq in [parent] + self._fork(parent, sampled, now):
                 new_ids, status, new_text = self._check_new_tokens(seq, verified.get(seq.seq_id, 1))
                 if status is None:
@@ -269,7 +275,22 @@ class LLMEngine:
                     outputs.append(self._finish(seq, new_ids, new_text, now))
                 if seq.seq_id in logprobs:
                     outputs[-1].logprobs = [logprobs[seq.seq_id]]
+                outputs[-1].prompt_logprobs = prompt_logprobs
         return outputs
+
+    def _collect_prompt_logprobs(self, scored: dict[str, tuple[int, list]]) -> None:
+        """Chapter 08: file this step's prompt entries (the model runner's {seq_id: (first index, entries)}); a
+        prompt recomputed after a preemption overwrites its entries from `first` on."""
+        for seq_id, (first, entries) in scored.items():
+            got = self.prompt_logprobs.setdefault(seq_id, [None])  # the first prompt token has no logprob
+            del got[first:]
+            got += entries
+
+    def _prompt_logprobs_done(self, seq: Sequence) -> list | None:
+        """The request's prompt entries, once, on the step its first token came out (else None)."""
+        if getattr(seq.sampling_params, "prompt_logprobs", None) is None or seq.index != 0 or seq.num_output_tokens != 1:
+            return None
+        return self.prompt_logprobs.pop(seq.seq_id, [None])
 
     def _check_new_tokens(self, seq: Sequence, num_new: int) -> tuple[list[int], SequenceStatus | None, str]:
         """Stop checks for the step's num_new tokens (more than one after a verification), one at a time,
@@ -428,5 +449,6 @@ class LLMEngine:
         self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)
+        self.prompt_logprobs.pop(seq.seq_id, None)  # aborted before its prompt was done
         del self.texts[seq.seq_id]
         return out

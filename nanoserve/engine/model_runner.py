@@ -22,6 +22,14 @@ one per step from the step's metadata. The model does not know which one it call
 
 Each sequence samples with its own SamplingParams and its own torch.Generator, so a seeded
 request draws the same tokens whatever else shares its batch.
+
+Chapter 08, prompt logprobs (`/v1/completions` with echo + logprobs: perplexity): for a sequence whose
+request asked for them, the rows of *every* prompt position of the chunk get logits too, appended after
+the sampling rows (so the other rows and their tokens are the same as without them). Row p scores the
+prompt token at p + 1; the prompt's last row is the sampling row and scores the first generated token.
+
+    B prefills [0, 3) of a 5-token prompt, asks prompt logprobs:  extra rows b0 b1 b2 -> tokens 1, 2, 3
+    the next chunk [3, 5):                                         extra row b3 -> token 4; b4 samples
 """
 
 from dataclasses import dataclass
@@ -32,18 +40,33 @@ from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
-from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows
+from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs
 from nanoserve.sampling import make_generator
 from nanoserve.spec_decode.verify import verify_and_sample
 
 
 class SampledTokens(dict):
     """{seq_id: token} — what the scheduler reads — plus, for the sequences whose request asked for them,
-    `logprobs`: {seq_id: TokenLogprob} (chapter 08)."""
+    `logprobs`: {seq_id: TokenLogprob} (chapter 08), and `prompt_logprobs`: {seq_id: (first, [TokenLogprob])},
+    the entries of prompt tokens first, first + 1, ... this step scored."""
 
-    def __init__(self, tokens=(), logprobs: dict[str, TokenLogprob] | None = None):
+    def __init__(self, tokens=(), logprobs: dict[str, TokenLogprob] | None = None,
+                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None):
         super().__init__(tokens)
         self.logprobs = logprobs or {}
+        self.prompt_logprobs = prompt_logprobs or {}
+
+
+@dataclass
+class PromptLogprobRows:
+    """One sequence's prompt positions scored this step: logits rows [start, start + len(token_ids)) of
+    the step's logits (after the sampling rows) score prompt tokens token_ids, the first at prompt index `first`."""
+
+    seq_id: str
+    first: int
+    start: int
+    token_ids: list[int]
+    k: int  # the top alternatives to report
 
 
 @dataclass
@@ -53,6 +76,8 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (num_sampled,) rows of the flat batch whose next token we sample
     sampled_seqs: list[Sequence]
+    # chapter 08: with prompt logprobs, logits_indices[:num_sampling_rows] sample and the rest score prompts
+    num_sampling_rows: int | None = None
 
 
 class ModelRunner:
@@ -105,26 +130,72 @@ class ModelRunner:
         if not out.scheduled_seqs:
             return {}
         batch = self.prepare_inputs(out)
+        prompt_rows = self.add_prompt_logprob_rows(out, batch)  # chapter 08: [] unless a request asked for them
         # the other ranks copy the same blocks and run this step's shard with us (a no-op at TP 1)
         self.tp_group.broadcast_step(batch, out.blocks_to_copy)
         logits = self.execute_model_input(batch, degraded)
+        prompt_logprobs = {}
+        if prompt_rows:  # split them off first: what follows sees exactly the rows it saw without them
+            logits, prompt_logprobs = logits[:prompt_rows[0].start], self.score_prompts(logits, prompt_rows)
         if not batch.sampled_seqs:
-            return {}
+            return SampledTokens(prompt_logprobs=prompt_logprobs)
         if logits is not None and len(logits) > len(batch.sampled_seqs):  # chapter 14: some sequences verify proposals
-            return verify_and_sample(self, batch.sampled_seqs, logits, out.grammar_bitmask)
-        return self.sample(batch.sampled_seqs, logits, out.grammar_bitmask)
+            sampled = verify_and_sample(self, batch.sampled_seqs, logits, out.grammar_bitmask)
+        else:
+            sampled = self.sample(batch.sampled_seqs, logits, out.grammar_bitmask)
+        if prompt_logprobs:
+            sampled = SampledTokens(sampled, getattr(sampled, "logprobs", {}), prompt_logprobs)
+        return sampled
+
+    def add_prompt_logprob_rows(self, out: SchedulerOutput, batch: ModelInput) -> list[PromptLogprobRows]:
+        """Chapter 08: append to batch.logits_indices the flat-batch rows of the prompt positions whose next
+        prompt token a request wants scored (Sequence.needs_prompt_logprobs); what they score, in order.
+        The rows of the flat batch follow out.scheduled_seqs, each sequence's scheduled tokens end to end
+        (prepare_inputs' layout). The prompt's last position is left out: it is the sampling row."""
+        found, offset, extra = [], 0, []
+        start = len(batch.logits_indices)
+        for seq in out.scheduled_seqs:
+            n = out.num_scheduled_tokens[seq.seq_id]
+            if getattr(seq, "needs_prompt_logprobs", False):
+                begin, end = seq.num_computed_tokens, min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1)
+                if end > begin:
+                    extra += range(offset, offset + end - begin)
+                    found.append(PromptLogprobRows(seq.seq_id, begin + 1, start, seq.prompt_token_ids[begin + 1:end + 1],
+                                                   seq.sampling_params.prompt_logprobs))
+                    start += end - begin
+            offset += n
+        if extra:
+            batch.num_sampling_rows = len(batch.logits_indices)
+            batch.logits_indices = torch.cat([batch.logits_indices, torch.tensor(extra, dtype=torch.long)])
+        return found
+
+    def score_prompts(self, logits: torch.Tensor, found: list[PromptLogprobRows]) -> dict[str, tuple[int, list]]:
+        """{seq_id: (first prompt index, [TokenLogprob])}: the log-softmax in float32 of the raw logits (no
+        penalty, temperature or filter: nothing samples here), as vLLM's prompt_logprobs."""
+        scored = {}
+        for f in found:
+            rows = torch.log_softmax(logits[f.start:f.start + len(f.token_ids)].float(), dim=-1)
+            scored[f.seq_id] = (f.first, token_logprobs(rows, f.token_ids, f.k))
+        return scored
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
         """The forward pass (on the degraded copy of the weights if asked, chapter 10); the logits
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
-        ranks > 0, which only help compute them)."""
+        ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
         hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
             return None
-        logits = model.compute_logits(hidden[batch.logits_indices.to(self.device)])  # (num_sampled, vocab)
-        return None if logits is None else logits.cpu()
+        rows, k = batch.logits_indices.to(self.device), batch.num_sampling_rows
+        # The prompt rows get an LM head call of their own, so the sampling rows' logits are bit for bit what they
+        # are without them (a GEMM's rows may round differently at another row count). Not at TP > 1: the other
+        # ranks do not know the split and run one gather for all rows, so this rank must run the same one.
+        split = k is not None and 0 < k < len(rows) and self.tp_group.size == 1
+        parts = [model.compute_logits(hidden[r]) for r in ((rows[:k], rows[k:]) if split else (rows,))]
+        if parts[0] is None:
+            return None
+        return torch.cat([p.cpu() for p in parts]) if split else parts[0].cpu()  # (num_sampled [+ prompt rows], vocab)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples

@@ -228,10 +228,16 @@ class Scheduler:
     def num_cached_tokens(self, seq: Sequence) -> int:
         """The leading tokens of `seq` whose K/V the prefix cache already holds (whole blocks, never all of
         them): admission skips them. A preempted sequence looks up its generated tokens too, so it finds its
-        own freed blocks that are still cached and recomputes only the tail."""
+        own freed blocks that are still cached and recomputes only the tail. Chapter 08: a request that wants
+        its prompt logprobs looks nothing up (its prompt positions must all be computed to be scored)."""
+        if seq.needs_prompt_logprobs:
+            return 0
         return self.block_manager.lookup_prefix(seq.token_ids)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        if seq.needs_prompt_logprobs:  # no prefix hits for it, as num_cached_tokens said
+            with self.block_manager.prefix_lookups_off():
+                return self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens)
         return self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens)
 
     def _schedule(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:

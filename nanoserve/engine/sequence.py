@@ -122,6 +122,13 @@ class Sequence:
         return n if self.index == 0 and self.num_output_tokens == 0 else 1
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Chapter 08: does the request want its prompt tokens scored, and are they not scored yet? (Until the
+        first token is out: a preemption before it recomputes, and rescores, the prompt from position 0.)"""
+        return getattr(self.sampling_params, "prompt_logprobs", None) is not None and self.num_output_tokens == 0 \
+            and self.index == 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -26,6 +26,7 @@ The manager deals in integers only; the tensors live in paged_attention.PagedKVC
 """
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanoserve.kv.block_allocator import BlockAllocator
@@ -60,6 +61,8 @@ class PrefixCacheStats:
 
 
 class BlockManager:
+    _lookups_off = False  # inside prefix_lookups_off()
+
     def __init__(
         self,
         num_blocks: int,
@@ -106,9 +109,20 @@ class BlockManager:
         """
         return len(self._cached_prefix(token_ids)[0]) * self.block_size
 
+    @contextmanager
+    def prefix_lookups_off(self):
+        """Within it lookups find nothing, so a new sequence computes every position itself; its full blocks
+        are still registered. Chapter 08: a request that wants its prompt logprobs needs the logits of every
+        prompt position, which a prefix hit would skip (vLLM does the same)."""
+        self._lookups_off = True
+        try:
+            yield
+        finally:
+            self._lookups_off = False
+
     def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
         """(block ids, chain hashes) of the longest cached run of leading full blocks."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self._lookups_off:
             return [], []
         blocks, hashes = [], []
         parent = None

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Tenant, TenantLimits
-from nanoserve.server.logprobs import chat_logprobs, completion_logprobs
+from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
@@ -273,9 +273,28 @@ def build_app(state: ServerState) -> FastAPI:
                     else {"index": f.index, "text": f.text})
                    | {"logprobs": shape and shape(f.logprobs), "finish_reason": f.finish_reason}
                    for f in finals]
+        usage = state.streaming.usage(*finals)
+        if kind == "completion" and req.echo:
+            usage = echo_choices(req, prompt_ids, finals, choices, usage)
         body = {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "choices": choices, "usage": state.streaming.usage(*finals)}
+                "choices": choices, "usage": usage}
         return JSONResponse(body)
+
+    def echo_choices(req, prompt_ids: list[int], finals: list, choices: list, usage: dict) -> dict:
+        """Completions with echo (chapter 08): each choice's text starts with the prompt's, its logprobs with
+        the prompt's (RequestOutput.prompt_logprobs); with max_tokens 0 (score_only) the one token generated
+        is dropped. Returns the usage to report (no completion tokens when nothing was asked for)."""
+        prompt_text = req.prompt if isinstance(req.prompt, str) else state.tokenizer.decode(prompt_ids)
+        for choice, f in zip(choices, finals):
+            generated, entries = ("", []) if req.score_only else (f.text, f.logprobs or [])
+            choice["text"] = prompt_text + generated
+            if req.score_only:
+                choice["finish_reason"] = "length"  # as OpenAI's: max_tokens 0 reached at once
+            if req.logprobs is not None:
+                choice["logprobs"] = echo_logprobs(state.tokenizer, prompt_ids, f.prompt_logprobs or [None], entries)
+        if not req.score_only:
+            return usage
+        return usage | {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
     async def chat_completions(request: Request):
@@ -342,15 +361,19 @@ async def abort_async(engine: AsyncLLMEngine, request_id: str) -> None:
 
 async def until_done_or_disconnect(request: Request, outputs):
     """The final RequestOutput of each completion, by index (one unless n > 1), or None if the client went
-    away first (the request is then aborted). Each final's `logprobs` holds those of all its tokens."""
+    away first (the request is then aborted). Each final's `logprobs` holds those of all its tokens, its
+    `prompt_logprobs` those of the prompt (echo; None when not asked)."""
 
     async def last():
-        finals, logprobs = {}, {}
+        finals, logprobs, prompt_logprobs = {}, {}, {}
         async for out in outputs:
             finals[out.index] = out
             logprobs.setdefault(out.index, []).extend(out.logprobs or [])
+            if getattr(out, "prompt_logprobs", None) is not None:  # echo: on the first output only
+                prompt_logprobs[out.index] = out.prompt_logprobs
         for i, out in finals.items():
             out.logprobs = logprobs[i]
+            out.prompt_logprobs = prompt_logprobs.get(i)
         return [finals[i] for i in sorted(finals)]
 
     async def disconnected():

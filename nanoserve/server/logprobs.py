@@ -13,6 +13,14 @@ it differently:
       {"tokens": [" Paris", ...], "token_logprobs": [-0.31, ...],
        "top_logprobs": [{" Paris": -0.31, " Lyon": -2.7}, ...], "text_offset": [0, ...]}
 
+With "echo": true the completions shape starts with the prompt's tokens (the prompt logprobs, chapter 08's
+perplexity use case): the first has no logprob (nothing precedes it), so its token_logprobs and top_logprobs
+entries are null, as OpenAI's and vLLM's.
+
+    completions ("prompt": "The cat", "echo": true, "logprobs": 1, "max_tokens": 1)
+      {"tokens": ["The", " cat", " sat"], "token_logprobs": [null, -9.1, -2.3],
+       "top_logprobs": [null, {",": -3.2}, {" sat": -2.3}], "text_offset": [0, 3, 7]}
+
 A token's text is its own bytes decoded alone, so a token that holds half of a UTF-8 character reads
 as '�' there; the chat shape's `bytes` carries the exact bytes (OpenAI's reason for the field).
 """
@@ -43,3 +51,14 @@ def completion_logprobs(tokenizer, entries: list, offset: int = 0) -> dict:
         position += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+
+def echo_logprobs(tokenizer, prompt_token_ids: list[int], prompt_entries: list, entries: list) -> dict:
+    """The completion choice's `logprobs` with echo: the prompt's tokens — the first without a logprob, then
+    prompt_entries[1:] (RequestOutput.prompt_logprobs) — followed by the generated tokens' `entries`;
+    text_offset runs on over both, as the choice's text is the prompt's followed by the completion's."""
+    first = tokenizer.id_to_bytes[prompt_token_ids[0]].decode("utf-8", errors="replace")
+    rest = completion_logprobs(tokenizer, prompt_entries[1:] + entries, len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}

@@ -200,6 +200,11 @@ class _SamplingFields(BaseModel):
             raise APIError(400, str(e), "response_format" if ext is None else "structured_outputs") from None
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Completions with echo: the top logprobs of every prompt token (chapter 08); chat has none."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -223,21 +228,36 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(min_length=1)  # a string, or token ids (OpenAI accepts both)
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows 5; vLLM, as here, 20
-    echo: bool = False
+    echo: bool = False  # the prompt's text, and with logprobs its tokens' logprobs, before the completion's
     best_of: int | None = Field(None, ge=1)
 
     @property
+    def score_only(self) -> bool:
+        """echo + max_tokens 0: the prompt (and its logprobs) back, nothing generated (OpenAI's legacy way to
+        score a text; vLLM's too, which generates one token and drops it, as here)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 needs echo: true (it scores the prompt only)", "max_tokens")
+        return self.max_tokens == 0
+
+    @property
     def requested_max_tokens(self) -> int | None:
+        if self.score_only:
+            return 1
         return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
     @property
     def num_logprobs(self) -> int | None:
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported by this server", "best_of")
-        if self.echo:
-            raise APIError(400, "`echo` is not supported by this server", "echo")
+        if self.echo and self.stream:
+            raise APIError(400, "`echo` with `stream` is not supported by this server", "echo")
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class TokenizeRequest(BaseModel):

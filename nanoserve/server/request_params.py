@@ -7,6 +7,7 @@ protocol.py). What is left needs the request as a whole and the server's limits:
       max_tokens    not given: chat may use what the context (and the KV pool) leaves -> 2048 - 37 = 2011
       the work      n * max_tokens = 4 * 2011 = 8044 generated tokens <= max_request_tokens (65 536)
       logprobs      chat's logprobs: true + top_logprobs: 2 -> 2   (top_logprobs alone is a 400)
+                    (completions with echo: logprobs N also scores the prompt -> prompt_logprobs N)
       the grammar   response_format / structured_outputs -> StructuredOutputsParams (chapter 13)
       -> SamplingParams(temperature=..., max_tokens=2011, n=4, logit_bias={int id: bias}, ...)
 
@@ -44,7 +45,7 @@ def to_sampling_params(req, num_prompt_tokens: int, max_seq_len: int, max_reques
                               max_tokens=max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, n=req.n,
                               stop_token_ids=req.stop_token_ids, presence_penalty=req.presence_penalty,
                               frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-                              min_p=req.min_p, logprobs=logprobs,
+                              min_p=req.min_p, logprobs=logprobs, prompt_logprobs=req.num_prompt_logprobs,
                               logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                               structured=structured)
     except ValueError as e:  # what the models cannot say, SamplingParams does: its message starts with the field
