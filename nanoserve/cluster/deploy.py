@@ -61,12 +61,15 @@ class Fleet:
         dep = serve.status().applications[APP_NAME].deployments["LLMReplica"]
         return dep.replica_states.get("RUNNING", 0)
 
-    def infos(self, calls: int = 8) -> dict[str, dict]:
-        """`info()` of the replicas that answer `calls` calls (the router spreads them), by replica id."""
-        out = {}
+    def infos(self, calls: int = 32) -> dict[str, dict]:
+        """`info()` of each running replica, by replica id: calls until as many replicas answered as Ray
+        Serve runs (the router spreads the calls at random), at most `calls` calls."""
+        out, running = {}, self.num_replicas()
         for _ in range(calls):
             info = self.handle.info.remote().result()
             out[info["replica_id"]] = info
+            if len(out) >= running:
+                break
         return out
 
 
