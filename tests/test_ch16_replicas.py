@@ -5,21 +5,19 @@ the end; each replica gets one CPU, hence one torch thread, and the tiny random 
 References: chapter 08's one-process server on the same weights (same greedy text, same error bodies),
 the replicas' own counters, Ray Serve's own replica count, and the OS's process table."""
 
-import asyncio
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import openai
 import psutil
 import pytest
 
+from nanoserve.bench.routing import autoscaling_trace
 from nanoserve.cluster.deploy import Autoscaling, serving_fleet, start_ray, wait_for
 from nanoserve.cluster.replica import ReplicaSpec
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -146,43 +144,22 @@ def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
 
 def test_autoscaling_follows_a_burst_and_the_idle_after(ray_session):
     """1 -> 2 -> 1 replicas. A closed-loop burst (4 clients, each sending its next long request as soon as
-    the last one ends) keeps 4 requests in flight, 4 times the target of 1 per replica, until Ray Serve
-    runs the second replica; then the clients stop and, idle, it goes back to min_replicas. The burst
-    lasts as long as the autoscaler needs (its delays, then the new replica's start), never less.
-    `pytest -s` prints the trace: seconds, replicas running, requests in flight at the ingress."""
+    the last one ends: bench/routing.py's autoscaling_trace) keeps 4 requests in flight, 4 times the target
+    of 1 per replica, until Ray Serve runs the second replica; then the clients stop and, idle, it goes back
+    to min_replicas. The burst lasts as long as the autoscaler needs (its delays, then the new replica's
+    start), never less. `pytest -s` prints the trace: seconds, replicas running, requests in flight."""
     tokenizer = ray_session
     fast = Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
                        downscale_delay_s=2, metrics_interval_s=0.5, look_back_period_s=1)
     with serving_fleet(spec(step_delay_s=0.05), tokenizer, replicas=None, autoscaling=fast) as (url, fleet):
         assert fleet.num_replicas() == 1
-        stop, statuses, trace, t0 = threading.Event(), [], [], time.monotonic()
-
-        async def burst():
-            async def one_client(http):
-                body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 40, "temperature": 0}
-                while not stop.is_set():
-                    statuses.append((await http.post("/v1/completions", json=body)).status_code)
-
-            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-                await asyncio.gather(*(one_client(http) for _ in range(4)))
-
-        def sample(want: int) -> bool:
-            trace.append((time.monotonic() - t0, fleet.num_replicas(), fleet.client.in_flight))
-            return trace[-1][1] == want
-
-        worker = threading.Thread(target=lambda: asyncio.run(burst()))
-        worker.start()
-        try:
-            scaled_up = wait_for(lambda: sample(2), 120)
-        finally:
-            stop.set()
-            worker.join()
-        scaled_down = wait_for(lambda: sample(1), 60)
-        print("\n".join(f"{t:6.1f} s  {n} replicas  {q} in flight" for t, n, q in trace))
-        assert scaled_up, f"(s, replicas, in flight) during the burst: {trace}"
-        assert statuses and set(statuses) == {200}
-        assert max(q for _, _, q in trace) == 4 and trace[-1][2] == 0
-        assert scaled_down, "idle: back to min_replicas"
+        run = autoscaling_trace(url, fleet, fast, "tiny", clients=4)
+    trace = run["trace"]
+    print("\n".join(f"{t:6.1f} s  {n} replicas  {q} in flight" for t, n, q in trace))
+    assert run["scaled_up"], f"(s, replicas, in flight) during the burst: {trace}"
+    assert run["statuses"] and set(run["statuses"]) == {200}
+    assert max(q for _, _, q in trace) == 4 and trace[-1][2] == 0
+    assert run["scaled_down"], "idle: back to min_replicas"
 
 
 def test_a_replica_killed_mid_stream_fails_its_request_and_is_replaced(ray_session):
