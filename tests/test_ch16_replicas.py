@@ -147,7 +147,7 @@ def test_autoscaling_follows_a_burst_and_the_idle_after(ray_session):
     the last one ends: bench/routing.py's autoscaling_trace) keeps 4 requests in flight, 4 times the target
     of 1 per replica, until Ray Serve runs the second replica; then the clients stop and, idle, it goes back
     to min_replicas. The burst lasts as long as the autoscaler needs (its delays, then the new replica's
-    start), never less. `pytest -s` prints the trace: seconds, replicas running, requests in flight."""
+    start), never less. `pytest -s` prints the trace: seconds, replicas running and starting, requests in flight."""
     tokenizer = ray_session
     fast = Autoscaling(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.5,
                        downscale_delay_s=2, metrics_interval_s=0.5, look_back_period_s=1)
@@ -155,10 +155,10 @@ def test_autoscaling_follows_a_burst_and_the_idle_after(ray_session):
         assert fleet.num_replicas() == 1
         run = autoscaling_trace(url, fleet, fast, "tiny", clients=4)
     trace = run["trace"]
-    print("\n".join(f"{t:6.1f} s  {n} replicas  {q} in flight" for t, n, q in trace))
-    assert run["scaled_up"], f"(s, replicas, in flight) during the burst: {trace}"
+    print("\n".join(f"{t:6.1f} s  {n} running  {s} starting  {q} in flight" for t, n, s, q in trace))
+    assert run["scaled_up"], f"(s, running, starting, in flight) during the burst: {trace}"
     assert run["statuses"] and set(run["statuses"]) == {200}
-    assert max(q for _, _, q in trace) == 4 and trace[-1][2] == 0
+    assert max(q for *_, q in trace) == 4 and trace[-1][3] == 0
     assert run["scaled_down"], "idle: back to min_replicas"
 
 

@@ -135,6 +135,7 @@ def test_prefix_aware_router_ranks_the_owner_alone_until_it_is_really_overloaded
         queues[owner] = 0
         assert await ranks(request(4, [11, 12, 17])) == [[other]]
         assert await ranks(request(5, [99])) in ([["a"], ["b"]], [["b"], ["a"]])  # a new prefix: balanced
+        assert router.decisions == {"owner": 5, "overloaded": 1, "unanswered": 1, "new": 2}
         router.on_replica_actor_died(ReplicaID(unique_id=other, deployment_id=dep))
         assert other not in router.owner_of.values() and 11 not in router.owner_of  # its blocks are gone with it
 

@@ -77,17 +77,20 @@ def routing(args, model, tokenizer) -> dict:
                                                 output_len=n_out, ignore_eos=True, no_progress=True, warmup=0),
                                      importlib.import_module("nanoserve.metrics"))
                     queried, hits = scrape_prefix_counters()
+                    decisions = getattr(fleet.request_router(), "decisions", None)  # the prefix router's counts
                     placed = {}  # user (its system prompt's first block) -> the replicas its turns went to
                     for request_id, replica in fleet.client.routed:
                         placed.setdefault(fleet.client.first_block[request_id], set()).add(replica)
                 results[name] = {"hit_rate": hits / queried if queried else 0.0, "hit_tokens": hits,
                                  "queried_tokens": queried, "output_throughput": result["output_throughput"],
                                  "ttft_ms": result["ttft_ms"], "failed": result["failed"],
-                                 "replicas_per_user": sum(len(v) for v in placed.values()) / max(len(placed), 1)}
+                                 "replicas_per_user": sum(len(v) for v in placed.values()) / max(len(placed), 1),
+                                 "router_decisions": decisions}
                 r = results[name]
                 print(f"  {name:20s} hit rate {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_ms']['median']:7.0f} ms  "
                       f"p99 {r['ttft_ms']['p99']:7.0f} ms  {r['output_throughput']:6.1f} out tok/s  "
-                      f"replicas per user {r['replicas_per_user']:.2f}  failed {r['failed']}", flush=True)
+                      f"replicas per user {r['replicas_per_user']:.2f}  failed {r['failed']}"
+                      + (f"  router calls {decisions}" if decisions else ""), flush=True)
         finally:
             from ray import serve
 
@@ -119,7 +122,7 @@ def autoscaling_trace(url: str, fleet, autoscaling, model: str, clients: int = 4
     needs, never less); then they stop, and the trace goes on until it is back to min_replicas.
     autoscaling: the fleet's deploy.Autoscaling; model: the served model's name.
 
-        {"trace": [(seconds, replicas running, requests in flight at the ingress), ...],
+        {"trace": [(seconds, replicas running, replicas starting, requests in flight at the ingress), ...],
          "statuses": [200, ...], "scaled_up": True, "scaled_down": True}
     """
     import asyncio
@@ -143,7 +146,9 @@ def autoscaling_trace(url: str, fleet, autoscaling, model: str, clients: int = 4
             await asyncio.gather(*(one_client(http) for _ in range(clients)))
 
     def sample(want: int) -> bool:
-        trace.append((round(time.monotonic() - t0, 2), fleet.num_replicas(), fleet.client.in_flight))
+        states = fleet.replica_states()
+        trace.append((round(time.monotonic() - t0, 2), states.get("RUNNING", 0), states.get("STARTING", 0),
+                      fleet.client.in_flight))
         return trace[-1][1] == want
 
     worker = threading.Thread(target=lambda: asyncio.run(burst()), name="nanoserve-burst")

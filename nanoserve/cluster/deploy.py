@@ -54,12 +54,22 @@ class Fleet:
     client: ReplicaClient
     started_ray: bool
 
-    def num_replicas(self) -> int:
-        """Replicas running now (from Ray Serve's status)."""
+    def replica_states(self) -> dict[str, int]:
+        """Replicas by state now, from Ray Serve's status: {"RUNNING": 1, "STARTING": 1}."""
         from ray import serve
 
-        dep = serve.status().applications[APP_NAME].deployments["LLMReplica"]
-        return dep.replica_states.get("RUNNING", 0)
+        return dict(serve.status().applications[APP_NAME].deployments["LLMReplica"].replica_states)
+
+    def num_replicas(self) -> int:
+        """Replicas running now (from Ray Serve's status)."""
+        return self.replica_states().get("RUNNING", 0)
+
+    def request_router(self):
+        """The RequestRouter object this process's handle routes with (a PrefixAwareRouter, or Ray Serve's
+        default), or None before the first request. Ray Serve has no public accessor: this reads its private
+        attributes (Ray 2.x: handle -> router -> asyncio router -> request router)."""
+        router = getattr(self.handle._router, "_asyncio_router", None)
+        return getattr(router, "_request_router", None)
 
     def infos(self, calls: int = 32) -> dict[str, dict]:
         """`info()` of each running replica, by replica id: calls until as many replicas answered as Ray

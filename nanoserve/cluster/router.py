@@ -39,6 +39,10 @@ class PrefixAwareRouter(RequestRouter):
         self.owner_of: OrderedDict[int, str] = OrderedDict()  # block hash -> replica unique id
         self.tries: OrderedDict[str, int] = OrderedDict()  # request (internal id) -> choose_replicas calls so far
         self.rng = random.Random(seed)
+        # what the calls for requests with hashes decided: "owner" (the prefix's replica, alone), "overloaded"
+        # (the owner was `imbalance` busier: the least loaded instead), "unanswered" (owner_tries calls spent:
+        # the others too), "new" (no replica holds the first block: power of two choices)
+        self.decisions = dict.fromkeys(("owner", "overloaded", "unanswered", "new"), 0)
 
     def _queue_lens(self, replicas: list[RunningReplica]) -> dict[str, int]:
         cache = self.replica_queue_len_cache  # None when stale (no news for 10 s): counted as idle
@@ -72,12 +76,17 @@ class PrefixAwareRouter(RequestRouter):
         queue_lens = self._queue_lens(candidate_replicas)
         hashes = (pending_request.kwargs.get("block_hashes") or []) if pending_request is not None else []
         choice, held = self.policies.prefix_affinity(hashes, self.owner_of, queue_lens, self.imbalance)
+        kind = "new" if choice is None else "owner" if held else "overloaded"
         if choice is None:
             choice = self.policies.power_of_two_choices(queue_lens, self.rng)
         if held == 0 and hashes:
             # claim the prefix now, not once the replica accepted: requests for it routed meanwhile follow
             self._remember(hashes, choice)
-        if held > 0 and self._try_number(pending_request) <= self.owner_tries:
+        if held > 0 and self._try_number(pending_request) > self.owner_tries:
+            kind = "unanswered"
+        if hashes:
+            self.decisions[kind] += 1
+        if kind == "owner":
             return [[by_id[choice]]]
         rest = sorted((r for r in candidate_replicas if r.replica_id.unique_id != choice),
                       key=lambda r: queue_lens[r.replica_id.unique_id])
