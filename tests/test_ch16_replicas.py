@@ -128,9 +128,13 @@ def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
         for turn in chats:
             for messages in turn:
                 client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=messages)
+        # a fleet deployed after another in one process must not reuse its cached handle (and router):
+        # this module's first test deployed a power-of-two fleet under the same names
+        assert type(fleet.request_router()).__name__ == "PrefixAwareRouter"
         where = [replica for _, replica in fleet.client.routed]
         by_system = [set(where[i::3]) for i in range(3)]
         assert all(len(r) == 1 for r in by_system), f"each system prompt stays on one replica: {by_system}"
+        assert fleet.request_router().decisions == {"owner": 6, "overloaded": 0, "unanswered": 0, "new": 3}
         infos = fleet.infos()
     assert len(infos) == 2
     prompts = [tokenizer.encode_chat(m) for turn in chats for m in turn]

@@ -135,6 +135,21 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
                         p.kill()
 
 
+def forget_handles(app_name: str = APP_NAME) -> None:
+    """Shut down and drop this process's cached DeploymentHandles of `app_name`.
+
+    Ray Serve keeps one handle per (deployment, application) in a process-wide cache, and its router with
+    it (request router class and all), and `serve.delete` does not evict it: the next `serve.run` under the
+    same names returns the *old* handle. A prefix-router fleet deployed after a power-of-two one in the same
+    process then routed with power of two choices (chapter 16, section 3). Ray has no public call for this:
+    it reads the controller client's `handle_cache` (Ray 2.x)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    for key in [k for k in getattr(client, "handle_cache", {}) if k[1] == app_name]:
+        client.handle_cache.pop(key).shutdown()
+
+
 @contextlib.contextmanager
 def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None, router: str = "pow2",
           ray_address: str | None = None, num_cpus: int | None = None, replica_cpus: float = 1, **kw):
@@ -158,6 +173,8 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
             forget_replicas()
+        with contextlib.suppress(Exception):
+            forget_handles()
         if started:
             with contextlib.suppress(Exception):
                 serve.shutdown()
