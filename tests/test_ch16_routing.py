@@ -80,3 +80,63 @@ def test_prefix_affinity_in_a_routing_loop_keeps_each_prefix_on_one_replica():
     busy = next(iter(placed[0]))
     other = "r2" if busy == "r1" else "r1"
     assert mod.prefix_affinity([0, 1, 2], owners, {busy: 9, other: 0}, imbalance=2) == (other, 0)
+
+
+def test_prefix_aware_router_ranks_the_owner_alone_until_it_is_really_overloaded():
+    """The Ray Serve router itself (router.py), driven as Ray Serve drives it, without a cluster: two
+    replicas, queue lengths in its own cache. The owner of a prompt's blocks is offered alone, try after
+    try (a slow queue-length probe must not send the prompt to a cold replica); only after `owner_tries`
+    failed tries, or when the owner is `imbalance` busier than the other, does the other replica get it.
+    A new prefix is claimed when chosen, so a second request for it, routed before the first was
+    accepted, follows it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve.request_router import PendingRequest
+
+    from nanoserve.cluster.router import PrefixAwareRouter
+
+    def request(n: int, hashes: list[int]) -> PendingRequest:
+        return PendingRequest(args=[], kwargs={"block_hashes": hashes},
+                              metadata=RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}"))
+
+    def ids(ranks) -> list[list[str]]:
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    async def scenario():
+        dep = DeploymentID(name="LLMReplica", app_name="nanoserve")
+        router = PrefixAwareRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN,
+                                   use_replica_queue_len_cache=True)
+        router.initialize_state(imbalance=2, owner_tries=3, seed=0)
+        a, b = (SimpleNamespace(replica_id=ReplicaID(unique_id=name, deployment_id=dep)) for name in "ab")
+        queues = {"a": 0, "b": 0}
+
+        async def ranks(pr):
+            for r in (a, b):
+                router.replica_queue_len_cache.update(r.replica_id, queues[r.replica_id.unique_id])
+            return ids(await router.choose_replicas([a, b], pr))
+
+        first = await ranks(request(0, [11, 12, 13]))  # nobody holds 11: power of two choices, both offered
+        owner = first[0][0]
+        other = "b" if owner == "a" else "a"
+        assert first == [[owner], [other]]
+        # routed before the first was accepted: the claim made when it was chosen already sends it there
+        assert await ranks(request(1, [11, 12, 14])) == [[owner]]
+        router.on_request_routed(request(0, [11, 12, 13]), ReplicaID(unique_id=owner, deployment_id=dep), None)
+        retry = request(2, [11, 12, 15])
+        queues[owner] = 2  # 2 busier than the other: still within imbalance 2
+        assert [await ranks(retry) for _ in range(4)] == [[[owner]]] * 3 + [[[owner], [other]]]
+        queues[owner] = 3  # 3 busier: the least loaded takes it, and from now on owns the prefix
+        moved = request(3, [11, 12, 16])
+        assert await ranks(moved) == [[other], [owner]]
+        router.on_request_routed(moved, ReplicaID(unique_id=other, deployment_id=dep), None)
+        queues[owner] = 0
+        assert await ranks(request(4, [11, 12, 17])) == [[other]]
+        assert await ranks(request(5, [99])) in ([["a"], ["b"]], [["b"], ["a"]])  # a new prefix: balanced
+        assert router.decisions == {"owner": 5, "overloaded": 1, "unanswered": 1, "new": 2}
+        router.on_replica_actor_died(ReplicaID(unique_id=other, deployment_id=dep))
+        assert other not in router.owner_of.values() and 11 not in router.owner_of  # its blocks are gone with it
+
+    asyncio.run(scenario())

@@ -35,7 +35,7 @@ def to_sampling_params(req, num_prompt_tokens: int, max_seq_len: int, max_reques
         and whose param is the field that holds the prompt ("messages" for chat, "prompt" for completions);
       - a request whose completions together may generate more than max_request_tokens is a 400, param "n";
       - every sampling field reaches SamplingParams with its value (logit_bias keyed by int token ids), along
-        with the logprobs and the grammar the helpers give;
+        with the logprobs, the prompt logprobs and the grammar the helpers give;
       - whatever SamplingParams refuses (ValueError: an empty stop string, ...) is a 400, never a 500, and its
         param is the field SamplingParams' message names first.
 

@@ -77,17 +77,20 @@ def routing(args, model, tokenizer) -> dict:
                                                 output_len=n_out, ignore_eos=True, no_progress=True, warmup=0),
                                      importlib.import_module("nanoserve.metrics"))
                     queried, hits = scrape_prefix_counters()
-                    placed = {}
-                    for i, (_, replica) in enumerate(fleet.client.routed):
-                        placed.setdefault(i % num_users, set()).add(replica)
+                    decisions = getattr(fleet.request_router(), "decisions", None)  # the prefix router's counts
+                    placed = {}  # user (its system prompt's first block) -> the replicas its turns went to
+                    for request_id, replica in fleet.client.routed:
+                        placed.setdefault(fleet.client.first_block[request_id], set()).add(replica)
                 results[name] = {"hit_rate": hits / queried if queried else 0.0, "hit_tokens": hits,
                                  "queried_tokens": queried, "output_throughput": result["output_throughput"],
                                  "ttft_ms": result["ttft_ms"], "failed": result["failed"],
-                                 "replicas_per_user": sum(len(v) for v in placed.values()) / max(len(placed), 1)}
+                                 "replicas_per_user": sum(len(v) for v in placed.values()) / max(len(placed), 1),
+                                 "router_decisions": decisions}
                 r = results[name]
                 print(f"  {name:20s} hit rate {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_ms']['median']:7.0f} ms  "
                       f"p99 {r['ttft_ms']['p99']:7.0f} ms  {r['output_throughput']:6.1f} out tok/s  "
-                      f"replicas per user {r['replicas_per_user']:.2f}  failed {r['failed']}", flush=True)
+                      f"replicas per user {r['replicas_per_user']:.2f}  failed {r['failed']}"
+                      + (f"  router calls {decisions}" if decisions else ""), flush=True)
         finally:
             from ray import serve
 
@@ -108,3 +111,52 @@ def routing(args, model, tokenizer) -> dict:
         return fig
 
     return {"num_users": num_users, "output_len": n_out, "max_concurrency": concurrency, "results": results}, figure
+
+
+def autoscaling_trace(url: str, fleet, autoscaling, model: str, clients: int = 4, max_tokens: int = 40,
+                      interval_s: float = 0.5, up_timeout_s: float = 120, down_timeout_s: float = 60) -> dict:
+    """A closed-loop burst against an autoscaling fleet, then idle; the trace of both (chapter 16).
+
+    `clients` clients each send their next completion as soon as the last one ended, so `clients` requests
+    stay in flight until Ray Serve runs max_replicas replicas (the burst lasts as long as the autoscaler
+    needs, never less); then they stop, and the trace goes on until it is back to min_replicas.
+    autoscaling: the fleet's deploy.Autoscaling; model: the served model's name.
+
+        {"trace": [(seconds, replicas running, replicas starting, requests in flight at the ingress), ...],
+         "statuses": [200, ...], "scaled_up": True, "scaled_down": True}
+    """
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+
+    from nanoserve.cluster.deploy import wait_for
+
+    stop, statuses, trace, t0 = threading.Event(), [], [], time.monotonic()
+
+    async def burst():
+        async def one_client(http):
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens,
+                    "temperature": 0}
+            while not stop.is_set():
+                statuses.append((await http.post("/v1/completions", json=body)).status_code)
+
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            await asyncio.gather(*(one_client(http) for _ in range(clients)))
+
+    def sample(want: int) -> bool:
+        states = fleet.replica_states()
+        trace.append((round(time.monotonic() - t0, 2), states.get("RUNNING", 0), states.get("STARTING", 0),
+                      fleet.client.in_flight))
+        return trace[-1][1] == want
+
+    worker = threading.Thread(target=lambda: asyncio.run(burst()), name="nanoserve-burst")
+    worker.start()
+    try:
+        scaled_up = wait_for(lambda: sample(autoscaling.max_replicas), up_timeout_s, interval_s)
+    finally:
+        stop.set()
+        worker.join()
+    scaled_down = wait_for(lambda: sample(autoscaling.min_replicas), down_timeout_s, interval_s)
+    return {"trace": trace, "statuses": statuses, "scaled_up": scaled_up, "scaled_down": scaled_down}

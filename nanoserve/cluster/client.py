@@ -44,6 +44,7 @@ class ReplicaClient:
         self.num_requests_running = 0  # unknown at the ingress: every request in flight counts as waiting
         self.in_flight = 0
         self.routed: list[tuple[str, str]] = []  # (request id, replica id): the router's decisions, in order
+        self.first_block: dict[str, int | None] = {}  # request id -> its first routing hash (the prefix it keys on)
         self._streams: dict = {}  # request id -> its replica's stream, while in flight (abort cancels it)
         self.is_running = False
 
@@ -82,6 +83,7 @@ class ReplicaClient:
             self.in_flight -= 1
             raise ValueError(detail)
         self.routed.append((request_id, detail))
+        self.first_block[request_id] = hashes[0] if hashes else None
         self._streams[request_id] = gen
         return self._outputs(request_id, gen, detail)
 

@@ -54,19 +54,32 @@ class Fleet:
     client: ReplicaClient
     started_ray: bool
 
-    def num_replicas(self) -> int:
-        """Replicas running now (from Ray Serve's status)."""
+    def replica_states(self) -> dict[str, int]:
+        """Replicas by state now, from Ray Serve's status: {"RUNNING": 1, "STARTING": 1}."""
         from ray import serve
 
-        dep = serve.status().applications[APP_NAME].deployments["LLMReplica"]
-        return dep.replica_states.get("RUNNING", 0)
+        return dict(serve.status().applications[APP_NAME].deployments["LLMReplica"].replica_states)
 
-    def infos(self, calls: int = 8) -> dict[str, dict]:
-        """`info()` of the replicas that answer `calls` calls (the router spreads them), by replica id."""
-        out = {}
+    def num_replicas(self) -> int:
+        """Replicas running now (from Ray Serve's status)."""
+        return self.replica_states().get("RUNNING", 0)
+
+    def request_router(self):
+        """The RequestRouter object this process's handle routes with (a PrefixAwareRouter, or Ray Serve's
+        default), or None before the first request. Ray Serve has no public accessor: this reads its private
+        attributes (Ray 2.x: handle -> router -> asyncio router -> request router)."""
+        router = getattr(self.handle._router, "_asyncio_router", None)
+        return getattr(router, "_request_router", None)
+
+    def infos(self, calls: int = 32) -> dict[str, dict]:
+        """`info()` of each running replica, by replica id: calls until as many replicas answered as Ray
+        Serve runs (the router spreads the calls at random), at most `calls` calls."""
+        out, running = {}, self.num_replicas()
         for _ in range(calls):
             info = self.handle.info.remote().result()
             out[info["replica_id"]] = info
+            if len(out) >= running:
+                break
         return out
 
 
@@ -122,6 +135,21 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
                         p.kill()
 
 
+def forget_handles(app_name: str = APP_NAME) -> None:
+    """Shut down and drop this process's cached DeploymentHandles of `app_name`.
+
+    Ray Serve keeps one handle per (deployment, application) in a process-wide cache, and its router with
+    it (request router class and all), and `serve.delete` does not evict it: the next `serve.run` under the
+    same names returns the *old* handle. A prefix-router fleet deployed after a power-of-two one in the same
+    process then routed with power of two choices (chapter 16, section 3). Ray has no public call for this:
+    it reads the controller client's `handle_cache` (Ray 2.x)."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    for key in [k for k in getattr(client, "handle_cache", {}) if k[1] == app_name]:
+        client.handle_cache.pop(key).shutdown()
+
+
 @contextlib.contextmanager
 def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None, router: str = "pow2",
           ray_address: str | None = None, num_cpus: int | None = None, replica_cpus: float = 1, **kw):
@@ -145,6 +173,8 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
             forget_replicas()
+        with contextlib.suppress(Exception):
+            forget_handles()
         if started:
             with contextlib.suppress(Exception):
                 serve.shutdown()
