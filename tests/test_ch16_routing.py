@@ -140,3 +140,44 @@ def test_prefix_aware_router_ranks_the_owner_alone_until_it_is_really_overloaded
         assert other not in router.owner_of.values() and 11 not in router.owner_of  # its blocks are gone with it
 
     asyncio.run(scenario())
+
+
+def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch):
+    """ReplicaClient records (request id, replica) and each request's first block hash for inspection; a server
+    that routes forever keeps only the last ROUTED_KEPT of them, in both records (a fake handle, no Ray)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nanoserve.cluster import client as client_module
+
+    class Stream:  # what handle.generate.remote returns: the replica's first answer, then (here) no outputs
+        def __init__(self, replica):
+            self.replica = replica
+
+        async def __anext__(self):
+            return "accepted", self.replica
+
+        def __aiter__(self):
+            return self
+
+        def cancel(self):
+            pass
+
+    calls = []
+    remote = lambda request_id, *args, **kwargs: calls.append(request_id) or Stream(f"r{len(calls) % 2}")
+    handle = SimpleNamespace(options=lambda **kw: SimpleNamespace(generate=SimpleNamespace(remote=remote)))
+    monkeypatch.setattr(client_module, "ROUTED_KEPT", 5)
+    client = client_module.ReplicaClient(handle, {"block_size": 4, "max_model_len": 64, "max_seq_len": 64})
+
+    async def send(n):
+        for i in range(n):
+            prompt = [i] * 4 + [1, 2, 3, 4, 5]  # two full blocks before the last token; the first differs per request
+            await client.add_request(f"q{i}", prompt, None)
+
+    asyncio.run(send(12))
+    assert calls == [f"q{i}" for i in range(12)]
+    assert [rid for rid, _ in client.routed] == [f"q{i}" for i in range(7, 12)]
+    assert [replica for _, replica in client.routed] == ["r0", "r1", "r0", "r1", "r0"]  # call 8 -> r0, ...
+    assert list(client.first_block) == [f"q{i}" for i in range(7, 12)]
+    expected = client_module.routing_hashes([11] * 4 + [1, 2, 3, 4, 5], 4)[0]
+    assert client.first_block["q11"] == expected and len(set(client.first_block.values())) == 5

@@ -15,6 +15,7 @@ and sends them with the request: the prefix-aware router reads them, it never to
 """
 
 import asyncio
+from collections import deque
 from types import SimpleNamespace
 
 from ray.exceptions import RayActorError, RayError
@@ -24,6 +25,7 @@ from nanoserve.kv.prefix_cache import block_hashes
 from nanoserve.server.protocol import APIError
 
 MAX_ROUTED_BLOCKS = 64  # the router only needs the start of the chain: system prompts are the shared part
+ROUTED_KEPT = 4096  # the last decisions kept for inspection (bench routing, the notebook): a server runs for months
 
 
 def routing_hashes(prompt_token_ids: list[int], block_size: int, limit: int = MAX_ROUTED_BLOCKS) -> list[int]:
@@ -43,8 +45,10 @@ class ReplicaClient:
         self.first_output_timeout_s = first_output_timeout_s
         self.num_requests_running = 0  # unknown at the ingress: every request in flight counts as waiting
         self.in_flight = 0
-        self.routed: list[tuple[str, str]] = []  # (request id, replica id): the router's decisions, in order
-        self.first_block: dict[str, int | None] = {}  # request id -> its first routing hash (the prefix it keys on)
+        # the router's last ROUTED_KEPT decisions, in order: (request id, replica id), and each one's first routing
+        # hash (the prefix it keys on). Bounded: a long-running ingress must not grow with every request it routes.
+        self.routed: deque[tuple[str, str]] = deque(maxlen=ROUTED_KEPT)
+        self.first_block: dict[str, int | None] = {}
         self._streams: dict = {}  # request id -> its replica's stream, while in flight (abort cancels it)
         self.is_running = False
 
@@ -82,6 +86,8 @@ class ReplicaClient:
         if kind == "refused":
             self.in_flight -= 1
             raise ValueError(detail)
+        if len(self.routed) == ROUTED_KEPT:  # the oldest decision leaves both records
+            self.first_block.pop(self.routed[0][0], None)
         self.routed.append((request_id, detail))
         self.first_block[request_id] = hashes[0] if hashes else None
         self._streams[request_id] = gen
