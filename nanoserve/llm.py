@@ -72,6 +72,7 @@ class LLM:
             raise ValueError("tensor_parallel_size > 1 runs float32 weights with the torch attention backend: "
                              "weights, degrade_under_load, kv_cache_dtype and attention_backend='triton' are "
                              "single-process only")
+        code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
         if tensor_parallel_size > 1:
             from nanoserve.distributed.multiproc import start_workers
@@ -79,9 +80,10 @@ class LLM:
             self.workers, self.model = start_workers(model, tensor_parallel_size, student)
         elif model is None or path is not None:
             resolve_attention_backend(attention_backend, "cpu")  # a GGUF loads on the CPU: fail fast, before the load
-            # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), once finished
-            quantizer = StudentCode(student).module("nanoserve.model.quant") if weights in ("int8", "q4") else None
-            self.model = load_gguf(path, weights or "fp32", quantizer)
+            # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), and with
+            # chapter 02 the model from YOUR blocks and norms (exercises/02), once finished
+            quantizer = code.module("nanoserve.model.quant") if weights in ("int8", "q4") else None
+            self.model = load_gguf(path, weights or "fp32", quantizer, code.module)
         elif weights is not None and weights != getattr(model, "weight_format", "fp32"):
             raise ValueError(f"weights={weights!r} but the model given is already loaded as "
                              f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
@@ -105,7 +107,7 @@ class LLM:
                               slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject,
                               tenant_weights=tenant_weights, tenant_slos=tenant_slos, kv_cache_dtype=kv_cache_dtype)
         try:
-            self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded)
+            self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
         except BaseException:
             self.close()
             raise

@@ -54,6 +54,7 @@ STUDENT_FILES = {
     "nanoserve.model.attention": "01-attention/attention.py",
     "nanoserve.model.layers": "02-the-model/layers.py",
     "nanoserve.model.block": "02-the-model/block.py",
+    "nanoserve.model.llama": "02-the-model/llama.py",
     "nanoserve.kv.naive": "04-kv-cache/naive.py",
     "nanoserve.memory": "04-kv-cache/memory.py",
     "nanoserve.kv.block_allocator": "05-paged-kv/block_allocator.py",
@@ -330,13 +331,15 @@ class StudentCode:
         return self.modules[name]
 
     def _link(self, mod: ModuleType, name: str) -> None:
-        """The learner's files of one chapter call each other: a function that `mod` imports from another
-        exercise module of its chapter (paged_attention.py's `slot_mapping`, from block_manager.py) becomes
-        that module's as this run serves it — the learner's where finished, else the reference's."""
+        """The learner's files of one chapter call each other: a function or class that `mod` imports from
+        another exercise module of its chapter (paged_attention.py's `slot_mapping`, from block_manager.py;
+        block.py's `RMSNorm`, from layers.py) becomes that module's as this run serves it — the learner's
+        where finished, else the reference's."""
         chapter = STUDENT_FILES[name][:2]
         for attr, obj in list(vars(mod).items()):
             source = getattr(obj, "__module__", None)
-            if inspect.isfunction(obj) and source != name and STUDENT_FILES.get(source, "")[:2] == chapter:
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and source != name \
+                    and STUDENT_FILES.get(source, "")[:2] == chapter:
                 setattr(mod, attr, getattr(self.module(source), obj.__name__, obj))
 
     def _load(self, name: str) -> ModuleType:

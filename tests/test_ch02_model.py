@@ -16,6 +16,7 @@ from tests.hf_reference import additive_causal_mask, hf_config, hf_rope
 
 layers = implementation("nanoserve.model.layers")
 block = implementation("nanoserve.model.block")
+llama = implementation("nanoserve.model.llama")
 TINY = LlamaConfig.tiny()
 
 
@@ -87,17 +88,48 @@ def test_decoder_block_matches_transformers(num_tokens):
     torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
 
 
-# --- the whole model ----------------------------------------------------------------------------
+# --- Exercise 2.3: the whole model -------------------------------------------------------------
 
-def test_tiny_model_matches_transformers():
-    ours = randomize(Llama(TINY)).eval()
-    theirs = modeling_llama.LlamaForCausalLM(hf_config(TINY)).eval()
+def tiny_pair(tie: bool = True):
+    """Our tiny model (the learner's Llama under `make grade`) and transformers' LlamaForCausalLM, same weights."""
+    config = LlamaConfig.tiny(tie_word_embeddings=tie)
+    ours = randomize(llama.Llama(config)).eval()
+    theirs = modeling_llama.LlamaForCausalLM(hf_config(config)).eval()
     theirs.load_state_dict({("lm_head." + k[8:] if k.startswith("lm_head.") else "model." + k): v
                             for k, v in ours.state_dict().items()})
-    ids = torch.randint(0, TINY.vocab_size, (11,))
+    return ours, theirs
+
+
+@pytest.mark.exercise("2.3")
+@pytest.mark.parametrize("tie", [True, False])
+def test_tiny_model_matches_transformers(tie):
+    ours, theirs = tiny_pair(tie)
+    ids = torch.randint(0, TINY.vocab_size, (11,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(ids[None]).logits[0]
         torch.testing.assert_close(ours.compute_logits(ours(ids)), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("2.3")
+def test_tiny_model_takes_positions():
+    # positions with gaps (not 0..N-1, not a uniform shift): RoPE must use them, not the list order
+    ours, theirs = tiny_pair()
+    ids = torch.randint(0, TINY.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([0, 2, 3, 7, 8, 20])
+    with torch.no_grad():
+        expected = theirs(ids[None], position_ids=positions[None]).logits[0]
+        got = ours.compute_logits(ours(ids, positions))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(got, ours.compute_logits(ours(ids)), atol=1e-3)  # the positions mattered
+
+
+@pytest.mark.exercise("2.3")
+def test_tiny_model_refuses_a_batch_axis_and_positions_past_the_context():
+    ours, _ = tiny_pair()
+    with pytest.raises(ValueError, match=r"\(1, 4\)"):
+        ours(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=str(TINY.max_position_embeddings)):
+        ours(torch.tensor([1, 2]), torch.tensor([0, TINY.max_position_embeddings]))
 
 
 PARITY_PROMPTS = {

@@ -65,6 +65,8 @@ BAD = [
     (["generate", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens", "integer > 0"]),
     (["generate", "--prompt", "x", "--gguf", "{d}/missing.gguf"], ["--gguf", "no such file"]),
     (["generate", "--prompt", "hi " * 9000], ["--prompt", "exceeds the model's context of 8192"]),
+    (["generate", "--prompt", "x", "--student", "01"], ["--student 01", "add --no-cache"]),
+    (["generate", "--prompt", "x", "--student", "05"], ["--student 05", "chapters 01 and 02 only"]),
     (["chat", "--temperature", "-0.5"], ["--temperature must be"]),
     (["chat", "--top-p", "0"], ["--top-p"]),
     (["chat", "--max-tokens", "-1"], ["--max-tokens"]),

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanoserve import student
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -114,6 +115,41 @@ def test_finished_05_serves_and_untouched_06_falls_back(tiny, exercises, capsys)
     proof = engine.student_proof()
     assert f"BlockAllocator.allocate ×{calls['BlockAllocator.allocate']}" in proof
     assert f"prefix-cache hits: {engine.block_manager.stats.hit_blocks} blocks" in proof
+
+
+def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys):
+    """--student 01,02: the model is built from the learner's Llama, blocks and RMSNorm (02); without a cache it
+    attends with the learner's attention (01). Same weights, so the same tokens as the reference."""
+    for module in ("nanoserve.model.attention", "nanoserve.model.layers", "nanoserve.model.block",
+                   "nanoserve.model.llama"):
+        exercises(module)
+    _, expected = serve(tiny)
+    code = StudentCode("01,02")
+    model = code.module("nanoserve.model.llama").Llama(tiny.config, code.module).eval()
+    model.load_state_dict(tiny.state_dict())
+    assert type(model).__module__ == "student_nanoserve_model_llama"
+    assert type(model.layers[0]).__module__ == "student_nanoserve_model_block"
+    assert type(model.layers[0].input_layernorm).__module__ == "student_nanoserve_model_layers"  # linked into block.py
+    ids = torch.tensor(PROMPTS[0])
+    with torch.no_grad():  # no cache: the model's own attention is the learner's (chapter 01)
+        torch.testing.assert_close(model.compute_logits(model(ids)), tiny.compute_logits(tiny(ids)))
+    assert code.calls["scaled_dot_product_attention"] == tiny.config.num_hidden_layers
+    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16,
+                                           student="01,02"), student=code)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+    assert tokens == expected
+    calls = code.calls
+    assert calls["Llama.forward"] > len(PROMPTS) and calls["Llama.compute_logits"] > len(PROMPTS)
+    assert calls["DecoderBlock.forward"] == tiny.config.num_hidden_layers * calls["Llama.forward"]
+    assert calls["RMSNorm.forward"] == (2 * tiny.config.num_hidden_layers + 1) * calls["Llama.forward"]
+    err = capsys.readouterr().err
+    for file in ("02-the-model/llama.py", "02-the-model/block.py", "02-the-model/layers.py", "01-attention/attention.py"):
+        assert f"from exercises/{file}" in err
+    assert f"DecoderBlock.forward ×{calls['DecoderBlock.forward']}" in engine.student_proof()
 
 
 def test_finished_06_serves_and_untouched_05_falls_back(tiny, exercises):

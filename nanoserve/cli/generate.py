@@ -2,10 +2,12 @@
 
     python -m nanoserve generate --prompt "What is the capital of France?" --chat --temperature 0
     python -m nanoserve generate --prompt "Once upon a time" --max-tokens 20 --seed 1 --json
+    python -m nanoserve generate --prompt "Once upon a time" --no-cache --student 01,02
 
 Without --chat the prompt is raw text to continue; with --chat it is one user message, rendered
 with the model's chat template. The text streams to the terminal as it is generated; --json
-prints one JSON object at the end instead.
+prints one JSON object at the end instead. --student 02 builds the model from your exercises/02 files
+(blocks, norms, the model), --student 01 with --no-cache runs your exercises/01 attention in every layer.
 """
 
 import json
@@ -39,13 +41,26 @@ def register(sub):
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
+    p.add_argument("--student", nargs="?", const="01,02", default=False, type=checks.chapters, metavar="CHAPTERS",
+                   help="build the model from YOUR finished exercises: 02 (RMSNorm, the block, the model), 01 (the "
+                        "attention, with --no-cache: the cache of chapter 04 brings its own); default: 01,02")
     p.set_defaults(func=run)
 
 
 def run(args):
+    import sys
+
     from nanoserve.generate import generate
     from nanoserve.model import load_gguf
+    from nanoserve.student import StudentCode, parse_selection
 
+    chosen = parse_selection(args.student)
+    if not chosen <= {"01", "02"}:
+        raise checks.UsageError(f"--student {args.student}: generate builds the model, so it runs chapters 01 and 02 "
+                                f"only (batch and serve run the engine's chapters)")
+    if "01" in chosen and not args.no_cache:
+        raise checks.UsageError("--student 01 runs your attention where the model attends without a cache: "
+                                "add --no-cache (with the cache, chapter 04's attention runs)")
     params = sampling_params(args)
     if not args.prompt.strip():
         raise checks.UsageError("--prompt is empty")
@@ -55,7 +70,10 @@ def run(args):
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     checks.check_fits(len(prompt_ids), params.max_tokens, checks.context_length(args.gguf), "--prompt")
-    model = load_gguf(args.gguf, args.weights)
+    student = StudentCode(args.student)
+    model = load_gguf(args.gguf, args.weights, modules=student.module)
+    if student:
+        print(student.describe("the model runs"), file=sys.stderr)
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
     out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream,
                    use_cache=not args.no_cache)
@@ -64,4 +82,6 @@ def run(args):
                           "finish_reason": out.finish_reason}, ensure_ascii=False))
     else:
         print()
+    if student:
+        print(student.proof(), file=sys.stderr)
     return 0

@@ -99,7 +99,7 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None,
-                 degraded_model=None):
+                 degraded_model=None, student: StudentCode | None = None):
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         if (config.degrade_under_load is None) != (degraded_model is None):
@@ -111,7 +111,8 @@ class LLMEngine:
         self.precision_names = (getattr(model, "weight_format", "fp32"), getattr(degraded_model, "weight_format", None))
         self.token_precisions: dict[str, list[str]] = {}  # with degradation on: per request, per token
         # with config.student: the learner's finished exercises where selected, the reference's elsewhere
-        self.student = student = StudentCode(config.student)
+        # (`student`: the StudentCode that already built the model, under --student 01,02, to report it too)
+        self.student = student = student if student is not None else StudentCode(config.student)
         # the attention backend (chapter 07), checked before anything is built; with "triton" and chapter 07
         # selected, the learner's kernels from exercises/07
         self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)

@@ -10,6 +10,7 @@ kernel can rotate *adjacent* pairs (x0, x1), (x2, x3), ... HF Llama (and we) rot
 *halves* of a head, pairing x[i] with x[i + D/2]. `unpermute_qk` puts the rows back.
 """
 
+import importlib
 from importlib import metadata
 from pathlib import Path
 
@@ -121,13 +122,15 @@ def our_name(gguf_name: str) -> str:
     return GGUF_TO_NANOSERVE[gguf_name]
 
 
-def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=None) -> Llama:
+def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=None,
+              modules=importlib.import_module) -> Llama:
     """Build a `Llama` from a GGUF file (default: the embedded SmolLM2-135M-Instruct).
 
     weights: "fp32" (everything dequantized to float32), "int8" (chapter 10: the decoder's Linear layers
     quantized per output row from the float32 weights) or "q4" (chapter 10: the file's Q4_1 blocks kept
     as they are, no float32 round trip). See nanoserve/model/quant.py; `quantizer` is the module whose
-    quantize_int8 / unpack_q4_1 make the weights (default: that one).
+    quantize_int8 / unpack_q4_1 make the weights (default: that one). `modules(name)` gives the modules the
+    model is built from (default: the reference's; `--student 01,02`: the learner's, see `Llama`).
     """
     from gguf import GGMLQuantizationType, dequantize
 
@@ -159,7 +162,7 @@ def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=N
         else:
             state[name] = torch.from_numpy(w)
     q4_blocks = fuse_parts(q4_blocks)  # q, k, v -> qkv_proj; gate, up -> gate_up_proj (float weights: the hooks)
-    model = Llama(config)
+    model = modules("nanoserve.model.llama").Llama(config, modules)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)
                and m.removesuffix(".weight") not in q4_blocks]

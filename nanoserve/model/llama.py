@@ -7,30 +7,41 @@ splits it: a server needs logits only for each sequence's last token, and the LM
 small model is a large share of its work (for SmolLM2: 49152 × 576 = 28M of 135M weights).
 """
 
+import functools
+import importlib
+
 import torch
 from torch import nn
 
 from nanoserve.model.attention import scaled_dot_product_attention
-from nanoserve.model.block import AttentionFn, DecoderBlock
+from nanoserve.model.block import AttentionFn
 from nanoserve.model.config import LlamaConfig
-from nanoserve.model.layers import Linear, RMSNorm
+from nanoserve.model.layers import Linear
 from nanoserve.model.rope import rope_cos_sin
 
 
-def causal_self_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_self_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          sdpa=scaled_dot_product_attention) -> torch.Tensor:
     """The no-cache attention: all N tokens are one sequence and attend causally to each other."""
     # (N, H, D) -> (1, H, N, D) for the batched attention of chapter 01, and back.
-    out = scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    out = sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     return out[0].transpose(0, 1)  # (N, H, D)
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, modules=importlib.import_module):
+        """`modules(name)` gives the module each part is built from: nanoserve.model.block (DecoderBlock),
+        .layers (the final RMSNorm) and .attention (the no-cache attention). The default is the reference;
+        `--student 01,02` passes StudentCode.module, which gives the learner's finished files instead."""
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        block = modules("nanoserve.model.block").DecoderBlock
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = modules("nanoserve.model.layers").RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # the attention used when the caller passes none (no cache): chapter 01's, whoever wrote it
+        self.causal_attention = functools.partial(
+            causal_self_attention, sdpa=modules("nanoserve.model.attention").scaled_dot_product_attention)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one matrix read both ways
@@ -54,7 +65,7 @@ class Llama(nn.Module):
         # angles computed in float32, applied in the model's dtype (a bf16 model keeps bf16 q and k)
         cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))  # (N, D)
         for block in self.layers:
-            x = block(x, cos, sin, attn or causal_self_attention)
+            x = block(x, cos, sin, attn or self.causal_attention)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

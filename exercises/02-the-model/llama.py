@@ -1,0 +1,60 @@
+"""Exercise 2.3 — the whole model. Your version of Llama in nanoserve/model/llama.py.
+
+The constructor is given: it builds the parts (an embedding, the decoder blocks, a final RMSNorm, an LM head
+tied to the embedding). You write how a flat list of tokens flows through them, and how hidden states
+become logits.
+"""
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+
+from nanoserve.model.block import AttentionFn
+from nanoserve.model.config import LlamaConfig
+from nanoserve.model.layers import Linear
+from nanoserve.model.llama import causal_self_attention
+from nanoserve.model.rope import rope_cos_sin  # noqa: F401  (you will want it: the (N, head_dim) cos and sin tables)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, modules=importlib.import_module):
+        """Given. `modules(name)` gives the module each part comes from (the reference's, or yours under
+        --student 02): the blocks, the final norm, and the attention used when the caller passes none."""
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        block = modules("nanoserve.model.block").DecoderBlock
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = modules("nanoserve.model.layers").RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.causal_attention = functools.partial(
+            causal_self_attention, sdpa=modules("nanoserve.model.attention").scaled_dot_product_attention)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one matrix read both ways
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionFn | None = None
+    ) -> torch.Tensor:
+        """Exercise 2.3. input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size).
+
+        - The tokens are a flat list with no batch axis. Each sits at its `positions` entry; without
+          `positions` they are one sequence at positions 0 .. num_tokens - 1.
+        - Every block gets the same RoPE tables for these positions, (num_tokens, head_dim) each, in the
+          embedding's dtype, and the attention function `attn` (None: `self.causal_attention`, the no-cache one).
+        - The result is the final norm's output: hidden states, not logits (see `compute_logits`).
+        - Raise ValueError if input_ids is not 1-D (name its shape), or if a position is at or beyond
+          config.max_position_embeddings (name that limit).
+
+        Example (LlamaConfig.tiny(): hidden_size 64, head_dim 16): model(torch.tensor([5, 9, 2])) has shape
+        (3, 64). Row i depends on tokens 0..i only (the causal attention), so the first two rows equal
+        model(torch.tensor([5, 9])). With positions [3, 4, 5] the rows are the same up to float rounding (a
+        shift of every position keeps every distance, chapter 01); with positions [0, 2, 5] they change.
+        """
+        raise NotImplementedError("Exercise 2.3: embed, rotate at the given positions, run the blocks, normalise")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exercise 2.3. hidden states (N, hidden_size) -> logits (N, vocab_size): one score per vocabulary
+        entry, from the LM head (the embedding matrix itself when the config ties them)."""
+        raise NotImplementedError("Exercise 2.3: project hidden states to the vocabulary")
