@@ -88,6 +88,21 @@ def test_decoder_block_matches_transformers(num_tokens):
     torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("2.2")
+def test_decoder_block_adds_to_the_stream():
+    # sub-layers whose output projections are zero add nothing: a pre-norm block then returns x exactly
+    ours = randomize(block.DecoderBlock(TINY, layer_idx=0))
+    with torch.no_grad():
+        ours.self_attn.o_proj.weight.zero_()
+        ours.mlp.down_proj.weight.zero_()
+    from nanoserve.model.llama import causal_self_attention
+    from nanoserve.model.rope import rope_cos_sin
+
+    x = torch.randn(5, TINY.hidden_size) * 30  # far from RMS 1: a block that normalises the stream changes it
+    cos, sin = rope_cos_sin(torch.arange(5), TINY.head_dim, TINY.rope_theta)
+    assert torch.equal(ours(x, cos, sin, causal_self_attention), x)
+
+
 # --- Exercise 2.3: the whole model -------------------------------------------------------------
 
 def tiny_pair(tie: bool = True):

@@ -25,18 +25,29 @@ def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Exercise 1.2. (B, T, num_heads * D) -> (B, num_heads, T, D); head h owns columns h*D:(h+1)*D."""
+    """Exercise 1.2. (B, T, num_heads * D) -> (B, num_heads, T, D); head h owns columns h*D:(h+1)*D.
+
+    Raise ValueError if the width is not a multiple of num_heads.
+
+    >>> split_heads(torch.arange(12.0).view(1, 2, 6), num_heads=3)[0, 1]   # head 1 of both tokens
+    tensor([[2., 3.],
+            [8., 9.]])
+    """
     raise NotImplementedError("Exercise 1.2: split the last axis into heads and move heads before time")
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
-    """Exercise 1.2. (B, H, T, D) -> (B, T, H * D): the inverse of split_heads."""
+    """Exercise 1.2. (B, H, T, D) -> (B, T, H * D): the inverse of split_heads, so that
+    merge_heads(split_heads(x, H)) equals x exactly, for any x of shape (B, T, H * D)."""
     raise NotImplementedError("Exercise 1.2: move heads back after time and flatten them")
 
 
 def repeat_kv(x: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Exercise 1.2. Grouped-query attention: (B, Hkv, S, D) -> (B, Hkv * num_groups, S, D),
-    where output head h is a copy of input head h // num_groups."""
+    where output head h is a copy of input head h // num_groups (num_groups = 1: x itself, or a copy).
+
+    Example: 2 K/V heads [k0, k1] and num_groups = 3 give 6 heads [k0, k0, k0, k1, k1, k1].
+    """
     raise NotImplementedError("Exercise 1.2: repeat each K/V head for its group of query heads")
 
 
@@ -46,8 +57,14 @@ def scaled_dot_product_attention(
     """Exercise 1.3. softmax(Q Kᵀ / √D + mask) V with grouped-query heads.
 
     q: (B, H, T, D), k and v: (B, Hkv, S, D), H a multiple of Hkv, T <= S. Returns (B, H, T, D).
+    - Query head h reads K/V head h // (H / Hkv). With causal=True the T queries are the last T of the S
+      positions (causal_mask(T, S)); with causal=False every query sees every key.
     - Raise ValueError naming the shapes (e.g. "(1, 4, 3, 8)") if they do not fit together.
-    - Subtract each row's max before exp(): the result is the same, and exp() cannot overflow.
-    - Write the softmax yourself (no F.softmax / F.scaled_dot_product_attention).
+    - Stay finite for any finite scores, however large (q·k of 360,000 included): equal scores, equal weights.
+    - The point is to write the softmax yourself; the tests check only the numbers (against PyTorch's own
+      F.scaled_dot_product_attention), so F.softmax would pass too.
+
+    Example: one head, D = 1, q = [1, 2], k = [1, 0], v = [10, 20] (all (1, 1, 2, 1)), causal: query 0 sees
+    only key 0 -> 10; query 1 has scores [2, 0] -> weights [0.881, 0.119] -> 11.19.
     """
     raise NotImplementedError("Exercise 1.3: scores, mask, stable softmax, weighted sum of values")

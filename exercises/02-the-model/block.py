@@ -21,9 +21,13 @@ class DecoderBlock(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """x: (num_tokens, hidden) -> (num_tokens, hidden). A pre-norm block:
+        """Exercise 2.2. x: (num_tokens, hidden) -> (num_tokens, hidden), a pre-norm block (chapter 02, section 4).
 
-            h   = x + self_attn(input_layernorm(x), cos, sin, attn)
-            out = h + mlp(post_attention_layernorm(h))
+        - Two sub-layers, attention first, then the MLP. Each reads a *normalised* copy of the residual stream
+          (its own RMSNorm: input_layernorm before attention, post_attention_layernorm before the MLP) and its
+          output is *added* to the stream. The stream itself is never normalised.
+        - self_attn takes (its normalised input, cos, sin, attn) and returns (num_tokens, hidden); the MLP sees
+          the stream as the attention sub-layer left it.
+        - Invariant: with o_proj and down_proj all zeros, both sub-layers add nothing and the block returns x.
         """
         raise NotImplementedError("Exercise 2.2: the two pre-norm residual sub-layers of a Llama block")

@@ -5,10 +5,13 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x², last axis) + eps) * weight.
+    """Exercise 2.1. y = x / sqrt(mean(x², last axis) + eps) * weight, for x of shape (..., hidden).
 
-    Keep the `weight` parameter as created here (transformers' LlamaRMSNorm has the same one, and the
-    tests load weights into it). Compute the statistic in float32 and cast back to x's dtype.
+    Each row (each token) is normalised on its own: only the last axis is averaged. Keep the `weight`
+    parameter as created here (transformers' LlamaRMSNorm has the same one, and the tests load weights into
+    it). The statistic is taken in float32 whatever x's dtype, and y has x's dtype and shape.
+
+    Example: x = [[3, 4]], eps = 0, weight = [2, -1]: mean(x²) = 12.5, so y = [[6, -4]] / √12.5 = [[1.697, -1.131]].
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
