@@ -1,39 +1,20 @@
 """Exercise 2.3 — the whole model. Your version of Llama in nanoserve/model/llama.py.
 
-The constructor is given: it builds the parts (an embedding, the decoder blocks, a final RMSNorm, an LM head
-tied to the embedding). You write how a flat list of tokens flows through them, and how hidden states
-become logits.
+The constructor is given (the reference's): it builds the parts, which you use by these names:
+`self.embed_tokens` (vocab_size × hidden_size), `self.layers` (the decoder blocks, each called as
+block(x, cos, sin, attn)), `self.norm` (the final RMSNorm), `self.lm_head` (tied to the embedding when the config
+says so), `self.causal_attention` (the no-cache attention function) and `self.config`. You write how a flat list
+of tokens flows through them, and how hidden states become logits.
 """
 
-import functools
-import importlib
-
 import torch
-from torch import nn
 
 from nanoserve.model.block import AttentionFn
-from nanoserve.model.config import LlamaConfig
-from nanoserve.model.layers import Linear
-from nanoserve.model.llama import causal_self_attention
+from nanoserve.model.llama import Llama as ReferenceLlama
 from nanoserve.model.rope import rope_cos_sin  # noqa: F401  (you will want it: the (N, head_dim) cos and sin tables)
 
 
-class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig, modules=importlib.import_module):
-        """Given. `modules(name)` gives the module each part comes from (the reference's, or yours under
-        --student 02): the blocks, the final norm, and the attention used when the caller passes none."""
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        block = modules("nanoserve.model.block").DecoderBlock
-        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
-        self.norm = modules("nanoserve.model.layers").RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.causal_attention = functools.partial(
-            causal_self_attention, sdpa=modules("nanoserve.model.attention").scaled_dot_product_attention)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight  # one matrix read both ways
-
+class Llama(ReferenceLlama):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionFn | None = None
     ) -> torch.Tensor:
