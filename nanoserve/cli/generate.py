@@ -2,13 +2,16 @@
 
     python -m nanoserve generate --prompt "What is the capital of France?" --chat --temperature 0
     python -m nanoserve generate --prompt "Once upon a time" --max-tokens 20 --seed 1 --json
+    python -m nanoserve generate --prompt "Hi" --chat --student 03,04    # your exercises of chapters 03-04
 
 Without --chat the prompt is raw text to continue; with --chat it is one user message, rendered
 with the model's chat template. The text streams to the terminal as it is generated; --json
-prints one JSON object at the end instead.
+prints one JSON object at the end instead. The loop is chapter 03's with chapter 04's KV cache;
+--no-cache makes it chapter 03's loop as written, recomputing the whole sequence every step.
 """
 
 import json
+import sys
 
 from nanoserve.cli import checks
 
@@ -38,6 +41,10 @@ def register(sub):
     p.add_argument("--prompt", required=True, help="the text to continue (with --chat: your message)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--student", nargs="?", const=True, default=False, type=checks.chapters, metavar="CHAPTERS",
+                   help="run YOUR finished exercises of chapter 03 (sampler, detokenizer, stop check) and 04 (the "
+                        "KV cache) instead of the reference; an unfinished one falls back to the reference with a "
+                        "warning")
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -45,6 +52,7 @@ def register(sub):
 def run(args):
     from nanoserve.generate import generate
     from nanoserve.model import load_gguf
+    from nanoserve.student import StudentCode
 
     params = sampling_params(args)
     if not args.prompt.strip():
@@ -57,11 +65,14 @@ def run(args):
     checks.check_fits(len(prompt_ids), params.max_tokens, checks.context_length(args.gguf), "--prompt")
     model = load_gguf(args.gguf, args.weights)
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    code = StudentCode(args.student)
     out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream,
-                   use_cache=not args.no_cache)
+                   use_cache=not args.no_cache, modules=code.module)
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
                           "finish_reason": out.finish_reason}, ensure_ascii=False))
     else:
         print()
+    if code:  # whose code ran (known once the loop has asked for each part), and how often
+        print(code.describe(runs="the generate loop ran") + "\n" + code.proof(), file=sys.stderr)
     return 0
