@@ -13,15 +13,15 @@ keys and values of past tokens in a cache and makes each step cost one token; it
 `next_token_logits`, the only place that touches the model.
 """
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from nanoserve.text.detokenizer import IncrementalDetokenizer
 from nanoserve.kv.naive import NaiveKVCache
-from nanoserve.sampling import SamplingParams, make_generator, sample
-from nanoserve.text.stop import check_stop, is_stop_token
+from nanoserve.sampling import SamplingParams, make_generator
 
 
 @dataclass
@@ -60,32 +60,37 @@ def check_prompt_fits(prompt_len: int, max_model_len: int) -> None:
 
 @torch.inference_mode()
 def generate(model, prompt_token_ids: list[int], params: SamplingParams, eos_token_id: int, tokenizer=None,
-             on_text: Callable[[str], None] | None = None, use_cache: bool = False) -> GenerationOutput:
+             on_text: Callable[[str], None] | None = None, use_cache: bool = False,
+             modules: Callable[[str], ModuleType] = importlib.import_module) -> GenerationOutput:
     """Generate after `prompt_token_ids` until a stop condition. With a `tokenizer` the output has
     text, and `on_text(delta)` is called as text becomes final (for streaming to a terminal).
-    `use_cache` keeps past keys and values in a NaiveKVCache (chapter 04): the same tokens, faster."""
+    `use_cache` keeps past keys and values in a NaiveKVCache (chapter 04): the same tokens, faster.
+    `modules(name)` gives the sampler, detokenizer, stop check and cache: the reference's, or with
+    `StudentCode("03,04").module` your finished exercises (`generate --student`, nanoserve/student.py)."""
+    sampling, stop = modules("nanoserve.sampling"), modules("nanoserve.text.stop")
     max_model_len = model.config.max_position_embeddings
     check_prompt_fits(len(prompt_token_ids), max_model_len)
     cache = None
     if use_cache:  # reserved up front for the longest this request can get
         max_len = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
-        cache = NaiveKVCache(model.config, max_len, dtype=model.norm.weight.dtype)  # the activations' dtype
+        naive = modules("nanoserve.kv.naive")
+        cache = naive.NaiveKVCache(model.config, max_len, dtype=model.norm.weight.dtype)  # the activations' dtype
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need text: pass a tokenizer")
     generator = make_generator(params)
-    detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+    detokenizer = None if tokenizer is None else modules("nanoserve.text.detokenizer").IncrementalDetokenizer(tokenizer)
     # While streaming, hold back text that could be the start of a stop string.
     hold_back = max((len(s) for s in params.stop), default=1) - 1
     token_ids: list[int] = []
     text, streamed, finish_reason = "", 0, None
 
     while finish_reason is None:
-        token_id = sample(next_token_logits(model, prompt_token_ids + token_ids, cache), params, generator)
+        token_id = sampling.sample(next_token_logits(model, prompt_token_ids + token_ids, cache), params, generator)
         token_ids.append(token_id)
         new_text = ""
-        if detokenizer is not None and not is_stop_token(token_id, params, eos_token_id):
+        if detokenizer is not None and not stop.is_stop_token(token_id, params, eos_token_id):
             new_text = detokenizer.add(token_id)
-        finish_reason, text = check_stop(token_ids, text + new_text, params, eos_token_id, len(new_text))
+        finish_reason, text = stop.check_stop(token_ids, text + new_text, params, eos_token_id, len(new_text))
         if finish_reason is None and len(prompt_token_ids) + len(token_ids) >= max_model_len:
             finish_reason = "length"  # the context is full
         if finish_reason is not None and detokenizer is not None and len(text) == len(detokenizer.text):

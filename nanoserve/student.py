@@ -62,6 +62,7 @@ STUDENT_FILES = {
     "nanoserve.engine.scheduler": "06-continuous-batching/scheduler.py",
     "nanoserve.sampling": "03-tokens-and-sampling/sampling.py",
     "nanoserve.text.detokenizer": "03-tokens-and-sampling/detokenizer.py",
+    "nanoserve.text.stop": "03-tokens-and-sampling/stop.py",
     "nanoserve.server.request_params": "08-http-serving/request_params.py",
     "nanoserve.server.streaming": "08-http-serving/streaming.py",
     "nanoserve.engine.async_engine": "08-http-serving/async_engine.py",
@@ -96,6 +97,10 @@ STUDENT_FILES = {
 # functions are swapped for the reference's (with_reference) where the learner has not done that rung yet
 # (serving), or is being graded on another rung (grading).
 RUNGS: dict[str, dict[str, list[str]]] = {
+    "nanoserve.memory": {
+        "4.2": ["kv_bytes_per_token", "kv_bytes_per_sequence"],
+        "4.3": ["memory_plan"],
+    },
     "nanoserve.kv.block_manager": {
         "5.3": ["slot_mapping"],
         "5.4": ["BlockManager.allocate_slots", "BlockManager._register_full_blocks"],

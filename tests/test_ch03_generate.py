@@ -1,4 +1,5 @@
-"""Chapter 03: stop conditions, the cache-free generate loop, and greedy parity with transformers."""
+"""Chapter 03: stop conditions (graded: exercise 3.3), the cache-free generate loop, and greedy parity with
+transformers."""
 
 import pytest
 import torch
@@ -6,8 +7,10 @@ import torch
 from nanoserve.generate import generate
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
-from nanoserve.text.stop import check_stop
+from nanoserve.student import implementation
 from nanoserve.text.tokenizer import Tokenizer
+
+stop = implementation("nanoserve.text.stop")
 
 EOS = 2
 
@@ -17,8 +20,9 @@ def tok():
     return Tokenizer.from_gguf()
 
 
-# ---------------------------------------------------------------- check_stop
+# ---------------------------------------------------------------- check_stop (exercise 3.3)
 
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize(
     "token_ids,text,params,expected",
     [
@@ -36,14 +40,30 @@ def tok():
     ],
 )
 def test_check_stop(token_ids, text, params, expected):
-    assert check_stop(token_ids, text, params, EOS) == expected
+    assert stop.check_stop(token_ids, text, params, EOS) == expected
 
 
+@pytest.mark.exercise("3.3")
 def test_stop_string_window_covers_strings_that_span_tokens():
     # 'STOP' completed by a token that added only 'P': the search starts len('STOP') - 1 chars before it
-    assert check_stop([7], "abc STOP", SamplingParams(stop=["STOP"]), EOS, num_new_chars=1) == ("stop", "abc ")
+    assert stop.check_stop([7], "abc STOP", SamplingParams(stop=["STOP"]), EOS, num_new_chars=1) == ("stop", "abc ")
     # ...and does not rescan old text (where it would already have been found a step earlier)
-    assert check_stop([7], "STOP abcdef", SamplingParams(stop=["STOP"]), EOS, num_new_chars=1) == (None, "STOP abcdef")
+    assert stop.check_stop([7], "STOP abcdef", SamplingParams(stop=["STOP"]), EOS, num_new_chars=1) == (None, "STOP abcdef")
+    # all of the text new (7 chars, or None), and the earliest of two stop strings
+    assert stop.find_stop_string("ab STOP", SamplingParams(stop=["STOP"]), num_new_chars=7) == 3
+    assert stop.find_stop_string("a\nUser: b", SamplingParams(stop=["b", "\nUser:"])) == 1
+
+
+@pytest.mark.exercise("3.3")
+@pytest.mark.parametrize("token_id,params,expected", [
+    (2, SamplingParams(), True),                                # EOS
+    (2, SamplingParams(ignore_eos=True), False),                # EOS ignored
+    (2, SamplingParams(ignore_eos=True, stop_token_ids=[2]), True),  # ...unless it is also a stop token
+    (9, SamplingParams(stop_token_ids=[7, 9]), True),
+    (5, SamplingParams(stop_token_ids=[7, 9]), False),
+])
+def test_is_stop_token(token_id, params, expected):
+    assert stop.is_stop_token(token_id, params, EOS) is expected
 
 
 # ---------------------------------------------------------------- the loop, on a scripted model

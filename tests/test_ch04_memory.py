@@ -1,6 +1,6 @@
 """Chapter 04: the memory formula, checked against numbers computed by hand, and the `memory` CLI.
 
-Exercise 4.2 (KV bytes per token and sequence, and how many sequences fit) is graded here.
+Exercises 4.2 (KV bytes per token and per sequence) and 4.3 (how many sequences fit) are graded here.
 """
 
 import pytest
@@ -15,7 +15,7 @@ memory = implementation("nanoserve.memory")
 GiB = 2**30
 
 
-# --- Exercise 4.2: the memory formula ---------------------------------------------------------
+# --- Exercises 4.2 and 4.3: the memory formula ---------------------------------------------------------
 
 @pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("model, dtype, expected", [
@@ -43,7 +43,7 @@ def test_kv_bytes_per_sequence_is_what_the_naive_cache_allocates():
     assert memory.kv_bytes_per_sequence(config, 100, "fp32") == NaiveKVCache(config, max_len=100).nbytes
 
 
-@pytest.mark.exercise("4.2")
+@pytest.mark.exercise("4.3")
 def test_memory_plan_llama3_8b_on_80_gib_by_hand():
     plan = memory.memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, seq_len=4096, dtype="bf16")
     device = 80 * 2**30                                   # 85,899,345,920
@@ -56,7 +56,7 @@ def test_memory_plan_llama3_8b_on_80_gib_by_hand():
     assert plan.num_sequences == 113  # 60,745,572,352 // 536,870,912
 
 
-@pytest.mark.exercise("4.2")
+@pytest.mark.exercise("4.3")
 def test_memory_plan_reserve_and_what_does_not_fit():
     smol = memory.memory_plan(LlamaConfig(), 80 * GiB, seq_len=4096, dtype="bf16", reserve_fraction=0.0)
     assert smol.num_sequences == int((80 * GiB - 269_030_016 - smol.activations) // 94_371_840)  # 906
@@ -64,7 +64,7 @@ def test_memory_plan_reserve_and_what_does_not_fit():
     assert big.weights > 80 * GiB and big.num_sequences == 0  # 141 GB of weights: needs two devices
 
 
-@pytest.mark.exercise("4.2")
+@pytest.mark.exercise("4.3")
 def test_memory_plan_rejects_seq_len_beyond_context():
     with pytest.raises(ValueError, match=r"(?s)10000.*8192"):
         memory.memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, seq_len=10000)

@@ -340,3 +340,74 @@ def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercis
         assert (getattr(learner, name) is getattr(reference, name)) == (r != rung), name  # the learner's, compiled in
     calls = engine.student.calls
     assert calls["paged_attention"] == calls["store_kv"] > len(PROMPTS) * tiny.config.num_hidden_layers
+
+
+def test_finished_03_and_04_run_the_generate_loop(tiny, exercises):
+    """`generate --student 03,04`: the learner's sampler, detokenizer, stop check and KV cache run chapter 03's loop
+    with chapter 04's cache, and give the reference's tokens and text exactly (a seeded, filtered draw)."""
+    from nanoserve.generate import generate
+    from nanoserve.text.tokenizer import Tokenizer
+
+    for module in ("nanoserve.sampling", "nanoserve.text.detokenizer", "nanoserve.text.stop", "nanoserve.kv.naive"):
+        exercises(module)
+    tok = Tokenizer.from_gguf()
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=5, max_tokens=10, ignore_eos=True)
+    prompt = [72, 105, 33, 10, 200, 201]
+    expected = generate(tiny, prompt, params, tok.eos_token_id, tok, use_cache=True)
+    code = StudentCode("03,04")
+    out = generate(tiny, prompt, params, tok.eos_token_id, tok, use_cache=True, modules=code.module)
+    assert out == expected and len(out.token_ids) == 10 and len(set(out.token_ids)) > 1
+    calls = code.calls
+    assert calls["sample"] == calls["check_stop"] == calls["IncrementalDetokenizer.add"] == 10
+    # one forward per token (the prefill, then 9 decode steps), each calling the cache once per layer
+    assert calls["NaiveKVCache.__call__"] == 10 * tiny.config.num_hidden_layers
+    lines = code.describe().splitlines()
+    for file in ("03-tokens-and-sampling/sampling.py", "03-tokens-and-sampling/stop.py",
+                 "03-tokens-and-sampling/detokenizer.py", "04-kv-cache/naive.py"):
+        assert any(line.startswith("  yours ") and line.endswith(file) for line in lines), (file, lines)
+
+
+def test_memory_cli_runs_the_learners_finished_rung(exercises, capsys):
+    """`memory --student 04` with 4.2 done and 4.3 still a stub: the learner's KV bytes, the reference's plan."""
+    from nanoserve.cli import main
+
+    args = ["memory", "--model", "llama-3-8b", "--device-gb", "80", "--seq-len", "4096"]
+    assert main(args) == 0
+    expected = capsys.readouterr().out
+    path = finish("nanoserve.memory", RUNGS["nanoserve.memory"]["4.2"])
+    assert set(unfinished(path)) == {"Exercise 4.3"}
+    with pytest.warns(UserWarning, match=r"Exercise 4\.3 not finished in exercises/04-kv-cache/memory\.py"):
+        assert main(args + ["--student", "04"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected  # 113 sequences, from the learner's kv_bytes_per_sequence
+    assert "  yours      kv_bytes_per_token, kv_bytes_per_sequence  from exercises/04-kv-cache/memory.py" in err
+    assert "  reference  memory_plan  (Exercise 4.3 not finished)" in err
+    assert "kv_bytes_per_sequence ×1" in err
+
+
+@pytest.mark.slow
+def test_generate_cli_runs_the_learners_chapter_03_and_says_so(smollm2, smollm2_tokenizer, exercises, monkeypatch,
+                                                                  capsys):
+    import json
+
+    import nanoserve.model
+    from nanoserve.cli import checks, main
+
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest: smollm2)  # (path, weights)
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: smollm2_tokenizer)
+    args = ["generate", "--prompt", "Name a colour.", "--chat", "--temperature", "0", "--max-tokens", "6", "--json"]
+    assert main(args) == 0
+    expected = json.loads(capsys.readouterr().out)
+    exercises("nanoserve.sampling")
+    exercises("nanoserve.text.stop")
+    with pytest.warns(UserWarning, match=r"Exercise 3\.2 not finished in exercises/03-tokens-and-sampling/detokeniz"):
+        assert main(args + ["--student", "03"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == expected
+    lines = err.splitlines()
+    for name, file in (("top_p_filter", "sampling.py"), ("check_stop", "stop.py")):
+        assert any(line.startswith("  yours ") and name in line and line.endswith("03-tokens-and-sampling/" + file)
+                   for line in lines), (name, lines)
+    assert any(line.startswith("  reference  nanoserve.text.detokenizer  (") for line in lines)
+    proof = [line for line in err.splitlines() if line.startswith("--student: your code served:")]
+    assert len(proof) == 1 and "sample ×6" in proof[0] and "check_stop ×6" in proof[0]

@@ -1,4 +1,5 @@
-"""Exercise 4.2 — the memory formula: how many sequences fit on a device.
+"""Exercises 4.2 and 4.3 — the memory formula: the KV bytes of a token and a sequence (4.2), then how many
+sequences fit on a device (4.3). Each rung is graded on its own, with the reference's other rung.
 
 Your version of the chapter 04 part of nanoserve/memory.py: same names, same signatures.
 The chapter 02 helpers (parameter counts) and the activation estimate are given, imported below.
@@ -29,20 +30,24 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: str = "bf16") -> float:
 
 
 def kv_bytes_per_sequence(config: LlamaConfig, seq_len: int, dtype: str = "bf16") -> float:
-    """Exercise 4.2. Bytes the KV cache of one sequence of `seq_len` tokens needs."""
+    """Exercise 4.2. Bytes the KV cache of one sequence of `seq_len` tokens needs (all of it, as a cache
+    reserved up front holds it). Llama-3-8B, bf16, 4096 tokens: 536,870,912 B = 512 MiB."""
     raise NotImplementedError("Exercise 4.2: the KV bytes of seq_len tokens")
 
 
 def memory_plan(config: LlamaConfig, device_bytes: float, seq_len: int, dtype: str = "bf16",
                 reserve_fraction: float = RESERVE_FRACTION) -> MemoryPlan:
-    """Exercise 4.2. How many concurrent sequences of `seq_len` tokens fit on a device of `device_bytes`.
+    """Exercise 4.3. How many concurrent sequences of `seq_len` tokens fit on a device of `device_bytes`.
 
-    Fill a MemoryPlan:
-      reserve     = device_bytes × reserve_fraction
-      weights     = parameter_counts(config)["total"] × bytes per element
-      activations = activation_bytes(config, seq_len, dtype)     (one full-length prefill)
-      kv_budget   = device − reserve − weights − activations
-      num_sequences = kv_budget // kv_per_sequence, as an int, and 0 (not negative) when nothing fits.
+    Returns a MemoryPlan (see its fields in nanoserve/memory.py), all in bytes except num_sequences:
+      reserve       the share `reserve_fraction` of the device kept free
+      weights       every parameter (parameter_counts(config)["total"]) in `dtype`
+      activations   activation_bytes(config, seq_len, dtype): one full-length prefill
+      kv_budget     what the device has left after those three (negative when they do not fit)
+      num_sequences whole sequences of seq_len tokens in kv_budget: an int, never below 0
     Raise ValueError naming both numbers when seq_len exceeds config.max_position_embeddings.
+
+    Llama-3-8B, bf16, an 80 GiB device, 4096 tokens:
+    (80 GiB − 8 GiB reserve − 16,060,522,496 B weights − 480 MiB activations) // 512 MiB = 113 sequences.
     """
-    raise NotImplementedError("Exercise 4.2: subtract reserve, weights and activations; divide by the KV of a sequence")
+    raise NotImplementedError("Exercise 4.3: what is left of the device for the KV cache, in whole sequences")

@@ -33,13 +33,16 @@ class NaiveKVCache(ReferenceNaiveKVCache):
         q: (N, H, D), k, v: (N, Hkv, D) for the N new tokens at positions num_cached .. num_cached+N-1.
         Returns (N, H, D).
 
-        1. If num_cached + N > max_len, raise ValueError naming both numbers (the tokens you would
-           need, and max_len).
-        2. Write k and v into self.kv[layer_idx, 0] and self.kv[layer_idx, 1] at positions
-           num_cached .. num_cached+N-1.
-        3. Read back K and V of positions 0 .. num_cached+N-1 (S of them) and attend with chapter 01's
-           `scaled_dot_product_attention(q, k, v, causal=True)`, which wants (B, H, T, D) and
-           (B, Hkv, S, D): swap the token and head axes, add a batch axis of 1, and undo both at the end.
-           Its causal mask already knows that the N queries are the LAST N of the S positions.
+        Contract:
+        - afterwards self.kv[layer_idx, 0] (K) and self.kv[layer_idx, 1] (V) hold this call's k and v at
+          positions num_cached .. num_cached+N-1; every other position is as it was; num_cached is unchanged
+          (the caller advances it once per forward pass, after all layers);
+        - output row i is query i's attention over the keys and values of positions 0 .. num_cached + i
+          (S = num_cached + N keys in all), exactly what chapter 01's attention computes for that row;
+        - num_cached + N > max_len raises ValueError naming both numbers (the tokens needed, and max_len),
+          before anything is written.
+
+        Example: num_cached = 41, N = 1 (a decode step) -> K/V written at position 41, the query attends to
+        42 keys. num_cached = 0, N = 41 (the prefill) -> plain causal attention over the 41 tokens.
         """
         raise NotImplementedError("Exercise 4.1: write k/v at num_cached.. of this layer, then attend over all cached keys")

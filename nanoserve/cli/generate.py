@@ -2,15 +2,20 @@
 
     python -m nanoserve generate --prompt "What is the capital of France?" --chat --temperature 0
     python -m nanoserve generate --prompt "Once upon a time" --max-tokens 20 --seed 1 --json
-    python -m nanoserve generate --prompt "Once upon a time" --no-cache --student 01,02
+    python -m nanoserve generate --prompt "Once upon a time" --no-cache --student 01,02,03
+    python -m nanoserve generate --prompt "Hi" --chat --student 02,03,04    # your exercises of chapters 02-04
 
 Without --chat the prompt is raw text to continue; with --chat it is one user message, rendered
 with the model's chat template. The text streams to the terminal as it is generated; --json
-prints one JSON object at the end instead. --student 02 builds the model from your exercises/02 files
-(blocks, norms, the model), --student 01 with --no-cache runs your exercises/01 attention in every layer.
+prints one JSON object at the end instead. The loop is chapter 03's with chapter 04's KV cache;
+--no-cache makes it chapter 03's loop as written, recomputing the whole sequence every step.
+--student builds the model from your exercises/02 files (blocks, norms, the model), runs your exercises/01
+attention in every layer (with --no-cache: with the cache, chapter 04's attention runs), and your sampler,
+detokenizer and stop check (03) and KV cache (04, without --no-cache).
 """
 
 import json
+import sys
 
 from nanoserve.cli import checks
 
@@ -41,9 +46,11 @@ def register(sub):
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
-    p.add_argument("--student", nargs="?", const="01,02", default=False, type=checks.chapters, metavar="CHAPTERS",
-                   help="build the model from YOUR finished exercises: 02 (RMSNorm, the block, the model), 01 (the "
-                        "attention, with --no-cache: the cache of chapter 04 brings its own); default: 01,02")
+    p.add_argument("--student", nargs="?", const=True, default=False, type=checks.chapters, metavar="CHAPTERS",
+                   help="run YOUR finished exercises instead of the reference: 02 (RMSNorm, the block, the model), "
+                        "01 (the attention, with --no-cache), 03 (sampler, detokenizer, stop check), 04 (the KV "
+                        "cache, without --no-cache); alone: those of 01-04 that this run uses. An unfinished one "
+                        "falls back to the reference with a warning")
     p.set_defaults(func=run)
 
 
@@ -54,13 +61,17 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.student import StudentCode, parse_selection
 
+    if args.student is True:  # bare --student: the chapters of 01-04 this loop runs
+        args.student = "01,02,03" if args.no_cache else "02,03,04"
     chosen = parse_selection(args.student)
-    if not chosen <= {"01", "02"}:
-        raise checks.UsageError(f"--student {args.student}: generate builds the model, so it runs chapters 01 and 02 "
-                                f"only (batch and serve run the engine's chapters)")
+    if not chosen <= {"01", "02", "03", "04"}:
+        raise checks.UsageError(f"--student {args.student}: generate runs chapters 01-04 only (batch and serve run "
+                                f"the engine's chapters)")
     if "01" in chosen and not args.no_cache:
         raise checks.UsageError("--student 01 runs your attention where the model attends without a cache: "
                                 "add --no-cache (with the cache, chapter 04's attention runs)")
+    if "04" in chosen and args.no_cache:
+        raise checks.UsageError("--student 04 runs your KV cache, which --no-cache leaves out: drop one of them")
     params = sampling_params(args)
     if not args.prompt.strip():
         raise checks.UsageError("--prompt is empty")
@@ -72,16 +83,14 @@ def run(args):
     checks.check_fits(len(prompt_ids), params.max_tokens, checks.context_length(args.gguf), "--prompt")
     student = StudentCode(args.student)
     model = load_gguf(args.gguf, args.weights, modules=student.module)
-    if student:
-        print(student.describe("the model runs"), file=sys.stderr)
     stream = None if args.json else (lambda delta: print(delta, end="", flush=True))
     out = generate(model, prompt_ids, params, tokenizer.eos_token_id, tokenizer, on_text=stream,
-                   use_cache=not args.no_cache)
+                   use_cache=not args.no_cache, modules=student.module)
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
                           "finish_reason": out.finish_reason}, ensure_ascii=False))
     else:
         print()
-    if student:
-        print(student.proof(), file=sys.stderr)
+    if student:  # whose code ran (known once the loop has asked for each part), and how often
+        print(student.describe(runs="the generate loop ran") + "\n" + student.proof(), file=sys.stderr)
     return 0

@@ -2,12 +2,16 @@
 
     python -m nanoserve memory --model llama-3-8b --device-gb 80 --seq-len 4096 --dtype bf16
     python -m nanoserve memory --model llama-3-8b --device-gb 24 --weights int8 q4   # chapter 10: smaller weights
+    python -m nanoserve memory --model llama-3-8b --student 04    # the plan from YOUR exercises 4.2-4.3
 """
 
-from nanoserve.cli.checks import UsageError, fraction, positive_float, positive_int, weight_format
-from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, memory_plan, paged_memory_plan,
-                              parameter_counts, weight_bytes)
+import sys
+
+from nanoserve.cli.checks import UsageError, chapters, fraction, positive_float, positive_int, weight_format
+from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, paged_memory_plan, parameter_counts,
+                              weight_bytes)
 from nanoserve.model.known_configs import KNOWN_CONFIGS
+from nanoserve.student import StudentCode
 
 
 def register(sub):
@@ -23,6 +27,9 @@ def register(sub):
     p.add_argument("--kv-fill", type=float, default=None,
                    help="the share of used KV slots that held tokens in a real run (bench experiment overload "
                         "prints it), to see what the pool holds in practice")
+    p.add_argument("--student", nargs="?", const=True, default=False, type=chapters, metavar="CHAPTERS",
+                   help="compute the KV bytes and the plan with YOUR finished exercises 4.2-4.3 (exercises/04-kv-cache/"
+                        "memory.py); an unfinished rung falls back to the reference with a warning")
     p.set_defaults(func=run)
 
 
@@ -31,8 +38,10 @@ def run(args):
     if args.kv_fill is not None and not 0 < args.kv_fill <= 1:
         raise UsageError(f"--kv-fill must be in (0, 1], got {args.kv_fill}")
     config = KNOWN_CONFIGS[args.model]
+    code = StudentCode(args.student)
+    memory = code.module("nanoserve.memory")  # the reference, or with --student 04 your exercises 4.2-4.3
     try:
-        plan = memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
+        plan = memory.memory_plan(config, args.device_gb * GiB, args.seq_len, args.dtype, args.reserve)
     except ValueError as e:  # a sequence longer than the model's context
         raise UsageError(str(e)) from None
     L, Hkv, D, nbytes = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, DTYPE_BYTES[args.dtype]
@@ -45,10 +54,12 @@ def run(args):
           + (f" --weights {' '.join(formats)}" if formats else ""))
     print(f"model {args.model}: {parameter_counts(config)['total']:,} parameters, {L} layers, "
           f"{Hkv} kv heads × head_dim {D}, context {config.max_position_embeddings}")
+    per_token, per_sequence = memory.kv_bytes_per_token(config, args.dtype), \
+        memory.kv_bytes_per_sequence(config, args.seq_len, args.dtype)
     print("\nKV cache")
-    print(f"  per token    = 2 × {L} layers × {Hkv} kv_heads × {D} head_dim × {nbytes:g} B = {plan.kv_per_token:,.0f} B")
-    print(f"  per sequence = {plan.kv_per_token:,.0f} B × {args.seq_len} tokens = {plan.kv_per_sequence:,.0f} B "
-          f"({format_bytes(plan.kv_per_sequence)})")
+    print(f"  per token    = 2 × {L} layers × {Hkv} kv_heads × {D} head_dim × {nbytes:g} B = {per_token:,.0f} B")
+    print(f"  per sequence = {per_token:,.0f} B × {args.seq_len} tokens = {per_sequence:,.0f} B "
+          f"({format_bytes(per_sequence)})")
     print("\ndevice memory")
     print(row(f"device ({args.device_gb:g} GiB)", plan.device))
     print(row(f"− reserve ({args.reserve:.0%})", plan.reserve))
@@ -63,6 +74,8 @@ def run(args):
             n = max(0, int(budget // plan.kv_per_sequence))
             print(f"  {w:8s} {format_bytes(weight_bytes(config, w)):>13s} {format_bytes(budget):>12s} {n:10d} "
                   f"{n - plan.num_sequences:+8d}")
+    if code:  # whose plan this is (the paged lines below are chapter 09's, always the reference's)
+        print("\n" + code.describe(runs="the memory plan runs") + "\n" + code.proof(), file=sys.stderr)
     if plan.num_sequences == 0:
         print(f"\nnot even one sequence of {args.seq_len} tokens fits: a smaller dtype, a bigger device, or more devices")
         return 1

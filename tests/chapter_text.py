@@ -1,0 +1,52 @@
+"""What a chapter says and what its committed notebook printed, for the tests that hold both to the code
+(tests/test_chNN_worked_examples.py): a worked example in the text must be what the code computes, and a
+figure the text quotes from the notebook must be what the notebook printed.
+
+Whitespace is normalised (every run of spaces and line breaks becomes one space), so a quoted phrase may wrap.
+"""
+
+import json
+import re
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+@cache
+def chapter(number: str) -> str:
+    """The text of chapters/NN-*.md, whitespace normalised."""
+    (path,) = (ROOT / "chapters").glob(f"{number}-*.md")
+    return normalise(path.read_text())
+
+
+@cache
+def notebook_output(number: str) -> str:
+    """Everything the committed notebooks/NN-*.ipynb printed (stdout and text results), whitespace normalised."""
+    (path,) = (ROOT / "notebooks").glob(f"{number}-*.ipynb")
+    texts = []
+    for cell in json.loads(path.read_text())["cells"]:
+        for out in cell.get("outputs", []):
+            texts.append("".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", "")))
+    return normalise("\n".join(texts))
+
+
+def says(number: str, phrase: str) -> None:
+    """Assert that chapter NN says `phrase` (computed by the caller from the code), word for word."""
+    assert normalise(phrase) in chapter(number), f"chapter {number} does not say: {phrase!r}"
+
+
+def table_rows(number: str, first_cell: str) -> list[list[str]]:
+    """The rows of chapter NN's markdown tables whose first cell matches the regex `first_cell`, as cells."""
+    (path,) = (ROOT / "chapters").glob(f"{number}-*.md")
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if cells and re.fullmatch(first_cell, cells[0]):
+                rows.append(cells)
+    return rows

@@ -1,0 +1,116 @@
+"""Chapter 04's worked examples, computed by the code: the cache's bytes, the KV table, the memory plan and the
+reservation waste are built here from nanoserve/kv/naive.py, nanoserve/memory.py and `bench kv-cache`'s request
+mix, and must appear in the chapter word for word; the figures it quotes from the notebook must be what the
+committed notebook printed."""
+
+import pytest
+
+from nanoserve.bench.kv_cache import request_lengths, reservation_waste
+from nanoserve.cli import main
+from nanoserve.kv.naive import NaiveKVCache
+from nanoserve.memory import GiB, activation_bytes, format_bytes, kv_bytes_per_token, memory_plan, parameter_counts
+from nanoserve.model import LlamaConfig
+from nanoserve.model.known_configs import KNOWN_CONFIGS
+from nanoserve.text.tokenizer import Tokenizer
+from tests.chapter_text import notebook_output, says, table_rows
+
+CH = "04"
+SMOL = LlamaConfig()
+MIB = 2**20
+
+
+def test_the_cache_layout_bytes():
+    cache = NaiveKVCache(SMOL, max_len=2048)
+    c = SMOL
+    says(CH, f"{c.num_hidden_layers} · 2 · 2048 · {c.num_key_value_heads} · {c.head_dim} · 4 B = {cache.nbytes:,} B = "
+             f"{cache.nbytes // MIB} MiB")
+    assert cache.nbytes % MIB == 0
+    says(CH, f"SmolLM2's {c.num_attention_heads} query heads share {c.num_key_value_heads} K/V heads")
+
+
+def test_the_bill_without_a_cache():
+    P, n = 256, 32
+    says(CH, f"{n * P + n * (n - 1) // 2:,} of them for {n} tokens after a {P}-token prompt")
+
+
+def test_the_shapes_row_is_what_the_notebook_printed():
+    tok = Tokenizer.from_gguf()
+    P = len(tok.encode_chat([{"role": "user", "content": "What is a KV cache, in one sentence?"}]))  # notebook cell 5
+    H, Hkv, D = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim
+    says(CH, f"| shapes at layer 0 (SmolLM2, {P}-token prompt) | q `({P}, {H}, {D})`, k/v `({P}, {Hkv}, {D})` | "
+             f"q `(1, {H}, {D})`, k/v `(1, {Hkv}, {D})`, {P + 1} keys |")
+    out = notebook_output(CH)
+    assert f"layer 0: q ({P}, {H}, {D}), k/v ({P}, {Hkv}, {D}) -> attends to {P} cached keys" in out
+    assert f"layer 0: q (1, {H}, {D}), k/v (1, {Hkv}, {D}) -> attends to {P + 1} cached keys" in out
+    diff = float(out.split("cache vs recompute: max |diff| =")[1].split()[0])
+    says(CH, f"SmolLM2 measures about {diff:.0e}".replace("e-0", "e-"))
+
+
+@pytest.mark.parametrize("row", table_rows(CH, r"SmolLM2-135M|Llama-3-8B|Mistral-7B|Qwen2\.5-7B|Llama-3-70B"))
+def test_the_kv_table(row):
+    name, shape, fp32, bf16, sequence = row
+    config = KNOWN_CONFIGS[name.lower()]
+    L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    assert shape == f"{L} × {Hkv} × {D}"
+    for cell, dtype in ((fp32, "fp32"), (bf16, "bf16")):  # "262,144 B", or "2·32·8·128·2 = **131,072 B** (128 KiB)"
+        if " = " in cell:
+            assert cell.split(" = ")[0] == f"2·{L}·{Hkv}·{D}·{4 if dtype == 'fp32' else 2}"
+        assert cell.replace("*", "").split(" (")[0].split(" = ")[-1] == f"{kv_bytes_per_token(config, dtype):,.0f} B"
+    seq = kv_bytes_per_token(config, "bf16") * 4096
+    assert sequence == (f"{seq / MIB:.0f} MiB" if seq < GiB else f"{seq / GiB:g} GiB")
+
+
+def test_the_kv_table_has_every_model_and_the_ratios():
+    assert len(table_rows(CH, r"SmolLM2-135M|Llama-3-8B|Mistral-7B|Qwen2\.5-7B|Llama-3-70B")) == 5
+    small, big = KNOWN_CONFIGS["llama-3-8b"], KNOWN_CONFIGS["llama-3-70b"]
+    params = parameter_counts(big)["total"] / parameter_counts(small)["total"]
+    kv = kv_bytes_per_token(big) / kv_bytes_per_token(small)
+    says(CH, f"Llama-3-70B has {params:.0f}× the parameters of Llama-3-8B and only {kv:g}× the KV per token")
+    assert kv_bytes_per_token(KNOWN_CONFIGS["qwen2.5-7b"]) < kv_bytes_per_token(small) / 2  # "less than half"
+
+
+def test_the_memory_command_output_is_quoted_as_printed(capsys):
+    args = ["memory", "--model", "llama-3-8b", "--device-gb", "80", "--seq-len", "4096", "--dtype", "bf16"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out.splitlines()
+    body = printed[printed.index("KV cache"):printed.index("tokens in the KV cache at once: 462,848") + 1]
+    says(CH, "$ python -m nanoserve memory " + " ".join(args[1:]) + " " + " ".join(body))
+    plan = memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, 4096)
+    says(CH, f"it is the right size: {format_bytes(plan.activations).replace('.0 ', ' ')} for Llama-3-8B at 4096 "
+             f"tokens, next to {plan.weights / GiB:.0f} GiB of weights")
+    says(CH, f"{plan.kv_budget / GiB:.1f} GiB of cache next to {plan.weights / GiB:.0f} GiB of weights")
+
+
+def test_the_smollm2_and_70b_plans():
+    smol = memory_plan(SMOL, 80 * GiB, 4096)
+    says(CH, f"answers **{smol.num_sequences}** sequences: {smol.kv_per_sequence / MIB:.0f} MiB each, with only "
+             f"{smol.weights / MIB:.0f} MiB of weights and {smol.activations / MIB:.0f} MiB of activations")
+    big = memory_plan(KNOWN_CONFIGS["llama-3-70b"], 80 * GiB, 4096)
+    assert big.num_sequences == 0
+    says(CH, f"({big.weights / 1e9:.0f} GB of weights; the command says so)")
+
+
+def test_the_reservation_waste():
+    prompt, output = request_lengths(1000, 2048, seed=0)
+    used = prompt + output
+    per_token = kv_bytes_per_token(SMOL, "fp32")
+    says(CH, f"tokens used: mean {used.float().mean():.0f}, median {used.median():.0f}, max {used.max()}")
+    says(CH, f"KV reserved {format_bytes(1000 * 2048 * per_token)}, used {format_bytes(used.sum().item() * per_token)}")
+    waste = reservation_waste(used, 2048)
+    says(CH, f"waste = 1 - used / reserved = {waste:.1%}")
+    says(CH, f"**{waste:.1%} of the reserved cache is never used.**")
+    # the same bytes on the 80 GiB device of section 5, Llama-3-8B
+    plan, mean = memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, 4096), round(used.float().mean().item())
+    per_request = 2048 * plan.kv_per_token
+    at_max, at_mean = int(plan.kv_budget // per_request), int(plan.kv_budget // (mean * plan.kv_per_token))
+    says(CH, f"{at_max} requests at 2048 reserved tokens ({per_request / MIB:.0f} MiB) each. Were each request to hold "
+             f"only the {mean} tokens it uses on average, the same bytes would hold about {at_mean} — the same "
+             f"device, {at_mean / at_max:.1f} times the batch")
+
+
+def test_the_score_matrix_of_a_prefill():
+    H, T = SMOL.num_attention_heads, 4096
+    scores, kv = H * T * T * 4, kv_bytes_per_token(SMOL, "fp32") * T
+    says(CH, f"{H} × {T} × {T} × 4 B = {scores // MIB} MiB per layer for a {T}-token prefill of SmolLM2 — "
+             f"{['', 'once', 'twice', 'three times'][round(scores / kv)]} the {kv / MIB:.0f} MiB of its whole fp32 KV cache")
+    assert activation_bytes(SMOL, T) < scores  # the fused kernel's estimate never stores them
