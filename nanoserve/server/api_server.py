@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import responses
+from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -40,7 +41,14 @@ from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       RequestTimeout, TokenizeRequest, error_body, parse_body)
+                                       RequestTimeout, TokenizeRequest, error_body, finite_json, parse_body)
+
+
+class JSONResponse(responses.JSONResponse):
+    """Every body strict JSON (finite_json): a non-finite float is null, never a 500 from the encoder."""
+
+    def render(self, content) -> bytes:
+        return finite_json(content, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -142,7 +150,8 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="nanoserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoserve", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=JSONResponse)
     app.state.nanoserve = state
     cfg = state.config
 

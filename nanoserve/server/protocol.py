@@ -11,6 +11,7 @@ FastAPI's default 422:
 """
 
 import json
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -53,6 +54,28 @@ class RequestTimeout(APIError):
 
     def __init__(self, seconds: float):
         super().__init__(408, f"the request did not finish within its timeout of {seconds:g} s", "timeout")
+
+
+def finite_json(obj, **dumps_kw) -> str:
+    """`obj` as strict JSON: json.dumps writes a non-finite float as NaN / Infinity / -Infinity, which are not
+    JSON (strict parsers, and OpenAI's clients in other languages, reject the whole body). The last line of
+    defence of every response body and stream chunk: no path should produce one (the logprobs leave out a
+    token of probability 0), and if one does it is written as null.
+
+        >>> finite_json({"logprob": float("-inf"), "top": [1.5, float("nan")]})
+        '{"logprob": null, "top": [1.5, null]}'
+    """
+    try:
+        return json.dumps(obj, allow_nan=False, **dumps_kw)
+    except ValueError:  # a non-finite float somewhere: rebuild with each one as None
+        def finite(x):
+            if isinstance(x, float):
+                return x if math.isfinite(x) else None
+            if isinstance(x, dict):
+                return {k: finite(v) for k, v in x.items()}
+            return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+        return json.dumps(finite(obj), allow_nan=False, **dumps_kw)
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
