@@ -61,6 +61,9 @@ def test_refusals_name_the_field():
     assert e.param == "messages" and "3000" in e.message and "2048" in e.message
     # n * max_tokens: 16 * 8192 > 65536, but 8 * 8192 is allowed (the bound is inclusive)
     assert refused(ChatCompletionRequest(messages=HI, n=16, max_tokens=8192)).param == "n"
+    # max_tokens alone past the bound: that is the field to change, whatever n is
+    assert refused(ChatCompletionRequest(messages=HI, max_tokens=10**9)).param == "max_tokens"
+    assert refused(ChatCompletionRequest(messages=HI, n=2, max_completion_tokens=10**9)).param == "max_completion_tokens"
     assert to_params(ChatCompletionRequest(messages=HI, n=8, max_tokens=8192)).n == 8
     # the default counts too: 4 completions of the 2011 left > 8000
     assert refused(ChatCompletionRequest(messages=HI, n=4), max_request_tokens=8000).param == "n"

@@ -61,6 +61,7 @@ class ServerConfig:
     rate_burst: int = 10
     max_body_bytes: int = 1 << 20
     max_request_tokens: int = 1 << 16  # n * max_tokens may not exceed it (one request cannot ask for hours of work)
+    default_max_tokens: int | None = None  # chat's max_tokens when the client gives none; None: what the context leaves
     api_keys: dict[str, Tenant] | None = None  # --api-keys FILE: key -> tenant (its limits and priority)
     request_timeout: float | None = None  # seconds from arrival to the last token; None: none
     body_timeout: float = 30.0  # seconds a client may take to send its body
@@ -244,6 +245,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def generate(request: Request, req, prompt_ids: list[int], kind: str):
         """Hand the ids to the engine; then stream SSE or answer once."""
+        if req.requested_max_tokens is None and cfg.default_max_tokens is not None:  # chat without max_tokens
+            room = state.max_seq_len - len(prompt_ids)
+            if room >= 1:  # (no room at all: to_sampling_params' 400 says so)
+                req.max_tokens = min(cfg.default_max_tokens, room)
         params = state.request_params.to_sampling_params(req, len(prompt_ids), state.max_seq_len,
                                                          cfg.max_request_tokens)  # exercise 8.1
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -256,7 +261,8 @@ def build_app(state: ServerState) -> FastAPI:
         except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
             raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
-            raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
+            named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field it names
+            raise APIError(400, str(e), named[0] if named else None) from None
         state.count(tenant, "admitted")
         state.charge(tenant, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
@@ -320,11 +326,19 @@ def build_app(state: ServerState) -> FastAPI:
         ids = state.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
         return await generate(request, req, ids, "completion")
 
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+                "max_model_len": state.max_model_len, "default_max_tokens": cfg.default_max_tokens,
+                "version": state.versions.current.name}  # chapter 15's reloads
+
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoserve", "max_model_len": state.max_model_len,
-                                            "version": state.versions.current.name}]}  # chapter 15's reloads
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])  # client.models.retrieve(name)
+    async def model(model_id: str):
+        check_model(model_id)  # an unknown id: 404 in OpenAI's error format, param "model"
+        return model_card()
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(request: Request):

@@ -15,6 +15,7 @@ import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from nanoserve.structured.params import StructuredOutputsParams
 
@@ -97,6 +98,16 @@ class ChatMessage(BaseModel):
     @property
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        """An image, audio or file part is refused as what it is, not as "not a valid string"."""
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                raise PydanticCustomError("text_only", "this server serves a text model: a content part of type "
+                                          "{kind} is not supported (only text)", {"kind": repr(part.get("type"))})
+        return content
 
     def text(self) -> str:
         """OpenAI's list-of-parts form joins its text parts."""
