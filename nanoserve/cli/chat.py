@@ -26,8 +26,8 @@ def register(sub):
     p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                    help="with --url: the server's API key (default: $NANOSERVE_API_KEY)")
     # greedy by default: the most likely reply, the same every time ("What is 2+2?" -> "The answer to this
-    # classic math problem is 4.");
-    # at generate's 0.7 a 135M model wanders off ("Your math is very important..."). --temperature 0.7: variety
+    # classic math problem is 4."); at generate's 0.7 a 135M model wanders off ("Your math is very
+    # important..."). --temperature 0.7 for variety
     p.set_defaults(func=run, max_tokens=256, temperature=0.0)
 
 
