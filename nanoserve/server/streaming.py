@@ -106,5 +106,5 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
         if include_usage:
             yield event([], usage=usage(*finals.values()))
     except Exception as e:  # noqa: BLE001 — the status line is long gone: the error travels in the stream
-        yield sse(error_body(str(e), getattr(e, "status", 500)))
+        yield sse(error_body(str(e), getattr(e, "status", 500), getattr(e, "param", None)))
     yield sse("[DONE]")
