@@ -387,11 +387,12 @@ def test_shutdown_past_its_timeout_aborts_what_is_left(engine, tokenizer):
                           json=chat_body(max_tokens=400, ignore_eos=True, stream=True)) as r:
             lines = r.iter_lines()
             next(lines)
-            started = time.monotonic()
-            server.stop()
-            assert time.monotonic() - started < 10  # did not wait for 400 tokens
+            server.stop()  # returns once the server is down: past 0.3 s it aborts what is left
+            events = 0
             with pytest.raises(httpx.HTTPError):
-                list(lines)  # the stream was cut
+                for line in lines:  # the stream was cut ...
+                    events += line.startswith("data: ")
+            assert events < 400  # ... before its 400 tokens: the request was aborted, not waited for
     assert_pool_whole(engine)
 
 
