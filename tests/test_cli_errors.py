@@ -110,10 +110,23 @@ def test_a_real_process_exits_2_without_a_traceback():
     assert_one_error(out.returncode, out.stderr, "--reserve")
 
 
+def test_help_and_argument_errors_import_neither_torch_nor_ray():
+    """Answered at once: `--help`, a mistyped flag, a benchmark's bad value and `memory` import no torch (seconds
+    to import) and no Ray; only the command that needs them does, in its run."""
+    code = ("import sys\nfrom nanoserve.cli import main\n"
+            "for argv in (['--help'], ['serve', '--help'], ['serve', '--max-num-seqs', '0'], ['chat', '--top-p', 'x'],\n"
+            "             ['bench', 'soak', '--duration', 'x'], ['memory'], ['frobnicate']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('imported:', sorted(m for m in ('torch', 'ray', 'uvicorn', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip().endswith("imported: []"), (out.stdout[-500:], out.stderr[-500:])
+    assert "error: argument --max-num-seqs" in out.stderr and "error: argument --duration" in out.stderr
+
+
 def test_help_shows_the_defaults(capsys):
     for argv, default in [(["batch"], "(default: 2048)"), (["memory"], "(default: 4096)"),
-                          (["generate"], "(default: 0.7)"), (["chat"], "(default: 256)"),
-                          (["serve"], "(default: 8000)")]:
+                          (["generate"], "(default: 0.7)"), (["chat"], "(default: 256)"), (["chat"], "(default: 0.0)"),
+                          (["serve"], "(default: 8000)"), (["serve"], "(default: 512)")]:
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         assert default in capsys.readouterr().out, argv
