@@ -49,8 +49,8 @@ def register(sub):
                    help="abort a request still unfinished S seconds after it arrived: 408, or an error event in a "
                         "stream (a request's own `timeout` field may ask for less)")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                   help="a chat request's max_tokens when it gives none (0: all the context leaves, as vLLM's "
-                        "default); /v1/models reports it")
+                   help="a chat request's max_tokens when it gives none (0: all the context leaves, as in "
+                        "vLLM); /v1/models reports it")
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the key too")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 + Retry-After while this many requests wait (default: no bound)")
