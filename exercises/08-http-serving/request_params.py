@@ -31,8 +31,9 @@ def to_sampling_params(req, num_prompt_tokens: int, max_seq_len: int, max_reques
 
     What must hold:
       - max_tokens: the client's if it gave one, else the endpoint's default; where the endpoint has none (chat),
-        all the room the prompt leaves. A prompt that leaves no room is a 400 whose message gives both numbers
-        and whose param is the field that holds the prompt ("messages" for chat, "prompt" for completions);
+        all the room the prompt leaves. A prompt that leaves no room (whatever max_tokens is) is a 400 whose
+        message gives both numbers and whose param is the field that holds the prompt ("messages" for chat,
+        "prompt" for completions);
       - a request whose completions together may generate more than max_request_tokens is a 400, param "n" —
         or, when its max_tokens alone is past that bound, the field that holds it ("max_tokens", or chat's
         "max_completion_tokens" when the client gave that one);

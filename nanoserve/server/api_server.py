@@ -291,9 +291,8 @@ def build_app(state: ServerState) -> FastAPI:
         usage = state.streaming.usage(*finals)
         if kind == "completion" and req.echo:
             usage = echo_choices(req, prompt_ids, finals, choices, usage)
-        body = {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
+        return {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "choices": choices, "usage": usage}
-        return JSONResponse(body)
 
     def echo_choices(req, prompt_ids: list[int], finals: list, choices: list, usage: dict) -> dict:
         """Completions with echo (chapter 08): each choice's text starts with the prompt's, its logprobs with
@@ -323,8 +322,33 @@ def build_app(state: ServerState) -> FastAPI:
         check_queue()
         req = parse_body(await read_body(request), CompletionRequest)
         check_model(req.model)
-        ids = state.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        return await generate(request, req, ids, "completion")
+        prompts = req.prompts
+        if len(prompts) == 1:
+            return await generate(request, req, encode_prompt(prompts[0]), "completion")
+        if req.stream:
+            raise APIError(400, "a list of prompts with `stream` is not supported by this server: stream one "
+                                "request per prompt", "prompt")
+        return await batch(request, req, prompts)
+
+    def encode_prompt(prompt: str | list[int]) -> list[int]:
+        return state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    async def batch(request: Request, req: CompletionRequest, prompts: list) -> dict | Response:
+        """OpenAI's legacy batch: each prompt its own engine request (they run side by side), answered together;
+        the choices of prompt i are indices i*n ... i*n + n-1 and the usage is the sum. One refused prompt
+        refuses the batch, and the others are aborted (the task group cancels them)."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(generate(request, req.model_copy(update={"prompt": p}), encode_prompt(p),
+                                                    "completion")) for p in prompts]
+        except BaseExceptionGroup as e:
+            raise e.exceptions[0] from None
+        answers = [t.result() for t in tasks]
+        if any(isinstance(a, Response) for a in answers):
+            return Response(status_code=499)  # the client is gone
+        choices = [c | {"index": i * req.n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
+        usage = {k: sum(a["usage"][k] for a in answers) for k in answers[0]["usage"]}
+        return answers[0] | {"choices": choices, "usage": usage}
 
     def model_card() -> dict:
         return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",

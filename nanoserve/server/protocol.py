@@ -33,6 +33,7 @@ UNSUPPORTED = {
 }
 # the most a request may ask for, checked before any tokenizing (chapter 08, "the attacks the limits stop")
 MAX_STOP, MAX_STOP_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_N, MAX_DEPTH = 4, 256, 1024, 20, 16, 32
+MAX_PROMPTS = 16  # a completions batch: prompts in one request (n completions of each)
 
 
 class APIError(Exception):
@@ -261,11 +262,28 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)  # a string, or token ids (OpenAI accepts both)
+    # a string or token ids (OpenAI accepts both), or a batch of either: one choice per prompt (n per prompt)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows 5; vLLM, as here, 20
     echo: bool = False  # the prompt's text, and with logprobs its tokens' logprobs, before the completion's
     best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _batch(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+            if not all(prompt):
+                raise ValueError("a prompt of the batch is empty")
+        return prompt
+
+    @property
+    def prompts(self) -> list:
+        """The batch: each prompt (a string or token ids) on its own; one for a single prompt."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return self.prompt if batch else [self.prompt]
 
     @property
     def score_only(self) -> bool:
