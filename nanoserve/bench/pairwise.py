@@ -407,3 +407,34 @@ def _json_problems(row: dict, text: str, finish_reason: str | None) -> list[str]
     if row["response_format"] == "json_schema" and not (isinstance(value, dict) and isinstance(value.get("answer"), int)):
         return [f"response_format json_schema: {value!r} does not follow the schema"]
     return [] if isinstance(value, dict) else [f"json_object: {value!r} is not an object"]
+
+
+def soak(url: str, model: str, duration: float, concurrency: int = 4, default_max_tokens: int | None = None) -> dict:
+    """The crossing's rows, sent round and round from `concurrency` threads for `duration` seconds against the
+    server at `url` (which accepts KEYS); its statuses counted and every answer checked with `problems`."""
+    import threading
+    import time
+    from collections import Counter
+
+    rows, statuses, found, lock = covering_rows(), Counter(), [], threading.Lock()
+    stop_at, sent = time.monotonic() + duration, iter(range(10**9))
+
+    def client():
+        while time.monotonic() < stop_at:
+            with lock:
+                i = next(sent)
+            row = rows[i % len(rows)]
+            body = request_body(row, i, model)
+            status, raw = send(row, body, url)
+            bad = problems(row, body, status, raw, default_max_tokens)
+            with lock:
+                statuses["left before the answer" if status is None else str(status)] += 1
+                found.extend(f"request {i} {row}: {p}" for p in bad)
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"statuses": dict(statuses), "requests": sum(statuses.values()), "rows": len(rows), "problems": found,
+            "5xx": sum(n for s, n in statuses.items() if s.startswith("5"))}
