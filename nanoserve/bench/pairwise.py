@@ -417,7 +417,7 @@ def soak(url: str, model: str, duration: float, concurrency: int = 4, default_ma
     from collections import Counter
 
     rows, statuses, found, lock = covering_rows(), Counter(), [], threading.Lock()
-    stop_at, sent = time.monotonic() + duration, iter(range(10**9))
+    stop_at, sent = time.monotonic() + duration, itertools.count()
 
     def client():
         while time.monotonic() < stop_at:
