@@ -74,7 +74,7 @@ def test_the_memory_command_output_is_quoted_as_printed(capsys):
     assert main(args) == 0
     printed = capsys.readouterr().out.splitlines()
     body = printed[printed.index("KV cache"):printed.index("tokens in the KV cache at once: 462,848") + 1]
-    says(CH, "$ python -m nanoserve memory " + " ".join(args[1:]) + " " + " ".join(body))
+    says(CH, "$ .venv/bin/python -m nanoserve memory " + " ".join(args[1:]) + " " + " ".join(body))
     plan = memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, 4096)
     says(CH, f"it is the right size: {format_bytes(plan.activations).replace('.0 ', ' ')} for Llama-3-8B at 4096 "
              f"tokens, next to {plan.weights / GiB:.0f} GiB of weights")

@@ -122,7 +122,8 @@ def test_serve_command_answers_what_it_prints_and_exits_0_on_sigterm():
             printed.append(line.rstrip("\n"))
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         curl = next(line for line in printed if line.startswith("curl "))
-        assert f"127.0.0.1:{port}" in curl
+        assert f"127.0.0.1:{port}" in curl and '"max_tokens": 64' in curl  # seconds, not the whole context
+        assert any("max_tokens=64" in line for line in printed) and any("--default-max-tokens" in line for line in printed)
         reply = subprocess.run(curl + " --max-time 120", shell=True, capture_output=True, text=True, timeout=150)
         assert reply.returncode == 0 and '"role":"assistant"' in reply.stdout.replace(" ", ""), reply.stdout
         start = printed.index(next(line for line in printed if line.startswith("from openai")))

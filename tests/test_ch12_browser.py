@@ -178,8 +178,7 @@ def test_the_page_live(browser, model_and_tokenizer, shots):
         browser.save_screenshot(str(shots / "12-engine-view-idle.png"))
 
         browser.set_window_size(420, 1000)  # a narrow window: one column, nothing wider than the screen
-        time.sleep(0.3)
-        assert page_state(browser)["overflow"] <= 0
+        until(lambda: page_state(browser)["overflow"] <= 0, what="the narrow layout to fit the window")
         browser.save_screenshot(str(shots / "12-engine-view-narrow.png"))
         browser.set_window_size(1280, 1000)
         assert console_errors(browser) == []

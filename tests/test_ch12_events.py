@@ -48,11 +48,30 @@ def complete(server, prompt, max_tokens, ids):
     ids.append(httpx.post(url(server, "/v1/completions"), json=body, timeout=120).json()["id"])
 
 
+def in_lockstep(engine, feed, seen: list[int]) -> None:
+    """Each step of `engine` waits until the viewer has read the snapshot of the step before (seen[0]: the last
+    step it read), then one throttle interval more: every step gets a snapshot of its own, and none is replaced
+    unread, however slow the machine. The burst is then seen step by step by construction, not by timing."""
+    execute, done = engine.executor.execute_model, [0]
+
+    def paced(scheduler_output):
+        deadline = time.monotonic() + 30  # a viewer that stopped reading fails the test's asserts, not hangs it
+        while seen[0] < done[0] and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(feed.min_interval * 1.2)  # the feed's throttle is over by the end of this step
+        out = execute(scheduler_output)
+        done[0] += 1
+        return out
+
+    engine.executor.execute_model = paced
+
+
 def test_a_burst_seen_step_by_step(server):
     feed = server.state.engine.event_feed
     assert not feed.watched  # nobody connected: the engine builds nothing
     prompts = [[3 + i, 7, 11, 2 * i + 1, 5, 9][: 3 + i] for i in range(4)]  # 3..6 tokens
-    ids, snaps = [], []
+    ids, snaps, seen = [], [], [0]
+    in_lockstep(server.state.engine.engine, feed, seen)
     with httpx.stream("GET", url(server, "/engine/events"), timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         stream = snapshots(r)
@@ -64,6 +83,7 @@ def test_a_burst_seen_step_by_step(server):
             t.start()
         for snap in stream:
             snaps.append(snap)
+            seen[0] = snap["step"]
             if sum(len(s["finished"]) for s in snaps) == 4 and not snap["running"] and not snap["waiting"]:
                 break
         for t in senders:
@@ -79,6 +99,7 @@ def test_a_burst_seen_step_by_step(server):
         running = {seq["id"] for seq in s["running"]}
         held = {o for o in s["pool"]["owners"] if o not in ("free", "cached") and not o.startswith("shared:")}
         assert held <= running  # a block is held by a running request, nobody else
+    assert sum(1 for s in snaps if s["steps"]) == len(steps)  # one snapshot per step (in_lockstep)
     assert any(s["running"] for s in snaps)
     assert set(snaps[-1]["pool"]["owners"]) <= {"free", "cached"} and snaps[-1]["pool"]["num_free"] == 24
     times = [first["time"]] + [s["time"] for s in snaps]

@@ -212,3 +212,20 @@ def test_a_failing_view_never_stops_the_engine(tiny):
     outputs = engine.step()  # the next step builds a fresh builder with the reference rules
     feed.record(engine, engine.last_scheduler_output, outputs, 0.0)
     assert owners(sub.take()) == ["a"] + ["free"] * 7  # 3 prompt tokens + 1 computed by step 2: one block
+
+
+def test_a_view_opened_mid_run_counts_steps_from_the_engine_and_shows_the_streaming_latencies(tiny):
+    """A page opened while requests run: its step numbers are the engine's (a user can match them to the engine's
+    logs and to another page), and the latency panel already has the running requests' TTFT (and TPOT so far)."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(3):  # nobody watching yet
+        engine.step()
+    builder, step = stepper(engine)
+    s = step()
+    assert s["step"] == 4 and [r[0] for r in s["steps"]] == [4]
+    (seq,) = engine.scheduler.running
+    ttft = seq.first_token_time - seq.arrival_time  # by hand, from the engine's own clock readings
+    tpot = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)  # 4 tokens so far
+    assert len(seq.token_times) == 4 and s["latency"] == {"requests": 1, "ttft_p50": round(ttft, 6),
+                                                            "tpot_p50": round(tpot, 6)}

@@ -3,8 +3,10 @@ traceback, and is found before the model loads; `batch` names the line and the f
 the good lines. Only the last test loads a model (the session's real SmolLM2)."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,10 +115,39 @@ def test_a_real_process_exits_2_without_a_traceback():
     assert_one_error(out.returncode, out.stderr, "--reserve")
 
 
+def test_help_and_argument_errors_import_neither_torch_nor_ray():
+    """Answered at once: `--help`, a mistyped flag, a benchmark's bad value and `memory` import no torch (seconds
+    to import) and no Ray; only the command that needs them does, in its run."""
+    code = ("import sys\nfrom nanoserve.cli import main\n"
+            "for argv in (['--help'], ['serve', '--help'], ['serve', '--max-num-seqs', '0'], ['chat', '--top-p', 'x'],\n"
+            "             ['bench', 'soak', '--duration', 'x'], ['memory'], ['frobnicate']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('imported:', sorted(m for m in ('torch', 'ray', 'uvicorn', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip().endswith("imported: []"), (out.stdout[-500:], out.stderr[-500:])
+    assert "error: argument --max-num-seqs" in out.stderr and "error: argument --duration" in out.stderr
+
+
+def test_docs_quote_commands_the_way_that_runs_from_a_fresh_clone():
+    """The README, the chapters, the exercises' READMEs and the notebooks' text quote `.venv/bin/python -m
+    nanoserve ...` (the environment `make` builds): a bare `python -m nanoserve` runs the system Python, which has
+    no torch."""
+    root = Path(__file__).resolve().parents[1]
+    texts = {p: p.read_text() for p in [root / "README.md", *root.glob("chapters/*.md"), *root.glob("exercises/*/README.md")]}
+    for nb in root.glob("notebooks/*.ipynb"):  # their prose; a code cell's output may print what it likes
+        texts[nb] = "".join("".join(c["source"]) + "\n" for c in json.loads(nb.read_text())["cells"]
+                            if c["cell_type"] == "markdown")
+    bare = re.compile(r"(?<!\.venv/bin/)(?<![\w/.])python3? -m (nanoserve|pytest)\b")
+    found = [f"{p.relative_to(root)}:{i}: {line.strip()[:100]}" for p, text in texts.items()
+             for i, line in enumerate(text.splitlines(), 1) if bare.search(line)]
+    assert not found, "\n".join(found)
+    assert len(texts) > 30 and sum(".venv/bin/python -m nanoserve" in t for t in texts.values()) > 15  # it looked
+
+
 def test_help_shows_the_defaults(capsys):
     for argv, default in [(["batch"], "(default: 2048)"), (["memory"], "(default: 4096)"),
-                          (["generate"], "(default: 0.7)"), (["chat"], "(default: 256)"),
-                          (["serve"], "(default: 8000)")]:
+                          (["generate"], "(default: 0.7)"), (["chat"], "(default: 256)"), (["chat"], "(default: 0.0)"),
+                          (["serve"], "(default: 8000)"), (["serve"], "(default: 512)")]:
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         assert default in capsys.readouterr().out, argv

@@ -31,9 +31,12 @@ def to_sampling_params(req, num_prompt_tokens: int, max_seq_len: int, max_reques
 
     What must hold:
       - max_tokens: the client's if it gave one, else the endpoint's default; where the endpoint has none (chat),
-        all the room the prompt leaves. A prompt that leaves no room is a 400 whose message gives both numbers
-        and whose param is the field that holds the prompt ("messages" for chat, "prompt" for completions);
-      - a request whose completions together may generate more than max_request_tokens is a 400, param "n";
+        all the room the prompt leaves. A prompt that leaves no room (whatever max_tokens is) is a 400 whose
+        message gives both numbers and whose param is the field that holds the prompt ("messages" for chat,
+        "prompt" for completions);
+      - a request whose completions together may generate more than max_request_tokens is a 400, param "n" —
+        or, when its max_tokens alone is past that bound, the field that holds it ("max_tokens", or chat's
+        "max_completion_tokens" when the client gave that one);
       - every sampling field reaches SamplingParams with its value (logit_bias keyed by int token ids), along
         with the logprobs, the prompt logprobs and the grammar the helpers give;
       - whatever SamplingParams refuses (ValueError: an empty stop string, ...) is a 400, never a 500, and its
@@ -41,6 +44,7 @@ def to_sampling_params(req, num_prompt_tokens: int, max_seq_len: int, max_reques
 
         chat, no max_tokens, 37-token prompt, max_seq_len 2048    -> SamplingParams(max_tokens=2011, ...)
         n 16, max_tokens 8192, max_request_tokens 65 536          -> APIError(400, ..., "n")
+        n 1, max_tokens 10**9, max_request_tokens 65 536          -> APIError(400, ..., "max_tokens")
         stop [""]                                                 -> APIError(400, "stop must be ...", "stop")
     """
     raise NotImplementedError("Exercise 8.1: a validated request -> SamplingParams, or a 400 naming the field")

@@ -57,7 +57,8 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
                  first, then one chunk per delta with {"content": delta} and the output's finish_reason
     completion:  {"index": 0, "text": delta, "logprobs": None, "finish_reason": ...}
     include_usage: every chunk has "usage": None, and a last chunk has "choices": [] and "usage": usage(out)
-    errors: error_body(str(e), getattr(e, "status", 500)) as one event. Last of all: sse("[DONE]").
+    errors: error_body(str(e), getattr(e, "status", 500), getattr(e, "param", None)) as one event.
+    Last of all: sse("[DONE]").
     logprobs: None, and every choice's "logprobs" stays None; otherwise a function you call with the
     TokenLogprobs (out.logprobs, a list or None) of the tokens since that completion's last chunk: its result
     is the choice's "logprobs" (the server's graded tests give None; `--student` serves logprobs with it).

@@ -34,6 +34,9 @@ def register(sub):
     p.add_argument("--api-key", default=None, help="with --url: the key to send")
     p.add_argument("--concurrency", type=int, default=8, help="clients at once (default 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pairwise", action="store_true",
+                   help="instead of the mix: every pair of request features (nanoserve/bench/pairwise.py), round "
+                        "and round, each answer checked (strict JSON, OpenAI's shape, the param an error names)")
     p.set_defaults(func=run)
 
 
@@ -140,6 +143,8 @@ def run(args):
     if args.duration <= 0 or args.concurrency < 1:
         print("error: --duration must be > 0 and --concurrency >= 1", flush=True)
         return 2
+    if args.pairwise:
+        return run_pairwise(args)
     if args.url is not None:
         url = args.url.rstrip("/").removesuffix("/v1")
         outcomes = asyncio.run(soak(url, args.duration, args.concurrency, args.seed, args.api_key, own=False))
@@ -151,3 +156,32 @@ def run(args):
         llm = LLM(load_gguf(), num_blocks=256, max_num_seqs=16)
         result = soak_engine(llm.engine, llm.tokenizer, args.duration, args.concurrency, args.seed)
     return 0 if result["5xx"] == 0 and result["running"] == 0 and result["kv_usage"] == 0 else 1
+
+
+def run_pairwise(args) -> int:
+    """`bench soak --pairwise`: the pairwise crossing against its own server on the embedded model (speculation and
+    prefix caching on, the crossing's two keys), then the pool once idle. 0 when nothing was wrong."""
+    if args.url is not None:
+        print("error: --pairwise starts its own server (its keys and --default-max-tokens are the crossing's); "
+              "drop --url", flush=True)
+        return 2
+    from nanoserve.bench import pairwise
+    from nanoserve.llm import LLM
+    from nanoserve.model import load_gguf
+    from nanoserve.server.limits import Tenant
+    from nanoserve.server.runner import serving
+
+    llm = LLM(load_gguf(), num_blocks=256, max_num_seqs=16, speculative="ngram")
+    default = 16  # chat without max_tokens: a short answer, so a minute serves many rows
+    with serving(llm.engine, llm.tokenizer, api_key=pairwise.KEYS["plain"], default_max_tokens=default,
+                 api_keys={pairwise.KEYS["tenant"]: Tenant("pairwise")}) as (url, server):
+        result = pairwise.soak(url, server.state.config.model_name, args.duration, args.concurrency, default)
+        running, usage = idle_pool(url, pairwise.KEYS["plain"])
+    print(f"{result['requests']} requests ({result['rows']} rows of the crossing, round and round) by status:")
+    for status, n in sorted(result["statuses"].items()):
+        print(f"  {status:<24} {n}")
+    print(f"5xx: {result['5xx']}   answers with a problem: {len(result['problems'])}   requests still running: "
+          f"{running:g}   KV pool in use when idle: {usage:.1%}")
+    for problem in result["problems"][:10]:
+        print(f"  {problem[:300]}")
+    return 0 if not result["problems"] and result["5xx"] == 0 and running == 0 and usage == 0 else 1

@@ -12,8 +12,9 @@ BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention",
               "engine_view", "degrade", "soak", "peers", "spec", "structured", "bluegreen"]
 
 
-def register(sub):
+def register(sub, only: list[str] | None = None):
+    """only: the benchmarks to register (each module imports torch); None: all of them."""
     p = sub.add_parser("bench", help="run a benchmark (speed and memory measurements)")
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
-    for name in BENCHMARKS:
+    for name in BENCHMARKS if only is None else only:
         importlib.import_module(f"nanoserve.bench.{name}").register(benches)

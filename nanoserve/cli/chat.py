@@ -3,7 +3,7 @@
 Each line you type is a user message; the conversation so far goes to the model and the reply
 streams as it is generated. Quit with 'exit', Ctrl-D or Ctrl-C. Lines can also be piped in:
 
-    printf 'Hi!\\nWhat is 2+2?\\n' | python -m nanoserve chat --temperature 0
+    printf 'Hi!\\nWhat is 2+2?\\n' | python -m nanoserve chat       # greedy (temperature 0) unless --temperature
 
 Two back ends, the same loop:
 - local (default): the embedded model in this process, chapter 03's loop with chapter 04's KV
@@ -25,7 +25,10 @@ def register(sub):
     p.add_argument("--model", default=None, help="with --url: the model to ask for (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                    help="with --url: the server's API key (default: $NANOSERVE_API_KEY)")
-    p.set_defaults(func=run, max_tokens=256)
+    # greedy by default: the most likely reply, the same every time ("What is 2+2?" -> "The answer to this
+    # classic math problem is 4."); at generate's 0.7 a 135M model wanders off ("Your math is very
+    # important..."). --temperature 0.7 for variety
+    p.set_defaults(func=run, max_tokens=256, temperature=0.0)
 
 
 def chat_loop(lines, write, reply) -> None:

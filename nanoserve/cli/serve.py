@@ -2,7 +2,7 @@
 
     python -m nanoserve serve --host 127.0.0.1 --port 8000
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-         -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+         -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}'
 
 The engine knobs are the ones `batch` and `bench offline` take (nanoserve/cli/batch.py's
 add_engine_args). SIGTERM or Ctrl-C drains: running streams get up to --shutdown-timeout seconds,
@@ -21,6 +21,11 @@ import sys
 
 from nanoserve.cli.batch import add_engine_args, llm_from_args
 from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, run_fleet
+
+
+# a chat request without max_tokens stops here: SmolLM2 at temperature 1 can ramble for the whole context (minutes
+# on a CPU); 512 tokens is a long answer for a 135M model, and a client that wants more says so
+DEFAULT_MAX_TOKENS = 512
 
 
 def register(sub):
@@ -43,6 +48,9 @@ def register(sub):
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help="abort a request still unfinished S seconds after it arrived: 408, or an error event in a "
                         "stream (a request's own `timeout` field may ask for less)")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="a chat request's max_tokens when it gives none (0: all the context leaves, as in "
+                        "vLLM); /v1/models reports it")
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the key too")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 + Retry-After while this many requests wait (default: no bound)")
@@ -74,6 +82,8 @@ def check_args(args) -> str | None:
         return f"--shutdown-timeout must be >= 0 s, got {args.shutdown_timeout}"
     if args.api_key is not None and not args.api_key.strip():
         return "--api-key (or NANOSERVE_API_KEY) is empty"
+    if args.default_max_tokens < 0:
+        return f"--default-max-tokens must be >= 0 (0: all the context leaves), got {args.default_max_tokens}"
     if args.request_timeout is not None and args.request_timeout <= 0:
         return f"--request-timeout must be > 0 s, got {args.request_timeout}"
     if args.api_keys is not None:
@@ -113,7 +123,7 @@ def how_to_call(url: str, model: str, api_key: bool) -> str:
     """A curl line and a 5-line openai snippet that work as printed."""
     auth = " -H \"Authorization: Bearer $NANOSERVE_API_KEY\"" if api_key else ""
     key = 'os.environ["NANOSERVE_API_KEY"]' if api_key else '"none"'
-    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}]}' % model
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64}' % model
     return "\n".join([
         f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
         "",
@@ -121,7 +131,7 @@ def how_to_call(url: str, model: str, api_key: bool) -> str:
         "from openai import OpenAI",
         f'client = OpenAI(base_url="{url}/v1", api_key={key})',
         f'reply = client.chat.completions.create(model="{model}",',
-        '                                        messages=[{"role": "user", "content": "Hi"}])',
+        '                                        messages=[{"role": "user", "content": "Hi"}], max_tokens=64)',
         "print(reply.choices[0].message.content)",
     ])
 
@@ -155,14 +165,16 @@ def run(args):
                           args.rate_limit, args.rate_burst, args.max_body_bytes, student=args.student,
                           api_keys=args.api_keys, request_timeout=args.request_timeout,
                           metrics_compat=args.metrics_compat, admin_key=args.admin_key, weights=args.weights,
-                          warmup_requests=args.warmup_requests)
+                          warmup_requests=args.warmup_requests, default_max_tokens=args.default_max_tokens or None)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"
 
     def ready():
         key_note = (" Requests need an API key; these lines read it from $NANOSERVE_API_KEY."
                     if args.api_key or args.api_keys else "")
-        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop).{key_note} Try:\n", flush=True)
+        default = f"at most {args.default_max_tokens} tokens" if args.default_max_tokens else "all the context leaves"
+        print(f"nanoserve: serving {args.served_model_name} at {url} (Ctrl-C to stop; a chat reply without "
+              f"max_tokens gets {default}: --default-max-tokens).{key_note} Try:\n", flush=True)
         print(how_to_call(url, args.served_model_name, args.api_key is not None or bool(args.api_keys)) + "\n",
               flush=True)
         if is_fleet(args):

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from nanoserve.cluster.deploy import ROUTERS, Autoscaling
+from nanoserve.cluster.routing import ROUTERS  # Ray (deploy.py) is imported only by run_fleet
 
 
 def add_fleet_args(p) -> None:
@@ -80,7 +80,7 @@ def spec_from_args(args):
 
 def run_fleet(args, sock, config, ready) -> int:
     """Serve chapter 08's app in this process in front of Ray Serve replicas, until SIGTERM / Ctrl-C."""
-    from nanoserve.cluster.deploy import add_fleet_routes, build_state, fleet
+    from nanoserve.cluster.deploy import Autoscaling, add_fleet_routes, build_state, fleet
     from nanoserve.server.runner import Server
     from nanoserve.text.tokenizer import Tokenizer
 

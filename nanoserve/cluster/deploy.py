@@ -26,9 +26,9 @@ from pathlib import Path
 
 from nanoserve.cluster.client import ReplicaClient
 from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
+from nanoserve.cluster.routing import ROUTERS
 
 APP_NAME = "nanoserve"
-ROUTERS = ("pow2", "prefix")
 
 
 @dataclass

@@ -17,6 +17,8 @@ The Ray Serve router (router.py) calls these with the queue lengths it caches fo
 import random
 from collections.abc import Mapping, Sequence
 
+ROUTERS = ("pow2", "prefix")  # what `serve --router` and deploy.fleet take (here, not in deploy: no Ray to list them)
+
 
 def least_loaded(queue_lens: Mapping[str, int]) -> str:
     """The replica with the shortest queue (the first one named, on a tie).

@@ -163,6 +163,7 @@ class LLMEngine:
         self.prompt_logprobs: dict[str, list] = {}  # chapter 08: request_id -> the prompt entries scored so far
         self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
+        self.num_steps = 0  # steps taken since the engine started (chapter 12's page counts from here)
         self.proposer = self._make_proposer(model)
         # chapter 14's rollback and acceptance rules (the learner's, exercises 14.2-14.4, where finished)
         self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
@@ -243,6 +244,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
         if self.proposer is not None:
             self._propose()
         scheduler_output = self.scheduler.schedule()

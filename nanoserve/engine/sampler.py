@@ -12,9 +12,14 @@ Everything is per row: a request's penalties read only its own prompt and output
 only its own generator, so what it gets does not depend on who else is in the batch. Several rows may
 read the same logits row (a prompt with n > 1 draws its n first tokens from its one row, chapter 06).
 
-The logprobs are those of the model's distribution, before any penalty, temperature or filter: what
-OpenAI reports, and vLLM's default (`logprobs_mode="raw_logprobs"`). A client that asks for them
-learns how likely the model found each token, not how likely this request's sampler made it.
+The logprobs are those of the model's distribution, before any penalty, temperature or filter: vLLM's
+default (`logprobs_mode="raw_logprobs"`; "processed_logprobs" would be after them). A client that asks for
+them learns how likely the model found each token, not how likely this request's sampler made it. The one
+change the distribution does see is chapter 13's grammar mask, applied to the logits before this sampler
+reads them (in vLLM too): under a response_format the logprobs are the model's over the tokens the grammar
+allows, renormalized, so a forced "{" reads log p = 0. A forbidden token has probability 0 (log p = -inf):
+it is left out of the top alternatives — OpenAI's top_logprobs "may be fewer than requested" — so no -inf
+ever reaches a response.
 """
 
 from dataclasses import dataclass
@@ -62,7 +67,9 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list
     top = torch.topk(logprobs, k, dim=-1) if k else None
     out = []
     for i, t in enumerate(token_ids):
-        alternatives = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if k else []
+        # a token the grammar masked has probability 0: not an alternative (and -inf is not JSON)
+        alternatives = [(a, lp) for a, lp in zip(top.indices[i].tolist(), top.values[i].tolist())
+                        if lp != float("-inf")] if k else []
         out.append(TokenLogprob(t, float(chosen[i]), int(ranks[i]), alternatives))
     return out
 

@@ -81,7 +81,7 @@ class SnapshotBuilder:
         exercises/12-engine-view/snapshot.py (EventFeed picks it when the engine runs with student=True)."""
         self.engine = engine
         self.rules = rules if rules is not None else sys.modules[__name__]
-        self.step = 0  # steps observed since this builder started
+        self.step = getattr(engine, "num_steps", 0)  # the engine's own count: a page opened mid-run shows the same
         self.t0 = time.time()
         self._live = set(engine.scheduler.seqs)  # ids alive after the last observed step
         self._stats_seen = self._stats()
@@ -108,7 +108,7 @@ class SnapshotBuilder:
 
     def observe_step(self, scheduler_output, outputs, step_seconds: float) -> None:
         """After LLMEngine.step(): record the step's tokens and events. `outputs` are the step's RequestOutputs."""
-        self.step += 1
+        self.step = getattr(self.engine, "num_steps", self.step + 1)
         sampled = {out.request_id for out in outputs if out.new_token_ids}
         num_prefill = num_decode = 0
         self._last_step = {}
@@ -139,14 +139,19 @@ class SnapshotBuilder:
             self.dropped_steps += 1
 
     def latency(self) -> dict:
-        """p50 TTFT and p50 TPOT (seconds; None before any) of the last LATENCY_WINDOW finished requests, with
-        chapter 09's percentile. TPOT, not ITL: the engine's clock sees tokens, not a stream's chunks."""
+        """p50 TTFT and p50 TPOT (seconds; None before any) of the last LATENCY_WINDOW finished requests and of
+        the running ones that have their first token (their TPOT so far), with chapter 09's percentile: a page
+        opened while requests stream shows theirs at once. TPOT, not ITL: the engine's clock sees tokens, not
+        a stream's chunks."""
         def p50(values):
             values = [v for v in values if v is not None]
             return round(percentile(values, 50), 6) if values else None
 
-        return {"requests": len(self.recent), "ttft_p50": p50(t for t, _ in self.recent),
-                "tpot_p50": p50(t for _, t in self.recent)}
+        live = [(seq.first_token_time - seq.arrival_time,
+                 (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1) if len(seq.token_times) > 1
+                 else None) for seq in self.engine.scheduler.running if seq.first_token_time is not None]
+        both = [*self.recent, *live]
+        return {"requests": len(both), "ttft_p50": p50(t for t, _ in both), "tpot_p50": p50(t for _, t in both)}
 
     def snapshot(self) -> dict:
         """The engine now, plus what happened since the previous snapshot (then forgotten)."""

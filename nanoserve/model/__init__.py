@@ -2,10 +2,14 @@
 
 It knows nothing about requests, caches or schedulers: callers hand it token ids, positions
 and an attention function.
+
+The exports load lazily, as nanoserve's own do: `nanoserve.model.config` (a dataclass, what the CLI's `memory`
+and `info` read) imports without torch, so `python -m nanoserve --help` answers at once.
 """
 
-from nanoserve.model.config import LlamaConfig
-from nanoserve.model.gguf_loader import embedded_gguf_path, load_gguf
-from nanoserve.model.llama import Llama
+from nanoserve import lazy_exports
 
-__all__ = ["Llama", "LlamaConfig", "load_gguf", "embedded_gguf_path"]
+_EXPORTS = {"Llama": "nanoserve.model.llama", "LlamaConfig": "nanoserve.model.config",
+            "load_gguf": "nanoserve.model.gguf_loader", "embedded_gguf_path": "nanoserve.model.gguf_loader"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports("nanoserve.model", _EXPORTS)

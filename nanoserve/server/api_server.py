@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import responses
+from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -40,7 +41,14 @@ from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       RequestTimeout, TokenizeRequest, error_body, parse_body)
+                                       RequestTimeout, TokenizeRequest, error_body, finite_json, parse_body)
+
+
+class JSONResponse(responses.JSONResponse):
+    """Every body strict JSON (finite_json): a non-finite float is null, never a 500 from the encoder."""
+
+    def render(self, content) -> bytes:
+        return finite_json(content, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 @dataclass
@@ -53,6 +61,7 @@ class ServerConfig:
     rate_burst: int = 10
     max_body_bytes: int = 1 << 20
     max_request_tokens: int = 1 << 16  # n * max_tokens may not exceed it (one request cannot ask for hours of work)
+    default_max_tokens: int | None = None  # chat's max_tokens when the client gives none; None: what the context leaves
     api_keys: dict[str, Tenant] | None = None  # --api-keys FILE: key -> tenant (its limits and priority)
     request_timeout: float | None = None  # seconds from arrival to the last token; None: none
     body_timeout: float = 30.0  # seconds a client may take to send its body
@@ -142,7 +151,8 @@ class ServerState:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="nanoserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoserve", docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=JSONResponse)
     app.state.nanoserve = state
     cfg = state.config
 
@@ -235,6 +245,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def generate(request: Request, req, prompt_ids: list[int], kind: str):
         """Hand the ids to the engine; then stream SSE or answer once."""
+        if req.requested_max_tokens is None and cfg.default_max_tokens is not None:  # chat without max_tokens
+            room = state.max_seq_len - len(prompt_ids)
+            if room >= 1:  # (no room at all: to_sampling_params' 400 says so)
+                req.max_tokens = min(cfg.default_max_tokens, room)
         params = state.request_params.to_sampling_params(req, len(prompt_ids), state.max_seq_len,
                                                          cfg.max_request_tokens)  # exercise 8.1
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -247,7 +261,8 @@ def build_app(state: ServerState) -> FastAPI:
         except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
             raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
-            raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
+            named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field it names
+            raise APIError(400, str(e), named[0] if named else None) from None
         state.count(tenant, "admitted")
         state.charge(tenant, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
@@ -276,9 +291,8 @@ def build_app(state: ServerState) -> FastAPI:
         usage = state.streaming.usage(*finals)
         if kind == "completion" and req.echo:
             usage = echo_choices(req, prompt_ids, finals, choices, usage)
-        body = {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
+        return {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "choices": choices, "usage": usage}
-        return JSONResponse(body)
 
     def echo_choices(req, prompt_ids: list[int], finals: list, choices: list, usage: dict) -> dict:
         """Completions with echo (chapter 08): each choice's text starts with the prompt's, its logprobs with
@@ -308,14 +322,47 @@ def build_app(state: ServerState) -> FastAPI:
         check_queue()
         req = parse_body(await read_body(request), CompletionRequest)
         check_model(req.model)
-        ids = state.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        return await generate(request, req, ids, "completion")
+        prompts = req.prompts
+        if len(prompts) == 1:
+            return await generate(request, req, encode_prompt(prompts[0]), "completion")
+        if req.stream:
+            raise APIError(400, "a list of prompts with `stream` is not supported by this server: stream one "
+                                "request per prompt", "prompt")
+        return await batch(request, req, prompts)
+
+    def encode_prompt(prompt: str | list[int]) -> list[int]:
+        return state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    async def batch(request: Request, req: CompletionRequest, prompts: list) -> dict | Response:
+        """OpenAI's legacy batch: each prompt its own engine request (they run side by side), answered together;
+        the choices of prompt i are indices i*n ... i*n + n-1 and the usage is the sum. One refused prompt
+        refuses the batch, and the others are aborted (the task group cancels them)."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(generate(request, req.model_copy(update={"prompt": p}), encode_prompt(p),
+                                                    "completion")) for p in prompts]
+        except BaseExceptionGroup as e:
+            raise e.exceptions[0] from None
+        answers = [t.result() for t in tasks]
+        if any(isinstance(a, Response) for a in answers):
+            return Response(status_code=499)  # the client is gone
+        choices = [c | {"index": i * req.n + c["index"]} for i, a in enumerate(answers) for c in a["choices"]]
+        usage = {k: sum(a["usage"][k] for a in answers) for k in answers[0]["usage"]}
+        return answers[0] | {"choices": choices, "usage": usage}
+
+    def model_card() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+                "max_model_len": state.max_model_len, "default_max_tokens": cfg.default_max_tokens,
+                "version": state.versions.current.name}  # chapter 15's reloads
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "nanoserve", "max_model_len": state.max_model_len,
-                                            "version": state.versions.current.name}]}  # chapter 15's reloads
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])  # client.models.retrieve(name)
+    async def model(model_id: str):
+        check_model(model_id)  # an unknown id: 404 in OpenAI's error format, param "model"
+        return model_card()
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(request: Request):

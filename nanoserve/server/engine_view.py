@@ -11,13 +11,12 @@ slowly just gets the latest one next (nothing queues up for it). Nobody connecte
 nothing. At shutdown the stream ends, so an open page never holds up the drain; the page reconnects.
 """
 
-import json
 from importlib.resources import files
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import Response, StreamingResponse
 
-from nanoserve.server.protocol import APIError
+from nanoserve.server.protocol import APIError, finite_json
 
 STATIC = files("nanoserve.server") / "static"
 MEDIA_TYPES = {"engine.js": "text/javascript; charset=utf-8", "engine.css": "text/css; charset=utf-8"}
@@ -45,7 +44,7 @@ def add_engine_view(app: FastAPI, state, check_key) -> None:
             async for snap in state.engine.watch(keepalive=1.0):
                 if state.draining:
                     return
-                yield ": ping\n\n" if snap is None else f"data: {json.dumps(snap, separators=(',', ':'))}\n\n"
+                yield ": ping\n\n" if snap is None else f"data: {finite_json(snap, separators=(',', ':'))}\n\n"
 
         return StreamingResponse(lines(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,9 +1,10 @@
 """Chapter 08 — log probabilities in OpenAI's two response shapes.
 
 The engine gives one TokenLogprob per generated token (nanoserve/engine/sampler.py): the token, log p of
-it under the model's raw float32 logits (before penalties, temperature or filters, as OpenAI reports it
-and as vLLM's default `raw_logprobs`), its rank, and the k most likely tokens. The two endpoints dress
-it differently:
+it under the model's raw float32 logits (before penalties, temperature or filters: vLLM's default
+`raw_logprobs`; under a response_format, over the tokens the grammar allows), its rank, and the k most likely
+tokens (fewer when the grammar allows fewer: a forbidden token has probability 0 and is never listed). The
+two endpoints dress it differently:
 
     chat ("logprobs": true, "top_logprobs": 2)
       {"content": [{"token": " Paris", "logprob": -0.31, "bytes": [32, 80, 97, 114, 105, 115],

@@ -11,9 +11,11 @@ FastAPI's default 422:
 """
 
 import json
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from nanoserve.structured.params import StructuredOutputsParams
 
@@ -31,6 +33,7 @@ UNSUPPORTED = {
 }
 # the most a request may ask for, checked before any tokenizing (chapter 08, "the attacks the limits stop")
 MAX_STOP, MAX_STOP_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, MAX_N, MAX_DEPTH = 4, 256, 1024, 20, 16, 32
+MAX_PROMPTS = 16  # a completions batch: prompts in one request (n completions of each)
 
 
 class APIError(Exception):
@@ -55,6 +58,28 @@ class RequestTimeout(APIError):
         super().__init__(408, f"the request did not finish within its timeout of {seconds:g} s", "timeout")
 
 
+def finite_json(obj, **dumps_kw) -> str:
+    """`obj` as strict JSON: json.dumps writes a non-finite float as NaN / Infinity / -Infinity, which are not
+    JSON (strict parsers, and OpenAI's clients in other languages, reject the whole body). The last line of
+    defence of every response body and stream chunk: no path should produce one (the logprobs leave out a
+    token of probability 0), and if one does it is written as null.
+
+        >>> finite_json({"logprob": float("-inf"), "top": [1.5, float("nan")]})
+        '{"logprob": null, "top": [1.5, null]}'
+    """
+    try:
+        return json.dumps(obj, allow_nan=False, **dumps_kw)
+    except ValueError:  # a non-finite float somewhere: rebuild with each one as None
+        def finite(x):
+            if isinstance(x, float):
+                return x if math.isfinite(x) else None
+            if isinstance(x, dict):
+                return {k: finite(v) for k, v in x.items()}
+            return [finite(v) for v in x] if isinstance(x, (list, tuple)) else x
+
+        return json.dumps(finite(obj), allow_nan=False, **dumps_kw)
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": APIError.TYPES.get(status, "APIError"), "param": param, "code": status}}
 
@@ -74,6 +99,16 @@ class ChatMessage(BaseModel):
     @property
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content):
+        """An image, audio or file part is refused as what it is, not as "not a valid string"."""
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") not in (None, "text"):
+                raise PydanticCustomError("text_only", "this server serves a text model: a content part of type "
+                                          "{kind} is not supported (only text)", {"kind": repr(part.get("type"))})
+        return content
 
     def text(self) -> str:
         """OpenAI's list-of-parts form joins its text parts."""
@@ -227,11 +262,28 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)  # a string, or token ids (OpenAI accepts both)
+    # a string or token ids (OpenAI accepts both), or a batch of either: one choice per prompt (n per prompt)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # OpenAI allows 5; vLLM, as here, 20
     echo: bool = False  # the prompt's text, and with logprobs its tokens' logprobs, before the completion's
     best_of: int | None = Field(None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _batch(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+            if not all(prompt):
+                raise ValueError("a prompt of the batch is empty")
+        return prompt
+
+    @property
+    def prompts(self) -> list:
+        """The batch: each prompt (a string or token ids) on its own; one for a single prompt."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return self.prompt if batch else [self.prompt]
 
     @property
     def score_only(self) -> bool:

@@ -28,17 +28,21 @@ def to_sampling_params(req, num_prompt_tokens: int, max_seq_len: int, max_reques
         chat, no max_tokens, 37-token prompt, max_seq_len 2048   -> max_tokens 2011
         completions, no max_tokens                               -> max_tokens 16 (OpenAI's default)
         n 16, max_tokens 8192, max_request_tokens 65 536         -> 400, param "n"
+        n 1, max_tokens 10**9                                    -> 400, param "max_tokens" (alone too many)
     """
+    if num_prompt_tokens >= max_seq_len:  # whatever max_tokens says, the prompt is what has to change
+        where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens, this server holds at most "
+                            f"{max_seq_len} per request: no room for a reply", where)
     max_tokens = req.requested_max_tokens
     if max_tokens is None:  # as vLLM: whatever the context (here: and the KV pool) leaves
         max_tokens = max_seq_len - num_prompt_tokens
-        if max_tokens < 1:
-            where = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens, this server holds at most "
-                                f"{max_seq_len} per request: no room for a reply", where)
     if req.n * max_tokens > max_request_tokens:  # n completions of max_tokens each: the work asked for
+        # the field to change: max_tokens when it alone is past the bound, else n
+        param = "n" if max_tokens <= max_request_tokens else \
+            "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"n * max_tokens = {req.n} * {max_tokens} exceeds this server's bound of "
-                            f"{max_request_tokens} generated tokens per request", "n")
+                            f"{max_request_tokens} generated tokens per request", param)
     structured, logprobs = req.structured_params(), req.num_logprobs  # each raises its own 400
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,

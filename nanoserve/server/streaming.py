@@ -21,16 +21,15 @@ of the final text at every step, so the deltas concatenate to exactly the non-st
 Exercise 8.2 (exercises/08-http-serving/streaming.py) writes stop_hold_back, text_deltas and openai_stream.
 """
 
-import json
 from collections.abc import AsyncIterator
 
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.server.protocol import error_body
+from nanoserve.server.protocol import error_body, finite_json
 
 
 def sse(data: dict | str) -> str:
-    """One server-sent event: `data: <json>` and a blank line."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+    """One server-sent event: `data: <json>` (strict JSON, never NaN or Infinity) and a blank line."""
+    return f"data: {data if isinstance(data, str) else finite_json(data)}\n\n"
 
 
 def usage(*outs: RequestOutput) -> dict:
@@ -107,5 +106,5 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
         if include_usage:
             yield event([], usage=usage(*finals.values()))
     except Exception as e:  # noqa: BLE001 — the status line is long gone: the error travels in the stream
-        yield sse(error_body(str(e), getattr(e, "status", 500)))
+        yield sse(error_body(str(e), getattr(e, "status", 500), getattr(e, "param", None)))
     yield sse("[DONE]")

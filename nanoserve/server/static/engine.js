@@ -9,7 +9,6 @@ const state = { lastStep: 0, steps: [], preemptions: 0, finished: 0, aborted: 0,
 
 // ---- helpers ---------------------------------------------------------------------------------------
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-const short = (id) => (id.length > 10 ? "…" + id.slice(-6) : id);
 const ms = (s) => (s == null ? "–" : (s * 1000).toFixed(s < 0.1 ? 1 : 0) + " ms");
 function el(tag, attrs, text) {
   const e = document.createElement(tag);
@@ -140,7 +139,7 @@ function drawPool(snap) {
     const li = el("li", { title: describe(owner) });
     const sw = el("span", { class: "sw" });
     sw.style.background = colour(owner);
-    li.append(sw, `${owner.startsWith("shared:") ? "shared ×" + owner.slice(7) : owner === "free" || owner === "cached" ? owner : short(owner)} (${counts.get(owner)})`);
+    li.append(sw, `${owner.startsWith("shared:") ? "shared ×" + owner.slice(7) : owner === "free" || owner === "cached" ? owner : owner} (${counts.get(owner)})`);
     legend.appendChild(li);
   }
 }
@@ -161,7 +160,7 @@ function drawSeqs(list, seqs, running) {
     const who = el("span", { class: "who", title: s.id });
     const sw = el("span", { class: "sw" });
     if (running) sw.style.background = colour(s.id);
-    who.append(sw, short(s.id));
+    who.append(sw, s.id);  // the whole id, as the client got it in its response
     const tags = el("span");
     tags.append(el("span", { class: "tag" }, `prio ${s.priority}`), " ", el("span", { class: "tag" }, s.state));
     if (s.preemptions) {
@@ -258,9 +257,9 @@ function logEvents(snap) {
     log.prepend(el("li", { class: cls }, `step ${snap.step}: ${text}`));
     while (log.children.length > 60) log.lastChild.remove();
   };
-  for (const id of snap.preempted) add("preempted", `preempted ${short(id)} (blocks freed, it will recompute)`);
-  for (const f of snap.finished) add("finished", `finished ${short(f.id)} (${f.reason}, ${f.output} tokens, TTFT ${ms(f.ttft)})`);
-  for (const id of snap.aborted) add("aborted", `aborted ${short(id)}`);
+  for (const id of snap.preempted) add("preempted", `preempted ${id} (blocks freed, it will recompute)`);
+  for (const f of snap.finished) add("finished", `finished ${f.id} (${f.reason}, ${f.output} tokens, TTFT ${ms(f.ttft)})`);
+  for (const id of snap.aborted) add("aborted", `aborted ${id}`);
   if (snap.prefix.hit_tokens) add("hit", `prefix cache hit: ${snap.prefix.hit_tokens} tokens not recomputed`);
 }
 
