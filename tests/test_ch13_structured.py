@@ -65,23 +65,84 @@ def allowed(matcher_or_mask) -> torch.Tensor:
 
 # ---- params and the grammar cache -------------------------------------------------------------------------
 
-def test_the_cache_key_is_canonical_text_keeping_property_order():
-    a = StructuredOutputsParams(json='{"type": "object",\n "properties": {"a": {}, "b": {}}}')
-    b = StructuredOutputsParams(json={"type": "object", "properties": {"a": {}, "b": {}}})
-    swapped = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
-    assert a.key == b.key == 'json:{"type":"object","properties":{"a":{},"b":{}}}'
+def test_the_cache_key_is_canonical_keyword_order_and_spacing_do_not_matter_property_order_does():
+    a = StructuredOutputsParams(json='{"type": "object",\n "properties": {"a": {"maxLength": 3, "type": "string"}, "b": {}}}')
+    b = StructuredOutputsParams(json={"properties": {"a": {"type": "string", "maxLength": 3}, "b": {}}, "type": "object"})
+    swapped = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {"type": "string", "maxLength": 3}}})
+    literal = StructuredOutputsParams(json={"const": {"y": 1, "x": 2}})
+    assert a.key == b.key == 'json:{"properties":{"a":{"maxLength":3,"type":"string"},"b":{}},"type":"object"}'
     assert swapped.key != a.key  # the order of the properties is the order the grammar writes them
+    assert literal.key == 'json:{"const":{"y":1,"x":2}}'  # a literal is written as given: never reordered
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutputsParams(json="{nope")
 
 
-def test_compiled_once_per_schema_then_cached(cache):
+def test_compiled_once_per_schema_then_cached_and_each_request_counted_once(cache):
     hits, misses = cache.hits, cache.misses
     first = cache.compile(StructuredOutputsParams(json={"type": "integer", "minimum": 3}))
-    again = cache.compile(StructuredOutputsParams(json='{"type":  "integer", "minimum": 3}'))
+    again = cache.compile(StructuredOutputsParams(json='{"minimum": 3, "type":  "integer"}'))
     assert again is first and (cache.hits, cache.misses) == (hits + 1, misses + 1)
+
+
+def test_the_async_engine_hands_its_grammar_over_one_lookup_per_request(tiny, smollm2_tokenizer):
+    """Through the async engine (the server's path) a request is looked up once: 1 miss, then 1 hit each."""
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+
+    async_engine = AsyncLLMEngine(engine(tiny, smollm2_tokenizer))
+    async_engine.start()
+    params = SamplingParams(temperature=0, max_tokens=4, structured=StructuredOutputsParams(choice=["ab", "cd"]))
+
+    async def main():
+        for i in range(3):
+            await _collect(async_engine.generate(f"r{i}", [5, 6], params))
+    try:
+        asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    cache = async_engine.engine.structured.cache
+    assert (cache.hits, cache.misses) == (2, 1)
+
+
+def test_concurrent_requests_for_one_new_schema_compile_it_once(smollm2_tokenizer, monkeypatch):
+    cache = GrammarCache(smollm2_tokenizer, VOCAB)
+    release, calls = threading.Event(), []
+    original = GrammarCache._compile
+
+    def slow_compile(self, params):
+        calls.append(params.key)
+        assert release.wait(60)
+        return original(self, params)
+
+    monkeypatch.setattr(GrammarCache, "_compile", slow_compile)
+    params = [StructuredOutputsParams(json={"type": "string", "maxLength": 4}) for _ in range(6)]
+
+    async def main():
+        tasks = [asyncio.ensure_future(cache.compile_async(p)) for p in params]
+        await asyncio.sleep(0.2)  # all six asked while the first one's compilation is held
+        tasks[0].cancel()  # a client gone: the others still get the grammar
+        release.set()
+        return await asyncio.gather(*tasks[1:])
+
+    grammars = asyncio.run(main())
+    assert len(calls) == 1 and all(g is grammars[0] for g in grammars)
+    assert (cache.hits, cache.misses) == (5, 1)
+    assert cache.compile(params[0]) is grammars[0] and cache.hits == 6
+
+
+def test_the_cache_is_bounded_least_recently_used_out_first(smollm2_tokenizer):
+    probe = GrammarCache(smollm2_tokenizer, VOCAB)
+    schemas = [{"type": "string", "maxLength": n} for n in (1, 2, 3)]
+    size = max(probe.compile(StructuredOutputsParams(json=s)).memory_size_bytes for s in schemas)
+    cache = GrammarCache(smollm2_tokenizer, VOCAB, max_cache_bytes=2 * size)
+    first, second, third = (StructuredOutputsParams(json=s) for s in schemas)
+    cache.compile(first), cache.compile(second)
+    cache.compile(first)  # used again: `second` is now the least recently used
+    cache.compile(third)
+    assert list(cache.grammars) == [first.key, third.key] and cache.cache_bytes <= 2 * size
+    cache.compile(second)  # evicted, so compiled again
+    assert (cache.hits, cache.misses) == (1, 4)
 
 
 @pytest.mark.parametrize("params, reason", [
