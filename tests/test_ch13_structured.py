@@ -372,3 +372,80 @@ def test_refusals_at_the_engines_door(tiny, smollm2_tokenizer):
     no_tokenizer = LLMEngine(tiny, EngineConfig(num_blocks=16))
     with pytest.raises(StructuredOutputError, match="need an engine with a tokenizer"):
         no_tokenizer.add_request("c", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="a")))
+
+
+# ---- what the step does when a grammar and speculation meet, or a grammar is broken ------------------------
+
+def test_constrained_requests_never_speculate_though_the_proposer_has_drafts(tiny, smollm2_tokenizer):
+    """A constrained request whose output repeats its prompt (so prompt lookup always has a draft) is scheduled
+    one token per decode step, while a plain request beside it, same prompt, is verified with drafts."""
+    eng = engine(tiny, smollm2_tokenizer, speculative="ngram", num_speculative_tokens=3,
+                 speculative_disable_by_batch_size=None)
+    prompt = smollm2_tokenizer.encode("ab ab ab ab ab ab ab ab")
+    choice = StructuredOutputsParams(choice=["ab ab ab ab ab ab"])
+    eng.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=12, structured=choice))
+    eng.add_request("p", prompt + prompt, SamplingParams(temperature=0, max_tokens=12))
+    drafts_refused, verified_plain = 0, 0
+    while eng.has_unfinished_requests():
+        c = eng.scheduler.seqs.get("c")
+        if c is not None and c.num_output_tokens and eng.proposer.propose(c.token_ids, 3):
+            drafts_refused += 1
+        for out in eng.step():
+            if out.request_id == "c" and out.finished:
+                text = out.text
+        plan = eng.last_scheduler_output
+        for seq in plan.scheduled_seqs:
+            if seq.request_id == "c" and seq.num_output_tokens > 1:
+                assert plan.num_scheduled_tokens["c"] == 1  # a decode: never 1 + k
+            if seq.request_id == "p" and plan.num_scheduled_tokens["p"] > 1 and seq.num_output_tokens > 1:
+                verified_plain += 1
+    assert drafts_refused > 0 and text == "ab ab ab ab ab ab"
+    assert verified_plain > 0 and eng.spec_stats.num_drafts > 0
+
+
+def test_a_verification_counts_as_sampling():
+    """SchedulerOutput.samples: a sequence computing its last token and 3 drafts samples (4 positions)."""
+    from nanoserve.engine.scheduler import SchedulerOutput
+    from nanoserve.engine.sequence import Sequence
+
+    seq = Sequence("v", [1, 2, 3], 8)
+    seq.append_token(4, 0.0)
+    seq.num_computed_tokens = 3  # the last token (4) and 3 drafts are this step's 4 tokens
+    assert SchedulerOutput([seq], {"v": 4}).samples(seq) and SchedulerOutput([seq], {"v": 1}).samples(seq)
+    seq.num_computed_tokens = 0
+    assert not SchedulerOutput([seq], {"v": 2}).samples(seq)  # a partial prefill chunk
+
+
+def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, monkeypatch):
+    """A bitmask that masks nothing (a broken exercise 13.2) lets the random model leave its grammar: that request's
+    stream raises with the reason, the unconstrained request in the same steps gets its solo tokens, no block is
+    left behind, and the engine serves on."""
+    import types
+
+    from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+
+    solo = engine(tiny, smollm2_tokenizer)
+    solo.add_request("free", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10))
+    alone = run(solo)["free", 0][0]
+
+    eng = engine(tiny, smollm2_tokenizer)
+    free_blocks = eng.block_manager.get_num_free_blocks()
+    monkeypatch.setattr(eng.structured, "bitmask_module", types.SimpleNamespace(apply_token_bitmask=lambda *a: None))
+    async_engine = AsyncLLMEngine(eng)
+    async_engine.start()
+    strict = SamplingParams(temperature=0, max_tokens=10, structured=StructuredOutputsParams(regex="[0-9]{6}"))
+
+    async def main():
+        bad = asyncio.ensure_future(_collect(async_engine.generate("bad", [7, 8, 9], strict)))
+        free = await _collect(async_engine.generate("free", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10)))
+        with pytest.raises(EngineStepError, match="'bad' failed: the output left its grammar: token"):
+            await bad
+        again = await _collect(async_engine.generate("again", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10)))
+        return free, again
+
+    try:
+        free, again = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert free.token_ids == again.token_ids == alone
+    assert eng.block_manager.get_num_free_blocks() == free_blocks and eng.structured.grammars == {}
