@@ -275,12 +275,20 @@ def test_the_real_model_calls_the_weather_tool_with_a_realistic_call(smollm2):
     clock = {"type": "function", "function": {"name": "get_time", "description": "Get the time in a timezone",
                                               "parameters": {"type": "object", "properties": {
                                                   "timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"]}}}
+    question = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
     with serving(llm.engine, llm.tokenizer) as (url, _):
         sync = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-        reply = sync.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
-            tools=[weather, clock], tool_choice="required", temperature=0, max_tokens=80).choices[0]
+        reply = sync.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, tools=[weather, clock],
+                                             tool_choice="required", temperature=0, max_tokens=80).choices[0]
+        strict = {**weather, "function": {**weather["function"], "strict": True}}
+        auto = [sync.chat.completions.create(model="SmolLM2-135M-Instruct", messages=question, tools=tools,
+                                             temperature=0, max_tokens=40).choices[0] for tools in ([weather, clock], [strict, clock])]
     call = reply.message.tool_calls[0]
-    print(call.function.name, call.function.arguments)
+    print("required:", call.function.name, call.function.arguments)
     assert reply.finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    for name, choice in zip(("auto:", "auto, strict:"), auto):  # the model decides: text, or calls that validate
+        print(name, repr(choice.message.content), choice.message.tool_calls)
+        for c in choice.message.tool_calls or []:
+            jsonschema.validate(json.loads(c.function.arguments), {"get_weather": weather, "get_time": clock}[
+                c.function.name]["function"]["parameters"])
