@@ -86,11 +86,18 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]  # "developer": OpenAI's new name for "system"
-    content: str | list[TextPart] | None = None  # None only for an assistant turn that made tool calls
+    content: str | list[TextPart] | None  # null only for an assistant turn that made tool calls (chapter 13)
     name: str | None = None  # OpenAI's participant name: accepted, and (as in vLLM's templates) not rendered
     tool_calls: list[ToolCall] | None = Field(None, min_length=1)  # chapter 13: an assistant's calls
     tool_call_id: str | None = None  # chapter 13: a tool message answers this call
     refusal: None = None  # OpenAI's client sends it back with an assistant message; nanoserve never refuses
+
+    @field_validator("content")
+    @classmethod
+    def _null_for_an_assistant_only(cls, content, info):
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return content
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -99,7 +106,7 @@ class ChatMessage(BaseModel):
         if (self.tool_call_id is None) != (self.role != "tool"):
             raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
         if self.content is None and self.tool_calls is None:
-            raise ValueError("content is required (null only for an assistant message with tool_calls)")
+            raise ValueError("content may be null only in an assistant message with tool_calls")
         return self
 
     @property
@@ -122,6 +129,8 @@ class FunctionDefinition(BaseModel):
 
 
 class ToolDefinition(BaseModel):
+    """Chapter 13: one entry of `tools`, a function the model may call."""
+
     model_config = _STRICT
     type: Literal["function"]
     function: FunctionDefinition
@@ -133,6 +142,8 @@ class NamedFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
+    """Chapter 13: `tool_choice` naming the one function the reply must call."""
+
     model_config = _STRICT
     type: Literal["function"]
     function: NamedFunction
