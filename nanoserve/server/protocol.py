@@ -69,6 +69,8 @@ class TextPart(BaseModel):
 
 
 class FunctionCall(BaseModel):
+    """Chapter 13: the function a tool call names, and its arguments."""
+
     model_config = _STRICT
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -136,17 +138,12 @@ class ToolDefinition(BaseModel):
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = _STRICT
-    name: str
-
-
 class NamedToolChoice(BaseModel):
     """Chapter 13: `tool_choice` naming the one function the reply must call."""
 
     model_config = _STRICT
     type: Literal["function"]
-    function: NamedFunction
+    function: dict[Literal["name"], str] = Field(min_length=1)  # {"name": "get_weather"}
 
 
 class StreamOptions(BaseModel):
