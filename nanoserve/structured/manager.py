@@ -31,19 +31,35 @@ from nanoserve.structured.compiler import MAX_GRAMMAR_BYTES, GrammarCache, Struc
 
 
 @dataclass
+class MaskTimes:
+    """Where a constrained step's extra time goes (`bench structured` splits the overhead with it): seconds spent
+    advancing matchers over the new tokens, filling mask rows, and applying them to the logits (in the model
+    runner: counted here when it runs in this process, the single-process executor's case)."""
+
+    steps: int = 0
+    advance: float = 0.0
+    fill: float = 0.0
+    apply: float = 0.0
+
+
+@dataclass
 class GrammarBitmask:
     """One step's masks: bitmask[rows[seq_id]] is the mask of that sequence's next token."""
 
     bitmask: torch.Tensor  # (num_constrained, ceil(vocab / 32)) int32
     rows: dict[str, int]  # seq_id -> its row in `bitmask`
     bitmask_module: ModuleType = reference_bitmask  # the learner's exercises/13 bitmask.py under --student 13
+    times: MaskTimes | None = None  # the manager's, to add the apply time to
 
     def apply(self, seqs, logits: torch.Tensor) -> None:
         """In place on logits (len(seqs), vocab): row i of seqs[i] masked if it is constrained, else untouched."""
+        t0 = time.perf_counter()
         rows = [i for i, seq in enumerate(seqs) if seq.seq_id in self.rows]
         if rows:
             picked = self.bitmask[[self.rows[seqs[i].seq_id] for i in rows]]
             self.bitmask_module.apply_token_bitmask(logits, picked, rows)
+        if self.times is not None:
+            self.times.apply += time.perf_counter() - t0
 
 
 class StructuredOutputManager:
@@ -55,8 +71,7 @@ class StructuredOutputManager:
         self.grammars: dict[str, object] = {}  # request_id -> CompiledGrammar
         self.matchers: dict[str, object] = {}  # seq_id -> SequenceMatcher
         self.failures: dict[str, str] = {}  # request_id -> why its grammar refused its tokens (this step)
-        self.mask_seconds = 0.0  # time spent syncing matchers and filling masks (bench structured)
-        self.mask_steps = 0
+        self.times = MaskTimes()  # bench structured reads (and resets) it
 
     @property
     def cache(self) -> GrammarCache:
@@ -86,7 +101,6 @@ class StructuredOutputManager:
                 if s.request_id in self.grammars and scheduler_output.samples(s)]
         if not seqs:
             return None
-        t0 = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
         rows = {}
@@ -94,16 +108,20 @@ class StructuredOutputManager:
             matcher = self.matchers.get(seq.seq_id)
             if matcher is None:  # a new completion (n > 1: each its own, all fresh at the prompt's first token)
                 matcher = self.matchers[seq.seq_id] = self.matcher_module.SequenceMatcher(self.grammars[seq.request_id])
+            t0 = time.perf_counter()
             try:
                 matcher.sync(seq.output_token_ids)
             except self.matcher_module.GrammarViolation as e:  # this request fails (take_failures), the step goes on without its row
                 self.failures[seq.request_id] = f"the output left its grammar: {e}"
                 continue
+            finally:
+                t1 = time.perf_counter()
+                self.times.advance += t1 - t0
             rows[seq.seq_id] = len(rows)
             matcher.fill(bitmask, rows[seq.seq_id])
-        self.mask_seconds += time.perf_counter() - t0
-        self.mask_steps += 1
-        return GrammarBitmask(bitmask[:len(rows)], rows, self.bitmask_module) if rows else None
+            self.times.fill += time.perf_counter() - t1
+        self.times.steps += 1
+        return GrammarBitmask(bitmask[:len(rows)], rows, self.bitmask_module, self.times) if rows else None
 
     def take_failures(self) -> dict[str, str]:
         """{request_id: reason} of the requests whose grammar refused their tokens since the last call."""
