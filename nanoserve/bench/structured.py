@@ -146,5 +146,6 @@ def run(args):
     ours, theirs = apply_times(vocab)
     print(f"\napplying a 16-row bitmask to (16, {vocab}) logits: ours (bitmask.py) {ours * 1e3:.2f} ms, "
           f"xgrammar's CPU kernel {theirs * 1e3:.2f} ms")
-    cmd = f"python -m nanoserve bench structured --rounds {args.rounds} --max-tokens {args.max_tokens}"
+    cmd = (f"python -m nanoserve bench structured --concurrency {' '.join(map(str, args.concurrency))} --rounds "
+           f"{args.rounds} --max-tokens {args.max_tokens}" + (f" --threads {args.threads}" if args.threads else ""))
     print(f"\nreproduce: {cmd}")
