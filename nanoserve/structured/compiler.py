@@ -25,7 +25,6 @@ import asyncio
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -58,7 +57,6 @@ class GrammarCache:
         self.max_grammar_bytes, self.max_cache_bytes = max_grammar_bytes, max_cache_bytes
         self.grammars: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()  # least recently used first
         self.cache_bytes = 0
-        self.compile_seconds: dict[str, float] = {}  # key -> its last cold compilation
         self.hits = self.misses = 0
         self._in_flight: dict[str, Future] = {}  # key -> the one compilation running for it
         self._lock = threading.Lock()
@@ -107,7 +105,6 @@ class GrammarCache:
 
     def _build(self, params: StructuredOutputsParams, future: Future) -> None:
         """Compile, cache (evicting the least recently used past max_cache_bytes), settle the Future."""
-        t0 = time.perf_counter()
         try:
             grammar = self._compile(params)
         except Exception as e:  # noqa: BLE001 — xgrammar raises RuntimeError for every kind of bad grammar
@@ -116,7 +113,6 @@ class GrammarCache:
             future.set_exception(StructuredOutputError(f"the {params.kind} grammar cannot be compiled: {_reason(e)}"))
             return
         with self._lock:
-            self.compile_seconds[params.key] = time.perf_counter() - t0
             self.grammars[params.key] = grammar
             self.cache_bytes += grammar.memory_size_bytes
             while self.cache_bytes > self.max_cache_bytes and len(self.grammars) > 1:
