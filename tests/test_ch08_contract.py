@@ -13,7 +13,7 @@ import torch
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.engine.sampler import SampleRow, sample_rows, token_logprobs
 from nanoserve.sampling import SamplingParams, apply_penalties, min_p_filter
-from nanoserve.server.protocol import UNSUPPORTED
+from nanoserve.server.protocol import UNSUPPORTED, ChatCompletionRequest
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import HI, assert_openai_error, assert_pool_whole, chat_body
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
@@ -94,7 +94,10 @@ def test_unsupported_and_unknown_fields_are_refused_by_name(engine, tokenizer):
             for name in UNSUPPORTED:
                 if name == "suffix":
                     continue
-                error = assert_openai_error(http.post("/v1/chat/completions", json=chat_body(**{name: [1]})), 400)
+                # tools and tool_choice are chat's (chapter 13): the completions endpoint refuses them by name
+                endpoint, body = (("/v1/completions", {"prompt": "a", name: [1]}) if name in ChatCompletionRequest.model_fields
+                                  else ("/v1/chat/completions", chat_body(**{name: [1]})))
+                error = assert_openai_error(http.post(endpoint, json=body), 400)
                 assert error["message"].startswith(f"`{name}` is not supported by this server") and \
                     error["param"] == name
             error = assert_openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "b"}), 400)

@@ -65,23 +65,84 @@ def allowed(matcher_or_mask) -> torch.Tensor:
 
 # ---- params and the grammar cache -------------------------------------------------------------------------
 
-def test_the_cache_key_is_canonical_text_keeping_property_order():
-    a = StructuredOutputsParams(json='{"type": "object",\n "properties": {"a": {}, "b": {}}}')
-    b = StructuredOutputsParams(json={"type": "object", "properties": {"a": {}, "b": {}}})
-    swapped = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
-    assert a.key == b.key == 'json:{"type":"object","properties":{"a":{},"b":{}}}'
+def test_the_cache_key_is_canonical_keyword_order_and_spacing_do_not_matter_property_order_does():
+    a = StructuredOutputsParams(json='{"type": "object",\n "properties": {"a": {"maxLength": 3, "type": "string"}, "b": {}}}')
+    b = StructuredOutputsParams(json={"properties": {"a": {"type": "string", "maxLength": 3}, "b": {}}, "type": "object"})
+    swapped = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {"type": "string", "maxLength": 3}}})
+    literal = StructuredOutputsParams(json={"const": {"y": 1, "x": 2}})
+    assert a.key == b.key == 'json:{"properties":{"a":{"maxLength":3,"type":"string"},"b":{}},"type":"object"}'
     assert swapped.key != a.key  # the order of the properties is the order the grammar writes them
+    assert literal.key == 'json:{"const":{"y":1,"x":2}}'  # a literal is written as given: never reordered
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutputsParams(json="{nope")
 
 
-def test_compiled_once_per_schema_then_cached(cache):
+def test_compiled_once_per_schema_then_cached_and_each_request_counted_once(cache):
     hits, misses = cache.hits, cache.misses
     first = cache.compile(StructuredOutputsParams(json={"type": "integer", "minimum": 3}))
-    again = cache.compile(StructuredOutputsParams(json='{"type":  "integer", "minimum": 3}'))
+    again = cache.compile(StructuredOutputsParams(json='{"minimum": 3, "type":  "integer"}'))
     assert again is first and (cache.hits, cache.misses) == (hits + 1, misses + 1)
+
+
+def test_the_async_engine_hands_its_grammar_over_one_lookup_per_request(tiny, smollm2_tokenizer):
+    """Through the async engine (the server's path) a request is looked up once: 1 miss, then 1 hit each."""
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+
+    async_engine = AsyncLLMEngine(engine(tiny, smollm2_tokenizer))
+    async_engine.start()
+    params = SamplingParams(temperature=0, max_tokens=4, structured=StructuredOutputsParams(choice=["ab", "cd"]))
+
+    async def main():
+        for i in range(3):
+            await _collect(async_engine.generate(f"r{i}", [5, 6], params))
+    try:
+        asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    cache = async_engine.engine.structured.cache
+    assert (cache.hits, cache.misses) == (2, 1)
+
+
+def test_concurrent_requests_for_one_new_schema_compile_it_once(smollm2_tokenizer, monkeypatch):
+    cache = GrammarCache(smollm2_tokenizer, VOCAB)
+    release, calls = threading.Event(), []
+    original = GrammarCache._compile
+
+    def slow_compile(self, params):
+        calls.append(params.key)
+        assert release.wait(60)
+        return original(self, params)
+
+    monkeypatch.setattr(GrammarCache, "_compile", slow_compile)
+    params = [StructuredOutputsParams(json={"type": "string", "maxLength": 4}) for _ in range(6)]
+
+    async def main():
+        tasks = [asyncio.ensure_future(cache.compile_async(p)) for p in params]
+        await asyncio.sleep(0.2)  # all six asked while the first one's compilation is held
+        tasks[0].cancel()  # a client gone: the others still get the grammar
+        release.set()
+        return await asyncio.gather(*tasks[1:])
+
+    grammars = asyncio.run(main())
+    assert len(calls) == 1 and all(g is grammars[0] for g in grammars)
+    assert (cache.hits, cache.misses) == (5, 1)
+    assert cache.compile(params[0]) is grammars[0] and cache.hits == 6
+
+
+def test_the_cache_is_bounded_least_recently_used_out_first(smollm2_tokenizer):
+    probe = GrammarCache(smollm2_tokenizer, VOCAB)
+    schemas = [{"type": "string", "maxLength": n} for n in (1, 2, 3)]
+    size = max(probe.compile(StructuredOutputsParams(json=s)).memory_size_bytes for s in schemas)
+    cache = GrammarCache(smollm2_tokenizer, VOCAB, max_cache_bytes=2 * size)
+    first, second, third = (StructuredOutputsParams(json=s) for s in schemas)
+    cache.compile(first), cache.compile(second)
+    cache.compile(first)  # used again: `second` is now the least recently used
+    cache.compile(third)
+    assert list(cache.grammars) == [first.key, third.key] and cache.cache_bytes <= 2 * size
+    cache.compile(second)  # evicted, so compiled again
+    assert (cache.hits, cache.misses) == (1, 4)
 
 
 @pytest.mark.parametrize("params, reason", [
@@ -311,3 +372,80 @@ def test_refusals_at_the_engines_door(tiny, smollm2_tokenizer):
     no_tokenizer = LLMEngine(tiny, EngineConfig(num_blocks=16))
     with pytest.raises(StructuredOutputError, match="need an engine with a tokenizer"):
         no_tokenizer.add_request("c", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="a")))
+
+
+# ---- what the step does when a grammar and speculation meet, or a grammar is broken ------------------------
+
+def test_constrained_requests_never_speculate_though_the_proposer_has_drafts(tiny, smollm2_tokenizer):
+    """A constrained request whose output repeats its prompt (so prompt lookup always has a draft) is scheduled
+    one token per decode step, while a plain request beside it, same prompt, is verified with drafts."""
+    eng = engine(tiny, smollm2_tokenizer, speculative="ngram", num_speculative_tokens=3,
+                 speculative_disable_by_batch_size=None)
+    prompt = smollm2_tokenizer.encode("ab ab ab ab ab ab ab ab")
+    choice = StructuredOutputsParams(choice=["ab ab ab ab ab ab"])
+    eng.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=12, structured=choice))
+    eng.add_request("p", prompt + prompt, SamplingParams(temperature=0, max_tokens=12))
+    drafts_refused, verified_plain = 0, 0
+    while eng.has_unfinished_requests():
+        c = eng.scheduler.seqs.get("c")
+        if c is not None and c.num_output_tokens and eng.proposer.propose(c.token_ids, 3):
+            drafts_refused += 1
+        for out in eng.step():
+            if out.request_id == "c" and out.finished:
+                text = out.text
+        plan = eng.last_scheduler_output
+        for seq in plan.scheduled_seqs:
+            if seq.request_id == "c" and seq.num_output_tokens > 1:
+                assert plan.num_scheduled_tokens["c"] == 1  # a decode: never 1 + k
+            if seq.request_id == "p" and plan.num_scheduled_tokens["p"] > 1 and seq.num_output_tokens > 1:
+                verified_plain += 1
+    assert drafts_refused > 0 and text == "ab ab ab ab ab ab"
+    assert verified_plain > 0 and eng.spec_stats.num_drafts > 0
+
+
+def test_a_verification_counts_as_sampling():
+    """SchedulerOutput.samples: a sequence computing its last token and 3 drafts samples (4 positions)."""
+    from nanoserve.engine.scheduler import SchedulerOutput
+    from nanoserve.engine.sequence import Sequence
+
+    seq = Sequence("v", [1, 2, 3], 8)
+    seq.append_token(4, 0.0)
+    seq.num_computed_tokens = 3  # the last token (4) and 3 drafts are this step's 4 tokens
+    assert SchedulerOutput([seq], {"v": 4}).samples(seq) and SchedulerOutput([seq], {"v": 1}).samples(seq)
+    seq.num_computed_tokens = 0
+    assert not SchedulerOutput([seq], {"v": 2}).samples(seq)  # a partial prefill chunk
+
+
+def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, monkeypatch):
+    """A bitmask that masks nothing (a broken exercise 13.2) lets the random model leave its grammar: that request's
+    stream raises with the reason, the unconstrained request in the same steps gets its solo tokens, no block is
+    left behind, and the engine serves on."""
+    import types
+
+    from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+
+    solo = engine(tiny, smollm2_tokenizer)
+    solo.add_request("free", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10))
+    alone = run(solo)["free", 0][0]
+
+    eng = engine(tiny, smollm2_tokenizer)
+    free_blocks = eng.block_manager.get_num_free_blocks()
+    monkeypatch.setattr(eng.structured, "bitmask_module", types.SimpleNamespace(apply_token_bitmask=lambda *a: None))
+    async_engine = AsyncLLMEngine(eng)
+    async_engine.start()
+    strict = SamplingParams(temperature=0, max_tokens=10, structured=StructuredOutputsParams(regex="[0-9]{6}"))
+
+    async def main():
+        bad = asyncio.ensure_future(_collect(async_engine.generate("bad", [7, 8, 9], strict)))
+        free = await _collect(async_engine.generate("free", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10)))
+        with pytest.raises(EngineStepError, match="'bad' failed: the output left its grammar: token"):
+            await bad
+        again = await _collect(async_engine.generate("again", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10)))
+        return free, again
+
+    try:
+        free, again = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert free.token_ids == again.token_ids == alone
+    assert eng.block_manager.get_num_free_blocks() == free_blocks and eng.structured.grammars == {}

@@ -57,8 +57,9 @@ class AsyncLLMEngine(ReferenceAsyncLLMEngine):
           - two requests in flight never share an id (ValueError); an engine that is not running is a RuntimeError;
           - a caller cancelled while waiting (a client gone before the step boundary) leaves no request behind;
           - chapter 13: a request with `sampling_params.structured` has its grammar compiled first, off the engine
-            thread: `await self.engine.structured.cache.compile_async(sampling_params.structured)`;
-          - `tenant`, `slo` and `speculative` reach LLMEngine.add_request as keyword arguments.
+            thread: `grammar = await self.engine.structured.cache.compile_async(sampling_params.structured)`;
+          - `tenant`, `slo`, `speculative` and that `grammar` (None without one) reach LLMEngine.add_request as
+            keyword arguments.
         """
         raise NotImplementedError("Exercise 8.3: hand the request to the engine thread through the inbox")
 
@@ -87,5 +88,6 @@ class AsyncLLMEngine(ReferenceAsyncLLMEngine):
         """Exercise 8.3 (the engine thread): count `outputs` in the metrics, then put each into its request's
         queue — on that request's event loop, never from this thread directly (asyncio is not thread-safe).
         A finished output is the stream's last: the request leaves the stream table with it. Outputs of requests
-        with no stream (aborted meanwhile) are dropped."""
+        with no stream (aborted meanwhile) are dropped. An output with `error` set (chapter 13: that request
+        failed alone) goes into the queue as EngineStepError(out.error), so its reader raises."""
         raise NotImplementedError("Exercise 8.3: each output to its request's queue, on its event loop")

@@ -28,8 +28,9 @@ class SequenceMatcher:
         """Bring the matcher to the state after exactly `output_token_ids` (the sequence's output tokens now).
 
         The sequence may have grown (a decode step: accept the new tokens), be unchanged (it was preempted and
-        recomputed: its outputs are kept), or have lost or replaced its last tokens (speculative tokens that
-        were rejected): keep the longest common prefix of self.tokens and output_token_ids, roll back what
+        recomputed: its outputs are kept), or have lost or replaced its last tokens (what rejected speculative
+        tokens would do; the engine keeps constrained requests from speculating today, the grader still hands
+        you such histories): keep the longest common prefix of self.tokens and output_token_ids, roll back what
         the matcher holds past it, accept the rest. Keep self.tokens equal to what the matcher has accepted.
         A token the grammar refuses raises GrammarViolation.
         """

@@ -1,16 +1,19 @@
 """`python -m nanoserve bench structured`: chapter 13's cost of structured outputs, measured side by side.
 
 The chapter's schemas (nanoserve/structured/schemas.py) asked of the real SmolLM2, greedy, at 1 and at 16
-concurrent requests, two systems interleaved round by round (C, U, C, U, ...: this machine drifts):
+concurrent requests, two systems after one warm-up round each, then interleaved round by round with the order
+alternating (C U, U C, C U, ...: this machine drifts, and neither system always runs first):
 
   constrained     response_format json_schema: each request carries its grammar; every step fills the
                   constrained rows' masks and applies them
   unconstrained   the same prompts without a grammar, EOS ignored, each generating exactly as many tokens
-                  as its constrained twin did in the round before: the same batch, step for step
+                  as its constrained twin did in the warm-up (greedy: in every round): the same batch, step for step
 
 Reported: TPOT p50 (chapter 09's definition, the engine's own clock) and output tokens/s; the compile time of
-each schema cold (a fresh cache) and cached; the engine's mask time per step (syncing the matchers and filling
-the rows) and the apply time of a 16-row bitmask, ours (bitmask.py) beside xgrammar's C++ kernel.
+each schema cold (a fresh cache) and cached; the constrained TPOT's extra time split by measurement (the engine's
+MaskTimes, per step of the best constrained round): advancing the matchers, filling the mask rows, applying the
+masks to the logits, and the rest (the TPOT difference minus those three); and the apply time of a 16-row bitmask
+alone, ours (bitmask.py) beside xgrammar's C++ kernel.
 """
 
 import time
@@ -90,6 +93,7 @@ def run(args):
     from nanoserve.llm import LLM
     from nanoserve.model import load_gguf
     from nanoserve.structured.params import StructuredOutputsParams
+    from nanoserve.structured.manager import MaskTimes
     from nanoserve.structured.schemas import SCHEMAS, prompt
 
     if args.threads:
@@ -109,34 +113,39 @@ def run(args):
         picked = [names[i % len(names)] for i in range(n)]
         prompts = [tokenizer.encode_chat(prompt(name)) for name in picked]
         structured = [StructuredOutputsParams(json=SCHEMAS[name]) for name in picked]
+        warm = run_round(engine, prompts, structured, None, concurrency, args.max_tokens)  # warm-up, not counted
+        lengths = [warm["requests"][i][0] for i in range(n)]
+        run_round(engine, prompts, None, lengths, concurrency, args.max_tokens)
         best = {}
-        lengths = None
-        for _ in range(args.rounds):
-            engine.structured.mask_seconds, engine.structured.mask_steps = 0.0, 0
-            c = run_round(engine, prompts, structured, None, concurrency, args.max_tokens)
-            c["mask_per_step"] = engine.structured.mask_seconds / max(1, engine.structured.mask_steps)
-            lengths = [c["requests"][i][0] for i in range(n)]
-            u = run_round(engine, prompts, None, lengths, concurrency, args.max_tokens)
-            for system, r in (("constrained", c), ("unconstrained", u)):
-                tokens = sum(t for t, _ in r["requests"].values())
-                r["tpot_p50"] = percentile([tp for _, tp in r["requests"].values() if tp is not None], 50)
-                r["tokens_per_s"] = tokens / r["seconds"]
-                if system not in best or r["tpot_p50"] < best[system]["tpot_p50"]:
-                    best[system] = r
+        for r in range(args.rounds):
+            for system in ("constrained", "unconstrained")[::1 if r % 2 == 0 else -1]:
+                engine.structured.times = MaskTimes()
+                got = run_round(engine, prompts, structured if system == "constrained" else None, lengths,
+                                concurrency, args.max_tokens)
+                got["times"] = engine.structured.times
+                got["tpot_p50"] = percentile([tp for _, tp in got["requests"].values() if tp is not None], 50)
+                got["tokens_per_s"] = sum(t for t, _ in got["requests"].values()) / got["seconds"]
+                if system not in best or got["tpot_p50"] < best[system]["tpot_p50"]:
+                    best[system] = got
         results[concurrency] = best
 
-    print(f"\ngreedy, max_tokens {args.max_tokens}, best of {args.rounds} interleaved rounds (shared machine: "
-          f"read the ratios):")
-    print(f"  {'concurrency':>11s} {'system':>14s} {'TPOT p50':>10s} {'tokens/s':>9s} {'mask/step':>10s}")
+    print(f"\ngreedy, max_tokens {args.max_tokens}, a warm-up round each, then the best of {args.rounds} interleaved "
+          f"rounds (order alternating; shared machine: read the ratios):")
+    print(f"  {'concurrency':>11s} {'system':>14s} {'TPOT p50':>10s} {'tokens/s':>9s}")
     for concurrency, best in results.items():
         for system in ("constrained", "unconstrained"):
             r = best[system]
-            mask = f"{r['mask_per_step'] * 1e3:7.2f} ms" if "mask_per_step" in r else ""
-            print(f"  {concurrency:>11d} {system:>14s} {r['tpot_p50'] * 1e3:7.1f} ms {r['tokens_per_s']:9.1f} {mask:>10s}")
-        overhead = best["constrained"]["tpot_p50"] / best["unconstrained"]["tpot_p50"] - 1
-        print(f"  {'':>11s} TPOT overhead at {concurrency}: {overhead * 100:+.1f} %")
+            print(f"  {concurrency:>11d} {system:>14s} {r['tpot_p50'] * 1e3:7.1f} ms {r['tokens_per_s']:9.1f}")
+        c, u = best["constrained"], best["unconstrained"]
+        extra, t = c["tpot_p50"] - u["tpot_p50"], c["times"]
+        parts = {name: getattr(t, name) / max(1, t.steps) for name in ("advance", "fill", "apply")}
+        print(f"  {'':>11s} TPOT overhead at {concurrency}: {extra / u['tpot_p50'] * 100:+.1f} % = "
+              f"{extra * 1e3:.2f} ms a step: matcher advance {parts['advance'] * 1e3:.2f} ms, mask fill "
+              f"{parts['fill'] * 1e3:.2f} ms, mask apply {parts['apply'] * 1e3:.2f} ms, the rest "
+              f"{(extra - sum(parts.values())) * 1e3:.2f} ms")
     ours, theirs = apply_times(vocab)
     print(f"\napplying a 16-row bitmask to (16, {vocab}) logits: ours (bitmask.py) {ours * 1e3:.2f} ms, "
           f"xgrammar's CPU kernel {theirs * 1e3:.2f} ms")
-    cmd = f"python -m nanoserve bench structured --rounds {args.rounds} --max-tokens {args.max_tokens}"
+    cmd = (f"python -m nanoserve bench structured --concurrency {' '.join(map(str, args.concurrency))} --rounds "
+           f"{args.rounds} --max-tokens {args.max_tokens}" + (f" --threads {args.threads}" if args.threads else ""))
     print(f"\nreproduce: {cmd}")

@@ -96,8 +96,9 @@ class AsyncLLMEngine:
         so a server can answer 400 before it starts streaming."""
         if not self.is_running:
             raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
-        if sampling_params.structured is not None:  # chapter 13: compiled in a pool thread, not the engine's
-            await self.engine.structured.cache.compile_async(sampling_params.structured)
+        grammar = None  # chapter 13: compiled in a pool thread, not the engine's, and handed over with the request
+        if sampling_params.structured is not None:
+            grammar = await self.engine.structured.cache.compile_async(sampling_params.structured)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), loop.create_future())
         with self._lock:
@@ -105,7 +106,7 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
-                                     {"tenant": tenant, "slo": slo, "speculative": speculative}))
+                                     {"tenant": tenant, "slo": slo, "speculative": speculative, "grammar": grammar}))
         self._wakeup.set()
         try:
             await stream.added
@@ -232,8 +233,8 @@ class AsyncLLMEngine:
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
-                _post(stream.loop, stream.queue.put_nowait, out)
+            if stream is not None:  # a request that failed alone (chapter 13's grammar): its stream raises
+                _post(stream.loop, stream.queue.put_nowait, out if out.error is None else EngineStepError(out.error))
 
     def _end(self, request_id: str, error: BaseException) -> None:
         with self._lock:

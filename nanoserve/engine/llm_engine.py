@@ -95,6 +95,7 @@ class RequestOutput:
     # comes before it) and a TokenLogprob for each other; on the step the first token is out (every completion's)
     prompt_logprobs: list | None = None
     reject_reason: str | None = None  # chapter 15: the scheduling policy refused the request (finish_reason "abort")
+    error: str | None = None  # chapter 13: the request failed (its grammar refused its tokens); finish_reason "abort"
 
 
 class LLMEngine:
@@ -179,10 +180,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
-                    slo: SLOTargets | None = None, speculative: bool = True) -> None:
+                    slo: SLOTargets | None = None, speculative: bool = True, grammar=None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
-        this request out of chapter 14's speculation."""
+        this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
+        when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -202,8 +204,9 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
-        # chapter 13: compiled here unless the async engine compiled it ahead (then a cache hit)
-        grammar = None if sampling_params.structured is None else self.structured.prepare(sampling_params)
+        # chapter 13: compiled here unless the async engine compiled it ahead
+        if sampling_params.structured is not None:
+            grammar = self.structured.prepare(sampling_params, grammar)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
                        tenant=tenant, slo=slo)
         if arrival_time is not None:
@@ -279,6 +282,17 @@ class LLMEngine:
                 if seq.seq_id in logprobs:
                     outputs[-1].logprobs = [logprobs[seq.seq_id]]
                 outputs[-1].prompt_logprobs = prompt_logprobs
+        return self._fail_grammar_violations(outputs)
+
+    def _fail_grammar_violations(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Chapter 13: a request whose grammar refused its tokens this step (its row had no mask) is aborted,
+        its last output carrying the reason in `error`; the other requests' outputs are untouched."""
+        for request_id, reason in self.structured.take_failures().items():
+            mine = [out for out in outputs if out.request_id == request_id]
+            outputs = [out for out in outputs if out.request_id != request_id]
+            last = self.abort_request(request_id) or mine[-1]  # None: it finished this very step
+            last.error = f"request {request_id!r} failed: {reason}"
+            outputs.append(last)
         return outputs
 
     def _collect_prompt_logprobs(self, scored: dict[str, tuple[int, list]]) -> None:
@@ -328,7 +342,8 @@ class LLMEngine:
         running = self.scheduler.running
         k = num_speculative_tokens(self.config.num_speculative_tokens, len(running),
                                    self.config.speculative_disable_by_batch_size)
-        # verification reports no logprobs, and a grammar's matcher advances one token at a time: those don't speculate
+        # verification reports no logprobs; and a constrained request (chapter 13) never speculates: its one mask
+        # per step covers one sampled position, a verification samples 1 + k (structured/manager.py)
         plain = lambda p: p.logprobs is None and p.structured is None  # noqa: E731
         for seq in running:
             left = seq.max_tokens - seq.num_output_tokens - 1

@@ -91,8 +91,9 @@ class SchedulerOutput:
 
     def samples(self, seq: Sequence) -> bool:
         """Does this step reach the sequence's last known token (so a new token is sampled)?
-        False for a partial prefill chunk. Ask before update_from_output advances the sequence."""
-        return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] == seq.num_tokens
+        False for a partial prefill chunk; True for a verification too (chapter 14: it computes past the last
+        known token, through its k proposals). Ask before update_from_output advances the sequence."""
+        return seq.num_computed_tokens + self.num_scheduled_tokens[seq.seq_id] >= seq.num_tokens
 
 
 def _urgency(seq: Sequence) -> tuple[int, float]:

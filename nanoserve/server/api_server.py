@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Tenant, TenantLimits
+from nanoserve.server import tool_calls
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
@@ -237,7 +238,7 @@ def build_app(state: ServerState) -> FastAPI:
         return cfg.model_name
 
     def chat_prompt_ids(req) -> list[int]:
-        messages = [{"role": m.template_role, "content": m.text()} for m in req.messages]
+        messages = tool_calls.template_messages(req)  # chapter 13: tools offered, calls and their results
         try:
             return state.tokenizer.encode_chat(messages)
         except (ValueError, TemplateError) as e:
@@ -251,6 +252,10 @@ def build_app(state: ServerState) -> FastAPI:
                 req.max_tokens = min(cfg.default_max_tokens, room)
         params = state.request_params.to_sampling_params(req, len(prompt_ids), state.max_seq_len,
                                                          cfg.max_request_tokens)  # exercise 8.1
+        tools = getattr(req, "tool_plan", None)  # chapter 13: the reply is read for tool calls when offered
+        tools = tools if tools is not None and tools.offered else None
+        if tools is not None and req.stream and params.logprobs is not None:
+            raise APIError(400, "logprobs with tools in a stream is not supported by this server", "logprobs")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
         try:
@@ -259,7 +264,7 @@ def build_app(state: ServerState) -> FastAPI:
                                                           tenant=tenant, slo=req.slo_targets(),
                                                           speculative=req.speculative)
         except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
-            raise APIError(400, str(e), "response_format") from None
+            raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
             named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field it names
             raise APIError(400, str(e), named[0] if named else None) from None
@@ -274,7 +279,10 @@ def build_app(state: ServerState) -> FastAPI:
         if params.logprobs is not None:  # the choice's `logprobs` in the endpoint's own shape
             shape = functools.partial(chat_logprobs if kind == "chat" else completion_logprobs, state.tokenizer)
         if req.stream:
-            lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
+            if tools is not None:  # chapter 13: content and tool_calls deltas
+                lines = tool_calls.openai_tool_stream(outputs, tools, params.stop, base, req.include_usage)
+            else:
+                lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
             # the abort after the response also covers a client gone before the stream began (nothing to close)
             return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
                                      background=BackgroundTask(abort_async, served.engine, request_id))
@@ -288,6 +296,8 @@ def build_app(state: ServerState) -> FastAPI:
                     else {"index": f.index, "text": f.text})
                    | {"logprobs": shape and shape(f.logprobs), "finish_reason": f.finish_reason}
                    for f in finals]
+        for choice, f in zip(choices, finals) if tools is not None else ():  # chapter 13: calls -> tool_calls
+            choice["message"], choice["finish_reason"] = tool_calls.message(tools, f.text, f.finish_reason)
         usage = state.streaming.usage(*finals)
         if kind == "completion" and req.echo:
             usage = echo_choices(req, prompt_ids, finals, choices, usage)

@@ -11,13 +11,16 @@ FastAPI's default 422:
 """
 
 import json
+import json
 import math
+from functools import cached_property
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from nanoserve.structured.params import StructuredOutputsParams
+from nanoserve.structured.tools import NO_PARAMETERS, Tool, ToolPlan, ToolsError, plan
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -25,7 +28,8 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 # never a silent drop (a client would believe it got what it asked for). null counts as not asked. Another
 # feature that implements one removes its entry here and adds the field to the request model below.
 UNSUPPORTED = {
-    "tools": "tool calling", "tool_choice": "tool calling", "parallel_tool_calls": "tool calling",
+    "tools": "tool calling on chat completions only", "tool_choice": "tool calling on chat completions only",
+    "parallel_tool_calls": "tool calling on chat completions only",
     "functions": "function calling (the deprecated form of tools)", "function_call": "function calling",
     "audio": "audio output", "modalities": "audio output",
     "prediction": "predicted outputs", "web_search_options": "web search", "reasoning_effort": "reasoning models",
@@ -90,11 +94,48 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """Chapter 13: the function a tool call names, and its arguments."""
+
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """Chapter 13: a call an earlier assistant turn made, sent back with the conversation."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]  # "developer": OpenAI's new name for "system"
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # "developer": OpenAI's new name for "system"
+    content: str | list[TextPart] | None  # null only for an assistant turn that made tool calls (chapter 13)
     name: str | None = None  # OpenAI's participant name: accepted, and (as in vLLM's templates) not rendered
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1)  # chapter 13: an assistant's calls
+    tool_call_id: str | None = None  # chapter 13: a tool message answers this call
+    refusal: None = None  # OpenAI's client sends it back with an assistant message; nanoserve never refuses
+
+    @field_validator("content")
+    @classmethod
+    def _null_for_an_assistant_only(cls, content, info):
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return content
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return self
 
     @property
     def template_role(self) -> str:
@@ -111,8 +152,34 @@ class ChatMessage(BaseModel):
         return content
 
     def text(self) -> str:
-        """OpenAI's list-of-parts form joins its text parts."""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """OpenAI's list-of-parts form joins its text parts; no content (a tool-calling turn) is ""."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None  # chapter 13: with tool_choice "auto", a call's arguments follow the schema
+
+
+class ToolDefinition(BaseModel):
+    """Chapter 13: one entry of `tools`, a function the model may call."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    """Chapter 13: `tool_choice` naming the one function the reply must call."""
+
+    model_config = _STRICT
+    type: Literal["function"]
+    function: dict[Literal["name"], str] = Field(min_length=1)  # {"name": "get_weather"}
 
 
 class StreamOptions(BaseModel):
@@ -249,6 +316,32 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # chapter 13: tool calling (nanoserve/structured/tools.py, nanoserve/server/tool_calls.py)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @cached_property
+    def tool_plan(self) -> ToolPlan | None:
+        """What tools + tool_choice ask of the model (None: no tools). Raises APIError(400) naming the param."""
+        tools = None if self.tools is None else [
+            Tool(t.function.name, NO_PARAMETERS if t.function.parameters is None else t.function.parameters,
+                 t.function.description, bool(t.function.strict)) for t in self.tools]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+        try:
+            return plan(tools, choice, self.parallel_tool_calls)
+        except ToolsError as e:
+            raise APIError(400, str(e), e.param) from None
+
+    def structured_params(self) -> StructuredOutputsParams | None:
+        """The tools' grammar when tools are offered (response_format then has no place), else the format's."""
+        tools = self.tool_plan
+        if tools is None or not tools.offered:
+            return super().structured_params()
+        if self.structured_outputs is not None or (self.response_format is not None and self.response_format.type != "text"):
+            raise APIError(400, 'tools (unless tool_choice is "none") and response_format or structured_outputs '
+                                "cannot be combined: both constrain the reply", "response_format")
+        return tools.grammar
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -8,6 +8,8 @@
     sampler  ModelRunner.sample -> GrammarBitmask.apply -> apply_token_bitmask (bitmask.py): -inf on the
              disallowed tokens of the constrained rows only, before temperature / top-k / top-p
     by hand  choice.py: the mask of a choice list from a trie, what xgrammar computes for any grammar
+    tools    tools.py: OpenAI's tools + tool_choice as one of these grammars (the server reads the calls
+             back: nanoserve/server/tool_calls.py)
 
 xgrammar (Dong et al., MLSys 2025) does the grammar work: a pushdown automaton over bytes, and a mask
 cache that decides most of the vocabulary per automaton state ahead of time.

@@ -1,7 +1,7 @@
 """Chapter 13 — the engine's side of structured outputs: grammars per request, matchers per completion,
 and one step's bitmask (vLLM's StructuredOutputManager, in small).
 
-    add_request            compile (a cache hit when the async engine compiled it ahead, off this thread)
+    add_request            compile (or take the grammar the async engine compiled ahead, off this thread)
     before each forward    for every constrained sequence that samples this step:
                              sync its matcher to seq.output_token_ids, fill its row of the bitmask
     ModelRunner.sample     GrammarBitmask.apply: -inf on the disallowed tokens of those rows only
@@ -9,6 +9,14 @@ and one step's bitmask (vLLM's StructuredOutputManager, in small).
 
 The engine thread fills the masks (xgrammar: tens of microseconds a row) while the scheduler never sees
 them: the bitmask rides in SchedulerOutput to the model runner like the block tables do.
+
+A sequence whose tokens its grammar refuses (GrammarViolation: only possible if something bypassed the
+mask, e.g. a learner's bitmask that masks nothing) gets no row; the engine fails that one request with the
+reason (`take_failures`) and every other request of the step goes on.
+
+Constrained requests never speculate (LLMEngine._propose): one mask per sequence and step is one sampled
+position; a verification samples 1 + k positions and would need a mask for each, the matcher advanced
+through the draft tokens to fill them and rolled back after. That is not built.
 """
 
 import time
@@ -23,19 +31,35 @@ from nanoserve.structured.compiler import MAX_GRAMMAR_BYTES, GrammarCache, Struc
 
 
 @dataclass
+class MaskTimes:
+    """Where a constrained step's extra time goes (`bench structured` splits the overhead with it): seconds spent
+    advancing matchers over the new tokens, filling mask rows, and applying them to the logits (in the model
+    runner: counted here when it runs in this process, the single-process executor's case)."""
+
+    steps: int = 0
+    advance: float = 0.0
+    fill: float = 0.0
+    apply: float = 0.0
+
+
+@dataclass
 class GrammarBitmask:
     """One step's masks: bitmask[rows[seq_id]] is the mask of that sequence's next token."""
 
     bitmask: torch.Tensor  # (num_constrained, ceil(vocab / 32)) int32
     rows: dict[str, int]  # seq_id -> its row in `bitmask`
     bitmask_module: ModuleType = reference_bitmask  # the learner's exercises/13 bitmask.py under --student 13
+    times: MaskTimes | None = None  # the manager's, to add the apply time to
 
     def apply(self, seqs, logits: torch.Tensor) -> None:
         """In place on logits (len(seqs), vocab): row i of seqs[i] masked if it is constrained, else untouched."""
+        t0 = time.perf_counter()
         rows = [i for i, seq in enumerate(seqs) if seq.seq_id in self.rows]
         if rows:
             picked = self.bitmask[[self.rows[seqs[i].seq_id] for i in rows]]
             self.bitmask_module.apply_token_bitmask(logits, picked, rows)
+        if self.times is not None:
+            self.times.apply += time.perf_counter() - t0
 
 
 class StructuredOutputManager:
@@ -46,8 +70,8 @@ class StructuredOutputManager:
         self._cache: GrammarCache | None = None  # built on the first structured request (xgrammar's setup: ~50 ms)
         self.grammars: dict[str, object] = {}  # request_id -> CompiledGrammar
         self.matchers: dict[str, object] = {}  # seq_id -> SequenceMatcher
-        self.mask_seconds = 0.0  # time spent syncing matchers and filling masks (bench structured)
-        self.mask_steps = 0
+        self.failures: dict[str, str] = {}  # request_id -> why its grammar refused its tokens (this step)
+        self.times = MaskTimes()  # bench structured reads (and resets) it
 
     @property
     def cache(self) -> GrammarCache:
@@ -58,12 +82,14 @@ class StructuredOutputManager:
             self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.max_grammar_bytes)
         return self._cache
 
-    def prepare(self, params):
-        """The CompiledGrammar of a request's SamplingParams (checked). Raises StructuredOutputError."""
+    def prepare(self, params, grammar=None):
+        """The CompiledGrammar of a request's SamplingParams (checked): `grammar` if the caller compiled it
+        ahead (the async engine: a cache lookup already counted), else from the cache. Raises
+        StructuredOutputError."""
         if params.ignore_eos:
             raise StructuredOutputError("ignore_eos cannot be combined with structured outputs: the grammar "
                                         "ends the output with EOS")
-        return self.cache.compile(params.structured)
+        return grammar if grammar is not None else self.cache.compile(params.structured)
 
     def add_request(self, request_id: str, grammar) -> None:
         """The request entered the engine: its completions will be matched against `grammar`."""
@@ -75,18 +101,32 @@ class StructuredOutputManager:
                 if s.request_id in self.grammars and scheduler_output.samples(s)]
         if not seqs:
             return None
-        t0 = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
-        for row, seq in enumerate(seqs):
+        rows = {}
+        for seq in seqs:
             matcher = self.matchers.get(seq.seq_id)
             if matcher is None:  # a new completion (n > 1: each its own, all fresh at the prompt's first token)
                 matcher = self.matchers[seq.seq_id] = self.matcher_module.SequenceMatcher(self.grammars[seq.request_id])
-            matcher.sync(seq.output_token_ids)
-            matcher.fill(bitmask, row)
-        self.mask_seconds += time.perf_counter() - t0
-        self.mask_steps += 1
-        return GrammarBitmask(bitmask, {s.seq_id: row for row, s in enumerate(seqs)}, self.bitmask_module)
+            t0 = time.perf_counter()
+            try:
+                matcher.sync(seq.output_token_ids)
+            except self.matcher_module.GrammarViolation as e:  # this request fails (take_failures), the step goes on without its row
+                self.failures[seq.request_id] = f"the output left its grammar: {e}"
+                continue
+            finally:
+                t1 = time.perf_counter()
+                self.times.advance += t1 - t0
+            rows[seq.seq_id] = len(rows)
+            matcher.fill(bitmask, rows[seq.seq_id])
+            self.times.fill += time.perf_counter() - t1
+        self.times.steps += 1
+        return GrammarBitmask(bitmask[:len(rows)], rows, self.bitmask_module, self.times) if rows else None
+
+    def take_failures(self) -> dict[str, str]:
+        """{request_id: reason} of the requests whose grammar refused their tokens since the last call."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def release(self, seq_id: str, request_id: str, request_done: bool) -> None:
         """A completion finished: drop its matcher; the request's grammar goes with its last completion."""

@@ -7,8 +7,12 @@ has to tell it what happened — before each step it is synced to `seq.output_to
     matcher fed [A, B, C]      sequence now [A, B, C, D]   -> accept D              (a decode step)
     matcher fed [A, B, C]      sequence now [A, B, C]      -> nothing               (preempted, recomputed:
                                                                                      the outputs are kept)
-    matcher fed [A, B, C, D]   sequence now [A, B, E]      -> roll back 2, accept E (speculative tokens
-                                                                                     rejected, chapter 14)
+    matcher fed [A, B, C, D]   sequence now [A, B, E]      -> roll back 2, accept E (a sequence whose
+                                                                                     last tokens were replaced)
+
+The engine never replaces a constrained sequence's tokens today: those requests do not speculate (chapter
+14's rejected drafts are the case rollback is for; manager.py says what combining them would take). The
+rollback is part of the contract all the same, so a matcher is right for any token history it is handed.
 
 One matcher per completion (n > 1: completion i has its own, fed its own tokens).
 """

@@ -1,23 +1,50 @@
 """Chapter 13 — what a request asks its output to be: a JSON schema, any JSON object, a regex, a choice
-list or an EBNF grammar (vLLM's `StructuredOutputsParams`, the same names).
+list, an EBNF grammar or a structural tag (vLLM's `StructuredOutputsParams`, the same names).
 
 Exactly one is given. `key` is the request's grammar as canonical text, what the compiled-grammar cache
-is keyed by, so two requests with the same schema written differently (spacing, a string vs a dict)
-share one compilation:
+is keyed by, so two requests with the same schema written differently (spacing, a string vs a dict, the
+order of a schema's keywords) share one compilation:
 
-    >>> StructuredOutputsParams(json='{"type": "integer"}').key
-    'json:{"type":"integer"}'
+    >>> StructuredOutputsParams(json='{"type": "integer", "minimum": 0}').key
+    'json:{"minimum":0,"type":"integer"}'
+    >>> StructuredOutputsParams(json={"minimum": 0, "type": "integer"}).key
+    'json:{"minimum":0,"type":"integer"}'
     >>> StructuredOutputsParams(choice=["yes", "no"]).key
     'choice:["yes","no"]'
 
-Key order is kept, not sorted: a schema's property order is the order the grammar writes the keys in,
-so {"a", "b"} and {"b", "a"} are two grammars.
+Keywords are sorted, with two exceptions that keep the order they came in: the names under `properties`
+(a schema's property order is the order the grammar writes the keys in, so {"a", "b"} and {"b", "a"} are
+two grammars) and literal values (`enum`, `const`: the grammar writes them out as given). Lists keep
+their order everywhere.
 """
 
 import json as _json
 from dataclasses import dataclass, field
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+_LITERALS = ("enum", "const", "default", "examples")  # values the grammar writes verbatim: never reordered
+
+
+def canonical(node, names: bool = False):
+    """`node` with every object's keys sorted, except a `properties` map's names and literal values.
+    names: `node` is a `properties` map (its order is the grammar's; its values are schemas)."""
+    if isinstance(node, list):
+        return [canonical(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if names:
+        return {k: canonical(v) for k, v in node.items()}
+    return {k: node[k] if k in _LITERALS else canonical(node[k], names=k == "properties") for k in sorted(node)}
+
+
+def _json_text(value, what: str, kinds: tuple) -> str:
+    try:
+        obj = _json.loads(value) if isinstance(value, str) else value
+    except _json.JSONDecodeError as e:
+        raise ValueError(f"the {what} is not valid JSON: {e}") from None
+    if not isinstance(obj, kinds):
+        raise ValueError(f"a {what} is an object, got {type(obj).__name__}")
+    return _json.dumps(canonical(obj), separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True)
@@ -27,6 +54,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # xgrammar's EBNF
+    structural_tag: dict | str | None = None  # xgrammar's structural tag: free text, and JSON inside tags
     key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -36,13 +64,9 @@ class StructuredOutputsParams:
                              f"{', '.join(given) or 'none'}")
         kind = given[0]
         if kind == "json":
-            try:
-                schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            except _json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
-            text = _json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+            text = _json_text(self.json, "JSON schema", (dict, bool))
+        elif kind == "structural_tag":
+            text = _json_text(self.structural_tag, "structural tag", (dict,))
         elif kind == "choice":
             if not isinstance(self.choice, list) or not self.choice or \
                     not all(isinstance(c, str) and c for c in self.choice):
