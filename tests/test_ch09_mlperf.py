@@ -180,7 +180,7 @@ def test_the_url_sut_measures_nanoserve_own_server(samples, tiny, tokenizer, tmp
     assert {i: tokenizer.decode(logged[i]) for i in (2, 9)} == {i: finished[str(i)] for i in (2, 9)}
 
 
-def test_rouge_l_and_the_peak_search_by_hand():
+def test_rouge_l_the_peak_search_and_the_verdict_by_hand():
     # LCS("a b c d e", "a c e f") = "a c e" (3): P = 3/5, R = 3/4, F = 2PR / (P + R) = 2/3
     assert mlperf.rouge_l("a b c d e".split(), "a c e f".split()) == pytest.approx(2 / 3)
     assert mlperf.rouge_l([], []) == 1.0 and mlperf.rouge_l(["x"], []) == 0.0 and mlperf.rouge_l(["x"], ["y"]) == 0.0
@@ -192,6 +192,13 @@ def test_rouge_l_and_the_peak_search_by_hand():
     assert mlperf.find_peak(lambda q: q <= 0.3, 1.0, 4) == (0.25, [(1.0, False), (0.5, False), (0.25, True),
                                                                     (0.375, False)])
     assert mlperf.find_peak(lambda q: False, 1.0, 2) == (None, [(1.0, False), (0.5, False)])
+    # LoadGen's verdict in one line, with the reasons its detail log gives
+    detail = {"result_validity": "INVALID", "result_perf_constraints_met": False, "result_min_duration_met": True,
+              "early_stopping_met": False, "failed_requests": 0,
+              "result_first_token_99.00_percentile_latency_ns": 7_100_000_000,
+              "result_time_per_output_token_99.00_percentile_ns": 330_000_000}
+    assert mlperf.verdict(detail) == "LoadGen: INVALID; TTFT p99 7.100 s, TPOT p99 330.0 ms; not met: latency limits, " \
+                                     "early stopping"
 
 
 @pytest.mark.parametrize("argv, fragment", [

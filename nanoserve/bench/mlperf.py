@@ -156,7 +156,7 @@ def verdict(detail: dict) -> str:
     parts = [f"LoadGen: {detail['result_validity']}"]
     if ttft is not None:
         parts.append(f"TTFT p99 {ttft / 1e9:.3f} s, TPOT p99 {tpot / 1e6:.1f} ms")
-    why = [k for k, label in [("result_perf_constraints_met", "latency limits"), ("result_min_duration_met",
+    why = [label for k, label in [("result_perf_constraints_met", "latency limits"), ("result_min_duration_met",
            "min duration"), ("result_min_queries_met", "min queries"), ("early_stopping_met", "early stopping")]
            if detail.get(k) is False]
     if why:
