@@ -323,8 +323,10 @@ def measure(args, sut, out_dir: str) -> int:
             print(f"Offline: {detail['result_samples_per_second']:.2f} samples/s, "
                   f"{detail['result_tokens_per_second']:.1f} tokens/s ({out_dir})")
         else:
+            estimate = (f"early stopping's p90 estimate {detail['early_stopping_latency_ss'] / 1e9:.3f} s"
+                        if detail["early_stopping_met"] else "too few queries for early stopping's estimate")
             print(f"SingleStream: p90 latency {detail['result_90.00_percentile_latency_ns'] / 1e9:.3f} s, "
-                  f"early-stopping p90 estimate {detail['early_stopping_latency_ss'] / 1e9:.3f} s ({out_dir})")
+                  f"{estimate} ({out_dir})")
         return 0 if is_valid(detail) else 1
     print(f"Server limits ({limits}): TTFT p99 <= {ttft:g} s, TPOT p99 <= {tpot * 1000:g} ms")
 
