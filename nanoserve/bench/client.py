@@ -41,8 +41,10 @@ def _error_message(status: int, body: bytes) -> str:
         return f"HTTP {status}: {body[:200].decode(errors='replace')}"
 
 
-async def send(client: httpx.AsyncClient, url: str, body: dict, count_tokens=None) -> tuple[RequestRecord, str]:
-    """(the request's RequestRecord, its generated text). Never raises for a failed request: the record says so."""
+async def send(client: httpx.AsyncClient, url: str, body: dict, count_tokens=None,
+               on_first=None) -> tuple[RequestRecord, str]:
+    """(the request's RequestRecord, its generated text). Never raises for a failed request: the record says so.
+    on_first(text), if given, runs as the first chunk with output arrives (bench mlperf's first-token stamp)."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     record, text = RequestRecord(start=time.perf_counter()), []
     usage, done = None, False
@@ -66,6 +68,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, count_tokens=Non
                     delta = choice.get("delta", {}).get("content") if "messages" in body else choice.get("text")
                     if delta:
                         record.chunk_times.append(time.perf_counter())
+                        if on_first is not None and not text:
+                            on_first(delta)
                         text.append(delta)
         record.end = time.perf_counter()
         if not done:  # cut off (llama-cpp-python's server drops a stream when a newer request interrupts it)
