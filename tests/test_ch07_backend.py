@@ -57,6 +57,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny, num_blocks)
                                               attention_backend=backend))
         assert engine.attention_backend == backend
         results[backend] = run(engine, prompts())
+        assert engine.block_manager.stats.hit_blocks > 0  # the shared prefix was read from the cache, not computed
     assert results["triton"][0] == results["torch"][0]
     assert len(results["torch"][0]) == 6 and bool(results["torch"][1]) == (num_blocks == 12)
 
