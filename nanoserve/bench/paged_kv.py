@@ -150,10 +150,12 @@ def under_memory_cap(model, num_blocks: int, block_size: int, workload) -> dict:
 
     config = EngineConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
     # The reserving engine's manager reads each sequence's prompt + max_tokens from that engine's scheduler.
-    reserving = ReservingBlockManager(num_blocks, block_size,
-                                      lambda seq_id: engines["reserve prompt+max_tokens"].scheduler.seqs[seq_id].max_total_tokens)
+    def max_total_tokens(seq_id: str) -> int:
+        return engines["reserve prompt+max_tokens"].scheduler.seqs[seq_id].max_total_tokens
+
     engines = {"paged": LLMEngine(model, config),
-               "reserve prompt+max_tokens": LLMEngine(model, config, block_manager=reserving)}
+               "reserve prompt+max_tokens": LLMEngine(model, config, block_manager=ReservingBlockManager(
+                   num_blocks, block_size, max_total_tokens))}
     stats = {name: {"steps": 0, "seconds": 0.0, "preemptions": 0, "running": [], "output_tokens": 0}
              for name in engines}
     for engine in engines.values():
