@@ -195,11 +195,10 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             tokens = token_ids[i * bs:(i + 1) * bs]
             hashes.append(self.prefix_cache.hash_block(parent, tokens))
-            # Cached only under a parent that the cache names as this table's block i - 1. If another block
+            # Cached only under a parent that the cache holds as this table's block i - 1. If another block
             # holds the parent's hash (a collision), a lookup would match that block and then this one, whose
             # K/V were computed after other tokens.
-            if i == 0 or self.prefix_cache.get(parent, hashes[i - 2] if i > 1 else None,
-                                               token_ids[(i - 1) * bs:i * bs]) == table[i - 1]:
+            if i == 0 or self.prefix_cache.entries.get(table[i - 1], (None,))[0] == parent:
                 self.prefix_cache.insert(hashes[-1], parent, tokens, table[i])
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
