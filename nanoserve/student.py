@@ -271,9 +271,12 @@ def defined_names(mod: ModuleType, swapped=frozenset()) -> list[str]:
     less `swapped` (the qualnames of unfinished rungs, which the reference's code stands in for)."""
     names = []
     for name, obj in vars(mod).items():
-        if getattr(obj, "__module__", None) != mod.__name__ or name.startswith("_"):
+        # a @triton.jit function (chapter 07) wraps the Python function it compiles; under the interpreter the
+        # wrapper's own __module__ is Triton's, so the wrapped function says whose file it is
+        source = getattr(getattr(obj, "fn", None), "__module__", None) or getattr(obj, "__module__", None)
+        if source != mod.__name__ or name.startswith("_"):
             continue
-        if inspect.isfunction(obj):
+        if inspect.isfunction(obj) or inspect.isfunction(getattr(obj, "fn", None)):
             names.append(name)
         elif inspect.isclass(obj):
             own = [a for a, m in vars(obj).items()

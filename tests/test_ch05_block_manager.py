@@ -117,6 +117,21 @@ def test_hash_collision_is_caught_by_comparing_tokens(BlockManager, monkeypatch)
     assert m.allocate_slots(2, [9, 9, 9, 9, 9], 5) == [3, 4]
 
 
+def test_a_block_is_cached_only_under_its_own_parent(BlockManager):
+    # A hash with 3 values. D's block 0 takes hash 0; C's block 0 (other tokens) hashes to 0 too, so it is not
+    # cached. C's block 1 must not be cached either: under parent hash 0 it would be found after D's block 0,
+    # and its K/V were computed after C's block 0.
+    class Colliding(PrefixCache):
+        hash_block = staticmethod(lambda parent, tokens: sum(tokens) % 3)
+
+    m = BlockManager(num_blocks=10, block_size=4, prefix_cache=Colliding())
+    assert m.allocate_slots("D", [0, 0, 0, 3, 1, 0, 0, 0, 9], 9) == [0, 1, 2]
+    assert m.allocate_slots("C", [0, 0, 0, 0, 2, 0, 0, 0, 9], 9) == [3, 4, 5]
+    assert sorted(m.prefix_cache.entries) == [0, 1]  # D's two full blocks; none of C's
+    assert m.lookup_prefix([0, 0, 0, 3, 2, 0, 0, 0, 5]) == 4  # D's block 0, then C's block 1 tokens: one block
+    assert m.lookup_prefix([0, 0, 0, 3, 1, 0, 0, 0, 5]) == 8
+
+
 def test_hits_are_pinned_before_new_blocks_are_allocated(BlockManager):
     m = BlockManager(num_blocks=4, block_size=4)
     a = [1, 2, 3, 4, 5]
@@ -163,10 +178,12 @@ def test_copy_on_write_needs_a_free_block_too(BlockManager):
 
 
 # ---------------------------------------------------------------------------------------------
-# The state machine. A fake KV pool, `pool[slot] = token`, stands in for the tensors: every
-# computed token is "written" at its slot, and the machine checks after every step that each
-# live sequence still reads its own tokens back through its block table. Sharing a block that
-# holds other tokens, losing a write to a shared block, or reusing a block still in use breaks it.
+# The state machine. A fake KV pool stands in for the tensors. A token's K/V depend on the token and
+# on every token before it, so what the fake pool stores at a token's slot is that whole prefix,
+# `pool[slot] = tuple(tokens[:p + 1])`; the machine checks after every step that each live sequence
+# still reads back its own prefixes through its block table. Sharing a block that holds other tokens,
+# or the same tokens computed after a different prefix, losing a write to a shared block, or reusing
+# a block still in use breaks it.
 
 NUM_BLOCKS, BS = 10, 4
 SYSTEM = [7, 7, 1, 2, 3, 7, 1, 1, 2, 3, 3, 1]  # a shared "system prompt" of 3 blocks
@@ -203,7 +220,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 if src * BS + o in self.pool:
                     self.pool[dst * BS + o] = self.pool[src * BS + o]
         for p, slot in zip(range(self.computed[seq_id], num_tokens), slots(table, self.computed[seq_id], num_tokens, BS)):
-            self.pool[slot] = tokens[p]
+            self.pool[slot] = tuple(tokens[:p + 1])
         self.computed[seq_id] = num_tokens
         return True
 
@@ -274,12 +291,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq_id, tokens in self.tokens.items():
             n = self.computed[seq_id]
             table = self.m.block_table(seq_id)
-            assert [self.pool.get(s) for s in slots(table, 0, n, BS)] == tokens[:n]
+            assert [self.pool.get(s) for s in slots(table, 0, n, BS)] == [tuple(tokens[:p + 1]) for p in range(n)]
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
         for block_id, (_, _, tokens) in self.m.prefix_cache.entries.items():
-            assert [self.pool.get(block_id * BS + o) for o in range(BS)] == list(tokens)
+            written = [self.pool.get(block_id * BS + o) for o in range(BS)]
+            assert None not in written and [prefix[-1] for prefix in written] == list(tokens)
 
 
 class CollidingPrefixCache(PrefixCache):

@@ -57,6 +57,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny, num_blocks)
                                               attention_backend=backend))
         assert engine.attention_backend == backend
         results[backend] = run(engine, prompts())
+        assert engine.block_manager.stats.hit_blocks > 0  # the shared prefix was read from the cache, not computed
     assert results["triton"][0] == results["torch"][0]
     assert len(results["torch"][0]) == 6 and bool(results["torch"][1]) == (num_blocks == 12)
 
@@ -193,6 +194,10 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
     assert "NOT GPU speed" in out and "SmolLM2 prefill" in out
     errors = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("tiny", "SmolLM2"))]
     assert len(errors) == 4 and max(errors) < 1e-4
+    # the GPU run's flags mean nothing to the interpreter's fixed shapes: refused, not dropped
+    assert main(["bench", "attention", "--batch", "4", "--dtype", "bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --batch, --dtype: ")
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main(["bench", "attention"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -130,13 +130,18 @@ def test_kernel_float16():
 
 @pytest.mark.exercise("7.3")
 def test_kernel_reads_only_its_blocks():
-    """Blocks outside every table are filled with NaN after the reference ran: the kernel must not read them
+    """Blocks outside every table are filled with NaN after the reference ran, and the tables' padding entries
+    (block 0 by default, which may be another sequence's) point at one of them: the kernel must not read them
     (padding entries of a block table, keys past seq_len) or a NaN would leak into the output."""
     cache, meta, q, k, v = make_step(2, 3, 16, 4, [7, 12], [3, 1])
     expected = PagedAttention(cache, meta)(0, q, k, v)
-    for b in set(range(cache.num_blocks)) - set(meta.block_tables.flatten().tolist()):
+    used = {b for table, s in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()) for b in table[:-(-s // 4)]}
+    for b in set(range(cache.num_blocks)) - used:
         cache.k_cache[0][:, b] = float("nan")
         cache.v_cache[0][:, b] = float("nan")
+    for i, s in enumerate(meta.seq_lens.tolist()):
+        meta.block_tables[i, -(-s // 4):] = min(set(range(cache.num_blocks)) - used)
+    assert meta.block_tables.tolist()[0][2] not in used  # sequence 0 (2 blocks) has one padding entry
     for pool in (cache.k_cache[0], cache.v_cache[0]):
         slots = pool.view(2, -1, 16)  # (Hkv, num_slots, D)
         for table, s in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()):
@@ -182,6 +187,11 @@ def test_kernel_refuses_a_query_that_does_not_fit_the_pool():
     with pytest.raises(ValueError, match="does not fit the pool"):
         kernel().paged_attention(q[:, :5], cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
                                  meta.cu_seqlens_q)  # 5 query heads for 2 kv heads
+    # the kernel reads V with K's strides: a V pool laid out otherwise would be read at the wrong addresses
+    v_other = cache.v_cache[0].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, blocks outermost
+    assert v_other.shape == cache.k_cache[0].shape and v_other.stride() != cache.k_cache[0].stride()
+    with pytest.raises(ValueError, match="same strides"):
+        kernel().paged_attention(q, cache.k_cache[0], v_other, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
 
 
 @pytest.mark.exercise("7.2")

@@ -23,8 +23,9 @@ def repo(tmp_path_factory):
     source = (ROOT / "nanoserve/kv/block_allocator.py").read_text()
     source = source.replace("    def incref(self, block_id: int) -> None:\n",
                             "    def incref(self, block_id: int) -> None:\n        [][block_id]  # the bug\n", 1)
-    source = source.replace("self.free_list[block_id] = None", "self.free_list = {block_id: None, **self.free_list}")
-    assert "the bug" in source and "**self.free_list" in source
+    source = source.replace("self.free_list[block_id] = None",  # a freed block goes to the front: not LRU
+                            "self.free_list[block_id] = None; self.free_list.move_to_end(block_id, last=False)")
+    assert "the bug" in source and "move_to_end" in source
     (copy / "exercises/05-paged-kv/block_allocator.py").write_text(source)
     return copy
 

@@ -338,6 +338,13 @@ def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercis
     learner, reference = engine.student.modules[module], importlib.import_module(module)
     for r, (name,) in ladder.items():
         assert (getattr(learner, name) is getattr(reference, name)) == (r != rung), name  # the learner's, compiled in
+    # the run's report names the finished rung's jit function as the learner's
+    yours = next(line for line in engine.student.describe().splitlines()
+                 if line.startswith("  yours") and "triton_paged_attention.py" in line)
+    named = yours.split("yours", 1)[1].split("  from ")[0].strip().split(", ")
+    assert {name for (name,) in ladder.values()} & set(named) == set(ladder[rung]), yours
+    assert "store_kv_kernel" in next(line for line in engine.student.describe().splitlines()
+                                     if line.startswith("  yours") and "triton_store_kv.py" in line)  # 7.2
     calls = engine.student.calls
     assert calls["paged_attention"] == calls["store_kv"] > len(PROMPTS) * tiny.config.num_hidden_layers
 

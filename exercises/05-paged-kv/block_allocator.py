@@ -4,10 +4,12 @@ Your version of nanoserve/kv/block_allocator.py: same class, same methods. Repla
 `raise NotImplementedError` with your code, then run `make grade CH=05`.
 
 The pool has `num_blocks` blocks, ids 0 .. num_blocks - 1. A block with ref count 0 is free and sits
-in the free list; a block with ref count n >= 1 is held by n block tables. Keep the free list in LRU
-order: `allocate` takes from the FRONT (least recently freed first; at the start: 0, 1, 2, ...),
-`free` puts a block that drops to 0 at the BACK. Hint: a dict used as an ordered set
-(`dict.fromkeys(range(n))`) pops the front, appends at the back and deletes from the middle in O(1).
+in the free list; a block with ref count n >= 1 is held by n block tables. Keep the free list as
+`self.free_list`, iterable front to back (the tests read `list(a.free_list)`), in LRU order: `allocate`
+takes from the FRONT (least recently freed first; at the start: 0, 1, 2, ...), `free` puts a block that
+drops to 0 at the BACK. Its three operations — take the front, append at the back, remove from the
+middle (`incref` of a free block) — should each cost O(1) whatever the pool's size. (A plain dict does
+not pop its front in O(1): time `next(iter(d))` then `del` on 100,000 keys.)
 
     a = BlockAllocator(4)          free list [0, 1, 2, 3]
     a.allocate(2) -> [0, 1]        free list [2, 3]

@@ -65,9 +65,22 @@ class BlockManager(ReferenceBlockManager):
         raise NotImplementedError("Exercise 5.4: grow the block table (prefix hits, new blocks, copy-on-write)")
 
     def _register_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Exercise 5.4. Register in the prefix cache every full block of `seq_id` among its first num_tokens
-        positions whose tokens are known (min(num_tokens, len(token_ids)) // block_size blocks) and that is
-        not registered yet (self.block_hashes[seq_id] holds the chain so far): each block's hash is
-        hash_block(parent hash or None, its tokens); append it to block_hashes, then
-        prefix_cache.insert(hash, parent, tokens, block id). A partially filled block is never registered."""
+        """Exercise 5.4. Register the full blocks of `seq_id` among its first num_tokens positions whose tokens
+        are known (min(num_tokens, len(token_ids)) // block_size blocks) that were not handled yet
+        (self.block_hashes[seq_id] holds the chain hashes handled so far, one per block).
+
+        What must hold afterwards:
+          - block_hashes[seq_id] has the chain hash of every such full block: hash_block(the previous block's
+            hash, or None for block 0, its tokens); a partially filled block gets none;
+          - block i is in the prefix cache under its hash, with its parent hash and tokens — unless the hash is
+            taken (insert says no), or the cache does not hold this table's block i - 1 under the parent hash
+            (a collision gave that hash to another block: a lookup matching that block would then walk into
+            block i, whose K/V were computed after other tokens).
+
+            m = BlockManager(num_blocks=8, block_size=4)        # allocate_slots calls it
+            m.allocate_slots(1, list(range(10)), 10)
+            h0 = hash_block(None, (0, 1, 2, 3));  h1 = hash_block(h0, (4, 5, 6, 7))
+            m.block_hashes[1] == [h0, h1]
+            m.prefix_cache.entries == {0: (h0, None, (0, 1, 2, 3)), 1: (h1, h0, (4, 5, 6, 7))}
+        """
         raise NotImplementedError("Exercise 5.4: register the full blocks under their chain hashes")

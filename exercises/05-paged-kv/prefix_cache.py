@@ -13,12 +13,18 @@ from collections.abc import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Exercise 5.2. A deterministic int naming (parent_hash, token_ids).
+    """Exercise 5.2. An int that names (parent_hash, token_ids).
 
-    Use hashlib.sha256 (Python's hash() of a str changes between processes, and is easy to collide
-    on purpose): feed it the parent hash (a fixed marker such as b"root" for None, else
-    parent_hash.to_bytes(32, "little")) then the tokens (array("q", token_ids).tobytes()), and turn
-    the digest into an int with int.from_bytes(..., "little")."""
+    The same arguments give the same int in every process (Python's hash() of a str is salted per
+    process); another parent, another token or another order gives another int; and a collision must be
+    hard to make on purpose (else one user could make another's request read their K/V): a
+    cryptographic hash from hashlib, fed with bytes that stand for None or for the parent hash, then for
+    the tokens. Which bytes keep [1, 23] and [12, 3] apart?
+
+        hash_block(None, [1, 2, 3]) == hash_block(None, [1, 2, 3])        # an int, every run
+        len({hash_block(None, [1, 2, 3]), hash_block(None, [3, 2, 1]), hash_block(None, [1, 2]),
+             hash_block(hash_block(None, [1, 2, 3]), [1, 2, 3])}) == 4
+    """
     raise NotImplementedError("Exercise 5.2: hash the parent hash and the block's tokens together")
 
 

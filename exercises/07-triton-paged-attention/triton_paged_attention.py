@@ -28,6 +28,12 @@ def online_softmax_step(scores, v, m_i, l_i, acc):
     scores (BLOCK_M, TILE) float32, already scaled and masked (-inf where a row may not see a key);
     v (TILE, D_PAD) the tile's values; m_i, l_i (BLOCK_M,) the running max and sum of exp(score - m_i);
     acc (BLOCK_M, D_PAD) the running sum of exp(score - m_i) · v. Returns the new (m_i, l_i, acc).
+    A row that sees no key of the tile (all -inf) keeps its m_i, l_i and acc.
+
+    One row, D = 1, starting from m = -inf, l = 0, acc = 0:
+        tile 1: scores [1, 2],    v [1, 3]   ->  m = 2, l = e^-1 + 1 = 1.368,  acc = e^-1 · 1 + 3 = 3.368
+        tile 2: scores [4, -inf], v [10, 0]  ->  m = 4, l = 1.368 · e^-2 + 1 = 1.185,  acc = 3.368 · e^-2 + 10 = 10.456
+        acc / l = 8.823 = softmax([1, 2, 4]) · [1, 3, 10]
     """
     raise NotImplementedError("Exercise 7.1: write online_softmax_step")
 
@@ -40,7 +46,13 @@ def load_kv_tile(k_head_ptr, v_head_ptr, table_ptr, tile_start, num_keys, stride
     k_head_ptr, v_head_ptr: one kv head's part of the pool, (num_blocks, block_size, D) with strides
     (stride_kb, stride_ks, 1); table_ptr: the sequence's row of the block table (logical -> physical block).
     Returns k, v (TILE, D_PAD) — 0 for positions >= num_keys and for the padding dims >= HEAD_DIM — and
-    key_pos (TILE,). Reads no block the table does not name for a position < num_keys.
+    key_pos (TILE,). Reads no block the table does not name for a position < num_keys, and nothing at all
+    for a position >= num_keys (the table's entries past the sequence's blocks are padding).
+
+    BLOCK_SIZE 4, the table [5, 2], tile_start 0, TILE 8, num_keys 6:
+        key_pos  0 1 2 3 4 5 6 7
+        block    5 5 5 5 2 2 - -     (- : masked, not read)
+        row      0 1 2 3 0 1 - -     k[p] = the pool's row `row` of block `block` (this kv head); k[6] = k[7] = 0
     """
     raise NotImplementedError("Exercise 7.3: write load_kv_tile")
 
@@ -68,6 +80,10 @@ def paged_attention_kernel(
     For each TILE of key positions it gets K and V from KV_TILE, computes sm_scale · q·kᵀ in float32,
     hides from each row the keys its query may not see (causal, by position), and hands the scores to
     STEP. It writes acc / l of every real row to out (in out's dtype) and nothing else.
+
+    SmolLM2's shape, G = 3 padded to G_PAD = 4, BLOCK_Q = 4: the 16 rows are (token r // 4, head j·3 + r % 4),
+    rows 3, 7, 11 and 15 padding. A 5-token chunk on a 10-token cached prefix (seq_len 15): its query i sits at
+    position 10 + i and sees keys 0 .. 10 + i; its second query block holds query 4 alone (rows 0, 1, 2 real, the rest padding).
     """
     raise NotImplementedError("Exercise 7.4: write paged_attention_kernel")
 

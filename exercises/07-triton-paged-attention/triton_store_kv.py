@@ -24,6 +24,9 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, nu
     int64) of every kv head: k_cache[h, block, row] = k[t, h] for each head h, where the slot is row `row`
     of physical block `block` of BLOCK_SIZE rows. H_PAD, D_PAD: NUM_KV_HEADS and HEAD_DIM rounded up to
     powers of two. Writes nothing else: every other slot, and every padding head and dim, stays as it was.
+
+    BLOCK_SIZE 4, slot_mapping [9, 2]: token 0 goes to block 2, row 1 (k_cache[h, 2, 1] = k[0, h] for every h);
+    token 1 to block 0, row 2. With BLOCK_T 16 there is one program, and its lanes 2..15 load and store nothing.
     """
     raise NotImplementedError("Exercise 7.2: write store_kv_kernel")
 

@@ -30,13 +30,17 @@ PEAK_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+GPU_ONLY_DEFAULTS = {"batch": [1, 4, 16, 64, 256], "context": [128, 512, 2048, 8192], "dtype": "fp16", "block_size": 16,
+                     "peak_gbs": None}
+
+
 def register(sub):
     p = sub.add_parser("attention", help="Triton paged attention vs torch paged vs SDPA: time and bandwidth (chapter 07)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    p.add_argument("--context", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    p.add_argument("--batch", type=int, nargs="+", default=GPU_ONLY_DEFAULTS["batch"])
+    p.add_argument("--context", type=int, nargs="+", default=GPU_ONLY_DEFAULTS["context"])
     # fp16 by default: the dtype the interpreter tests (test_ch07_kernels); bf16 is checked only by the max err column
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=GPU_ONLY_DEFAULTS["dtype"])
+    p.add_argument("--block-size", type=int, default=GPU_ONLY_DEFAULTS["block_size"])
     p.add_argument("--peak-gbs", type=float, default=None, help="the device's memory bandwidth (default: from its name)")
     p.set_defaults(func=run)
 
@@ -67,6 +71,13 @@ def run(args):
     if torch.cuda.is_available():
         return run_gpu(args)
     if os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter runs fixed test shapes in float32: a GPU run's shape and device flags would do nothing
+        given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                 if name in GPU_ONLY_DEFAULTS and value != GPU_ONLY_DEFAULTS[name]]
+        if given:
+            print(f"error: {', '.join(given)}: a GPU run's flag{'s' * (len(given) > 1)}; in Triton's interpreter "
+                  "bench attention runs the chapter's test shapes in float32 and takes none", file=sys.stderr)
+            return 2
         return run_interpreter()
     print("error: bench attention measures the Triton kernels on a CUDA GPU, and there is none here. For a sanity run "
           "of the kernels in Triton's interpreter (times per call, no bandwidth): "

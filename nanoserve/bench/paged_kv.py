@@ -144,16 +144,18 @@ def decode_attention(attn: PagedAttention, q: torch.Tensor, attend) -> torch.Ten
 def under_memory_cap(model, num_blocks: int, block_size: int, workload) -> dict:
     """Paged vs reserving, the same requests in the same pool; the two engines step in turn, each timed on
     its own clock. {name: {steps, seconds, output_throughput, preemptions, peak_running, mean_running}}."""
-    from nanoserve.bench.experiment import engine_for, greedy
+    from nanoserve.bench.experiment import greedy
+    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
     from nanoserve.kv.reservation import ReservingBlockManager
 
-    engines = {name: engine_for(model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
-               for name in ("paged", "reserve prompt+max_tokens")}
-    reserving = engines["reserve prompt+max_tokens"]
-    # The benchmark's own swap: the engine always pages; here its scheduler gets the reserving manager
-    # (same pool size, so the worker's KV tensors still match).
-    reserving.block_manager = reserving.scheduler.block_manager = ReservingBlockManager(
-        num_blocks, block_size, lambda seq_id: reserving.scheduler.seqs[seq_id].max_total_tokens)
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
+    # The reserving engine's manager reads each sequence's prompt + max_tokens from that engine's scheduler.
+    def max_total_tokens(seq_id: str) -> int:
+        return engines["reserve prompt+max_tokens"].scheduler.seqs[seq_id].max_total_tokens
+
+    engines = {"paged": LLMEngine(model, config),
+               "reserve prompt+max_tokens": LLMEngine(model, config, block_manager=ReservingBlockManager(
+                   num_blocks, block_size, max_total_tokens))}
     stats = {name: {"steps": 0, "seconds": 0.0, "preemptions": 0, "running": [], "output_tokens": 0}
              for name in engines}
     for engine in engines.values():

@@ -100,7 +100,11 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None,
-                 degraded_model=None, student: StudentCode | None = None):
+                 degraded_model=None, student: StudentCode | None = None, block_manager=None):
+        """student: the run's StudentCode when the caller built parts of the model with it (LLM shares one, so
+        the report names every file of the learner's that ran); block_manager: one built by the caller for the
+        same pool (chapter 05's benchmark passes its reserving baseline, kv/reservation.py); None builds the
+        paging one."""
         self.config = config = config or EngineConfig()
         self.tokenizer = tokenizer
         if (config.degrade_under_load is None) != (degraded_model is None):
@@ -140,9 +144,14 @@ class LLMEngine:
         # detokenizer (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
-        block_manager = student.module("nanoserve.kv.block_manager").BlockManager
-        self.block_manager = block_manager(num_blocks, config.block_size, config.enable_prefix_caching,
-                                           allocator=allocator, prefix_cache=prefix_cache)
+        if block_manager is None:
+            block_manager = student.module("nanoserve.kv.block_manager").BlockManager(
+                num_blocks, config.block_size, config.enable_prefix_caching, allocator=allocator,
+                prefix_cache=prefix_cache)
+        elif (block_manager.num_blocks, block_manager.block_size) != (num_blocks, config.block_size):
+            raise ValueError(f"the block manager's pool ({block_manager.num_blocks} blocks of {block_manager.block_size}) "
+                             f"is not the engine's ({num_blocks} blocks of {config.block_size})")
+        self.block_manager = block_manager
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
         policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),

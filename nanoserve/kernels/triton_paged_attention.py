@@ -194,6 +194,9 @@ def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, c
     Hkv, _, block_size, _ = k_cache.shape
     if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
         raise ValueError(f"paged_attention: q {tuple(q.shape)} does not fit the pool {tuple(k_cache.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:  # the kernel reads V with K's strides
+        raise ValueError(f"paged_attention: k_cache and v_cache need the same strides, the last 1: "
+                         f"{k_cache.stride()} and {v_cache.stride()}")
     cfg = launch_config(H, Hkv, D, block_m, tile)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if query_block_index is None:

@@ -22,6 +22,8 @@ Worked example (4 blocks):
     a.allocate(3) -> [2, 3, 0]     free list []
 """
 
+from collections import OrderedDict
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):
@@ -29,9 +31,10 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        # A dict used as an ordered set: O(1) pop from the front, append at the back, and removal
-        # from the middle (when `incref` revives a cached block).
-        self.free_list: dict[int, None] = dict.fromkeys(range(num_blocks))
+        # An OrderedDict used as an ordered set: O(1) pop from the front, append at the back, and removal
+        # from the middle (when `incref` revives a cached block). A plain dict pops its front in O(n): its
+        # deleted entries stay at the front of its table until it is rebuilt, and `next(iter(d))` walks them.
+        self.free_list: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_list)
@@ -51,8 +54,7 @@ class BlockAllocator:
             return None
         blocks = []
         for _ in range(num_blocks):
-            block_id = next(iter(self.free_list))
-            del self.free_list[block_id]
+            block_id, _ = self.free_list.popitem(last=False)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks

@@ -195,7 +195,11 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             tokens = token_ids[i * bs:(i + 1) * bs]
             hashes.append(self.prefix_cache.hash_block(parent, tokens))
-            self.prefix_cache.insert(hashes[-1], parent, tokens, table[i])
+            # Cached only under a parent that the cache holds as this table's block i - 1. If another block
+            # holds the parent's hash (a collision), a lookup would match that block and then this one, whose
+            # K/V were computed after other tokens.
+            if i == 0 or self.prefix_cache.entries.get(table[i - 1], (None,))[0] == parent:
+                self.prefix_cache.insert(hashes[-1], parent, tokens, table[i])
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares all of the parent's blocks (ref count +1 each): no KV is copied until
