@@ -22,7 +22,6 @@ from nanoserve.student import STUDENT_FILES, unfinished
 ROOT = Path(__file__).resolve().parent.parent
 
 GAPS = {
-    "03": {"3.2"},
     "08": {"8.4"},
     "09": {"9.1", "9.2", "9.3", "9.4", "9.5"},
     "11": {"11.2", "11.5"},
