@@ -65,13 +65,16 @@ class Counting:
 
 @pytest.fixture
 def stamps(monkeypatch):
-    """Every query id the SUT hands to LoadGen's FirstTokenComplete and QuerySamplesComplete (then passed on)."""
-    calls = {"FirstTokenComplete": [], "QuerySamplesComplete": []}
-    for name, seen in calls.items():
-        real = getattr(mlperf_loadgen, name)
+    """Every query id the SUT hands to LoadGen's FirstTokenComplete and QuerySamplesComplete (then passed on),
+    and in `sizes` each (bytes, n_tokens) of the end's responses, by query id."""
+    calls = {"FirstTokenComplete": [], "QuerySamplesComplete": [], "sizes": {}}
+    for name in ("FirstTokenComplete", "QuerySamplesComplete"):
+        real, seen = getattr(mlperf_loadgen, name), calls[name]
 
-        def spy(responses, *rest, real=real, seen=seen):
+        def spy(responses, *rest, real=real, seen=seen, name=name):
             seen.extend(r.id for r in responses)
+            if name == "QuerySamplesComplete":
+                calls["sizes"].update({r.id: (r.size, r.n_tokens) for r in responses})
             return real(responses, *rest)
 
         monkeypatch.setattr(mlperf_loadgen, name, spy)
@@ -104,6 +107,10 @@ def test_every_query_loadgen_issues_is_answered(scenario, samples, async_engine,
     firsts, ends = stamps["FirstTokenComplete"], stamps["QuerySamplesComplete"]
     assert len(ends) == len(set(ends)) == issued  # every sample completed, once
     assert sorted(firsts) == sorted(ends)  # and its first token reported, once
+    # the end carries n_tokens, LoadGen's TPOT divisor: one int32 per token of the answer
+    assert all(n_tokens >= 1 and size == 4 * n_tokens for size, n_tokens in stamps["sizes"].values())
+    assert sorted(n for _, n in stamps["sizes"].values()) == sorted(len(ids) for outs in sut.outputs.values()
+                                                                     for ids in outs)
     assert sum(len(v) for v in sut.outputs.values()) == issued
     assert detail["failed_requests"] == 0 and not sut.failures
     assert detail["result_validity"] in ("VALID", "INVALID")  # LoadGen judged the run (a short one may be INVALID)
