@@ -14,6 +14,7 @@ from nanoserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from tests.tiny_model import tiny_llama  # noqa: E402
 
 SHORT = {"Offline": 16, "Server": 12, "SingleStream": 6}  # min_query_count of each scenario's short run
+FEW = 12  # accuracy-mode runs play the first 12 samples (all 3 kinds), each once: what 64 prove, in a fifth of the time
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,12 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def samples():
     return load_samples()
+
+
+@pytest.fixture(scope="module")
+def few(samples):
+    assert {s["kind"] for s in samples[:FEW]} == {"chat", "document", "system"}
+    return samples[:FEW]
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +65,16 @@ class Counting:
 
 @pytest.fixture
 def stamps(monkeypatch):
-    """Every query id the SUT hands to LoadGen's FirstTokenComplete and QuerySamplesComplete (then passed on)."""
-    calls = {"FirstTokenComplete": [], "QuerySamplesComplete": []}
-    for name, seen in calls.items():
-        real = getattr(mlperf_loadgen, name)
+    """Every query id the SUT hands to LoadGen's FirstTokenComplete and QuerySamplesComplete (then passed on),
+    and in `sizes` each (bytes, n_tokens) of the end's responses, by query id."""
+    calls = {"FirstTokenComplete": [], "QuerySamplesComplete": [], "sizes": {}}
+    for name in ("FirstTokenComplete", "QuerySamplesComplete"):
+        real, seen = getattr(mlperf_loadgen, name), calls[name]
 
-        def spy(responses, *rest, real=real, seen=seen):
+        def spy(responses, *rest, real=real, seen=seen, name=name):
             seen.extend(r.id for r in responses)
+            if name == "QuerySamplesComplete":
+                calls["sizes"].update({r.id: (r.size, r.n_tokens) for r in responses})
             return real(responses, *rest)
 
         monkeypatch.setattr(mlperf_loadgen, name, spy)
@@ -97,6 +107,10 @@ def test_every_query_loadgen_issues_is_answered(scenario, samples, async_engine,
     firsts, ends = stamps["FirstTokenComplete"], stamps["QuerySamplesComplete"]
     assert len(ends) == len(set(ends)) == issued  # every sample completed, once
     assert sorted(firsts) == sorted(ends)  # and its first token reported, once
+    # the end carries n_tokens, LoadGen's TPOT divisor: one int32 per token of the answer
+    assert all(n_tokens >= 1 and size == 4 * n_tokens for size, n_tokens in stamps["sizes"].values())
+    assert sorted(n for _, n in stamps["sizes"].values()) == sorted(len(ids) for outs in sut.outputs.values()
+                                                                     for ids in outs)
     assert sum(len(v) for v in sut.outputs.values()) == issued
     assert detail["failed_requests"] == 0 and not sut.failures
     assert detail["result_validity"] in ("VALID", "INVALID")  # LoadGen judged the run (a short one may be INVALID)
@@ -105,7 +119,8 @@ def test_every_query_loadgen_issues_is_answered(scenario, samples, async_engine,
     assert (tmp_path / "mlperf_log_summary.txt").exists()
 
 
-def test_the_accuracy_log_decodes_to_the_ids_the_engine_produced(samples, tiny, tokenizer, async_engine, tmp_path):
+def test_the_accuracy_log_decodes_to_the_ids_the_engine_produced(few, tiny, tokenizer, async_engine, tmp_path):
+    samples = few
     with SUT(samples, engine_generator(async_engine)) as sut:
         mlperf.run_test(sut, short_settings("Offline", "accuracy"), str(tmp_path))
     logged = mlperf.read_accuracy_log(str(tmp_path))
@@ -115,7 +130,7 @@ def test_the_accuracy_log_decodes_to_the_ids_the_engine_produced(samples, tiny, 
     from nanoserve.sampling import SamplingParams
 
     engine = new_engine(tiny, tokenizer)
-    picks = [0, 5, 17, 40]
+    picks = [0, 1, 2, 9]  # a chat, a shared system prompt, two documents
     for i in picks:
         engine.add_request(str(i), samples[i]["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=samples[i]["max_tokens"]))
     finished = {}
@@ -126,8 +141,8 @@ def test_the_accuracy_log_decodes_to_the_ids_the_engine_produced(samples, tiny, 
     assert result["samples"] == len(samples) and not result["passed"] and result["rouge_l"] < 0.5
 
 
-def test_a_failed_request_is_still_completed_to_loadgen(samples, async_engine, tmp_path):
-    real = engine_generator(async_engine)
+def test_a_failed_request_is_still_completed_to_loadgen(few, async_engine, tmp_path):
+    samples, real = few, engine_generator(async_engine)
 
     async def flaky(sample, on_first):
         if sample["index"] % 3 == 0:
@@ -148,13 +163,14 @@ def test_a_failed_request_is_still_completed_to_loadgen(samples, async_engine, t
     assert not mlperf.is_valid(perf) and "3 requests FAILED" in mlperf.verdict(perf)
 
 
-def test_the_url_sut_measures_nanoserve_own_server(samples, tiny, tokenizer, tmp_path):
+def test_the_url_sut_measures_nanoserve_own_server(few, tiny, tokenizer, tmp_path):
     import asyncio
 
     import httpx
 
     from nanoserve.server.runner import serving
 
+    samples = few
     with serving(new_engine(tiny, tokenizer), tokenizer, model_name="tiny") as (url, _):
         with SUT(samples, None) as sut:
             client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
@@ -172,12 +188,12 @@ def test_the_url_sut_measures_nanoserve_own_server(samples, tiny, tokenizer, tmp
     from nanoserve.sampling import SamplingParams
 
     engine = new_engine(tiny, tokenizer)
-    for i in (2, 9):
+    for i in (4, 9):  # two documents, the shortest answers of the few
         engine.add_request(str(i), samples[i]["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=samples[i]["max_tokens"]))
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o.text for o in engine.step() if o.finished})
-    assert {i: tokenizer.decode(logged[i]) for i in (2, 9)} == {i: finished[str(i)] for i in (2, 9)}
+    assert {i: tokenizer.decode(logged[i]) for i in (4, 9)} == {i: finished[str(i)] for i in (4, 9)}
 
 
 def test_rouge_l_the_peak_search_and_the_verdict_by_hand():

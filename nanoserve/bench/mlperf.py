@@ -16,8 +16,8 @@ Scenarios (LoadGen issues the queries; the SUT, nanoserve/bench/mlperf_sut.py, o
                 p90 latency of a whole answer.
 
 The run is scaled down to this CPU: MLPerf's own runs last at least 600 s over its full data set; these
-last --min-duration seconds (default 10) and at least --min-query-count queries. The Server default, 460, is
-the fewest LoadGen's early stopping accepts at p99 (below it no run can be VALID, however fast).
+last --min-duration seconds (default 10) and at least --min-query-count queries. The Server default, 460, clears
+the 459 LoadGen's early stopping needs at p99 with no query over a limit (below 459 no run is VALID, however fast).
 `--mode accuracy` issues each sample once and scores the accuracy log LoadGen wrote (the ids as the SUT
 reported them) against the float32 oracle's greedy answers (nanoserve/bench/mlperf_data.py).
 LoadGen's logs (mlperf_log_summary.txt, mlperf_log_detail.txt, mlperf_log_accuracy.json) go to
@@ -323,7 +323,8 @@ def measure(args, sut, out_dir: str) -> int:
             print(f"Offline: {detail['result_samples_per_second']:.2f} samples/s, "
                   f"{detail['result_tokens_per_second']:.1f} tokens/s ({out_dir})")
         else:
-            estimate = (f"early stopping's p90 estimate {detail['early_stopping_latency_ss'] / 1e9:.3f} s"
+            # with token latencies, LoadGen's early-stopping estimate is of the TTFT (its last check), not the answer
+            estimate = (f"early stopping's p90 TTFT estimate {detail['early_stopping_latency_ss'] / 1e9:.3f} s"
                         if detail["early_stopping_met"] else "too few queries for early stopping's estimate")
             print(f"SingleStream: p90 latency {detail['result_90.00_percentile_latency_ns'] / 1e9:.3f} s, "
                   f"{estimate} ({out_dir})")
