@@ -147,12 +147,14 @@ class AsyncLLMEngine:
         self._wakeup.set()
 
     async def watch(self, keepalive: float = 1.0) -> AsyncIterator[dict | None]:
-        """The engine's snapshots (chapter 12) while this runs: the latest one each time, never a backlog;
-        None after `keepalive` seconds without one (so a server can ping its client). Ends with the engine."""
+        """The engine's snapshots (chapter 12) while this runs: the latest one each time, never a backlog (the
+        first with the last steps' records, EventFeed.with_history); None after `keepalive` seconds without
+        one (so a server can ping its client). Ends with the engine."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         sub = self.event_feed.subscribe(lambda: _post(loop, ready.set))
         self._wakeup.set()  # an idle engine sends the current state now
+        first = True  # the first snapshot carries the recent steps: a page opened mid-run has a timeline at once
         try:
             while self.is_running and not self._stopping:
                 ready.clear()
@@ -163,6 +165,8 @@ class AsyncLLMEngine:
                         continue
                     except TimeoutError:
                         pass
+                elif first:
+                    snap, first = self.event_feed.with_history(snap), False
                 yield snap
         finally:
             self.event_feed.unsubscribe(sub)
