@@ -211,6 +211,7 @@ function drawTimeline() {
   const [ctx, w, h] = canvas("timeline");
   const steps = state.steps.slice(-120);
   if (!steps.length) return;
+  ctx.canvas.dataset.steps = `${steps[0][0]}-${steps[steps.length - 1][0]}`;  // the steps drawn, for a reader (and a test)
   const css = getComputedStyle(document.documentElement);
   const maxTokens = Math.max(1, ...steps.map((s) => s[2] + s[3]));
   const maxMs = Math.max(1, ...steps.map((s) => s[5]));
