@@ -262,3 +262,22 @@ def test_a_view_opened_mid_run_counts_steps_from_the_engine_and_shows_the_stream
     tpot = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)  # 4 tokens so far
     assert len(seq.token_times) == 4 and s["latency"] == {"requests": 1, "ttft_p50": round(ttft, 6),
                                                             "tpot_p50": round(tpot, 6)}
+
+
+def test_the_cost_benchmark_runs_the_three_systems_it_names(tiny):
+    """`bench engine-view`'s run_once: every output token counted, one feed time per step; the closed feed keeps
+    every step's record and builds nothing, the open one hands its viewer a snapshot per step (no throttle here)."""
+    from nanoserve.bench.engine_view import run_once
+
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4))
+    workload = [([1, 2, 3, 4, 5], 3), ([6, 7], 5)]  # prompts of 5 and 2 tokens, 3 and 5 tokens out: 5 steps
+    seconds, tokens, per_step, encoded, steps = run_once(engine, workload)
+    assert (tokens, per_step, encoded, steps) == (8, [], 0, 5)
+    closed = EventFeed()
+    _, tokens, per_step, encoded, steps = run_once(engine, workload, feed=closed)
+    assert (tokens, len(per_step), encoded, steps) == (8, 5, 0, 5) and closed._builder is None
+    assert [r[0] for r in closed.history] == [6, 7, 8, 9, 10] and [r[6] for r in closed.history] == [2, 2, 2, 1, 1]
+    open_feed = EventFeed(min_interval=0)
+    viewer = open_feed.subscribe()
+    _, tokens, per_step, encoded, steps = run_once(engine, workload, feed=open_feed, viewer=viewer)
+    assert (tokens, len(per_step), encoded, steps) == (8, 5, 5, 5)
