@@ -106,7 +106,8 @@ class EventFeed:
         try:
             if not self._subscribers:
                 self._builder = None  # the next viewer starts a fresh one (no stale ids, no stale counters)
-                record, _ = step_record(engine, scheduler_output, outputs, step_seconds, self.t0, _rules(engine).step_kind)
+                record, _ = step_record(engine, scheduler_output, outputs, step_seconds, self.t0,
+                                        _rules(engine).step_kind)
                 self.history.append(record)  # a full deque drops its oldest: O(1), memory bounded
                 return
             if self._builder is None:

@@ -83,15 +83,17 @@ def step_record(engine, scheduler_output, outputs, step_seconds: float, t0: floa
     kinds = {}
     for seq in scheduler_output.scheduled_seqs:
         n = scheduler_output.num_scheduled_tokens[seq.seq_id]
-        kind = step_kind(seq.num_computed_tokens - n, n, seq.num_tokens - (seq.seq_id in sampled), seq.num_prompt_tokens)
+        got = seq.seq_id in sampled  # the step's new token is already counted in num_tokens
+        kind = step_kind(seq.num_computed_tokens - n, n, seq.num_tokens - got, seq.num_prompt_tokens)
         kinds[seq.seq_id] = (n, kind)
         if kind == "decode":
             num_decode += n
         else:
             num_prefill += n
     bm = engine.block_manager
-    record = [engine.num_steps, round(time.time() - t0, 4), num_prefill, num_decode, len(scheduler_output.scheduled_seqs),
-              round(step_seconds * 1000, 3), len(sampled), round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)]
+    record = [engine.num_steps, round(time.time() - t0, 4), num_prefill, num_decode,
+              len(scheduler_output.scheduled_seqs), round(step_seconds * 1000, 3), len(sampled),
+              round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)]
     return record, kinds
 
 
