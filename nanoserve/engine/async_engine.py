@@ -65,7 +65,7 @@ class AsyncLLMEngine:
         # snapshots the engine thread publishes after every step (read by the server without a lock)
         self.num_requests_running = 0
         self.num_requests_waiting = 0
-        # chapter 12: snapshots for the live page, off while nobody watches (--student 12: the learner's feed)
+        # chapter 12: snapshots for the live page, nearly off while nobody watches (--student 12: the learner's feed)
         student = getattr(engine, "student", None)  # a distributed engine front has none: the reference's
         self.event_feed = (student.module("nanoserve.engine.event_feed") if student else event_feed).EventFeed()
 
