@@ -101,7 +101,8 @@ def run(args):
           f"best of {args.rounds} interleaved rounds (torch threads: {torch.get_num_threads()})")
     base = best["no feed"][1] / best["no feed"][0]
     for name, (seconds, tokens, per_step, encoded, steps) in best.items():
-        line = f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed"
+        line = (f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed   "
+                f"{1000 * seconds / steps:.1f} ms per step")
         in_feed = sum(per_step)
         # the median step: a mean also charges the feed with whatever else ran then (the collector, another process)
         median = f"median step {1e6 * statistics.median(per_step):.1f} µs" if per_step else ""
