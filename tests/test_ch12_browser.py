@@ -167,6 +167,13 @@ def test_the_page_live(browser, model_and_tokenizer, shots):
                            else None)(page_state(browser)), what="an all-free pool")
         assert s["kv"] == "0 %" and "cached" in s["owners"]  # the shared chat template prefix stays cached
 
+        # the page opened afresh after the burst: its timeline already holds the burst's last steps (the feed's
+        # history), up to the engine's own latest step, 120 bars at most
+        browser.refresh()
+        drawn = until(lambda: browser.find_element("id", "timeline").get_attribute("data-steps"), what="the timeline")
+        last = server.state.engine.engine.num_steps
+        assert drawn == f"{max(1, last - 119)}-{last}", (drawn, last)
+
         # a chat message, streamed: the reply grows while it arrives
         fill(browser, "chat-input", "Hello there")
         fill(browser, "max-tokens", 30)

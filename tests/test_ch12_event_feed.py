@@ -9,7 +9,9 @@ Graded: `make grade CH=12` runs them against exercises/12-engine-view/event_feed
   says how long until the next one may go, and nothing is built for steps nobody watches.
 """
 
+import importlib
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +64,7 @@ class FakeBuilder:
 
     def observe_step(self, *args):
         self.observed += 1
+        return [self.observed]  # the step's record
 
     def snapshot(self):
         self.built += 1
@@ -119,10 +122,19 @@ def test_nothing_is_built_for_steps_nobody_watches():
     feed, subs, clock, builder = fed()
     for sub in subs:
         feed.unsubscribe(sub)
+    # an idle engine stepped by hand: nothing scheduled, a 4-block pool with 1 block held
+    reference = SimpleNamespace(module=importlib.import_module)  # --student off: the reference's step_kind
+    engine = SimpleNamespace(num_steps=0, student=reference,
+                             block_manager=SimpleNamespace(num_blocks=4, get_num_free_blocks=lambda: 3))
+    nothing = SimpleNamespace(scheduled_seqs=[], num_scheduled_tokens={})
     for _ in range(10):
-        feed.record(None, None, [], 0.001)
+        engine.num_steps += 1
+        feed.record(engine, nothing, [], 0.001)
         clock.now += 1
     assert builder.built == 0 and builder.observed == 0 and feed.flush(None) is None
+    # only the steps' records are kept, for the next viewer: [step, time, prefill, decode, seqs, ms, sampled, usage]
+    assert [r[0] for r in feed.history] == list(range(1, 11))
+    assert all(r[2:] == [0, 0, 0, 1.0, 0, 0.25] for r in feed.history)
     sub = feed.subscribe()  # a viewer comes back: the next step builds for it
     feed._builder = builder
     feed.record(None, None, [], 0.001)

@@ -110,6 +110,24 @@ def test_a_burst_seen_step_by_step(server):
     assert not feed.watched
 
 
+def test_a_page_opened_after_a_burst_gets_its_steps(server):
+    """Nobody watched the burst; a viewer that connects afterwards still gets its steps, from the feed's history,
+    in its first snapshot: every step once, the tokens of each kind adding up as worked out by hand."""
+    feed = server.state.engine.event_feed
+    prompts = [[3, 7, 11], [4, 7, 11, 2, 5]]
+    ids = []
+    for p in prompts:  # one after the other: the steps are 1 prefill + 5 decodes each
+        complete(server, p, 6, ids)
+    assert not feed.watched
+    with httpx.stream("GET", url(server, "/engine/events"), timeout=60) as r:
+        first = next(snapshots(r))
+    steps = first["steps"]
+    assert [rec[0] for rec in steps] == list(range(1, 13)) and first["step"] == 12
+    assert [rec[2] for rec in steps] == [3, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0]  # prefill tokens
+    assert [rec[3] for rec in steps] == [0, 1, 1, 1, 1, 1] * 2 and all(rec[6] == 1 for rec in steps)
+    assert first["running"] == [] and first["finished"] == []  # events are not replayed: only the steps
+
+
 def test_events_need_the_key_when_there_is_one(tiny):
     server = start_server(LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4)), api_key="sekret")
     try:

@@ -149,12 +149,45 @@ def test_encode_pool_round_trips():
 
 
 # ---- the feed: off, throttled, bounded ------------------------------------------------------------------
-def test_feed_is_off_without_subscribers():
+def test_feed_is_nearly_off_without_subscribers(tiny):
+    """Nobody watching: no snapshot, no builder; only each step's record, in a ring of the last HISTORY_STEPS."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4))
     feed = EventFeed()
-    # with nobody watching record() must not even look at its arguments
-    for _ in range(3):
-        feed.record(None, None, None, 0.0)
-    assert not feed.watched and feed.flush(None) is None
+    engine.add_request("a", [1, 2, 3], params(2))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        feed.record(engine, engine.last_scheduler_output, outputs, 0.002)
+    assert not feed.watched and feed._builder is None and feed.flush(engine) is None
+    # by hand: step 1 prefills the 3 prompt tokens (and samples 1, in block 0 of 4 tokens: 1/16 of the pool);
+    # step 2 decodes 1 token and finishes, its block back in the pool
+    assert [r[:1] + r[2:] for r in feed.history] == [[1, 3, 0, 1, 2.0, 1, 0.0625], [2, 0, 1, 1, 2.0, 1, 0.0]]
+
+
+@pytest.mark.parametrize("k", [5, reference.HISTORY_STEPS + 7])
+def test_a_viewer_connecting_after_k_steps_gets_the_last_min_k_n(tiny, k):
+    """The page opened mid-run: its first snapshot carries the records of the last min(K, N) steps, the same
+    records a builder that watched from the start wrote (times aside: each counts from its own origin)."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=160, block_size=4, max_num_batched_tokens=8))
+    feed, watcher = EventFeed(min_interval=0), SnapshotBuilder(engine)
+    # two requests, chunked prefills of 8 tokens, then decodes: both kinds of record in the history
+    engine.add_request("a", list(range(1, 21)), params(k))
+    engine.add_request("b", list(range(1, 13)), params(k))
+    for _ in range(k):
+        outputs = engine.step()
+        feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
+        watcher.observe_step(engine.last_scheduler_output, outputs, 0.001)
+    sub = feed.subscribe()
+    assert feed.flush(engine) is None  # the idle engine's loop: the new viewer gets the state now
+    first = feed.with_history(sub.take())
+    n = min(k, reference.HISTORY_STEPS)
+    assert [r[0] for r in first["steps"]] == list(range(k - n + 1, k + 1)) and first["step"] == k
+    expected = list(watcher.steps)[-n:]
+    assert [r[:1] + r[2:] for r in first["steps"]] == [r[:1] + r[2:] for r in expected]
+    assert first["steps"][0][2] == (8 if k < 10 else 0)  # 5 steps: the first is a prefill chunk; 247: a decode
+    # later snapshots carry only their own steps, as before
+    outputs = engine.step()
+    feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
+    assert [r[0] for r in sub.take()["steps"]] == [k + 1]
 
 
 def test_subscription_keeps_only_the_latest():
@@ -229,3 +262,22 @@ def test_a_view_opened_mid_run_counts_steps_from_the_engine_and_shows_the_stream
     tpot = (seq.token_times[-1] - seq.token_times[0]) / (len(seq.token_times) - 1)  # 4 tokens so far
     assert len(seq.token_times) == 4 and s["latency"] == {"requests": 1, "ttft_p50": round(ttft, 6),
                                                             "tpot_p50": round(tpot, 6)}
+
+
+def test_the_cost_benchmark_runs_the_three_systems_it_names(tiny):
+    """`bench engine-view`'s run_once: every output token counted, one feed time per step; the closed feed keeps
+    every step's record and builds nothing, the open one hands its viewer a snapshot per step (no throttle here)."""
+    from nanoserve.bench.engine_view import run_once
+
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4))
+    workload = [([1, 2, 3, 4, 5], 3), ([6, 7], 5)]  # prompts of 5 and 2 tokens, 3 and 5 tokens out: 5 steps
+    seconds, tokens, per_step, encoded, steps = run_once(engine, workload)
+    assert (tokens, per_step, encoded, steps) == (8, [], 0, 5)
+    closed = EventFeed()
+    _, tokens, per_step, encoded, steps = run_once(engine, workload, feed=closed)
+    assert (tokens, len(per_step), encoded, steps) == (8, 5, 0, 5) and closed._builder is None
+    assert [r[0] for r in closed.history] == [6, 7, 8, 9, 10] and [r[6] for r in closed.history] == [2, 2, 2, 1, 1]
+    open_feed = EventFeed(min_interval=0)
+    viewer = open_feed.subscribe()
+    _, tokens, per_step, encoded, steps = run_once(engine, workload, feed=open_feed, viewer=viewer)
+    assert (tokens, len(per_step), encoded, steps) == (8, 5, 5, 5)

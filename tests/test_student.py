@@ -418,3 +418,34 @@ def test_generate_cli_runs_the_learners_chapter_03_and_says_so(smollm2, smollm2_
     assert any(line.startswith("  reference  nanoserve.text.detokenizer  (") for line in lines)
     proof = [line for line in err.splitlines() if line.startswith("--student: your code served:")]
     assert len(proof) == 1 and "sample ×6" in proof[0] and "check_stop ×6" in proof[0]
+
+
+def test_finished_12_feeds_the_live_page(tiny, exercises):
+    """--student 12: the async engine's event feed is the learner's (12.3, 12.4) and draws the pool and the step
+    timeline with the learner's block_owners and step_kind (12.1, 12.2): snapshot for snapshot, what the
+    reference's feed sends for the same schedule (times aside)."""
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+    from nanoserve.engine.event_feed import EventFeed
+
+    exercises("nanoserve.engine.snapshot")
+    finish("nanoserve.engine.event_feed", ["Subscription.put", "Subscription.take", "EventFeed.emit_if_due"])
+    config = dict(num_blocks=11, block_size=4, max_num_batched_tokens=16)
+    engines = [LLMEngine(tiny, EngineConfig(**config, student="12")), LLMEngine(tiny, EngineConfig(**config))]
+    feeds = [AsyncLLMEngine(engines[0]).event_feed, EventFeed()]
+    assert type(feeds[0]).__module__ == "student_nanoserve_engine_event_feed"
+    subs = [feed.subscribe() for feed in feeds]
+    for engine, feed in zip(engines, feeds):
+        feed.min_interval = 0  # a snapshot after every step, on both sides
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    seen = [[], []]
+    while engines[1].has_unfinished_requests():
+        for engine, feed, sub, got in zip(engines, feeds, subs, seen):
+            outputs = engine.step()
+            feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
+            snap = sub.take()
+            got.append((snap["pool"], [r[:1] + r[2:5] + r[6:] for r in snap["steps"]], snap["preempted"]))
+    assert seen[0] == seen[1] and any(preempted for _, _, preempted in seen[0])  # 5 requests on 11 blocks preempt
+    calls = engines[0].student.calls
+    assert calls["block_owners"] == calls["EventFeed.emit_if_due"] == calls["Subscription.put"] == len(seen[0])
+    assert calls["step_kind"] >= len(seen[0]) and calls["Subscription.take"] == len(seen[0])

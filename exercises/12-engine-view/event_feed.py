@@ -5,7 +5,8 @@ not its code). Your classes inherit the reference's, so everything but your thre
 `Subscription.__init__` sets `self._lock` (a threading.Lock), `self._latest` (the mailbox: a snapshot or
 None), `self._notify` (a callable or None) and `self.dropped` (0); `EventFeed.__init__` sets
 `self.min_interval`, `self.clock`, `self._subscribers` (a tuple), `self._builder` (a SnapshotBuilder or
-None), `self._last_emit` (-inf) and `self._pending`; `_builder(engine)` makes a builder.
+None), `self._last_emit` (-inf), `self._pending`, `self.t0` (the origin of the snapshots' times) and
+`self.history` (the last steps' records, kept by the given `record`); `_builder(engine, self.t0)` makes a builder.
 
 Grade with `make grade CH=12 EX=12.3` (or 12.4); with `--student 12` the server's live page is fed by yours.
 """
@@ -34,6 +35,7 @@ class EventFeed(event_feed.EventFeed):
     def emit_if_due(self, engine) -> float:
         """Exercise 12.4: called after every step and by the idle loop (record, flush). If at least min_interval
         seconds (by self.clock()) have passed since the last snapshot was built, build one (self._builder; make
-        it for `engine` first if it is None), deliver the same dict to every subscriber, remember when, clear
-        self._pending and return 0.0. Otherwise build nothing and return the seconds until one may be built."""
+        it with _builder(engine, self.t0) first if it is None), deliver the same dict to every subscriber,
+        remember when, clear self._pending and return 0.0. Otherwise build nothing and return the seconds until
+        one may be built."""
         raise NotImplementedError("Exercise 12.4: EventFeed.emit_if_due")

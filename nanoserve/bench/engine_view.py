@@ -5,14 +5,17 @@ round by round so the machine's drift hits all three alike:
 
   no feed     the bare loop: step(), step(), ...                       (the engine before chapter 12)
   page closed the loop AsyncLLMEngine runs: each step timed and handed to EventFeed.record, nobody subscribed
+              (the feed keeps each step's record for the next viewer, and builds nothing else)
   page open   the same with one viewer that takes every snapshot and JSON-encodes it, as /engine/events does
 
 Reported: output tokens/s of each (best of --rounds) and its ratio to "no feed"; and, timed directly (on a
 shared machine the tokens/s of whole runs wander by more than the feed costs), the time spent inside the feed:
-per step with the page closed, per snapshot (built and encoded) with it open, and as a share of the run.
+per step with the page closed, per snapshot (built and encoded, with the records of the steps it covers) with it
+open, and as a share of the run.
 """
 
 import json
+import statistics
 import sys
 import time
 
@@ -36,11 +39,12 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, float, int, int]:
-    """(seconds, output tokens, seconds inside the feed, snapshots encoded, steps) for the whole workload."""
+def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, list[float], int, int]:
+    """(seconds, output tokens, seconds inside the feed at each step, snapshots encoded, steps) for the whole
+    workload."""
     for i, (prompt, n) in enumerate(workload):
         engine.add_request(str(i), prompt, params(n))
-    tokens, in_feed, encoded, steps = 0, 0.0, 0, 0
+    tokens, in_feed, encoded, steps = 0, [], 0, 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         if feed is None:
@@ -53,7 +57,7 @@ def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, floa
             if viewer is not None and (snap := viewer.take()) is not None:
                 json.dumps(snap, separators=(",", ":"))
                 encoded += 1
-            in_feed += time.perf_counter() - f0
+            in_feed.append(time.perf_counter() - f0)
         tokens += sum(len(o.new_token_ids) for o in outputs)
         steps += 1
     return time.perf_counter() - t0, tokens, in_feed, encoded, steps
@@ -96,13 +100,18 @@ def run(args):
     print(f"{args.num_requests} requests on {which}, {engine.block_manager.num_blocks} KV blocks, "
           f"best of {args.rounds} interleaved rounds (torch threads: {torch.get_num_threads()})")
     base = best["no feed"][1] / best["no feed"][0]
-    for name, (seconds, tokens, in_feed, encoded, steps) in best.items():
-        line = f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed"
+    for name, (seconds, tokens, per_step, encoded, steps) in best.items():
+        line = (f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed   "
+                f"{1000 * seconds / steps:.1f} ms per step")
+        in_feed = sum(per_step)
+        # the median step: a mean also charges the feed with whatever else ran then (the collector, another process)
+        median = f"median step {1e6 * statistics.median(per_step):.1f} µs" if per_step else ""
         if name == "page closed":
-            line += f"   {1e6 * in_feed / steps:.2f} µs per step in the feed, {100 * in_feed / seconds:.4f} % of the run"
+            line += (f"   {1e6 * in_feed / steps:.2f} µs per step in the feed ({median}), "
+                     f"{100 * in_feed / seconds:.4f} % of the run")
         if name == "page open":
-            line += (f"   {encoded} snapshots, {1000 * in_feed / max(encoded, 1):.2f} ms each in the feed, "
-                     f"{100 * in_feed / seconds:.2f} % of the run")
+            line += (f"   {encoded} snapshots, {1000 * in_feed / max(encoded, 1):.2f} ms of feed each "
+                     f"(its steps' records included; {median}), {100 * in_feed / seconds:.2f} % of the run")
         print(line)
     print("reproduce: python -m nanoserve " + " ".join(sys.argv[1:]))
     return 0

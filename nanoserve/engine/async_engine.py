@@ -65,7 +65,7 @@ class AsyncLLMEngine:
         # snapshots the engine thread publishes after every step (read by the server without a lock)
         self.num_requests_running = 0
         self.num_requests_waiting = 0
-        # chapter 12: snapshots for the live page, off while nobody watches (--student 12: the learner's feed)
+        # chapter 12: snapshots for the live page, nearly off while nobody watches (--student 12: the learner's feed)
         student = getattr(engine, "student", None)  # a distributed engine front has none: the reference's
         self.event_feed = (student.module("nanoserve.engine.event_feed") if student else event_feed).EventFeed()
 
@@ -148,12 +148,14 @@ class AsyncLLMEngine:
         self._wakeup.set()
 
     async def watch(self, keepalive: float = 1.0) -> AsyncIterator[dict | None]:
-        """The engine's snapshots (chapter 12) while this runs: the latest one each time, never a backlog;
-        None after `keepalive` seconds without one (so a server can ping its client). Ends with the engine."""
+        """The engine's snapshots (chapter 12) while this runs: the latest one each time, never a backlog (the
+        first with the last steps' records, EventFeed.with_history); None after `keepalive` seconds without
+        one (so a server can ping its client). Ends with the engine."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         sub = self.event_feed.subscribe(lambda: _post(loop, ready.set))
         self._wakeup.set()  # an idle engine sends the current state now
+        first = True  # the first snapshot carries the recent steps: a page opened mid-run has a timeline at once
         try:
             while self.is_running and not self._stopping:
                 ready.clear()
@@ -164,6 +166,8 @@ class AsyncLLMEngine:
                         continue
                     except TimeoutError:
                         pass
+                elif first:
+                    snap, first = self.event_feed.with_history(snap), False
                 yield snap
         finally:
             self.event_feed.unsubscribe(sub)

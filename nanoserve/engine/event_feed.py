@@ -5,10 +5,13 @@
     sub = feed.subscribe(notify=wake_me)                # a viewer (any thread)
     snap = sub.take()                                   # the latest snapshot, or None
 
-Three promises, each one line of the design:
+Four promises, each one line of the design:
 
-  off      record() returns at its first line while there are no subscribers: one attribute read
-           per step (`python -m nanoserve bench engine-view` measures it against no feed at all).
+  nearly off  with no subscribers record() builds no snapshot: it keeps the step's record (eight
+           integers, step_record) in a ring of the last HISTORY_STEPS, dropping the oldest
+           (`python -m nanoserve bench engine-view` measures it against no feed at all).
+  history  a viewer's first snapshot carries that ring as its step records, so a page opened
+           mid-run draws the last HISTORY_STEPS steps at once, not an empty timeline.
   throttled  a full snapshot is built at most once per `min_interval` (0.05 s: 20 a second); the
            steps in between only add a few integers each to the next one's step records.
   bounded  a subscriber holds ONE snapshot. A new one replaces it (counted in `dropped`), so a slow
@@ -25,15 +28,19 @@ Exercise 12.3 writes the mailbox (`Subscription.put`, `Subscription.take`), 12.4
 import threading
 import time
 import warnings
+from collections import deque
 
-from nanoserve.engine.snapshot import SnapshotBuilder
+from nanoserve.engine.snapshot import HISTORY_STEPS, SnapshotBuilder, step_record
 
 
-def _builder(engine) -> SnapshotBuilder:
+def _rules(engine):
     """With chapter 12 selected in --student: the learner's block_owners and step_kind (exercises/12-engine-view/),
     once written."""
-    rules = engine.student.module("nanoserve.engine.snapshot")
-    return SnapshotBuilder(engine, rules)
+    return engine.student.module("nanoserve.engine.snapshot")
+
+
+def _builder(engine, t0: float | None = None) -> SnapshotBuilder:
+    return SnapshotBuilder(engine, _rules(engine), t0)
 
 
 class Subscription:
@@ -75,6 +82,8 @@ class EventFeed:
         self._builder: SnapshotBuilder | None = None
         self._last_emit = float("-inf")
         self._pending = False  # steps observed since the last snapshot, or a new viewer wants one
+        self.t0 = time.time()  # the origin of every step record's time, the history's and the snapshots'
+        self.history: deque[list] = deque(maxlen=HISTORY_STEPS)  # the last steps' records, watched or not
 
     @property
     def watched(self) -> bool:
@@ -93,14 +102,17 @@ class EventFeed:
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def record(self, engine, scheduler_output, outputs, step_seconds: float) -> None:
-        """After every step. Nobody watching: nothing happens."""
-        if not self._subscribers:
-            self._builder = None  # the next viewer starts a fresh one (no stale ids, no stale counters)
-            return
+        """After every step. Nobody watching: the step's record goes into the history, nothing else happens."""
         try:
+            if not self._subscribers:
+                self._builder = None  # the next viewer starts a fresh one (no stale ids, no stale counters)
+                record, _ = step_record(engine, scheduler_output, outputs, step_seconds, self.t0,
+                                        _rules(engine).step_kind)
+                self.history.append(record)  # a full deque drops its oldest: O(1), memory bounded
+                return
             if self._builder is None:
-                self._builder = _builder(engine)
-            self._builder.observe_step(scheduler_output, outputs, step_seconds)
+                self._builder = _builder(engine, self.t0)
+            self.history.append(self._builder.observe_step(scheduler_output, outputs, step_seconds))
             self._pending = True
             self.emit_if_due(engine)
         except NotImplementedError:  # an exercise stub (only a test runs one: serving falls back to the reference)
@@ -114,6 +126,8 @@ class EventFeed:
         if not self._subscribers or not self._pending:
             return None
         try:
+            if self._builder is None:  # made here, not in emit_if_due, so that its times count from the feed's t0
+                self._builder = _builder(engine, self.t0)
             wait = self.emit_if_due(engine)
         except NotImplementedError:
             raise
@@ -136,9 +150,16 @@ class EventFeed:
         if wait > 0:
             return wait
         if self._builder is None:
-            self._builder = _builder(engine)
+            self._builder = _builder(engine, self.t0)
         snap = self._builder.snapshot()
         self._last_emit, self._pending = now, False
         for sub in self._subscribers:
             sub.put(snap)  # the same dict for all: viewers only read it
         return 0.0
+
+    # ---- a viewer's thread ---------------------------------------------------------------------------
+    def with_history(self, snap: dict) -> dict:
+        """A viewer's first snapshot: `snap` with the history up to its step as its step records (every
+        observed step went into both, so they end alike). Any thread: deque.copy() runs in C under the GIL,
+        whole, so the engine thread's appends cannot tear it."""
+        return {**snap, "steps": [r for r in self.history.copy() if r[0] <= snap["step"]]}

@@ -13,6 +13,8 @@ One owner per block: "free" (on the free list, nothing worth keeping), "cached" 
 too, but a prefix hit can revive it; the allocator hands it out last), a request id (held by that
 one block table), or "shared:k" (held by k tables: a prefix hit, or a fork).
 
+`step_record` sums one step into eight integers for the timeline (the event feed keeps the last
+HISTORY_STEPS of them, watched or not, so a page opened mid-run starts with the recent past).
 `SnapshotBuilder` turns steps into snapshots. `observe_step` runs after every step while someone
 watches (cheap: a few integers per scheduled sequence); `snapshot` runs at most ~20 times a second
 and adds the full picture: queues, pool, and the events and step records gathered since the last one.
@@ -25,6 +27,7 @@ from collections import deque
 from nanoserve.metrics import percentile
 
 MAX_STEPS_PER_SNAPSHOT = 256  # step records kept between two snapshots; older ones are counted, not kept
+HISTORY_STEPS = 240  # step records a viewer gets when it connects (the page's timeline holds as many)
 LATENCY_WINDOW = 20  # finished requests in the snapshot's latency figures
 
 
@@ -68,6 +71,32 @@ def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: i
     return "decode" if last_token_only and num_computed_before >= num_prompt_tokens else "prefill"
 
 
+def step_record(engine, scheduler_output, outputs, step_seconds: float, t0: float, step_kind=step_kind):
+    """One step summed up for the timeline, and what it gave each scheduled sequence:
+
+        ([step, time since t0 (s), prefill tokens, decode tokens, sequences, step ms, tokens sampled, KV usage],
+         {seq id: (tokens computed, "prefill" | "decode")})
+
+    Work: one look at each scheduled sequence (at most max_num_seqs), none at the pool or the history."""
+    sampled = {out.request_id for out in outputs if out.new_token_ids}
+    num_prefill = num_decode = 0
+    kinds = {}
+    for seq in scheduler_output.scheduled_seqs:
+        n = scheduler_output.num_scheduled_tokens[seq.seq_id]
+        got = seq.seq_id in sampled  # the step's new token is already counted in num_tokens
+        kind = step_kind(seq.num_computed_tokens - n, n, seq.num_tokens - got, seq.num_prompt_tokens)
+        kinds[seq.seq_id] = (n, kind)
+        if kind == "decode":
+            num_decode += n
+        else:
+            num_prefill += n
+    bm = engine.block_manager
+    record = [engine.num_steps, round(time.time() - t0, 4), num_prefill, num_decode,
+              len(scheduler_output.scheduled_seqs), round(step_seconds * 1000, 3), len(sampled),
+              round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)]
+    return record, kinds
+
+
 def _seq_view(seq, scheduled: int = 0, kind: str | None = None) -> dict:
     return {"id": seq.seq_id, "state": seq.status.value, "priority": seq.priority,
             "prompt": seq.num_prompt_tokens, "output": seq.num_output_tokens, "max_tokens": seq.max_tokens,
@@ -76,13 +105,14 @@ def _seq_view(seq, scheduled: int = 0, kind: str | None = None) -> dict:
 
 
 class SnapshotBuilder:
-    def __init__(self, engine, rules=None):
+    def __init__(self, engine, rules=None, t0: float | None = None):
         """rules: the module whose block_owners and step_kind are used: this one, or the learner's
-        exercises/12-engine-view/snapshot.py (EventFeed picks it when the engine runs with student=True)."""
+        exercises/12-engine-view/snapshot.py (EventFeed picks it when the engine runs with student=True).
+        t0: the wall-clock origin of the snapshots' times (the feed's, so its history shares it); default now."""
         self.engine = engine
         self.rules = rules if rules is not None else sys.modules[__name__]
-        self.step = getattr(engine, "num_steps", 0)  # the engine's own count: a page opened mid-run shows the same
-        self.t0 = time.time()
+        self.step = engine.num_steps  # the engine's own count: a page opened mid-run shows the same
+        self.t0 = time.time() if t0 is None else t0
         self._live = set(engine.scheduler.seqs)  # ids alive after the last observed step
         self._stats_seen = self._stats()
         self._reset_events()
@@ -94,7 +124,7 @@ class SnapshotBuilder:
         return s.queried_tokens, s.hit_tokens, s.hit_blocks, s.evicted_blocks
 
     def _reset_events(self) -> None:
-        self.steps: list[list] = []
+        self.steps: deque[list] = deque()
         self.dropped_steps = 0
         self.preempted: list[str] = []
         self.finished: list[dict] = []
@@ -106,21 +136,12 @@ class SnapshotBuilder:
         self.aborted.extend(sorted(self._live - live - finished_ids))
         self._live = live
 
-    def observe_step(self, scheduler_output, outputs, step_seconds: float) -> None:
-        """After LLMEngine.step(): record the step's tokens and events. `outputs` are the step's RequestOutputs."""
-        self.step = getattr(self.engine, "num_steps", self.step + 1)
-        sampled = {out.request_id for out in outputs if out.new_token_ids}
-        num_prefill = num_decode = 0
-        self._last_step = {}
-        for seq in scheduler_output.scheduled_seqs:
-            n = scheduler_output.num_scheduled_tokens[seq.seq_id]
-            got = seq.seq_id in sampled
-            kind = self.rules.step_kind(seq.num_computed_tokens - n, n, seq.num_tokens - got, seq.num_prompt_tokens)
-            self._last_step[seq.seq_id] = (n, kind)
-            if kind == "decode":
-                num_decode += n
-            else:
-                num_prefill += n
+    def observe_step(self, scheduler_output, outputs, step_seconds: float) -> list:
+        """After LLMEngine.step(): record the step's tokens and events. `outputs` are the step's RequestOutputs.
+        Returns the step's record (step_record)."""
+        record, self._last_step = step_record(self.engine, scheduler_output, outputs, step_seconds, self.t0,
+                                              self.rules.step_kind)
+        self.step = record[0]
         finished = [out for out in outputs if out.finished]
         for out in finished:
             m = out.metrics
@@ -129,14 +150,11 @@ class SnapshotBuilder:
             self.recent.append((m.get("ttft"), m.get("tpot")))
         self.preempted.extend(scheduler_output.preempted_seq_ids)
         self._note_gone({out.request_id for out in finished})
-        bm = self.engine.block_manager
-        record = [self.step, round(time.time() - self.t0, 4), num_prefill, num_decode,
-                  len(scheduler_output.scheduled_seqs), round(step_seconds * 1000, 3), len(sampled),
-                  round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)]
         self.steps.append(record)
         if len(self.steps) > MAX_STEPS_PER_SNAPSHOT:
-            self.steps.pop(0)
+            self.steps.popleft()
             self.dropped_steps += 1
+        return record
 
     def latency(self) -> dict:
         """p50 TTFT and p50 TPOT (seconds; None before any) of the last LATENCY_WINDOW finished requests and of
@@ -175,7 +193,7 @@ class SnapshotBuilder:
             "prefix": {"queried_tokens": queried, "hit_tokens": hit, "hit_blocks": hit_blocks, "evicted_blocks": evicted},
             "pool": {**encode_pool(owners), "num_free": bm.get_num_free_blocks(),
                      "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
-            "steps": self.steps, "dropped_steps": self.dropped_steps,
+            "steps": list(self.steps), "dropped_steps": self.dropped_steps,
             "latency": self.latency(),
         }
         self._reset_events()

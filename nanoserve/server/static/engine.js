@@ -93,7 +93,9 @@ function draw(snap) {
     state.colours.clear();
   }
   state.lastStep = snap.step;
-  state.steps.push(...snap.steps);
+  // a (re)connect's first snapshot carries the recent history: keep only the steps not drawn yet
+  const held = state.steps.length ? state.steps[state.steps.length - 1][0] : -1;
+  state.steps.push(...snap.steps.filter((s) => s[0] > held));
   state.steps.splice(0, Math.max(0, state.steps.length - HISTORY));
   state.preemptions += snap.preempted.length;
   state.finished += snap.finished.length;
@@ -209,6 +211,7 @@ function drawTimeline() {
   const [ctx, w, h] = canvas("timeline");
   const steps = state.steps.slice(-120);
   if (!steps.length) return;
+  ctx.canvas.dataset.steps = `${steps[0][0]}-${steps[steps.length - 1][0]}`;  // the steps drawn, for a reader (and a test)
   const css = getComputedStyle(document.documentElement);
   const maxTokens = Math.max(1, ...steps.map((s) => s[2] + s[3]));
   const maxMs = Math.max(1, ...steps.map((s) => s[5]));
