@@ -17,7 +17,8 @@ worlds meet at two thread-safe points:
 Only the engine thread ever touches the LLMEngine, so the engine itself needs no lock. An abort is
 an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
 When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
-A step that raises fails the requests that were in it (their streams raise) and the loop goes on.
+A step that raises fails the requests that were in it (their streams raise) and the loop goes on; a
+sequence whose own draw raises fails alone (LLMEngine gives its output an `error`), the batch goes on.
 
 Exercise 8.3 (exercises/08-http-serving/async_engine.py) writes the bridge: add_request, _outputs, abort,
 _drain_inbox and _emit; `serve --student 08` runs the learner's class.
@@ -232,8 +233,10 @@ class AsyncLLMEngine:
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:
-                _post(stream.loop, stream.queue.put_nowait, out)
+            if stream is not None:  # a request that failed inside a step: its stream raises, no one else's
+                item = out if getattr(out, "error", None) is None else \
+                    EngineStepError(f"request {out.request_id!r} failed in an engine step: {out.error}")
+                _post(stream.loop, stream.queue.put_nowait, item)
 
     def _end(self, request_id: str, error: BaseException) -> None:
         with self._lock:

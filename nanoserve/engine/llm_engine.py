@@ -95,6 +95,9 @@ class RequestOutput:
     # comes before it) and a TokenLogprob for each other; on the step the first token is out (every completion's)
     prompt_logprobs: list | None = None
     reject_reason: str | None = None  # chapter 15: the scheduling policy refused the request (finish_reason "abort")
+    # the request failed inside a step (its draw raised): why, in one line (finish_reason "abort"); the others
+    # in that step went on
+    error: str | None = None
 
 
 class LLMEngine:
@@ -259,24 +262,43 @@ class LLMEngine:
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
-        outputs = rejected
-        logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
+        # one sequence whose draw raised fails its request alone (before the scheduler advances it: it has no token)
+        outputs = rejected + [self._fail(seq_id, e) for seq_id, e in getattr(sampled, "failed", {}).items()]
         self._collect_prompt_logprobs(getattr(sampled, "prompt_logprobs", {}))
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
-            if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
-                parent.num_computed_tokens = parent.num_tokens - 1
-            prompt_logprobs = self._prompt_logprobs_done(parent)
-            for seq in [parent] + self._fork(parent, sampled, now):
-                new_ids, status, new_text = self._check_new_tokens(seq, verified.get(seq.seq_id, 1))
-                if status is None:
-                    outputs.append(self._output(seq, new_ids, new_text))
-                else:
-                    self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
-                    outputs.append(self._finish(seq, new_ids, new_text, now))
-                if seq.seq_id in logprobs:
-                    outputs[-1].logprobs = [logprobs[seq.seq_id]]
-                outputs[-1].prompt_logprobs = prompt_logprobs
+            try:
+                outputs += self._advance(parent, sampled, verified, now)
+            except Exception as e:  # noqa: BLE001 — its stop check or text failed: its request, not the step
+                outputs.append(self._fail(parent.seq_id, e))
+        return [out for out in outputs if out is not None]
+
+    def _advance(self, parent: Sequence, sampled: dict, verified: dict[str, int], now: float) -> list[RequestOutput]:
+        """The outputs of a sequence that got its token(s) this step (and of its forks, n > 1): stop checks,
+        text, logprobs; a finished one leaves the scheduler."""
+        if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
+            parent.num_computed_tokens = parent.num_tokens - 1
+        logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
+        prompt_logprobs = self._prompt_logprobs_done(parent)
+        outputs = []
+        for seq in [parent] + self._fork(parent, sampled, now):
+            new_ids, status, new_text = self._check_new_tokens(seq, verified.get(seq.seq_id, 1))
+            if status is None:
+                outputs.append(self._output(seq, new_ids, new_text))
+            else:
+                self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
+                outputs.append(self._finish(seq, new_ids, new_text, now))
+            if seq.seq_id in logprobs:
+                outputs[-1].logprobs = [logprobs[seq.seq_id]]
+            outputs[-1].prompt_logprobs = prompt_logprobs
         return outputs
+
+    def _fail(self, seq_id: str, error: Exception) -> RequestOutput | None:
+        """A sequence failed inside this step: its request ends now (every completion, blocks freed), its last
+        output saying why; None if the request already ended (a sibling completion failed first)."""
+        out = self.abort_request(seq_id)
+        if out is not None:
+            out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _collect_prompt_logprobs(self, scored: dict[str, tuple[int, list]]) -> None:
         """Chapter 08: file this step's prompt entries (the model runner's {seq_id: (first index, entries)}); a
