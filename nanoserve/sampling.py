@@ -28,7 +28,8 @@ from nanoserve.structured.params import StructuredOutputsParams
 
 
 # The bounds that keep one request's numbers finite inside a step (a NaN there would fail the whole batch's draw):
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit seed: OpenAI's bound, and torch.Generator's
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit seed: OpenAI's bound (the server's edge)
+GENERATOR_SEED_MAX = 2**64 - 1  # torch.Generator's: room above SEED_MAX for completion i's seed + i (n > 1)
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a temperature > 0: logits / 1e-300 are inf, their softmax NaN
 MIN_REPETITION_PENALTY = 0.01  # a positive logit / 1e-300 is inf too
 
@@ -38,8 +39,8 @@ class SamplingParams:
     """How to pick tokens for one request (the names and defaults of vLLM's SamplingParams).
 
     temperature: 0 = greedy (below MIN_TEMPERATURE, vLLM's floor, it is raised to it: 1 / 1e-300 overflows);
-    top_k: 0 or -1 = off; top_p: 1.0 = off; seed: None = the global RNG, else a signed 64-bit int (OpenAI's and
-    vLLM's bound; a torch.Generator takes no more, and a seed past it would fail the step it is drawn in);
+    top_k: 0 or -1 = off; top_p: 1.0 = off; seed: None = the global RNG, else an int a torch.Generator takes (with
+    room for seed + i, n > 1; a seed past it would fail the step it is drawn in; the server takes OpenAI's int64);
     max_tokens: most new tokens; stop: strings that end the output (the text is cut before them);
     stop_token_ids: ids that end the output; ignore_eos: keep going past the EOS token;
     n: completions of the same prompt (parallel sampling: the prompt is computed once, chapter 06).
@@ -87,8 +88,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1] or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= GENERATOR_SEED_MAX - self.n):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1 - n] or None, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
