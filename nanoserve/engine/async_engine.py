@@ -91,7 +91,7 @@ class AsyncLLMEngine:
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,
-                          speculative: bool = True) -> AsyncIterator[RequestOutput]:
+                          speculative: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; returns its output stream once the engine took it (at the next
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
         so a server can answer 400 before it starts streaming."""
@@ -106,7 +106,8 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
-                                     {"tenant": tenant, "slo": slo, "speculative": speculative}))
+                                     {"tenant": tenant, "slo": slo, "speculative": speculative,
+                                      "cache_salt": cache_salt}))
         self._wakeup.set()
         try:
             await stream.added

@@ -180,10 +180,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
-                    slo: SLOTargets | None = None, speculative: bool = True) -> None:
+                    slo: SLOTargets | None = None, speculative: bool = True, cache_salt: str | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
-        this request out of chapter 14's speculation."""
+        this request out of chapter 14's speculation. cache_salt: only requests with the same salt share prefix
+        cache blocks (vLLM's; None: the cache everyone without a salt shares)."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -206,7 +207,7 @@ class LLMEngine:
         # chapter 13: compiled here unless the async engine compiled it ahead (then a cache hit)
         grammar = None if sampling_params.structured is None else self.structured.prepare(sampling_params)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
-                       tenant=tenant, slo=slo)
+                       tenant=tenant, slo=slo, cache_salt=cache_salt)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
@@ -401,7 +402,7 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
-from nanoserve.server.limits import Tenant, TenantLimits
+from nanoserve.server.limits import Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
@@ -188,6 +188,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(cfg.retry_after_s)})
         tenant = check_key(request)
         request.state.tenant, request.state.priority = (tenant.name, tenant.priority) if tenant else (None, 0)
+        request.state.operator = tenant is not None and tenant.is_operator
         if state.limiter is not None:
             # a verified key's tenant, or the client's address: never an unverified header, which anyone can vary
             who = (f"tenant:{tenant.name}" if tenant else "key") if keys else \
@@ -243,7 +244,8 @@ def build_app(state: ServerState) -> FastAPI:
             with state.versions.lease() as served:  # chapter 15: this request's version, to its last token
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
                                                           tenant=tenant, slo=req.slo_targets(),
-                                                          speculative=req.speculative)
+                                                          speculative=req.speculative,
+                                                          cache_salt=prefix_cache_salt(tenant, req.cache_salt))
         except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
             raise APIError(400, str(e), "response_format") from None
         except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
@@ -341,15 +343,40 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, 503)
         return {"status": "ok"}
 
+    def is_admin(request: Request) -> bool:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        return bool(cfg.admin_key) and scheme.lower() == "bearer" and hmac.compare_digest(key.encode(),
+                                                                                           cfg.admin_key.encode())
+
+    def check_operator(request: Request) -> None:
+        """With tenants, /metrics is an operator's (a key with role "operator", or the --admin-key): it counts
+        every tenant's requests and tokens, and the prefix cache's hits. 401 without a valid key, 403 a tenant's."""
+        if is_admin(request):
+            return
+        tenant = check_key(request)
+        if tenant is not None and not tenant.is_operator:
+            raise APIError(403, "this key is a tenant's: /metrics needs an operator key (role = \"operator\")")
+
+    async def viewer(request: Request) -> tuple[str | None, str | None]:
+        """/engine/events (chapter 12): (the tenant whose stream limit it counts against, the tenant whose requests
+        it shows); (None, None) for an operator, or a server without tenants (its one key, if any, is checked)."""
+        if cfg.api_keys and is_admin(request):
+            return None, None
+        await guard(request)  # a stream is a request: the key, the rate limit, the tenant's admission
+        tenant = request.state.tenant
+        return (None, None) if tenant is None or request.state.operator else (tenant, tenant)
+
     @app.get("/metrics")
     async def metrics(request: Request):
-        if cfg.metrics_need_key:
+        if cfg.api_keys:
+            check_operator(request)
+        elif cfg.metrics_need_key:
             check_key(request)
         if state.stat_logger is None:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_engine_view(app, state, check_key)  # chapter 12: GET /engine, the live page, and its /engine/events
+    add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
     return app

@@ -119,6 +119,15 @@ class Tenant:
     weight: float = 1.0  # chapter 15's fair policy: its share of each step's tokens, relative to the others
     ttft_slo_ms: float | None = None  # chapter 15's slo policy: its targets (None: the server's default)
     tpot_slo_ms: float | None = None
+    # "tenant", or "operator": also reads /metrics and every tenant's requests in the engine view (chapter 12)
+    role: str = "tenant"
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role == "operator"
+
+
+ROLES = ("tenant", "operator")
 
 
 def load_api_keys(path: str | Path) -> dict[str, Tenant]:
@@ -133,6 +142,10 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
         weight = 2              # chapter 15: twice the share of a weight-1 tenant under --scheduling-policy fair
         ttft_slo_ms = 500       # chapter 15: its targets under --scheduling-policy slo
         tpot_slo_ms = 100
+
+        [keys."sk-ops"]
+        tenant = "ops"
+        role = "operator"       # also reads /metrics and every tenant's requests in /engine (a tenant: its own)
     """
     path = Path(path)
     try:
@@ -153,12 +166,14 @@ def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
         if not key.strip() or not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str):
             raise ValueError(f"{where}: key {key[:4]}...: needs a table with a string `tenant`")
         unknown = set(spec) - {"tenant", "requests_per_second", "burst", "tokens_per_minute", "priority", "weight",
-                               "ttft_slo_ms", "tpot_slo_ms"}
+                               "ttft_slo_ms", "tpot_slo_ms", "role"}
         if unknown:
             raise ValueError(f"{where}: tenant {spec['tenant']!r}: unknown setting {sorted(unknown)[0]!r}")
         tenant = Tenant(spec["tenant"], spec.get("requests_per_second"), spec.get("burst", 10),
                         spec.get("tokens_per_minute"), spec.get("priority", 0), spec.get("weight", 1.0),
-                        spec.get("ttft_slo_ms"), spec.get("tpot_slo_ms"))
+                        spec.get("ttft_slo_ms"), spec.get("tpot_slo_ms"), spec.get("role", "tenant"))
+        if tenant.role not in ROLES:
+            raise ValueError(f"{where}: tenant {tenant.name!r}: role must be one of {', '.join(ROLES)}, got {tenant.role!r}")
         for name in ("requests_per_second", "tokens_per_minute", "weight", "ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(tenant, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
@@ -167,6 +182,22 @@ def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
             raise ValueError(f"{where}: tenant {tenant.name!r}: burst must be an int >= 1 and priority an int")
         tenants[key] = tenant
     return tenants
+
+
+def prefix_cache_salt(tenant: str | None, requested: str | None) -> str | None:
+    """Whose prefix cache a request reads and fills (LLMEngine.add_request's cache_salt).
+
+    A request's own `cache_salt` (vLLM's field) is shared by every request that sends the same one, whoever
+    sends it: the explicit way for tenants to share a public prefix (a system prompt they all use). Without one,
+    a tenant's requests share with that tenant only; without tenants, everyone shares (None). The two kinds can
+    never collide: a request cannot name another tenant's cache.
+
+        >>> prefix_cache_salt("a", None), prefix_cache_salt("a", "tenant:b"), prefix_cache_salt(None, None)
+        ('tenant:a', 'request:tenant:b', None)
+    """
+    if requested is not None:
+        return f"request:{requested}"
+    return None if tenant is None else f"tenant:{tenant}"
 
 
 def scheduling_settings(tenants: dict[str, Tenant] | None) -> dict:
