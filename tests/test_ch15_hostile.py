@@ -13,6 +13,8 @@ import pytest
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.sampling import SamplingParams
+from nanoserve.server.limits import Tenant, TenantLimits
+from nanoserve.server.protocol import APIError
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import assert_openai_error, assert_pool_whole, chat_body
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
@@ -115,3 +117,70 @@ def test_the_largest_seed_serves(engine, tokenizer):
             r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(seed=seed, temperature=1, n=4), timeout=60)
             assert r.status_code == 200 and len(r.json()["choices"]) == 4
     assert_pool_whole(engine)
+
+
+TENANTS = {"key-a": Tenant("a"), "key-b": Tenant("b"), "key-q": Tenant("q", tokens_per_minute=60),
+           "key-ops": Tenant("ops", role="operator")}
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_tenants_cached_prefix_is_no_hit_for_another(engine, tokenizer):
+    prompt = list(range(1000, 1040))  # 40 tokens: two full blocks of 16 can be cached
+    hits = lambda: engine.block_manager.stats.hit_tokens  # noqa: E731
+    with serving(engine, tokenizer, model_name="tiny", api_keys=TENANTS) as (url, _):
+        def send(key, **kw):
+            before = hits()
+            r = httpx.post(f"{url}/v1/completions", headers=auth(key), timeout=60,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, **kw})
+            assert r.status_code == 200, r.text
+            return hits() - before
+
+        assert send("key-b") == 0  # b fills its cache
+        assert send("key-a") == 0  # the same prompt from a: a miss, it cannot learn that b sent it
+        assert send("key-a") == 32  # a's own prefix: a hit, both full blocks
+        # sharing is explicit: the same cache_salt (vLLM's field), whoever sends it
+        assert send("key-a", cache_salt="public-system-prompt") == 0
+        assert send("key-b", cache_salt="public-system-prompt") == 32
+        assert send("key-b", cache_salt="tenant:a") == 0  # a salt cannot name another tenant's cache
+        assert_openai_error(httpx.get(f"{url}/metrics", headers=auth("key-a")), 403)  # the hit counter is not a's
+        scrape = httpx.get(f"{url}/metrics", headers=auth("key-ops")).text
+        assert 'nanoserve:prefix_cache_hits_total{model_name="tiny"} 64.0' in scrape
+    assert_pool_whole(engine)
+
+
+def test_a_burst_cannot_commit_more_than_the_token_quota(engine, tokenizer):
+    # q: 60 tokens a minute (1 a second). Each request may cost 10 (prompt) + n 2 × max_tokens 10 = 30 tokens: of
+    # three sent at once, two are admitted (60 reserved), the third is refused before it runs; each admitted one
+    # generates all its 20 tokens (ignore_eos), so nothing comes back and 60 tokens are charged in all.
+    record_steps(engine)
+    with serving(engine, tokenizer, model_name="tiny", api_keys=TENANTS) as (url, _):
+        body = {"model": "tiny", "prompt": list(range(2000, 2010)), "max_tokens": 10, "n": 2, "temperature": 0,
+                "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=60, headers=auth("key-q")) as http:
+                return await asyncio.gather(*[http.post("/v1/completions", json=body) for _ in range(3)])
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes == [200, 200, 429]
+        scrape = httpx.get(f"{url}/metrics", headers=auth("key-ops")).text
+        assert 'nanoserve:tenant_tokens_total{model_name="tiny",tenant="q"} 60.0' in scrape
+    assert_pool_whole(engine)
+
+
+def test_tenant_limits_reserve_and_refund_by_hand():
+    limits = TenantLimits({"k": Tenant("q", tokens_per_minute=60)})  # 60 in the bucket, 1 more each second
+    first = limits.reserve("q", 10 + 2 * 10, now=0.0)  # 30 reserved: 30 left
+    second = limits.reserve("q", 30, now=0.0)  # 0 left
+    with pytest.raises(APIError) as refused:
+        limits.reserve("q", 30, now=1.0)  # 1 dripped in: 29 short, so 29 s to wait
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "29"
+    first.spend(10, now=1.0), first.spend(4, now=1.0), first.close(now=1.0)  # stopped early: 16 of 30 come back
+    second.spend(35, now=1.0)  # 5 past its reservation: charged as they come (1 + 16 - 5 = 12)
+    assert limits.tokens["q"].buckets["q"][0] == pytest.approx(12)
+    first.close(now=1.0)  # closing twice gives nothing back twice
+    assert limits.tokens["q"].buckets["q"][0] == pytest.approx(12)
+    assert limits.reserve("q", 10**6, now=100.0).left == 60  # more than the quota: a full bucket, at most

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
-from nanoserve.server.limits import Tenant, TenantLimits, prefix_cache_salt
+from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
@@ -104,18 +104,20 @@ class ServerState:
         if tokens:
             self.stat_logger.tenant_tokens.labels(self.config.model_name, tenant).inc(tokens)
 
-    def charge(self, tenant: str | None, tokens: int) -> None:
-        self.tenants.charge(tenant, tokens)
-        self.count(tenant, "", tokens)
+    def spend(self, reservation: Reservation, tokens: int) -> None:
+        """A request used `tokens` (its prompt, its generated tokens): paid from its quota reservation, counted."""
+        reservation.spend(tokens)
+        self.count(reservation.tenant, "", tokens)
 
-    async def metered(self, request_id: str, outputs, tenant: str | None, deadline: float | None,
+    async def metered(self, request_id: str, outputs, reservation: Reservation, deadline: float | None,
                       timeout: float | None, engine: AsyncLLMEngine | None = None):
-        """The engine's outputs, each generated token charged to the tenant; past `deadline` (the event
+        """The engine's outputs, each generated token paid from the tenant's reservation (what is left of it goes
+        back when the request ends, chapter 08's quotas); past `deadline` (the event
         loop's clock) a RequestTimeout; a request the scheduling policy refused (chapter 15, --slo-reject)
         an APIError 503 — in a stream, an error event then [DONE]. Leaving early aborts the request on
         `engine` (the version it runs on; default the current one) — explicitly: closing `outputs` would
         not if it never started (a deadline already past, a client gone before the first token)."""
-        engine = engine or self.engine
+        engine, tenant = engine or self.engine, reservation.tenant
         loop = asyncio.get_running_loop()
         finished = False
         try:
@@ -133,9 +135,10 @@ class ServerState:
                     raise RequestTimeout(timeout) from None
                 if getattr(out, "reject_reason", None):
                     raise APIError(503, out.reject_reason, "ttft_slo_ms")
-                self.charge(tenant, len(out.new_token_ids))
+                self.spend(reservation, len(out.new_token_ids))
                 yield out
         finally:
+            reservation.close()
             if not finished:
                 engine.abort(request_id)  # at the next step boundary; a finished id is ignored
             await outputs.aclose()
@@ -240,21 +243,26 @@ def build_app(state: ServerState) -> FastAPI:
                                                          cfg.max_request_tokens)  # exercise 8.1
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
+        # what it may cost, taken from the tenant's quota now (429 if not there), the unused part refunded at the end
+        reservation = state.tenants.reserve(tenant, len(prompt_ids) + params.n * params.max_tokens)
         try:
             with state.versions.lease() as served:  # chapter 15: this request's version, to its last token
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
                                                           tenant=tenant, slo=req.slo_targets(),
                                                           speculative=req.speculative,
                                                           cache_salt=prefix_cache_salt(tenant, req.cache_salt))
-        except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
-            raise APIError(400, str(e), "response_format") from None
-        except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
-            raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
+        except BaseException as e:
+            reservation.close()  # refused: nothing was spent
+            if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
+                raise APIError(400, str(e), "response_format") from None
+            if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
+                raise APIError(400, str(e), "max_tokens" if "max_tokens" in str(e) else None) from None
+            raise
         state.count(tenant, "admitted")
-        state.charge(tenant, len(prompt_ids))
+        state.spend(reservation, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(request_id, outputs, tenant, deadline, timeout, served.engine)
+        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
         shape = None
@@ -264,7 +272,7 @@ def build_app(state: ServerState) -> FastAPI:
             lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
             # the abort after the response also covers a client gone before the stream began (nothing to close)
             return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(abort_async, served.engine, request_id))
+                                     background=BackgroundTask(abort_async, served.engine, request_id, reservation))
         try:
             finals = await until_done_or_disconnect(request, outputs)
         except EngineStepError as e:
@@ -382,8 +390,9 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def abort_async(engine: AsyncLLMEngine, request_id: str) -> None:
+async def abort_async(engine: AsyncLLMEngine, request_id: str, reservation: Reservation) -> None:
     engine.abort(request_id)  # ignored if it finished
+    reservation.close()  # a no-op once the stream closed it
 
 
 async def until_done_or_disconnect(request: Request, outputs):

@@ -15,9 +15,14 @@ clients: a bucket idle long enough to be full again is the same as no bucket, so
 (`burst / rate` seconds after its last use); past `max_keys` the least recently used one goes too.
 
 A tenant (`--api-keys FILE`) has a requests/s bucket and a tokens-per-minute bucket (prompt + completion
-tokens, `tokens_per_minute` of them refilling over a minute). A request is admitted while the token
-bucket is not in debt; its tokens are charged as they are known (the prompt at admission, each
-generated token as it comes), so one long request may overdraw it and the next waits until it is paid.
+tokens, `tokens_per_minute` of them refilling over a minute). A request *reserves* what it may cost at
+admission — prompt + n × max_tokens, at most the whole quota — and is refused (429) if the bucket does not
+hold that much; what it generates is paid from the reservation, and what it did not generate goes back
+when it ends (a Reservation). So a burst cannot commit more than the quota: with 2,000 tokens a minute, of
+three concurrent requests of n 16 × max_tokens 120 (+ a 20-token prompt: 1,940 each) the first is served and
+the other two are refused, where charging tokens only as they came would have run all three (5,820 tokens).
+Only a request that asks for more than the whole quota can overdraw it (it needs a full bucket to start);
+the next then waits until the debt is paid.
 
 Exercise 8.4 (exercises/08-http-serving/limits.py) writes TokenBucketLimiter.try_acquire, too_many_requests and
 check_queue.
@@ -102,9 +107,10 @@ class TokenBucketLimiter:
         return 0.0 if tokens > 0 else (1e-9 - tokens) / self.rate
 
     def charge(self, key: str, cost: float, now: float | None = None) -> None:
-        """Take `cost` tokens whether or not they are there (the bucket may go into debt)."""
+        """Take `cost` tokens whether or not they are there (the bucket may go into debt); a negative cost gives
+        tokens back (a refund), never beyond the burst."""
         now = time.monotonic() if now is None else now
-        self._store(key, self._level(key, now) - cost, now)
+        self._store(key, min(self.burst, self._level(key, now) - cost), now)
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,44 @@ class TenantLimits:
                 return wait, f"tenant {tenant!r}: quota of {t.tokens_per_minute} tokens per minute spent"
         return 0.0, ""
 
-    def charge(self, tenant: str | None, tokens: int) -> None:
+    def charge(self, tenant: str | None, tokens: int, now: float | None = None) -> None:
         if tenant in self.tokens and tokens:
-            self.tokens[tenant].charge(tenant, tokens)
+            self.tokens[tenant].charge(tenant, tokens, now)
+
+    def reserve(self, tenant: str | None, tokens: int, now: float | None = None) -> "Reservation":
+        """Take what a request may cost (at most the whole quota) from the tenant's tokens-per-minute bucket, or
+        raise a 429 saying when it will be there. A tenant without a quota gets an empty Reservation."""
+        bucket = self.tokens.get(tenant)
+        if bucket is None:
+            return Reservation(self, tenant, 0)
+        take = min(tokens, bucket.burst)
+        wait = bucket.try_acquire(tenant, now, cost=take)
+        if wait:
+            raise too_many_requests(wait, f"tenant {tenant!r}: this request may cost {tokens} tokens (prompt + n × "
+                                          f"max_tokens); the quota of {bucket.burst:g} per minute has not that many left")
+        return Reservation(self, tenant, take)
+
+
+class Reservation:
+    """The tokens a request took from its tenant's quota at admission. spend(k): k tokens it used (the prompt,
+    then each generated token), paid from the reservation and, past it, charged as they come; close(): what is
+    left goes back to the bucket (once, however often it is called).
+
+        >>> limits = TenantLimits({"k": Tenant("t", tokens_per_minute=100)})
+        >>> r = limits.reserve("t", 10 + 2 * 20, now=0.0)      # prompt 10, n 2 × max_tokens 20: 50 of 100
+        >>> r.spend(10, now=0.0); r.spend(7, now=0.0); r.close(now=0.0)   # it stopped after 7 tokens: 33 back
+        >>> round(limits.tokens["t"].buckets["t"][0])
+        83
+    """
+
+    def __init__(self, limits: TenantLimits, tenant: str | None, tokens: int):
+        self.limits, self.tenant, self.left = limits, tenant, tokens
+
+    def spend(self, tokens: int, now: float | None = None) -> None:
+        paid = min(tokens, self.left)
+        self.left -= paid
+        self.limits.charge(self.tenant, tokens - paid, now)
+
+    def close(self, now: float | None = None) -> None:
+        left, self.left = self.left, 0
+        self.limits.charge(self.tenant, -left, now)
