@@ -54,7 +54,7 @@ async def one(http, kind: str, rng: random.Random, key: str | None) -> str:
         content = rng.choice([b"{not json", json.dumps({**chat, "tools": [{}]}).encode(),
                               json.dumps({**chat, "temperature": "hot"}).encode(),
                               json.dumps({**chat, "frobnicate": 1}).encode(), b"[" * 5000])
-        r = await http.post("/v1/chat/completions", content=content, headers=headers)
+        r = await http.post("/v1/chat/completions", content=content, headers={**headers, "Content-Type": "application/json"})
         return str(r.status_code)
     if kind == "limited":
         headers = {"Authorization": "Bearer soak-limited"}

@@ -20,7 +20,7 @@ import socket
 import sys
 
 from nanoserve.cli.batch import add_engine_args, llm_from_args
-from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, run_fleet
+from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, kv_events_warning, run_fleet
 
 
 def register(sub):
@@ -194,6 +194,9 @@ def run(args):
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"KV-cache events (vLLM's format): {publisher.endpoint}", flush=True)
+        warning = kv_events_warning(args)
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
 
     # with --tensor-parallel-size the worker processes stop with the server (chapter 11); with --admin-key (one
     # process: nothing to stop) the server's versions keep the only reference to the engine, so a reload frees it

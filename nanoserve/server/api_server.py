@@ -4,10 +4,12 @@ One chat request's journey:
 
     POST /v1/chat/completions  {"messages": [{"role": "user", "content": "Hi"}], "stream": true}
       guard         shutting down? 503 · API key? 401 · rate limit? 429 · queue full? 503   (no work spent yet)
-      read body     > max_body_bytes? 413
+      read body     > max_body_bytes? 413 · not Content-Type: application/json? 415
+      JSON          NaN, Infinity, a lone surrogate ("\\ud800")? 400 naming the field
       pydantic      ChatCompletionRequest, strictly; a wrong field is a 400 naming it
       template      "<|im_start|>system ... <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
       tokenizer     [1, 9690, 198, ...]              the engine only ever sees these ids
+      quota         the tenant's tokens/minute cannot cover prompt + n × max_tokens? 429 (reserved, refunded at the end)
       AsyncLLMEngine.add_request                     prompt too long, cannot fit the pool? 400
       steps         one RequestOutput per step the request sampled in
       streaming.py  deltas with stop strings held back -> `data: {chunk}` lines -> `data: [DONE]`
@@ -214,6 +216,12 @@ def build_app(state: ServerState) -> FastAPI:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {cfg.max_body_bytes}")
+        # JSON only when it says so: a text/plain (or form) POST is a "simple" request a browser sends cross-site
+        # without asking first (no CORS preflight); application/json is not
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, f"the request body must be sent as Content-Type: application/json, "
+                                f"got {media_type[:64] or 'none'!r}")
         body = bytearray()
         try:  # a body trickling in byte by byte holds a connection, not the server: cut it at body_timeout
             async with asyncio.timeout(cfg.body_timeout):
@@ -351,16 +359,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, 503)
         return {"status": "ok"}
 
-    def is_admin(request: Request) -> bool:
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        return bool(cfg.admin_key) and scheme.lower() == "bearer" and hmac.compare_digest(key.encode(),
-                                                                                           cfg.admin_key.encode())
-
     def check_operator(request: Request) -> None:
-        """With tenants, /metrics is an operator's (a key with role "operator", or the --admin-key): it counts
-        every tenant's requests and tokens, and the prefix cache's hits. 401 without a valid key, 403 a tenant's."""
-        if is_admin(request):
-            return
+        """With tenants, /metrics is an operator's (a key with role "operator" in the keys file): it counts every
+        tenant's requests and tokens, and the prefix cache's hits. 401 without a valid key, 403 a tenant's."""
         tenant = check_key(request)
         if tenant is not None and not tenant.is_operator:
             raise APIError(403, "this key is a tenant's: /metrics needs an operator key (role = \"operator\")")
@@ -368,8 +369,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def viewer(request: Request) -> tuple[str | None, str | None]:
         """/engine/events (chapter 12): (the tenant whose stream limit it counts against, the tenant whose requests
         it shows); (None, None) for an operator, or a server without tenants (its one key, if any, is checked)."""
-        if cfg.api_keys and is_admin(request):
-            return None, None
         await guard(request)  # a stream is a request: the key, the rate limit, the tenant's admission
         tenant = request.state.tenant
         return (None, None) if tenant is None or request.state.operator else (tenant, tenant)
