@@ -184,3 +184,106 @@ def test_tenant_limits_reserve_and_refund_by_hand():
     first.close(now=1.0)  # closing twice gives nothing back twice
     assert limits.tokens["q"].buckets["q"][0] == pytest.approx(12)
     assert limits.reserve("q", 10**6, now=100.0).left == 60  # more than the quota: a full bucket, at most
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "hi \ud800"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udfff there"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[0].text"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content")])
+def test_a_lone_surrogate_is_a_400_naming_the_field(engine, tokenizer, path, body, param):
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        # json.dumps writes the lone surrogate as the escape "\ud800": valid JSON, not valid Unicode text
+        r = httpx.post(url + path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        error = assert_openai_error(r, 400)
+        assert error["param"] == param and "surrogate" in error["message"]
+        assert httpx.post(f"{url}/tokenize", json={"prompt": "fine"}).status_code == 200  # serving on
+    assert_pool_whole(engine)
+
+
+def test_json_routes_need_the_json_content_type(engine, tokenizer):
+    body = json.dumps(chat_body())
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", None):  # what a browser sends cross-site
+            headers = {} if ctype is None else {"Content-Type": ctype}
+            for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+                assert "application/json" in assert_openai_error(
+                    httpx.post(url + path, content=body, headers=headers), 415)["message"]
+        ok = httpx.post(f"{url}/v1/chat/completions", content=body,
+                        headers={"Content-Type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200
+        page = httpx.get(f"{url}/engine")
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert page.headers["x-frame-options"] == "DENY"
+    assert_pool_whole(engine)
+
+
+def test_a_reload_of_any_readable_file_quotes_none_of_it(tmp_path):
+    from nanoserve.model.gguf_loader import open_gguf
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET=hunter2\n")
+    with pytest.raises(ValueError) as e:
+        open_gguf(secret)
+    assert str(e.value) == f"{secret} is not a GGUF file"
+
+
+def watch(url: str, key: str, snaps: list, seconds: float):
+    """Read /engine/events with `key` for `seconds` (in a thread); the snapshots land in `snaps`."""
+    def run():
+        try:
+            with httpx.stream("GET", f"{url}/engine/events", headers=auth(key), timeout=seconds) as r:
+                snaps.append(r.status_code)
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        snaps.append(json.loads(line[6:]))
+        except httpx.ReadTimeout:
+            pass
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_tenant_sees_its_own_requests_and_streams_count_against_its_limits(engine, tokenizer):
+    record_steps(engine, 0.02)
+    tenants = {**TENANTS, "key-r": Tenant("r", requests_per_second=0.01, burst=2)}
+    with serving(engine, tokenizer, model_name="tiny", api_keys=tenants) as (url, _):
+        seen_a, seen_a2, seen_ops, seen_r = [], [], [], []
+        watchers = [watch(url, "key-a", seen_a, 4.0), watch(url, "key-a", seen_a2, 4.0),
+                    watch(url, "key-ops", seen_ops, 4.0), watch(url, "key-r", seen_r, 1.0)]
+        threading.Event().wait(0.5)
+        # a has MAX_EVENT_STREAMS (2) open: a third is refused
+        assert "streams open" in assert_openai_error(
+            httpx.get(f"{url}/engine/events", headers=auth("key-a"), timeout=5), 429)["message"]
+        # r's burst is 2 requests and its stream took one: one completion passes, the next is rate-limited
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60).status_code == 200
+        assert "rate limit" in assert_openai_error(
+            httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60), 429)["message"]
+
+        async def both():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                return await asyncio.gather(*[http.post("/v1/completions", json=body, headers=auth(k))
+                                              for k in ("key-a", "key-b", "key-b")])
+
+        replies = asyncio.run(both())
+        for w in watchers:
+            w.join()
+        ids = [r.json()["id"] for r in replies]
+        assert seen_a[0] == seen_ops[0] == seen_r[0] == 200
+
+        def mentioned(snaps):
+            out = set()
+            for s in snaps[1:]:
+                out |= {x["id"] for x in s["running"] + s["waiting"] + s["finished"]} | set(s["tenants"])
+                out |= set(s["pool"]["owners"])
+            return out
+
+        assert ids[0] in mentioned(seen_a) and not set(ids[1:]) & mentioned(seen_a)  # its own, not b's
+        assert "other" in mentioned(seen_a)  # b's blocks, unnamed
+        assert all(s["prefix"]["hit_tokens"] == 0 and s["prefix"]["hidden"] for s in seen_a[1:])
+        assert set(ids) <= mentioned(seen_ops)  # the operator sees everyone
+    assert_pool_whole(engine)

@@ -89,8 +89,19 @@ def check_args(args) -> str | None:
         args.tenant_settings = scheduling_settings(args.api_keys)
     except ValueError as e:
         return f"--api-keys: {e}"
+    if args.scheduling_policy is None:
+        args.scheduling_policy = default_policy(args.api_keys)
     problem = check_admin_args(args)
     return problem or check_fleet_args(args)
+
+
+def default_policy(tenants: dict | None) -> str:
+    """serve's --scheduling-policy when none is given: with tenants, "fair" (one tenant's flood does not queue
+    another's requests behind it: chapter 15's `bench experiment noisy-neighbour`), unless the keys file gives a
+    tenant a priority, which only "priority" honours; without tenants, "priority"."""
+    if not tenants or any(t.priority != 0 for t in tenants.values()):
+        return "priority"
+    return "fair"
 
 
 def check_admin_args(args) -> str | None:
