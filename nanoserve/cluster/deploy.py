@@ -19,6 +19,7 @@ replicas (ceil(total ongoing / target)), and below it for `downscale_delay_s` it
 """
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from nanoserve.cluster.client import ReplicaClient
 from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
 
 APP_NAME = "nanoserve"
+LOOPBACK = "127.0.0.1"
 ROUTERS = ("pow2", "prefix")
 
 
@@ -120,11 +122,14 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
         root = str(Path(__file__).resolve().parents[2])
         paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
+    # a local Ray is this machine's alone: its node address is loopback, so its GCS, raylet and agents listen
+    # there (by default Ray takes the machine's address, reachable from the network); no dashboard at all
+    local = {} if address is not None else {"_node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
     for attempt in range(tries):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
-                     log_to_driver=False, logging_level="ERROR")
+                     log_to_driver=False, logging_level="ERROR", **local)
             return
         except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception for "timed out during startup"
             if address is not None or "timed out during startup" not in str(e) or attempt == tries - 1:
@@ -161,6 +166,8 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
     started = not ray.is_initialized()
     if started:
         start_ray(ray_address, num_cpus)
+    if ray_address is None:  # a local fleet: nothing of it listens beyond loopback (start_ray), /metrics included
+        spec = dataclasses.replace(spec, metrics_host=spec.metrics_host or LOOPBACK)
     try:
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         app = deployment(spec, replicas, autoscaling, router, replica_cpus, **kw)
@@ -189,10 +196,13 @@ def build_state(f: Fleet, tokenizer, **config):
 
 
 def add_fleet_routes(app, f: Fleet) -> None:
-    """GET /replicas: each replica's id and its own /metrics URL (where a fleet's scraper reads them)."""
+    """GET /replicas: each replica's id and its own /metrics URL (where a fleet's scraper reads them); it needs the
+    API key (with tenants, an operator's) like /metrics."""
+    from fastapi import Depends
+
     from nanoserve.cluster.replica import replica_metrics_urls
 
-    @app.get("/replicas")
+    @app.get("/replicas", dependencies=[Depends(app.state.operator_only)])
     async def replicas():
         return {"replicas": [{"replica_id": rid, "metrics_url": url} for rid, url in replica_metrics_urls().items()]}
 

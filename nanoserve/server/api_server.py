@@ -359,12 +359,15 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, 503)
         return {"status": "ok"}
 
-    def check_operator(request: Request) -> None:
-        """With tenants, /metrics is an operator's (a key with role "operator" in the keys file): it counts every
-        tenant's requests and tokens, and the prefix cache's hits. 401 without a valid key, 403 a tenant's."""
+    def operator_only(request: Request) -> None:
+        """The routes that show the whole server (/metrics, chapter 16's /replicas): with tenants an operator's key
+        (role "operator" in the keys file: they count every tenant's requests and tokens, and the prefix cache's
+        hits), else the API key if there is one. 401 without a valid key, 403 with a tenant's."""
         tenant = check_key(request)
-        if tenant is not None and not tenant.is_operator:
-            raise APIError(403, "this key is a tenant's: /metrics needs an operator key (role = \"operator\")")
+        if cfg.api_keys and not (tenant is not None and tenant.is_operator):
+            raise APIError(403, "this key is a tenant's: this route needs an operator key (role = \"operator\")")
+
+    app.state.operator_only = operator_only  # for routes added beside these (chapter 16's /replicas)
 
     async def viewer(request: Request) -> tuple[str | None, str | None]:
         """/engine/events (chapter 12): (the tenant whose stream limit it counts against, the tenant whose requests
@@ -375,10 +378,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        if cfg.api_keys:
-            check_operator(request)
-        elif cfg.metrics_need_key:
-            check_key(request)
+        if cfg.api_keys or cfg.metrics_need_key:
+            operator_only(request)
         if state.stat_logger is None:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
