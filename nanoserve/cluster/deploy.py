@@ -122,14 +122,11 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
         root = str(Path(__file__).resolve().parents[2])
         paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
         os.environ["PYTHONPATH"] = os.pathsep.join(paths)
-    # a local Ray is this machine's alone: its node address is loopback, so its GCS, raylet and agents listen
-    # there (by default Ray takes the machine's address, reachable from the network); no dashboard at all
-    local = {} if address is not None else {"_node_ip_address": LOOPBACK, "dashboard_host": LOOPBACK}
     for attempt in range(tries):
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
-                     log_to_driver=False, logging_level="ERROR", **local)
+                     log_to_driver=False, logging_level="ERROR")
             return
         except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception for "timed out during startup"
             if address is not None or "timed out during startup" not in str(e) or attempt == tries - 1:
