@@ -5,10 +5,17 @@ keyed by tenant (a second tenant's cached prefix is no hit for the first), a bur
 /metrics and the engine view are an operator's, and nothing listens beyond the server's host unasked."""
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -287,3 +294,45 @@ def test_a_tenant_sees_its_own_requests_and_streams_count_against_its_limits(eng
         assert all(s["prefix"]["hit_tokens"] == 0 and s["prefix"]["hidden"] for s in seen_a[1:])
         assert set(ids) <= mentioned(seen_ops)  # the operator sees everyone
     assert_pool_whole(engine)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557"])
+def test_kv_events_wider_than_the_host_are_refused_in_one_line(endpoint):
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "serve", "--kv-events-endpoint", endpoint],
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "--kv-events-allow-remote" in lines[0] and "token ids" in lines[0]
+    assert "loading" not in r.stdout
+
+
+def listening(proc: psutil.Process) -> list[str]:
+    """The addresses the process and its children listen on (TCP)."""
+    found = []
+    for p in [proc] + proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            found += [c.laddr.ip for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+@pytest.mark.slow
+def test_serve_with_kv_events_listens_on_loopback_only():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", "--num-blocks", "32",
+                             "--max-num-seqs", "2", "--kv-events-endpoint", "tcp://127.0.0.1:*"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        printed = []
+        while not any(line.startswith("print(") for line in printed):  # the ready message's last line
+            line = proc.stdout.readline()
+            assert line, f"serve exited early: {proc.stderr.read()}"
+            printed.append(line.rstrip("\n"))
+        assert any(line.startswith("KV-cache events") for line in printed)
+        addresses = listening(psutil.Process(proc.pid))
+        assert len(addresses) >= 2 and all(a in ("127.0.0.1", "::1") for a in addresses), addresses  # HTTP + ZMQ
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
