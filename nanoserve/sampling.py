@@ -27,11 +27,20 @@ import torch
 from nanoserve.structured.params import StructuredOutputsParams
 
 
+# The bounds that keep one request's numbers finite inside a step (a NaN there would fail the whole batch's draw):
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit seed: OpenAI's bound (the server's edge)
+GENERATOR_SEED_MAX = 2**64 - 1  # torch.Generator's: room above SEED_MAX for completion i's seed + i (n > 1)
+MIN_TEMPERATURE = 0.01  # vLLM's floor for a temperature > 0: logits / 1e-300 are inf, their softmax NaN
+MIN_REPETITION_PENALTY = 0.01  # a positive logit / 1e-300 is inf too
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request (the names and defaults of vLLM's SamplingParams).
 
-    temperature: 0 = greedy; top_k: 0 or -1 = off; top_p: 1.0 = off; seed: None = the global RNG;
+    temperature: 0 = greedy (below MIN_TEMPERATURE, vLLM's floor, it is raised to it: 1 / 1e-300 overflows);
+    top_k: 0 or -1 = off; top_p: 1.0 = off; seed: None = the global RNG, else an int a torch.Generator takes (with
+    room for seed + i, n > 1; a seed past it would fail the step it is drawn in; the server takes OpenAI's int64);
     max_tokens: most new tokens; stop: strings that end the output (the text is cut before them);
     stop_token_ids: ids that end the output; ignore_eos: keep going past the EOS token;
     n: completions of the same prompt (parallel sampling: the prompt is computed once, chapter 06).
@@ -67,8 +76,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or not (self.top_k in (0, -1) or self.top_k >= 1):
@@ -77,8 +88,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= GENERATOR_SEED_MAX - self.n):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64 - 1 - n] or None, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
@@ -86,8 +97,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1e4:
+            raise ValueError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 1e4], "
+                             f"got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         self.logit_bias = dict(self.logit_bias or {})

@@ -81,4 +81,6 @@ def test_a_short_soak_leaves_no_5xx_no_block_and_serves_every_kind(tiny, tokeniz
     seen = {k.split(": ")[0] + ": " + k.split(": ")[1].split(" ")[0] for k in result["outcomes"]}
     assert {"good: 200", "malformed: 400", "cancelled: cancelled"} <= seen, result["outcomes"]
     assert any(k.startswith("limited: 429") for k in result["outcomes"]), result["outcomes"]
+    hostile = {k: n for k, n in result["outcomes"].items() if k.startswith("hostile: ")}  # chapter 15's tenant
+    assert hostile and all(k.split(" ")[1] in ("200", "400", "403", "415") for k in hostile), hostile
     assert_pool_whole(engine)

@@ -23,7 +23,7 @@ from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the
 
 TENANTS = {"key-a": Tenant("a", requests_per_second=1, burst=3, priority=1),
            "key-b": Tenant("b", requests_per_second=50, burst=50, priority=0),
-           "key-q": Tenant("q", tokens_per_minute=20)}
+           "key-q": Tenant("q", tokens_per_minute=20), "key-ops": Tenant("ops", role="operator")}
 
 
 @pytest.fixture
@@ -107,7 +107,9 @@ def test_a_tenants_flood_does_not_starve_another(engine, tokenizer):
         assert codes.count(200) <= 4 and codes.count(429) >= 26  # A gets its burst (and a refill), no more
         assert all(int(r.headers["retry-after"]) >= 1 for r in flood if r.status_code == 429)
         assert_openai_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-c"}), 401)
-        scrape = httpx.get(f"{url}/metrics").text
+        assert_openai_error(httpx.get(f"{url}/metrics"), 401)  # with tenants, the metrics are an operator's
+        assert_openai_error(httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer key-b"}), 403)
+        scrape = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer key-ops"}).text
         assert 'nanoserve:tenant_requests_total{model_name="tiny",outcome="admitted",tenant="b"} 4.0' in scrape
         assert 'outcome="rate_limited",tenant="a"' in scrape
     assert_pool_whole(engine)

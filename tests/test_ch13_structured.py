@@ -438,7 +438,7 @@ def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, m
     async def main():
         bad = asyncio.ensure_future(_collect(async_engine.generate("bad", [7, 8, 9], strict)))
         free = await _collect(async_engine.generate("free", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10)))
-        with pytest.raises(EngineStepError, match="'bad' failed: the output left its grammar: token"):
+        with pytest.raises(EngineStepError, match="'bad' failed in an engine step: the output left its grammar: token"):
             await bad
         again = await _collect(async_engine.generate("again", [7, 8, 9], SamplingParams(temperature=0, max_tokens=10)))
         return free, again

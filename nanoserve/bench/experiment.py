@@ -17,6 +17,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   servers          through HTTP: `bench serve` against several servers, interleaved round by round
   scheduling       chapter 15: a bursty two-tenant workload under each scheduling policy (fcfs, priority, slo,
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
+  noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
+                   the victim's TTFT under priority (first come, first served) and fair
   routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
                    long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
 
@@ -33,7 +35,7 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "routing"]
+               "scheduling", "noisy-neighbour", "routing"]
 
 
 def register(sub):
@@ -509,7 +511,8 @@ def scheduling(args, model, tokenizer):
 
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
-           "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a)}
+           "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
+           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a)}
 
 
 def run(args):
@@ -532,7 +535,7 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
-    http_only = args.name in ("servers", "scheduling", "routing") or (args.name == "concurrency" and args.url)  # scheduling: its own
+    http_only = args.name in ("servers", "scheduling", "noisy-neighbour", "routing") or (args.name == "concurrency" and args.url)  # scheduling: its own
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
     if args.name == "routing":  # the replicas load the model themselves
         model, tokenizer = None, Tokenizer.from_gguf()

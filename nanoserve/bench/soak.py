@@ -10,6 +10,10 @@
     cancelled   a stream the client drops after its first event         (the server must abort it)
     timed_out   a long request with "timeout": 0.2                      expect 408 / an error event
     limited     a request with the rate-limited key                     expect 429 (own server only)
+    hostile     what a hostile tenant sends (chapter 15's tests): a seed  expect 4xx, or 200 where it is allowed
+                past 2**64, NaN, a lone surrogate, text/plain, n × max_tokens
+                past the bound, another tenant's cache salt, /metrics
+                with a tenant's key, the engine view
 
 and reports the requests by outcome, how many 5xx (must be 0), the KV blocks still held once the server is idle
 again (must be 0; read from /metrics' kv_cache_usage_perc and num_requests_running) and, for a server it
@@ -22,8 +26,9 @@ import random
 import time
 from collections import Counter
 
-KINDS = ["good", "good", "good", "malformed", "cancelled", "timed_out", "limited"]
-OWN_KEYS = {"soak": {"tenant": "soak"}, "soak-limited": {"tenant": "limited", "requests_per_second": 0.5, "burst": 1}}
+KINDS = ["good", "good", "good", "malformed", "cancelled", "timed_out", "limited", "hostile"]
+OWN_KEYS = {"soak": {"tenant": "soak"}, "soak-limited": {"tenant": "limited", "requests_per_second": 0.5, "burst": 1},
+            "soak-ops": {"tenant": "ops", "role": "operator"}}  # the operator's key reads /metrics
 
 
 def register(sub):
@@ -31,7 +36,8 @@ def register(sub):
                                     "requests mixed; 5xx, leaked blocks, memory (chapter 08)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds to run (default 30)")
     p.add_argument("--url", default=None, help="a running server's base URL (default: start one here)")
-    p.add_argument("--api-key", default=None, help="with --url: the key to send")
+    p.add_argument("--api-key", default=None, help="with --url: the key to send (with tenants, an operator's: the "
+                                                   "soak reads /metrics with it)")
     p.add_argument("--concurrency", type=int, default=8, help="clients at once (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pairwise", action="store_true",
@@ -57,8 +63,10 @@ async def one(http, kind: str, rng: random.Random, key: str | None) -> str:
         content = rng.choice([b"{not json", json.dumps({**chat, "tools": [{}]}).encode(),
                               json.dumps({**chat, "temperature": "hot"}).encode(),
                               json.dumps({**chat, "frobnicate": 1}).encode(), b"[" * 5000])
-        r = await http.post("/v1/chat/completions", content=content, headers=headers)
+        r = await http.post("/v1/chat/completions", content=content, headers={**headers, "Content-Type": "application/json"})
         return str(r.status_code)
+    if kind == "hostile":
+        return await hostile(http, rng, headers, chat)
     if kind == "limited":
         headers = {"Authorization": "Bearer soak-limited"}
     if kind == "timed_out":
@@ -76,6 +84,34 @@ async def one(http, kind: str, rng: random.Random, key: str | None) -> str:
         return "200"
     r = await http.post("/v1/chat/completions", json=chat, headers=headers)
     return str(r.status_code)
+
+
+async def hostile(http, rng: random.Random, headers: dict, chat: dict) -> str:
+    """One hostile tenant's request (chapter 15's tests/test_ch15_hostile.py, among the normal ones); its outcome
+    is "<status> <what it tried>". None may be a 5xx, none may leave anything behind."""
+    attack = rng.choice(["seed past 2**64", "NaN", "lone surrogate", "text/plain", "n x max_tokens",
+                         "another tenant's salt", "metrics", "engine view"])
+    json_headers = {**headers, "Content-Type": "application/json"}
+    if attack in ("seed past 2**64", "NaN", "lone surrogate"):
+        body = json.dumps({**chat, "seed": 0, "temperature": 0.5, "messages": [{"role": "user", "content": "X"}]})
+        body = {"seed past 2**64": body.replace('"seed": 0', f'"seed": {2**64}'),
+                "NaN": body.replace('"temperature": 0.5', '"temperature": NaN'),
+                "lone surrogate": body.replace('"X"', '"\\ud800"')}[attack]
+        r = await http.post("/v1/chat/completions", content=body, headers=json_headers)
+    elif attack == "text/plain":
+        r = await http.post("/v1/chat/completions", content=json.dumps(chat), headers={**headers, "Content-Type": "text/plain"})
+    elif attack == "n x max_tokens":
+        r = await http.post("/v1/chat/completions", json={**chat, "n": 16, "max_tokens": 10**6}, headers=headers)
+    elif attack == "another tenant's salt":
+        r = await http.post("/v1/chat/completions", json={**chat, "cache_salt": "tenant:ops"}, headers=headers)
+    elif attack == "metrics":
+        r = await http.get("/metrics", headers=headers)
+    else:  # open the engine view's stream, read its first line, leave
+        async with http.stream("GET", "/engine/events", headers=headers) as s:
+            async for _ in s.aiter_lines():
+                break
+            return f"{s.status_code} {attack}"
+    return f"{r.status_code} {attack}"
 
 
 async def soak(url: str, duration: float, concurrency: int, seed: int, key: str | None, own: bool) -> Counter:
@@ -135,7 +171,7 @@ def soak_engine(engine, tokenizer, duration: float, concurrency: int = 8, seed: 
     with serving(engine, tokenizer, api_keys=load_api_keys_dict({"keys": OWN_KEYS}), request_timeout=30) as (url, _):
         start = rss_mib()
         outcomes = asyncio.run(soak(url, duration, concurrency, seed, "soak", own=True))
-        running, usage = idle_pool(url, "soak")
+        running, usage = idle_pool(url, "soak-ops")
         return report(outcomes, running, usage, (start, rss_mib()))
 
 

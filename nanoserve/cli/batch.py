@@ -65,8 +65,9 @@ def add_engine_args(p):
                    help="speculative decoding (chapter 14): n-gram prompt lookup, or the model's first layers as a draft")
     p.add_argument("--num-speculative-tokens", type=checks.positive_int, default=4, metavar="K",
                    help="with --speculative: tokens proposed and verified per step")
-    p.add_argument("--scheduling-policy", default="priority", choices=["fcfs", "priority", "slo", "fair"],
-                   help="who is admitted, served and preempted first (chapter 15; default: priority, then arrival)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority", "slo", "fair"],
+                   help="who is admitted, served and preempted first (chapter 15; default: priority, then arrival; "
+                        "serve with --api-keys: fair)")
     p.add_argument("--slo-ttft-ms", type=checks.positive_float, default=None, metavar="MS",
                    help="the slo policy's default time-to-first-token target (a request may ask its own)")
     p.add_argument("--slo-tpot-ms", type=checks.positive_float, default=None, metavar="MS",
@@ -91,7 +92,7 @@ def llm_from_args(args, tokenizer=None, **extra):
                attention_backend=args.attention_backend, weights=args.weights,
                degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-               scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+               scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype, **extra)
 
 

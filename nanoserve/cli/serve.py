@@ -20,7 +20,7 @@ import socket
 import sys
 
 from nanoserve.cli.batch import add_engine_args, llm_from_args
-from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, run_fleet
+from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, kv_events_warning, run_fleet
 
 
 # a chat request without max_tokens stops here: SmolLM2 at temperature 1 can ramble for the whole context (minutes
@@ -99,8 +99,19 @@ def check_args(args) -> str | None:
         args.tenant_settings = scheduling_settings(args.api_keys)
     except ValueError as e:
         return f"--api-keys: {e}"
+    if args.scheduling_policy is None:
+        args.scheduling_policy = default_policy(args.api_keys)
     problem = check_admin_args(args)
     return problem or check_fleet_args(args)
+
+
+def default_policy(tenants: dict | None) -> str:
+    """serve's --scheduling-policy when none is given: with tenants, "fair" (one tenant's flood does not queue
+    another's requests behind it: chapter 15's `bench experiment noisy-neighbour`), unless the keys file gives a
+    tenant a priority, which only "priority" honours; without tenants, "priority"."""
+    if not tenants or any(t.priority != 0 for t in tenants.values()):
+        return "priority"
+    return "fair"
 
 
 def check_admin_args(args) -> str | None:
@@ -206,6 +217,9 @@ def run(args):
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(f"KV-cache events (vLLM's format): {publisher.endpoint}", flush=True)
+        warning = kv_events_warning(args)
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
 
     # with --tensor-parallel-size the worker processes stop with the server (chapter 11); with --admin-key (one
     # process: nothing to stop) the server's versions keep the only reference to the engine, so a reload frees it

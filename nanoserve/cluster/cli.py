@@ -39,7 +39,11 @@ def add_fleet_args(p) -> None:
                    help="also export vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
                    help="publish KV-cache events in vLLM's format (msgpack over ZMQ PUB) here, e.g. "
-                        "tcp://127.0.0.1:5557 (one process only)")
+                        "tcp://127.0.0.1:5557 (one process only; an endpoint wider than --host needs "
+                        "--kv-events-allow-remote)")
+    g.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="let --kv-events-endpoint listen wider than --host (e.g. tcp://*:5557): every subscriber "
+                        "then reads the token ids of every tenant's prompts")
 
 
 def is_fleet(args) -> bool:
@@ -64,7 +68,51 @@ def check_fleet_args(args) -> str | None:
         return "--kv-events-endpoint is for one process; with replicas each would need its own endpoint"
     if is_fleet(args) and args.tensor_parallel_size > 1:
         return "--tensor-parallel-size with --replicas is not supported: pick one"
+    return check_kv_events_args(args)
+
+
+WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+def kv_events_host(endpoint: str) -> str | None:
+    """The address a tcp:// ZMQ endpoint listens on (None: ipc:// or inproc://, this machine only).
+
+        >>> kv_events_host("tcp://*:5557"), kv_events_host("tcp://[::1]:5557"), kv_events_host("ipc:///tmp/kv")
+        ('*', '::1', None)
+    """
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None
+    host = rest.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def check_kv_events_args(args) -> str | None:
+    """A KV event carries the token ids of a prompt's blocks (chapter 16): refused on an address wider than
+    --host (a wildcard, or another interface) unless --kv-events-allow-remote says so on purpose."""
+    if args.kv_events_endpoint is None:
+        if args.kv_events_allow_remote:
+            return "--kv-events-allow-remote needs --kv-events-endpoint"
+        return None
+    host = kv_events_host(args.kv_events_endpoint)
+    wider = host is not None and not is_loopback(host) and not (host == args.host or args.host in WILDCARDS)
+    if wider and not args.kv_events_allow_remote:
+        return (f"--kv-events-endpoint {args.kv_events_endpoint} listens wider than --host {args.host}: KV events "
+                f"carry the token ids of every prompt; give --kv-events-allow-remote to mean it")
     return None
+
+
+def kv_events_warning(args) -> str | None:
+    """The warning a KV-events endpoint beyond loopback gets, allowed or not (None on loopback)."""
+    host = kv_events_host(args.kv_events_endpoint)
+    if host is None or is_loopback(host):
+        return None
+    return (f"warning: KV events on {args.kv_events_endpoint} carry the token ids of every tenant's prompts; anyone "
+            f"who can reach it can read them")
 
 
 def spec_from_args(args):

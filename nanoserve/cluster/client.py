@@ -112,9 +112,21 @@ class ReplicaClient:
                                   f"({type(e).__name__}); Ray Serve is replacing it, retry") from None
         except RayError as e:
             finished = True
-            raise EngineStepError(f"replica {replica_id} failed: {type(e).__name__}: {e}") from None
+            raise EngineStepError(f"replica {replica_id} failed: {one_line(e)}") from None
         finally:
             self.in_flight -= 1
             self._streams.pop(request_id, None)
             if not finished:
                 gen.cancel()  # the client went away: the replica's stream is cancelled, which aborts the request
+
+
+def one_line(error: Exception) -> str:
+    """What a client may read of a replica's error: the original exception's type and the first line of its
+    message. A RayTaskError's own text is the replica's whole traceback (file paths, actor ids, pids).
+
+        >>> one_line(ValueError("bad things\\n  File \\"/home/x.py\\", line 3"))
+        'ValueError: bad things'
+    """
+    cause = getattr(error, "cause", None) or error
+    first = (str(cause).strip().splitlines() or [""])[0][:200]
+    return f"{type(cause).__name__}: {first}"

@@ -19,6 +19,7 @@ replicas (ceil(total ongoing / target)), and below it for `downscale_delay_s` it
 """
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
 from nanoserve.cluster.routing import ROUTERS
 
 APP_NAME = "nanoserve"
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -161,6 +163,8 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
     started = not ray.is_initialized()
     if started:
         start_ray(ray_address, num_cpus)
+    if ray_address is None:  # a local fleet: nothing of it listens beyond loopback (start_ray), /metrics included
+        spec = dataclasses.replace(spec, metrics_host=spec.metrics_host or LOOPBACK)
     try:
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         app = deployment(spec, replicas, autoscaling, router, replica_cpus, **kw)
@@ -189,10 +193,13 @@ def build_state(f: Fleet, tokenizer, **config):
 
 
 def add_fleet_routes(app, f: Fleet) -> None:
-    """GET /replicas: each replica's id and its own /metrics URL (where a fleet's scraper reads them)."""
+    """GET /replicas: each replica's id and its own /metrics URL (where a fleet's scraper reads them); it needs the
+    API key (with tenants, an operator's) like /metrics."""
+    from fastapi import Depends
+
     from nanoserve.cluster.replica import replica_metrics_urls
 
-    @app.get("/replicas")
+    @app.get("/replicas", dependencies=[Depends(app.state.operator_only)])
     async def replicas():
         return {"replicas": [{"replica_id": rid, "metrics_url": url} for rid, url in replica_metrics_urls().items()]}
 

@@ -38,6 +38,9 @@ class ReplicaSpec:
     model_name: str = "SmolLM2-135M-Instruct"
     metrics_compat: str | None = None
     step_delay_s: float = 0.0  # tests: pace each step like a real model's, so a stream lasts
+    # where the replica's /metrics listens: None = the Ray node's address (a cluster's scraper reaches it there);
+    # a local fleet (one machine, its own Ray) keeps it on loopback
+    metrics_host: str | None = None
 
     def build_llm(self):
         from nanoserve.llm import LLM
@@ -72,7 +75,7 @@ class LLMReplica:
             _pace(self.llm.engine, spec.step_delay_s)
         self.engine.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.metrics_server = _serve_metrics(self.stat_logger)
+        self.metrics_server = _serve_metrics(self.stat_logger, spec.metrics_host)
         self.metrics_url = f"http://{self.metrics_server.server_address[0]}:{self.metrics_server.server_address[1]}/metrics"
         _announce(self.replica_id, self.metrics_url)
 
@@ -129,8 +132,8 @@ def _pace(engine, delay_s: float) -> None:
     engine.step = slow_step
 
 
-def _serve_metrics(stat_logger) -> ThreadingHTTPServer:
-    """GET /metrics of this replica on a free port (a thread; the replica's own Prometheus endpoint)."""
+def _serve_metrics(stat_logger, host: str | None = None) -> ThreadingHTTPServer:
+    """GET /metrics of this replica on a free port of `host` (None: the Ray node's address); a thread."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -149,7 +152,7 @@ def _serve_metrics(stat_logger) -> ThreadingHTTPServer:
 
     import ray
 
-    server = ThreadingHTTPServer((ray.util.get_node_ip_address(), 0), Handler)
+    server = ThreadingHTTPServer((host or ray.util.get_node_ip_address(), 0), Handler)
     threading.Thread(target=server.serve_forever, name="nanoserve-replica-metrics", daemon=True).start()
     return server
 

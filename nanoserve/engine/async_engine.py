@@ -17,7 +17,8 @@ worlds meet at two thread-safe points:
 Only the engine thread ever touches the LLMEngine, so the engine itself needs no lock. An abort is
 an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
 When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
-A step that raises fails the requests that were in it (their streams raise) and the loop goes on.
+A step that raises fails the requests that were in it (their streams raise) and the loop goes on; a
+sequence whose own draw raises fails alone (LLMEngine gives its output an `error`), the batch goes on.
 
 Exercise 8.3 (exercises/08-http-serving/async_engine.py) writes the bridge: add_request, _outputs, abort,
 _drain_inbox and _emit; `serve --student 08` runs the learner's class.
@@ -90,7 +91,7 @@ class AsyncLLMEngine:
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,
-                          speculative: bool = True) -> AsyncIterator[RequestOutput]:
+                          speculative: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; returns its output stream once the engine took it (at the next
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
         so a server can answer 400 before it starts streaming."""
@@ -106,7 +107,8 @@ class AsyncLLMEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
-                                     {"tenant": tenant, "slo": slo, "speculative": speculative, "grammar": grammar}))
+                                     {"tenant": tenant, "slo": slo, "speculative": speculative, "grammar": grammar,
+                                      "cache_salt": cache_salt}))
         self._wakeup.set()
         try:
             await stream.added
@@ -237,8 +239,10 @@ class AsyncLLMEngine:
         for out in outputs:
             with self._lock:
                 stream = self._streams.pop(out.request_id) if out.finished else self._streams.get(out.request_id)
-            if stream is not None:  # a request that failed alone (chapter 13's grammar): its stream raises
-                _post(stream.loop, stream.queue.put_nowait, out if out.error is None else EngineStepError(out.error))
+            if stream is not None:  # failed alone (its draw, or chapter 13's grammar): its stream raises, no one else's
+                item = out if getattr(out, "error", None) is None else \
+                    EngineStepError(f"request {out.request_id!r} failed in an engine step: {out.error}")
+                _post(stream.loop, stream.queue.put_nowait, item)
 
     def _end(self, request_id: str, error: BaseException) -> None:
         with self._lock:

@@ -95,7 +95,9 @@ class RequestOutput:
     # comes before it) and a TokenLogprob for each other; on the step the first token is out (every completion's)
     prompt_logprobs: list | None = None
     reject_reason: str | None = None  # chapter 15: the scheduling policy refused the request (finish_reason "abort")
-    error: str | None = None  # chapter 13: the request failed (its grammar refused its tokens); finish_reason "abort"
+    # the request failed alone (its draw raised inside a step, or its grammar refused its tokens, chapter 13):
+    # why, in one line (finish_reason "abort"); the others in that step went on
+    error: str | None = None
 
 
 class LLMEngine:
@@ -189,11 +191,14 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
-                    slo: SLOTargets | None = None, speculative: bool = True, grammar=None) -> None:
+                    slo: SLOTargets | None = None, speculative: bool = True, grammar=None,
+                    cache_salt: str | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
         this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
-        when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here."""
+        when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here.
+        cache_salt: only requests with the same salt share prefix cache blocks (vLLM's; None: the cache everyone
+        without a salt shares)."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -217,7 +222,7 @@ class LLMEngine:
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
-                       tenant=tenant, slo=slo)
+                       tenant=tenant, slo=slo, cache_salt=cache_salt)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
@@ -274,24 +279,15 @@ class LLMEngine:
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
-        outputs = rejected
-        logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
+        # one sequence whose draw raised fails its request alone (before the scheduler advances it: it has no token)
+        outputs = rejected + [self._fail(seq_id, e) for seq_id, e in getattr(sampled, "failed", {}).items()]
         self._collect_prompt_logprobs(getattr(sampled, "prompt_logprobs", {}))
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
-            if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
-                parent.num_computed_tokens = parent.num_tokens - 1
-            prompt_logprobs = self._prompt_logprobs_done(parent)
-            for seq in [parent] + self._fork(parent, sampled, now):
-                new_ids, status, new_text = self._check_new_tokens(seq, verified.get(seq.seq_id, 1))
-                if status is None:
-                    outputs.append(self._output(seq, new_ids, new_text))
-                else:
-                    self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
-                    outputs.append(self._finish(seq, new_ids, new_text, now))
-                if seq.seq_id in logprobs:
-                    outputs[-1].logprobs = [logprobs[seq.seq_id]]
-                outputs[-1].prompt_logprobs = prompt_logprobs
-        return self._fail_grammar_violations(outputs)
+            try:
+                outputs += self._advance(parent, sampled, verified, now)
+            except Exception as e:  # noqa: BLE001 — its stop check or text failed: its request, not the step
+                outputs.append(self._fail(parent.seq_id, e))
+        return self._fail_grammar_violations([out for out in outputs if out is not None])
 
     def _fail_grammar_violations(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Chapter 13: a request whose grammar refused its tokens this step (its row had no mask) is aborted,
@@ -300,9 +296,37 @@ class LLMEngine:
             mine = [out for out in outputs if out.request_id == request_id]
             outputs = [out for out in outputs if out.request_id != request_id]
             last = self.abort_request(request_id) or mine[-1]  # None: it finished this very step
-            last.error = f"request {request_id!r} failed: {reason}"
+            last.error = reason
             outputs.append(last)
         return outputs
+
+    def _advance(self, parent: Sequence, sampled: dict, verified: dict[str, int], now: float) -> list[RequestOutput]:
+        """The outputs of a sequence that got its token(s) this step (and of its forks, n > 1): stop checks,
+        text, logprobs; a finished one leaves the scheduler."""
+        if parent.seq_id in verified:  # it computed 1 + k tokens, of which only the accepted hold real K/V
+            parent.num_computed_tokens = parent.num_tokens - 1
+        logprobs = getattr(sampled, "logprobs", {})  # chapter 08: only for requests that asked
+        prompt_logprobs = self._prompt_logprobs_done(parent)
+        outputs = []
+        for seq in [parent] + self._fork(parent, sampled, now):
+            new_ids, status, new_text = self._check_new_tokens(seq, verified.get(seq.seq_id, 1))
+            if status is None:
+                outputs.append(self._output(seq, new_ids, new_text))
+            else:
+                self.scheduler.finish_seq(seq.seq_id, status)  # blocks back in the pool for the next step
+                outputs.append(self._finish(seq, new_ids, new_text, now))
+            if seq.seq_id in logprobs:
+                outputs[-1].logprobs = [logprobs[seq.seq_id]]
+            outputs[-1].prompt_logprobs = prompt_logprobs
+        return outputs
+
+    def _fail(self, seq_id: str, error: Exception) -> RequestOutput | None:
+        """A sequence failed inside this step: its request ends now (every completion, blocks freed), its last
+        output saying why; None if the request already ended (a sibling completion failed first)."""
+        out = self.abort_request(seq_id)
+        if out is not None:
+            out.error = f"{type(error).__name__}: {error}"
+        return out
 
     def _collect_prompt_logprobs(self, scored: dict[str, tuple[int, list]]) -> None:
         """Chapter 08: file this step's prompt entries (the model runner's {seq_id: (first index, entries)}); a
@@ -406,7 +430,7 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

@@ -48,13 +48,16 @@ from nanoserve.spec_decode.verify import verify_and_sample
 class SampledTokens(dict):
     """{seq_id: token} — what the scheduler reads — plus, for the sequences whose request asked for them,
     `logprobs`: {seq_id: TokenLogprob} (chapter 08), and `prompt_logprobs`: {seq_id: (first, [TokenLogprob])},
-    the entries of prompt tokens first, first + 1, ... this step scored."""
+    the entries of prompt tokens first, first + 1, ... this step scored. `failed`: {seq_id: exception} of the
+    sequences whose draw raised (they have no token; the engine fails their requests, the batch goes on)."""
 
     def __init__(self, tokens=(), logprobs: dict[str, TokenLogprob] | None = None,
-                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None):
+                 prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None,
+                 failed: dict[str, Exception] | None = None):
         super().__init__(tokens)
         self.logprobs = logprobs or {}
         self.prompt_logprobs = prompt_logprobs or {}
+        self.failed = failed or {}
 
 
 @dataclass
@@ -144,7 +147,8 @@ class ModelRunner:
         else:
             sampled = self.sample(batch.sampled_seqs, logits, out.grammar_bitmask)
         if prompt_logprobs:
-            sampled = SampledTokens(sampled, getattr(sampled, "logprobs", {}), prompt_logprobs)
+            sampled = SampledTokens(sampled, getattr(sampled, "logprobs", {}), prompt_logprobs,
+                                    getattr(sampled, "failed", {}))
         return sampled
 
     def add_prompt_logprob_rows(self, out: SchedulerOutput, batch: ModelInput) -> list[PromptLogprobRows]:
@@ -201,19 +205,31 @@ class ModelRunner:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples
         its first token n times from its one row of logits: completion i under child_seq_id(request_id, i),
         with its own generator (the engine forks it). The drawing itself is nanoserve/engine/sampler.py's.
-        grammar_bitmask (chapter 13): the constrained rows' masks, applied first, to those rows only."""
+        grammar_bitmask (chapter 13): the constrained rows' masks, applied first, to those rows only.
+
+        One sequence whose draw raises (its generator, its penalties, its numbers) fails alone: it lands in
+        `failed` with no token, and every other sequence of the batch gets its token as if it were not there
+        (each row reads only its own logits, params and generator)."""
         if grammar_bitmask is not None:
             grammar_bitmask.apply(seqs, logits)  # disallowed tokens -> -inf, before penalties / greedy / temperature
-        ids, rows = [], []
+        logits = logits.float()  # once for the step, not once per sequence
+        sampled = SampledTokens()
         for row, seq in enumerate(seqs):
-            params = seq.sampling_params
-            completions = [(seq.seq_id, params)]
-            if params.n > 1 and seq.num_output_tokens == 0:
-                completions += [(child_seq_id(seq.request_id, i), params.for_completion(i)) for i in range(1, params.n)]
-            for seq_id, p in completions:
-                if seq_id not in self.generators:
-                    self.generators[seq_id] = None if p.greedy else make_generator(p)
-                ids.append(seq_id)
-                rows.append(SampleRow(row, p, self.generators[seq_id], seq.prompt_token_ids, seq.output_token_ids))
-        tokens, logprobs = sample_rows(logits, rows)
-        return SampledTokens(zip(ids, tokens), {i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+            try:
+                ids, rows = [], []
+                params = seq.sampling_params
+                completions = [(seq.seq_id, params)]
+                if params.n > 1 and seq.num_output_tokens == 0:
+                    completions += [(child_seq_id(seq.request_id, i), params.for_completion(i)) for i in range(1, params.n)]
+                for seq_id, p in completions:
+                    if seq_id not in self.generators:
+                        self.generators[seq_id] = None if p.greedy else make_generator(p)
+                    ids.append(seq_id)
+                    rows.append(SampleRow(row, p, self.generators[seq_id], seq.prompt_token_ids, seq.output_token_ids))
+                tokens, logprobs = sample_rows(logits, rows)
+            except Exception as e:  # noqa: BLE001 — this sequence's failure, not the batch's
+                sampled.failed[seq.seq_id] = e
+                continue
+            sampled.update(zip(ids, tokens))
+            sampled.logprobs.update({i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+        return sampled

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoserve.kv.prefix_cache import SaltedTokenIds
 from nanoserve.metrics import e2e, itl, tpot, ttft
 
 
@@ -70,6 +71,7 @@ class Sequence:
     index: int = 0
     tenant: str | None = None  # chapter 08: the API key's tenant that sent it (None: no tenants); chapter 15's fair policy
     slo: Any = None  # chapter 15: the request's own SLOTargets (nanoserve/engine/policies/base.py), or None
+    cache_salt: str | None = None  # chapter 08: whose prefix cache its blocks are in (None: everyone's)
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,7 +96,9 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + generated ids; with a cache_salt they carry it to the block manager (SaltedTokenIds)."""
+        ids = self.prompt_token_ids + self.output_token_ids
+        return ids if self.cache_salt is None else SaltedTokenIds(ids, self.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -113,11 +113,15 @@ class SnapshotBuilder:
         self.rules = rules if rules is not None else sys.modules[__name__]
         self.step = engine.num_steps  # the engine's own count: a page opened mid-run shows the same
         self.t0 = time.time() if t0 is None else t0
-        self._live = set(engine.scheduler.seqs)  # ids alive after the last observed step
+        self._live = self._tenants()  # ids alive after the last observed step -> their tenant
+        self._gone: dict[str, str | None] = {}  # ids that left since the last snapshot -> their tenant
         self._stats_seen = self._stats()
         self._reset_events()
         self._last_step: dict[str, tuple[int, str]] = {}  # seq id -> (tokens, kind) of the latest step
         self.recent: deque = deque(maxlen=LATENCY_WINDOW)  # (ttft, tpot) of the last finished requests, seconds
+
+    def _tenants(self) -> dict[str, str | None]:
+        return {seq_id: seq.tenant for seq_id, seq in self.engine.scheduler.seqs.items()}
 
     def _stats(self) -> tuple[int, int, int, int]:
         s = self.engine.block_manager.stats
@@ -132,8 +136,9 @@ class SnapshotBuilder:
 
     def _note_gone(self, finished_ids: set[str]) -> None:
         """Ids that left the engine without finishing in a step were aborted (between steps)."""
-        live = set(self.engine.scheduler.seqs)
-        self.aborted.extend(sorted(self._live - live - finished_ids))
+        live = self._tenants()
+        self.aborted.extend(sorted(set(self._live) - set(live) - finished_ids))
+        self._gone.update({seq_id: t for seq_id, t in self._live.items() if seq_id not in live})
         self._live = live
 
     def observe_step(self, scheduler_output, outputs, step_seconds: float) -> list:
@@ -195,6 +200,9 @@ class SnapshotBuilder:
                      "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
             "steps": list(self.steps), "dropped_steps": self.dropped_steps,
             "latency": self.latency(),
+            # chapter 08's tenants: whose each id above is (None: no tenant), so a server can show a tenant its own
+            "tenants": {**self._gone, **self._live},
         }
+        self._gone = {}
         self._reset_events()
         return snap

@@ -22,6 +22,10 @@ instead of computing them again. When the last holder frees a cached block it go
 list but keeps its contents and its hash: it is reused by the next hit or evicted (LRU) when the
 allocator hands it out for something else.
 
+Whose prefix: token ids that carry a `cache_salt` (SaltedTokenIds, a Sequence's when its request has one)
+start their chain at root_hash(salt) instead of None, so only requests with the same salt hit each other's
+blocks (chapter 08: with --api-keys every tenant has its own salt).
+
 The manager deals in integers only; the tensors live in paged_attention.PagedKVCache.
 """
 
@@ -30,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from nanoserve.kv.block_allocator import BlockAllocator
-from nanoserve.kv.prefix_cache import PrefixCache
+from nanoserve.kv.prefix_cache import PrefixCache, root_hash
 
 
 def cdiv(a: int, b: int) -> int:
@@ -125,7 +129,7 @@ class BlockManager:
         if not self.enable_prefix_caching or self._lookups_off:
             return [], []
         blocks, hashes = [], []
-        parent = None
+        parent = root_hash(getattr(token_ids, "cache_salt", None))  # None unless the tokens carry a salt
         for i in range(max(len(token_ids) - 1, 0) // self.block_size):
             tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
             h = self.prefix_cache.hash_block(parent, tokens)
@@ -192,7 +196,7 @@ class BlockManager:
         table, hashes = self.block_tables[seq_id], self.block_hashes[seq_id]
         bs = self.block_size
         for i in range(len(hashes), min(num_tokens, len(token_ids)) // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(getattr(token_ids, "cache_salt", None))
             tokens = token_ids[i * bs:(i + 1) * bs]
             hashes.append(self.prefix_cache.hash_block(parent, tokens))
             # Cached only under a parent that the cache holds as this table's block i - 1. If another block

@@ -30,6 +30,29 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def root_hash(cache_salt: str | None) -> int | None:
+    """The parent of a chain's first block: None (one cache for everyone), or the salt's own hash. Requests
+    with different salts then never share a block, whatever their tokens: vLLM's `cache_salt`, mixed into the
+    first block's hash the same way. Chapter 08's tenants are salted by name, so one tenant's cached prefix
+    cannot tell another tenant, by a faster first token, that someone sent it.
+
+        >>> hash_block(root_hash("tenant:a"), [1, 2]) != hash_block(root_hash("tenant:b"), [1, 2])
+        True
+    """
+    if cache_salt is None:
+        return None
+    return int.from_bytes(hashlib.sha256(b"salt" + cache_salt.encode()).digest(), "little")
+
+
+class SaltedTokenIds(list):
+    """A sequence's token ids (a plain list) that also say whose they are: `cache_salt`, the chain's root
+    (root_hash). The block manager reads it where a chain starts; everything else sees a list."""
+
+    def __init__(self, token_ids, cache_salt: str | None):
+        super().__init__(token_ids)
+        self.cache_salt = cache_salt
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int | None = None) -> list[int]:
     """The chain hashes of the full blocks of `token_ids` (a trailing partial block gets none).
 

@@ -53,7 +53,8 @@ def open_gguf(path: str | Path):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+        # never quote the bytes: a server's reload (chapter 15) would echo the start of any file it can read
+        raise ValueError(f"{path} is not a GGUF file")
     try:
         return GGUFReader(path)
     except Exception as e:  # truncated or corrupt: the gguf library's own error names no file

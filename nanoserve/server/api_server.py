@@ -4,10 +4,12 @@ One chat request's journey:
 
     POST /v1/chat/completions  {"messages": [{"role": "user", "content": "Hi"}], "stream": true}
       guard         shutting down? 503 · API key? 401 · rate limit? 429 · queue full? 503   (no work spent yet)
-      read body     > max_body_bytes? 413
+      read body     > max_body_bytes? 413 · not Content-Type: application/json? 415
+      JSON          NaN, Infinity, a lone surrogate ("\\ud800")? 400 naming the field
       pydantic      ChatCompletionRequest, strictly; a wrong field is a 400 naming it
       template      "<|im_start|>system ... <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
       tokenizer     [1, 9690, 198, ...]              the engine only ever sees these ids
+      quota         the tenant's tokens/minute cannot cover prompt + n × max_tokens? 429 (reserved, refunded at the end)
       AsyncLLMEngine.add_request                     prompt too long, cannot fit the pool? 400
       steps         one RequestOutput per step the request sampled in
       streaming.py  deltas with stop strings held back -> `data: {chunk}` lines -> `data: [DONE]`
@@ -35,7 +37,7 @@ from starlette.exceptions import HTTPException
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.server.engine_view import add_engine_view
-from nanoserve.server.limits import Tenant, TenantLimits
+from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server import tool_calls
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
 from nanoserve.server.versions import EngineVersions, add_admin_routes
@@ -114,18 +116,20 @@ class ServerState:
         if tokens:
             self.stat_logger.tenant_tokens.labels(self.config.model_name, tenant).inc(tokens)
 
-    def charge(self, tenant: str | None, tokens: int) -> None:
-        self.tenants.charge(tenant, tokens)
-        self.count(tenant, "", tokens)
+    def spend(self, reservation: Reservation, tokens: int) -> None:
+        """A request used `tokens` (its prompt, its generated tokens): paid from its quota reservation, counted."""
+        reservation.spend(tokens)
+        self.count(reservation.tenant, "", tokens)
 
-    async def metered(self, request_id: str, outputs, tenant: str | None, deadline: float | None,
+    async def metered(self, request_id: str, outputs, reservation: Reservation, deadline: float | None,
                       timeout: float | None, engine: AsyncLLMEngine | None = None):
-        """The engine's outputs, each generated token charged to the tenant; past `deadline` (the event
+        """The engine's outputs, each generated token paid from the tenant's reservation (what is left of it goes
+        back when the request ends, chapter 08's quotas); past `deadline` (the event
         loop's clock) a RequestTimeout; a request the scheduling policy refused (chapter 15, --slo-reject)
         an APIError 503 — in a stream, an error event then [DONE]. Leaving early aborts the request on
         `engine` (the version it runs on; default the current one) — explicitly: closing `outputs` would
         not if it never started (a deadline already past, a client gone before the first token)."""
-        engine = engine or self.engine
+        engine, tenant = engine or self.engine, reservation.tenant
         loop = asyncio.get_running_loop()
         finished = False
         try:
@@ -143,9 +147,10 @@ class ServerState:
                     raise RequestTimeout(timeout) from None
                 if getattr(out, "reject_reason", None):
                     raise APIError(503, out.reject_reason, "ttft_slo_ms")
-                self.charge(tenant, len(out.new_token_ids))
+                self.spend(reservation, len(out.new_token_ids))
                 yield out
         finally:
+            reservation.close()
             if not finished:
                 engine.abort(request_id)  # at the next step boundary; a finished id is ignored
             await outputs.aclose()
@@ -199,6 +204,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(cfg.retry_after_s)})
         tenant = check_key(request)
         request.state.tenant, request.state.priority = (tenant.name, tenant.priority) if tenant else (None, 0)
+        request.state.operator = tenant is not None and tenant.is_operator
         if state.limiter is not None:
             # a verified key's tenant, or the client's address: never an unverified header, which anyone can vary
             who = (f"tenant:{tenant.name}" if tenant else "key") if keys else \
@@ -221,6 +227,12 @@ def build_app(state: ServerState) -> FastAPI:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {cfg.max_body_bytes}")
+        # JSON only when it says so: a text/plain (or form) POST is a "simple" request a browser sends cross-site
+        # without asking first (no CORS preflight); application/json is not
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, f"the request body must be sent as Content-Type: application/json, "
+                                f"got {media_type[:64] or 'none'!r}")
         body = bytearray()
         try:  # a body trickling in byte by byte holds a connection, not the server: cut it at body_timeout
             async with asyncio.timeout(cfg.body_timeout):
@@ -258,21 +270,27 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "logprobs with tools in a stream is not supported by this server", "logprobs")
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
+        # what it may cost, taken from the tenant's quota now (429 if not there), the unused part refunded at the end
+        reservation = state.tenants.reserve(tenant, len(prompt_ids) + params.n * params.max_tokens)
         try:
             with state.versions.lease() as served:  # chapter 15: this request's version, to its last token
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
                                                           tenant=tenant, slo=req.slo_targets(),
-                                                          speculative=req.speculative)
-        except StructuredOutputError as e:  # chapter 13: the grammar does not compile, or is too large
-            raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
-        except ValueError as e:  # too long for the context, can never fit the KV pool, a bad token id
-            named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field it names
-            raise APIError(400, str(e), named[0] if named else None) from None
+                                                          speculative=req.speculative,
+                                                          cache_salt=prefix_cache_salt(tenant, req.cache_salt))
+        except BaseException as e:
+            reservation.close()  # refused: nothing was spent
+            if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
+                raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
+            if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
+                named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field named
+                raise APIError(400, str(e), named[0] if named else None) from None
+            raise
         state.count(tenant, "admitted")
-        state.charge(tenant, len(prompt_ids))
+        state.spend(reservation, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(request_id, outputs, tenant, deadline, timeout, served.engine)
+        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
         shape = None
@@ -285,7 +303,7 @@ def build_app(state: ServerState) -> FastAPI:
                 lines = state.streaming.openai_stream(outputs, params.stop, kind, base, req.include_usage, logprobs=shape)
             # the abort after the response also covers a client gone before the stream began (nothing to close)
             return StreamingResponse(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(abort_async, served.engine, request_id))
+                                     background=BackgroundTask(abort_async, served.engine, request_id, reservation))
         try:
             finals = await until_done_or_disconnect(request, outputs)
         except EngineStepError as e:
@@ -398,22 +416,40 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "unavailable"}, 503)
         return {"status": "ok"}
 
+    def operator_only(request: Request) -> None:
+        """The routes that show the whole server (/metrics, chapter 16's /replicas): with tenants an operator's key
+        (role "operator" in the keys file: they count every tenant's requests and tokens, and the prefix cache's
+        hits), else the API key if there is one. 401 without a valid key, 403 with a tenant's."""
+        tenant = check_key(request)
+        if cfg.api_keys and not (tenant is not None and tenant.is_operator):
+            raise APIError(403, "this key is a tenant's: this route needs an operator key (role = \"operator\")")
+
+    app.state.operator_only = operator_only  # for routes added beside these (chapter 16's /replicas)
+
+    async def viewer(request: Request) -> tuple[str | None, str | None]:
+        """/engine/events (chapter 12): (the tenant whose stream limit it counts against, the tenant whose requests
+        it shows); (None, None) for an operator, or a server without tenants (its one key, if any, is checked)."""
+        await guard(request)  # a stream is a request: the key, the rate limit, the tenant's admission
+        tenant = request.state.tenant
+        return (None, None) if tenant is None or request.state.operator else (tenant, tenant)
+
     @app.get("/metrics")
     async def metrics(request: Request):
-        if cfg.metrics_need_key:
-            check_key(request)
+        if cfg.api_keys or cfg.metrics_need_key:
+            operator_only(request)
         if state.stat_logger is None:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_engine_view(app, state, check_key)  # chapter 12: GET /engine, the live page, and its /engine/events
+    add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
     return app
 
 
-async def abort_async(engine: AsyncLLMEngine, request_id: str) -> None:
+async def abort_async(engine: AsyncLLMEngine, request_id: str, reservation: Reservation) -> None:
     engine.abort(request_id)  # ignored if it finished
+    reservation.close()  # a no-op once the stream closed it
 
 
 async def until_done_or_disconnect(request: Request, outputs):

@@ -1,6 +1,8 @@
 """Chapter 12 — the engine, live in the browser: GET /engine (a static page) and GET /engine/events (SSE).
 
-    GET /engine                    engine.html: the page (no data in it, so no key needed)
+    GET /engine                    engine.html: the page (no data in it, so no key needed); sent with a
+                                   Content-Security-Policy (its own script and style only) and
+                                   X-Frame-Options: DENY (no other site can frame it)
     GET /engine/static/engine.js   its hand-written script; engine.css its style (shipped in the package)
     GET /engine/events             text/event-stream, one `data: {snapshot}` per engine snapshot
                                    (nanoserve/engine/snapshot.py), `: ping` while nothing happens;
@@ -9,23 +11,59 @@
 The stream reads AsyncLLMEngine.watch(): at most ~20 snapshots a second, and a client that reads
 slowly just gets the latest one next (nothing queues up for it). Nobody connected: the engine builds
 nothing. At shutdown the stream ends, so an open page never holds up the drain; the page reconnects.
+
+With tenants (--api-keys, chapter 08) a stream is a request like any other: it passes the tenant's rate limit,
+a tenant holds at most MAX_EVENT_STREAMS open at once (429 past that), and it sees its own requests only
+(tenant_view): the others' ids become "other", and the prefix cache's figures are not there (they would tell
+it that another tenant sent the same prompt). An operator key (`role = "operator"` in the keys file) sees
+everything.
 """
 
 from importlib.resources import files
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from nanoserve.server.protocol import APIError, finite_json
+from nanoserve.server.protocol import APIError, error_body, finite_json
 
 STATIC = files("nanoserve.server") / "static"
 MEDIA_TYPES = {"engine.js": "text/javascript; charset=utf-8", "engine.css": "text/css; charset=utf-8"}
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+                                           "form-action 'none'", "X-Frame-Options": "DENY"}
+MAX_EVENT_STREAMS = 2  # open /engine/events streams per tenant
 
 
-def add_engine_view(app: FastAPI, state, check_key) -> None:
+def tenant_view(snap: dict, tenant: str) -> dict:
+    """What `tenant` may see of a snapshot: its own requests, every other id as "other", no prefix figures.
+
+        >>> snap = {"running": [{"id": "a1"}, {"id": "b1"}], "waiting": [], "finished": [{"id": "b0"}],
+        ...         "preempted": ["b1"], "aborted": [], "tenants": {"a1": "a", "b1": "b", "b0": "b"},
+        ...         "prefix": {"hit_tokens": 32}, "pool": {"owners": ["free", "a1", "b1"], "blocks": [0, 1, 2]}}
+        >>> view = tenant_view(snap, "a")
+        >>> view["running"], view["finished"], view["preempted"], view["pool"]["owners"], view["prefix"]
+        ([{'id': 'a1'}], [], [], ['free', 'a1', 'other'], {'hidden': True, 'hit_tokens': 0})
+    """
+    owner = snap["tenants"]
+    mine = lambda i: owner.get(i) == tenant  # noqa: E731
+    shown = lambda o: o in ("free", "cached") or o.startswith("shared:") or mine(o)  # noqa: E731
+    return {**snap, "running": [s for s in snap["running"] if mine(s["id"])],
+            "waiting": [s for s in snap["waiting"] if mine(s["id"])],
+            "finished": [s for s in snap["finished"] if mine(s["id"])],
+            "preempted": [i for i in snap["preempted"] if mine(i)], "aborted": [i for i in snap["aborted"] if mine(i)],
+            "prefix": {"hidden": True} | {k: 0 for k in snap["prefix"]},
+            "pool": {**snap["pool"], "owners": [o if shown(o) else "other" for o in snap["pool"]["owners"]]},
+            "tenants": {i: t for i, t in owner.items() if t == tenant}}
+
+
+def add_engine_view(app: FastAPI, state, viewer) -> None:
+    """viewer(request) -> (who, scope): passes the request's key and limits (raises APIError otherwise); `who` is
+    the tenant whose streams count (None: nobody's), `scope` the tenant whose view it gets (None: everything)."""
+    open_streams: dict[str, int] = {}
+
     @app.get("/engine")
     async def page():
-        return Response((STATIC / "engine.html").read_bytes(), media_type="text/html; charset=utf-8")
+        return Response((STATIC / "engine.html").read_bytes(), media_type="text/html; charset=utf-8",
+                        headers=PAGE_HEADERS)
 
     @app.get("/engine/static/{name}")
     async def static(name: str):
@@ -34,17 +72,34 @@ def add_engine_view(app: FastAPI, state, check_key) -> None:
         return Response((STATIC / name).read_bytes(), media_type=MEDIA_TYPES[name],
                         headers={"Cache-Control": "no-cache"})
 
-    @app.get("/engine/events", dependencies=[Depends(check_key)])
-    async def events():
+    @app.get("/engine/events")
+    async def events(request: Request, seen=Depends(viewer)):
+        who, scope = seen
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
+        full = f"tenant {who!r} already has {MAX_EVENT_STREAMS} engine event streams open"
+        if who is not None and open_streams.get(who, 0) >= MAX_EVENT_STREAMS:
+            raise APIError(429, full, headers={"Retry-After": "1"})
 
         async def lines():
-            yield ": nanoserve engine events\n\n"
-            async for snap in state.engine.watch(keepalive=1.0):
-                if state.draining:
-                    return
-                yield ": ping\n\n" if snap is None else f"data: {finite_json(snap, separators=(',', ':'))}\n\n"
+            # counted once the stream runs (a client gone before it starts never held one); streams opened at
+            # the same moment all passed the check above, so it is made again here
+            if who is not None and open_streams.get(who, 0) >= MAX_EVENT_STREAMS:
+                yield f"data: {json.dumps(error_body(full, 429))}\n\n"
+                return
+            if who is not None:
+                open_streams[who] = open_streams.get(who, 0) + 1
+            try:
+                yield ": nanoserve engine events\n\n"
+                async for snap in state.engine.watch(keepalive=1.0):
+                    if state.draining:
+                        return
+                    if snap is not None and scope is not None:
+                        snap = tenant_view(snap, scope)
+                    yield ": ping\n\n" if snap is None else f"data: {finite_json(snap, separators=(',', ':'))}\n\n"
+            finally:
+                if who is not None:
+                    open_streams[who] -= 1
 
         return StreamingResponse(lines(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

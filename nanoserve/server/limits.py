@@ -15,9 +15,14 @@ clients: a bucket idle long enough to be full again is the same as no bucket, so
 (`burst / rate` seconds after its last use); past `max_keys` the least recently used one goes too.
 
 A tenant (`--api-keys FILE`) has a requests/s bucket and a tokens-per-minute bucket (prompt + completion
-tokens, `tokens_per_minute` of them refilling over a minute). A request is admitted while the token
-bucket is not in debt; its tokens are charged as they are known (the prompt at admission, each
-generated token as it comes), so one long request may overdraw it and the next waits until it is paid.
+tokens, `tokens_per_minute` of them refilling over a minute). A request *reserves* what it may cost at
+admission — prompt + n × max_tokens, at most the whole quota — and is refused (429) if the bucket does not
+hold that much; what it generates is paid from the reservation, and what it did not generate goes back
+when it ends (a Reservation). So a burst cannot commit more than the quota: with 2,000 tokens a minute, of
+three concurrent requests of n 16 × max_tokens 120 (+ a 20-token prompt: 1,940 each) the first is served and
+the other two are refused, where charging tokens only as they came would have run all three (5,820 tokens).
+Only a request that asks for more than the whole quota can overdraw it (it needs a full bucket to start);
+the next then waits until the debt is paid.
 
 Exercise 8.4 (exercises/08-http-serving/limits.py) writes TokenBucketLimiter.try_acquire, too_many_requests and
 check_queue.
@@ -102,9 +107,10 @@ class TokenBucketLimiter:
         return 0.0 if tokens > 0 else (1e-9 - tokens) / self.rate
 
     def charge(self, key: str, cost: float, now: float | None = None) -> None:
-        """Take `cost` tokens whether or not they are there (the bucket may go into debt)."""
+        """Take `cost` tokens whether or not they are there (the bucket may go into debt); a negative cost gives
+        tokens back (a refund), never beyond the burst."""
         now = time.monotonic() if now is None else now
-        self._store(key, self._level(key, now) - cost, now)
+        self._store(key, min(self.burst, self._level(key, now) - cost), now)
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,15 @@ class Tenant:
     weight: float = 1.0  # chapter 15's fair policy: its share of each step's tokens, relative to the others
     ttft_slo_ms: float | None = None  # chapter 15's slo policy: its targets (None: the server's default)
     tpot_slo_ms: float | None = None
+    # "tenant", or "operator": also reads /metrics and every tenant's requests in the engine view (chapter 12)
+    role: str = "tenant"
+
+    @property
+    def is_operator(self) -> bool:
+        return self.role == "operator"
+
+
+ROLES = ("tenant", "operator")
 
 
 def load_api_keys(path: str | Path) -> dict[str, Tenant]:
@@ -133,6 +148,10 @@ def load_api_keys(path: str | Path) -> dict[str, Tenant]:
         weight = 2              # chapter 15: twice the share of a weight-1 tenant under --scheduling-policy fair
         ttft_slo_ms = 500       # chapter 15: its targets under --scheduling-policy slo
         tpot_slo_ms = 100
+
+        [keys."sk-ops"]
+        tenant = "ops"
+        role = "operator"       # also reads /metrics and every tenant's requests in /engine (a tenant: its own)
     """
     path = Path(path)
     try:
@@ -153,12 +172,14 @@ def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
         if not key.strip() or not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str):
             raise ValueError(f"{where}: key {key[:4]}...: needs a table with a string `tenant`")
         unknown = set(spec) - {"tenant", "requests_per_second", "burst", "tokens_per_minute", "priority", "weight",
-                               "ttft_slo_ms", "tpot_slo_ms"}
+                               "ttft_slo_ms", "tpot_slo_ms", "role"}
         if unknown:
             raise ValueError(f"{where}: tenant {spec['tenant']!r}: unknown setting {sorted(unknown)[0]!r}")
         tenant = Tenant(spec["tenant"], spec.get("requests_per_second"), spec.get("burst", 10),
                         spec.get("tokens_per_minute"), spec.get("priority", 0), spec.get("weight", 1.0),
-                        spec.get("ttft_slo_ms"), spec.get("tpot_slo_ms"))
+                        spec.get("ttft_slo_ms"), spec.get("tpot_slo_ms"), spec.get("role", "tenant"))
+        if tenant.role not in ROLES:
+            raise ValueError(f"{where}: tenant {tenant.name!r}: role must be one of {', '.join(ROLES)}, got {tenant.role!r}")
         for name in ("requests_per_second", "tokens_per_minute", "weight", "ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(tenant, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
@@ -167,6 +188,22 @@ def load_api_keys_dict(raw, where: str = "api keys") -> dict[str, Tenant]:
             raise ValueError(f"{where}: tenant {tenant.name!r}: burst must be an int >= 1 and priority an int")
         tenants[key] = tenant
     return tenants
+
+
+def prefix_cache_salt(tenant: str | None, requested: str | None) -> str | None:
+    """Whose prefix cache a request reads and fills (LLMEngine.add_request's cache_salt).
+
+    A request's own `cache_salt` (vLLM's field) is shared by every request that sends the same one, whoever
+    sends it: the explicit way for tenants to share a public prefix (a system prompt they all use). Without one,
+    a tenant's requests share with that tenant only; without tenants, everyone shares (None). The two kinds can
+    never collide: a request cannot name another tenant's cache.
+
+        >>> prefix_cache_salt("a", None), prefix_cache_salt("a", "tenant:b"), prefix_cache_salt(None, None)
+        ('tenant:a', 'request:tenant:b', None)
+    """
+    if requested is not None:
+        return f"request:{requested}"
+    return None if tenant is None else f"tenant:{tenant}"
 
 
 def scheduling_settings(tenants: dict[str, Tenant] | None) -> dict:
@@ -214,6 +251,44 @@ class TenantLimits:
                 return wait, f"tenant {tenant!r}: quota of {t.tokens_per_minute} tokens per minute spent"
         return 0.0, ""
 
-    def charge(self, tenant: str | None, tokens: int) -> None:
+    def charge(self, tenant: str | None, tokens: int, now: float | None = None) -> None:
         if tenant in self.tokens and tokens:
-            self.tokens[tenant].charge(tenant, tokens)
+            self.tokens[tenant].charge(tenant, tokens, now)
+
+    def reserve(self, tenant: str | None, tokens: int, now: float | None = None) -> "Reservation":
+        """Take what a request may cost (at most the whole quota) from the tenant's tokens-per-minute bucket, or
+        raise a 429 saying when it will be there. A tenant without a quota gets an empty Reservation."""
+        bucket = self.tokens.get(tenant)
+        if bucket is None:
+            return Reservation(self, tenant, 0)
+        take = min(tokens, bucket.burst)
+        wait = bucket.try_acquire(tenant, now, cost=take)
+        if wait:
+            raise too_many_requests(wait, f"tenant {tenant!r}: this request may cost {tokens} tokens (prompt + n × "
+                                          f"max_tokens); the quota of {bucket.burst:g} per minute has not that many left")
+        return Reservation(self, tenant, take)
+
+
+class Reservation:
+    """The tokens a request took from its tenant's quota at admission. spend(k): k tokens it used (the prompt,
+    then each generated token), paid from the reservation and, past it, charged as they come; close(): what is
+    left goes back to the bucket (once, however often it is called).
+
+        >>> limits = TenantLimits({"k": Tenant("t", tokens_per_minute=100)})
+        >>> r = limits.reserve("t", 10 + 2 * 20, now=0.0)      # prompt 10, n 2 × max_tokens 20: 50 of 100
+        >>> r.spend(10, now=0.0); r.spend(7, now=0.0); r.close(now=0.0)   # it stopped after 7 tokens: 33 back
+        >>> round(limits.tokens["t"].buckets["t"][0])
+        83
+    """
+
+    def __init__(self, limits: TenantLimits, tenant: str | None, tokens: int):
+        self.limits, self.tenant, self.left = limits, tenant, tokens
+
+    def spend(self, tokens: int, now: float | None = None) -> None:
+        paid = min(tokens, self.left)
+        self.left -= paid
+        self.limits.charge(self.tenant, tokens - paid, now)
+
+    def close(self, now: float | None = None) -> None:
+        left, self.left = self.left, 0
+        self.limits.charge(self.tenant, -left, now)

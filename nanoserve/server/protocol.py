@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from nanoserve.sampling import MIN_REPETITION_PENALTY, SEED_MAX, SEED_MIN
 from nanoserve.structured.params import StructuredOutputsParams
 from nanoserve.structured.tools import NO_PARAMETERS, Tool, ToolPlan, ToolsError, plan
 
@@ -43,8 +44,9 @@ MAX_PROMPTS = 16  # a completions batch: prompts in one request (n completions o
 class APIError(Exception):
     """An error the client gets as HTTP `status` with OpenAI's error body."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
-             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+             408: "RequestTimeoutError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+             429: "RateLimitError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
@@ -224,7 +226,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # a signed 64-bit int, as OpenAI's (and vLLM's)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # completions of the prompt (parallel sampling, chapter 06)
     stream: bool = False
@@ -241,7 +243,10 @@ class _SamplingFields(BaseModel):
     # vLLM's extensions
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=2)
+    # vLLM's: the prefix cache is keyed by it (chapter 08's tenants): requests that give the same salt share
+    # cached prefixes, and only they; with --api-keys a request without one shares with its own tenant only
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # nanoserve's extension: seconds from arrival to the last token (the server's --request-timeout caps it)
@@ -431,6 +436,40 @@ def nesting_depth(obj, limit: int) -> int:
     return depth if not level else limit + 1
 
 
+def first_bad_value(obj) -> tuple[str, str] | None:
+    """(path, what is wrong) of the first value no request may carry, or None. Python's json reads two things
+    that are not data: a lone surrogate ("\\ud800" is valid JSON, but no UTF-8 text: the tokenizer, and any
+    reply quoting it, would fail on it) and a number that is not finite (NaN, Infinity, 1e400: not JSON at all,
+    and a NaN inside a step poisons a whole batch). Keys are checked too. Iterative (the depth is bounded first).
+
+        >>> first_bad_value({"messages": [{"role": "user", "content": "hi \\ud800"}]})
+        ('messages[0].content', 'a lone surrogate is not valid Unicode text')
+    """
+    stack = [("", obj)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str) and not _encodable(x):
+            return path or "body", "a lone surrogate is not valid Unicode text"
+        if isinstance(x, float) and not math.isfinite(x):
+            return path or "body", f"{x} is not a finite number"
+        if isinstance(x, dict):
+            for key, value in reversed(x.items()):
+                if not _encodable(key):
+                    return path or "body", "a key with a lone surrogate is not valid Unicode text"
+                stack.append((f"{path}.{key}" if path else key, value))
+        elif isinstance(x, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x)))]
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
     """Bytes -> a validated request, or APIError(400) naming what is wrong: a field OpenAI defines that
     nanoserve does not implement (UNSUPPORTED), a field nobody defines, or a bad value."""
@@ -446,6 +485,9 @@ def parse_body(body: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
     if nesting_depth(obj, MAX_DEPTH) > MAX_DEPTH:
         raise APIError(400, f"the request body nests deeper than {MAX_DEPTH} levels")
+    bad = first_bad_value(obj)
+    if bad is not None:
+        raise APIError(400, f"{bad[0]}: {bad[1]}", None if bad[0] == "body" else bad[0])
     for name, value in list(obj.items()):
         if name in UNSUPPORTED and name not in model.model_fields:
             if value is not None:

@@ -37,16 +37,24 @@ def verify_and_sample(runner, seqs, logits: torch.Tensor, grammar_bitmask=None) 
             plain_rows.append(row)
             plain_seqs.append(seq)
         row += k + 1
-    sampled = runner.sample(plain_seqs, logits[plain_rows], grammar_bitmask) if plain_seqs else {}
+    # (a SampledTokens even with no plain sequence: its `failed` collects the verifications that raise)
+    sampled = runner.sample(plain_seqs, logits[plain_rows], grammar_bitmask if plain_seqs else None)
     for seq, row in spec:
-        proposal, params = seq.spec_token_ids, seq.sampling_params
-        rows = torch.stack([apply_penalties(r, params, seq.prompt_token_ids, seq.output_token_ids + proposal[:j])
-                            for j, r in enumerate(logits[row:row + len(proposal) + 1].float())])  # (k + 1, vocab)
-        if params.greedy:
-            sampled[seq.seq_id] = acceptance.greedy_accept(proposal, rows.argmax(-1).tolist())
-            continue
-        if seq.seq_id not in runner.generators:
-            runner.generators[seq.seq_id] = make_generator(params)
-        target = torch.stack([probabilities(r, params) for r in rows])
-        sampled[seq.seq_id] = acceptance.rejection_sample(proposal, target, None, runner.generators[seq.seq_id])
+        try:
+            sampled[seq.seq_id] = verify_one(runner, acceptance, seq, logits[row:row + len(seq.spec_token_ids) + 1])
+        except Exception as e:  # noqa: BLE001 — as in ModelRunner.sample: this sequence fails alone
+            sampled.failed[seq.seq_id] = e
     return sampled
+
+
+def verify_one(runner, acceptance, seq, logits: torch.Tensor) -> list[int]:
+    """One sequence's accepted proposals + its correction or bonus token, from its k + 1 rows of logits."""
+    proposal, params = seq.spec_token_ids, seq.sampling_params
+    rows = torch.stack([apply_penalties(r, params, seq.prompt_token_ids, seq.output_token_ids + proposal[:j])
+                        for j, r in enumerate(logits.float())])  # (k + 1, vocab)
+    if params.greedy:
+        return acceptance.greedy_accept(proposal, rows.argmax(-1).tolist())
+    if seq.seq_id not in runner.generators:
+        runner.generators[seq.seq_id] = make_generator(params)
+    target = torch.stack([probabilities(r, params) for r in rows])
+    return acceptance.rejection_sample(proposal, target, None, runner.generators[seq.seq_id])
