@@ -197,6 +197,9 @@ class LLM:
         priority = priority or [0] * len(inputs)
         if not len(params) == len(priority) == len(inputs):
             raise ValueError(f"{len(inputs)} inputs but {len(params)} sampling params and {len(priority)} priorities")
+        for i, p in enumerate(params):  # before anything is queued: a bad one must not leave the others behind
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params {i}: expected a SamplingParams, got {type(p).__name__}")
         ids = []
         for i, (item, p, prio) in enumerate(zip(inputs, params, priority)):
             try:

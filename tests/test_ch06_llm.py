@@ -126,6 +126,9 @@ def test_generate_names_the_bad_input(llm):
     with pytest.raises(ValueError, match="input 1"):
         llm.generate(["fine", {"nothing": 1}], greedy(4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(TypeError, match="sampling_params 1: expected a SamplingParams, got dict"):
+        llm.generate(["fine", "also fine"], [greedy(4), {"temperature": 0}], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.slow
@@ -178,7 +181,8 @@ def test_batch_cli_reads_a_file_that_starts_with_a_utf8_bom(tiny, tmp_path, monk
 @pytest.mark.parametrize("prefix_caching, recomputed", [(True, 5), (False, 13)])
 def test_readmission_after_preemption_recomputes_only_the_uncached_tail(tiny, prefix_caching, recomputed):
     """Worked by hand, block_size 4, a 6-block pool; A and B: 8-token prompts, 8 new tokens each.
-    Steps 1-5: both prefill (2 blocks each), then decode; at step 5 each takes its 3rd block: the pool is full.
+    Step 1 prefills both (2 blocks each); step 2 decodes position 8, so each takes its 3rd block: the pool is
+    full. Steps 2-5 decode positions 8-11.
     Step 6: A's position 12 needs a 4th block: B (later arrival) is preempted with 13 tokens (8 + 5 generated);
     its blocks go to the free list tail-first, so A's new block evicts B's [8, 12) and B's [0, 4), [4, 8) stay
     cached. After A finishes B returns: with prefix caching it hits its own 2 freed blocks and recomputes

@@ -81,6 +81,20 @@ def test_a_step_of_partial_chunks_samples_nothing(tiny):
     assert batch.logits_indices.tolist() == [] and batch.sampled_seqs == []
 
 
+def test_proposals_ride_after_the_known_tokens_and_each_gets_a_row(tiny):
+    """Chapter 14: A decodes position 5 carrying proposals [91, 92]: 3 tokens, 3 rows of logits (the last known
+    token's and each proposal's); B's prompt completes beside it."""
+    a = seq("A", list(range(10, 16)), 5, computed=5)
+    a.spec_token_ids = [91, 92]
+    b = seq("B", list(range(30, 33)), 3, computed=0)
+    batch = runner_for(tiny).prepare_inputs(plan((a, 3, [2, 5]), (b, 3, [1])))
+    assert batch.input_ids.tolist() == [15, 91, 92, 30, 31, 32]
+    assert batch.positions.tolist() == [5, 6, 7, 0, 1, 2]
+    assert batch.attn_metadata.seq_lens.tolist() == [8, 3]
+    assert batch.attn_metadata.slot_mapping.tolist() == [5 * 4 + 1, 22, 23, 4, 5, 6]  # table[p // 4] * 4 + p % 4
+    assert batch.logits_indices.tolist() == [0, 1, 2, 5] and batch.sampled_seqs == [a, b]
+
+
 @torch.inference_mode()
 def test_the_flat_batch_computes_what_the_no_cache_forward_does(tiny):
     """Three greedy requests, a 5-token budget: prefill chunks, decodes and both in one step. Every sampled row's

@@ -215,6 +215,27 @@ def test_without_chunking_a_prompt_waits_for_room_in_one_step():
     assert step(s).num_scheduled_tokens == {"B": 1, "C": 2}
 
 
+@pytest.mark.exercise("6.2")
+def test_a_decode_carrying_proposals_computes_them_in_the_same_step():
+    """Chapter 14 sets seq.spec_token_ids before the step: the proposals ride after the known tokens."""
+    s = make(max_num_batched_tokens=8)
+    add(s, "A", 4, max_tokens=8)
+    add(s, "B", 4, max_tokens=8)
+    step(s)  # both prefill and sample their first token: 5 tokens, 4 computed
+    s.seqs["A"].spec_token_ids = [7, 7, 7]  # 3 proposals: A computes its last token and all 3
+    s.seqs["B"].spec_token_ids = [7, 7, 7, 7]
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"A": 4, "B": 4}  # B's 5 do not fit the 4 left: a chunk of the budget
+    assert out.block_tables == {"A": [0, 2], "B": [1, 3]}  # a 2nd block each, for positions [4, 8)
+    s = make(max_num_batched_tokens=9, chunked=False)  # without chunking a prompt waits whole, but proposals are cut
+    add(s, "A", 4, max_tokens=5)
+    add(s, "B", 4, max_tokens=5)
+    step(s)
+    s.seqs["A"].spec_token_ids = [7, 7, 7, 7]
+    s.seqs["B"].spec_token_ids = [7, 7, 7, 7]
+    assert s.schedule().num_scheduled_tokens == {"A": 5, "B": 4}  # B verifies 3 of its 4, never 0 tokens
+
+
 # ---- 6.3: preemption by recompute, and the guard that keeps it from deadlocking ------------------------------
 
 @pytest.mark.exercise("6.3")

@@ -40,5 +40,12 @@ class ModelRunner(ReferenceModelRunner):
                           chunk. A partial prefill chunk samples nothing.   (num_sampled,) long, on the CPU
           sampled_seqs    those sequences, in the same order
         and return them as a ModelInput.
+        From chapter 14 on, a sequence may carry k = len(seq.spec_token_ids) proposals to verify: they follow its
+        known tokens (its tokens are seq.token_ids + seq.spec_token_ids, end can reach seq.num_tokens + k), and a
+        step that reaches its last proposal samples k + 1 rows: its last known token's and each proposal's.
+        Example (block size 4): A decodes position 9 with table [2, 5, 7]; B computes the chunk [0, 3) of a 7-token
+        prompt with table [1]; C decodes position 4 with table [4, 6]:
+          input_ids [a9, b0, b1, b2, c4], positions [9, 0, 1, 2, 4], seq_lens [10, 3, 5], query_lens [1, 3, 1],
+          slot_mapping (from the metadata) [7*4+1, 4, 5, 6, 6*4+0], logits_indices [0, 4], sampled_seqs [A, C].
         """
         raise NotImplementedError("Exercise 6.5: write ModelRunner.prepare_inputs (see its docstring and README.md)")

@@ -67,9 +67,14 @@ class Scheduler(ReferenceScheduler):
         """Exercise 6.2: how many tokens `seq` computes this step, starting at `num_computed_tokens`, with
         `budget` (>= 1) tokens of the step left.
 
-        It has `seq.num_tokens - num_computed_tokens` tokens left to compute (1 for a decode). If they fit in
-        the budget, all of them. If not: with `self.config.enable_chunked_prefill`, a chunk as large as the
-        budget (the rest follows in later steps); without, 0 — the prefill waits until it fits whole.
+        Returns an int in [0, budget]: all the tokens it has left to compute if they fit, else with
+        `self.config.enable_chunked_prefill` a chunk filling the budget (the rest follows in later steps), else
+        0 (the prefill waits until it fits whole). The tokens left are its known tokens not yet computed (1 for
+        a decode), plus, from chapter 14 on, the proposals it carries to verify (`seq.spec_token_ids`: they ride
+        after its known tokens, in the same step). Proposals are not a prompt: when only they overflow the
+        budget, it fills the budget and verifies fewer of them, chunking or not.
+        Examples: a 10-token prompt, 0 computed, budget 8: 8 (chunk [0, 8)), without chunking 0; the same with 8
+        computed: 2; a decode: 1; a decode carrying 3 proposals, budget 8: 4; with 4 proposals, budget 3: 3.
         """
         raise NotImplementedError("Exercise 6.2: write Scheduler.num_new_tokens (see its docstring and README.md)")
 
@@ -94,7 +99,10 @@ class Scheduler(ReferenceScheduler):
     def preempt(self, seq: Sequence) -> None:
         """Exercise 6.3: preemption by recompute. Free seq's blocks (the block manager), make it PREEMPTED with
         0 computed tokens (it keeps its tokens: prompt and generated), count it in seq.num_preemptions, and put
-        it back into self.waiting in urgency order."""
+        it back into self.waiting in urgency order.
+        Example, blocks of 4: B (a 4-token prompt + 5 generated = 9 tokens, 8 computed, 2 blocks) preempted: 0
+        blocks, status PREEMPTED, num_computed_tokens 0, num_tokens still 9, num_preemptions 1, and in self.waiting ahead of
+        every sequence of its priority that arrived after it."""
         raise NotImplementedError("Exercise 6.3: write Scheduler.preempt (see its docstring and README.md)")
 
     def check_fits_alone(self, seq: Sequence) -> None:
@@ -105,11 +113,16 @@ class Scheduler(ReferenceScheduler):
           - it needs more seats (seq.num_seats) than max_num_seqs, with "max_num_seqs is N" in the message;
           - without chunked prefill, seq.max_total_tokens > max_num_batched_tokens (a preempted sequence is
             recomputed as one prefill of all its tokens), with "chunked prefill is off" in the message.
+        Example: a pool of 4 blocks of 4 tokens: prompt 10 + max_tokens 6 = 16 tokens is accepted, prompt 10 +
+        max_tokens 7 = 17 tokens (5 blocks) is refused; with max_num_seqs 2, a request with n=3 is refused.
         """
         raise NotImplementedError("Exercise 6.3: write Scheduler.check_fits_alone (see its docstring and README.md)")
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Exercise 6.4: how many leading tokens of `seq` the prefix cache already holds, so admission skips
         them. Ask chapter 05's block manager. Which tokens do you look up for a sequence that was preempted
-        after generating some?"""
+        after generating some?
+        Returns a multiple of the block size, < seq.num_tokens. Example: blocks of 4, a new 11-token prompt whose
+        first 8 tokens are cached: 8; a prompt of exactly those 8 tokens: 4 (its last token must be computed,
+        its logits pick the next)."""
         raise NotImplementedError("Exercise 6.4: write Scheduler.num_cached_tokens (see its docstring and README.md)")

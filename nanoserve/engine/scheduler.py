@@ -220,11 +220,14 @@ class Scheduler:
             10-token prompt, 0 computed, budget 8:   8 (chunk [0, 8));  without chunking 0
             the same, 8 computed, budget 8:          2 (the last chunk, [8, 10): it samples)
             a decode (1 left), any budget:            1
+            a decode carrying 4 proposals, budget 3:   3 (chapter 14: it verifies 2 of them), chunking or not
         """
-        n = seq.num_tokens + len(seq.spec_token_ids) - num_computed_tokens  # chapter 14: + the proposals to verify
+        known = seq.num_tokens - num_computed_tokens
+        n = known + len(seq.spec_token_ids)  # chapter 14: + the proposals to verify
         if n <= budget:
             return n
-        return budget if self.config.enable_chunked_prefill else 0
+        # a prompt waits whole without chunking; proposals are no prompt: a short budget verifies fewer of them
+        return budget if self.config.enable_chunked_prefill or known <= budget else 0
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """The leading tokens of `seq` whose K/V the prefix cache already holds (whole blocks, never all of
