@@ -14,6 +14,7 @@ how much of the difference is the int8 LM head's (nanoserve/model/quant.py says 
 """
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -92,6 +93,7 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 def run(args):
     from nanoserve.model import load_gguf
+    from nanoserve.model.quant import set_kernel_crossover
     from nanoserve.text.tokenizer import Tokenizer
 
     formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
@@ -101,11 +103,17 @@ def run(args):
     if "q4" in formats:  # what the int8 LM head costs: the same q4 layers with float32's embedding and head
         models["q4+fp32head"] = load_gguf(weights="q4")
         models["q4+fp32head"].embed_tokens, models["q4+fp32head"].lm_head = models["fp32"].embed_tokens, models["fp32"].lm_head
+    for name, model in models.items():  # as LLM(weights=...) serves: the kernel up to the crossover, a bf16 copy beyond
+        if name != "fp32":
+            set_kernel_crossover(model)
     prompts = CHAT_PROMPTS[:args.num_prompts]
     rows = compare(models, tokenizer, prompts, args.max_tokens)
     n_ids = len(tokenizer.encode(HELDOUT.read_text()))
     print(f"command: python -m nanoserve bench quality --weights {' '.join(args.weights)} "
           f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}")
+    # the bf16 GEMMs' order of additions follows the kernel oneDNN picks for the CPU: the figures too
+    print(f"threads: {torch.get_num_threads()}; CPU: {torch.backends.cpu.get_cpu_capability()}; "
+          f"load average at the start: {os.getloadavg()[0]:.2f}")
     print(f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens; held-out text: {HELDOUT.name}, {n_ids} tokens")
     print(f"{'weights':12s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
           f"{'max |dlogit|':>13s} {'top-1 = fp32':>13s}")
