@@ -1,9 +1,7 @@
 """Chapter 10 — SmolLM2 with int8 and q4 weights (real model, loaded once per module).
 
 References: the GGUF's own bytes and `gguf`'s dequantizer (the float32 model of chapter 02 holds exactly
-those values), the float32 model's logits and greedy outputs, and the engine's request run alone. The
-quantized models are the ones `LLM(weights=...)` serves: the kernel up to KERNEL_CROSSOVER_TOKENS tokens, a
-bf16 copy of each weight beyond.
+those values), the float32 model's logits and greedy outputs, and the engine's request run alone.
 """
 
 import json
@@ -15,8 +13,8 @@ import torch
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.model import load_gguf
 from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf, unpermute_qk
-from nanoserve.llm import LLM
-from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, Int8Linear, Q4Linear, QuantLinear, unpack_q4_1
+from nanoserve.model.quant import (KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, Int8Linear, Q4Linear, QuantLinear,
+                                   set_kernel_crossover, unpack_q4_1)
 from nanoserve.sampling import SamplingParams
 from tests.test_ch06_engine import cut_requests
 from tests.test_student import exercises, finish  # noqa: F401  (a fixture, and a helper that finishes rungs)
@@ -30,12 +28,12 @@ CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "How 
 
 @pytest.fixture(scope="module")
 def q4():
-    return LLM(weights="q4", num_blocks=8).model  # as LLM serves it: loaded, then set_kernel_crossover
+    return load_gguf(weights="q4")  # bare, as `bench quality` measures it: the kernel up to QUANT_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
 def int8():
-    return LLM(weights="int8", num_blocks=8).model
+    return load_gguf(weights="int8")
 
 
 @pytest.fixture(scope="module")
@@ -131,16 +129,20 @@ def test_engine_serves_the_workload_batch_invariant_without_leaks(request, workl
     product then runs in the kernel, whose rows do not depend on the batch (test_ch10_quant.py). The default
     engine (2048-token steps) also serves it without leaks; there a wide step multiplies the bf16 copy."""
     model = request.getfixturevalue(weights)
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.bf16_copy is not None for m in layers)
-    narrow = LLMEngine(model, EngineConfig(num_blocks=96, max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS))
-    batched, widest = serve(narrow, workload)
-    assert widest == KERNEL_CROSSOVER_TOKENS  # steps mixed several requests up to the limit
-    alone = {i: serve(narrow, [req])[0][0] for i, req in enumerate(workload)}
-    assert batched == alone
-    wide, widest = serve(LLMEngine(model, EngineConfig(num_blocks=96)), workload)
-    assert widest > KERNEL_CROSSOVER_TOKENS and len(wide) == len(workload)
-    assert all(len(wide[i]) == n for i, (_, n) in enumerate(workload))
+    set_kernel_crossover(model)  # what LLM(weights=...) does to the model it loads (llm.py), with its defaults
+    try:
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.bf16_copy is not None for m in layers)
+        narrow = LLMEngine(model, EngineConfig(num_blocks=96, max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS))
+        batched, widest = serve(narrow, workload)
+        assert widest == KERNEL_CROSSOVER_TOKENS  # steps mixed several requests up to the limit
+        alone = {i: serve(narrow, [req])[0][0] for i, req in enumerate(workload)}
+        assert batched == alone
+        wide, widest = serve(LLMEngine(model, EngineConfig(num_blocks=96)), workload)
+        assert widest > KERNEL_CROSSOVER_TOKENS and len(wide) == len(workload)
+        assert all(len(wide[i]) == n for i, (_, n) in enumerate(workload))
+    finally:  # the module's other tests measure the bare model
+        set_kernel_crossover(model, QUANT_MAX_TOKENS, "dequantize")
 
 
 def test_batch_with_student_10_reports_the_learners_quantizer(exercises, tmp_path, capsys):
@@ -152,8 +154,8 @@ def test_batch_with_student_10_reports_the_learners_quantizer(exercises, tmp_pat
     finish("nanoserve.model.quant", NAMES)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text('{"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}\n')
-    main(["batch", "--input", str(src), "--output", str(out), "--weights", "q4", "--student", "10",
-          "--num-blocks", "8", "--no-progress"])
+    assert main(["batch", "--input", str(src), "--output", str(out), "--weights", "q4", "--student", "10",
+                 "--num-blocks", "8", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert f"yours      {', '.join(NAMES)}  from exercises/10-quantization/quant.py" in err, err
     proof = next(line for line in err.splitlines() if line.startswith("--student: "))

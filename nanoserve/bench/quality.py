@@ -93,7 +93,6 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 def run(args):
     from nanoserve.model import load_gguf
-    from nanoserve.model.quant import set_kernel_crossover
     from nanoserve.text.tokenizer import Tokenizer
 
     formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
@@ -103,9 +102,6 @@ def run(args):
     if "q4" in formats:  # what the int8 LM head costs: the same q4 layers with float32's embedding and head
         models["q4+fp32head"] = load_gguf(weights="q4")
         models["q4+fp32head"].embed_tokens, models["q4+fp32head"].lm_head = models["fp32"].embed_tokens, models["fp32"].lm_head
-    for name, model in models.items():  # as LLM(weights=...) serves: the kernel up to the crossover, a bf16 copy beyond
-        if name != "fp32":
-            set_kernel_crossover(model)
     prompts = CHAT_PROMPTS[:args.num_prompts]
     rows = compare(models, tokenizer, prompts, args.max_tokens)
     n_ids = len(tokenizer.encode(HELDOUT.read_text()))
