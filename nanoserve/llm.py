@@ -45,12 +45,12 @@ class LLM:
         (chapter 07; on a CPU "triton" needs TRITON_INTERPRET=1), None for the device's default — checked
         before the model loads. weights: "fp32" (default), "int8" or "q4" (chapter 10), how the weights are
         kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
-        a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2).
+        a q4 copy of the weights loaded beside them (chapter 10; 161 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
         and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
         kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
         a bf16 GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS, measured); large_step_weights: keep a bf16
-        "copy" of each quantized weight for those steps (2 bytes per weight more: SmolLM2 q4 95 MB + 269 MB) or
+        "copy" of each quantized weight for those steps (2 bytes per weight more: SmolLM2 q4 holds 161 MB + 269 MB) or
         "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
         a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
@@ -77,7 +77,7 @@ class LLM:
         if tensor_parallel_size > 1:
             from nanoserve.distributed.multiproc import start_workers
 
-            self.workers, self.model = start_workers(model, tensor_parallel_size, student)
+            self.workers, self.model = start_workers(model, tensor_parallel_size, student, code)
         elif model is None or path is not None:
             resolve_attention_backend(attention_backend, "cpu")  # a GGUF loads on the CPU: fail fast, before the load
             # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), and with

@@ -281,20 +281,33 @@ def test_llm_and_cli_refuse_unknown_weights_before_loading(tiny_pair, tmp_path, 
 
 
 def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pair):
-    """The plug for exercise 10 (LLM(student=True) passes the learner's module): every weight comes from it."""
+    """The plug for exercise 10 (LLM(student=True) passes the learner's module): every weight comes from it,
+    and the bf16 weight of a large step (a copy made once, as LLM keeps it, or per step) from its dequantize."""
     import copy
     from types import SimpleNamespace
 
     from nanoserve.model import quant as reference
+    from nanoserve.model.quant import set_kernel_crossover
 
     calls = []
     def counted(fn):
         return lambda *a: calls.append(fn.__name__) or fn(*a)
-    functions = SimpleNamespace(quantize_int8=counted(reference.quantize_int8), unpack_q4_1=counted(reference.unpack_q4_1),
-                                int4_scale_and_zero=counted(reference.int4_scale_and_zero))
-    quantize_model(copy.deepcopy(tiny_pair[0]), "q4", tiny_pair[1], functions)
+    names = ["quantize_int8", "dequantize_int8", "unpack_q4_1", "int4_scale_and_zero", "dequantize_q4"]
+    functions = SimpleNamespace(**{name: counted(getattr(reference, name)) for name in names})
+    model = quantize_model(copy.deepcopy(tiny_pair[0]), "q4", tiny_pair[1], functions)
     assert calls.count("unpack_q4_1") == calls.count("int4_scale_and_zero") == 8  # 2 layers x 4 (qkv_proj, o_proj, gate_up_proj, down_proj)
-    assert calls.count("quantize_int8") == 1  # the tied embedding and head
+    assert calls.count("quantize_int8") == 1 and len(calls) == 17  # the tied embedding and head; nothing dequantized yet
+    calls.clear()
+    set_kernel_crossover(model, large_step_weights="dequantize")
+    ids = torch.arange(QUANT_MAX_TOKENS + 1)
+    with torch.inference_mode():
+        model(ids[:QUANT_MAX_TOKENS])  # every product in the kernel
+        assert calls == []
+        model.compute_logits(model(ids))  # every product on a bf16 weight dequantized for this step
+    assert sorted(calls) == ["dequantize_int8"] + ["dequantize_q4"] * 8
+    calls.clear()
+    set_kernel_crossover(model)  # LLM's default: one bf16 copy per weight, made now (the tied head's once)
+    assert sorted(calls) == ["dequantize_int8"] + ["dequantize_q4"] * 8
     calls.clear()
     quantize_model(copy.deepcopy(tiny_pair[0]), "int8", None, functions)
     assert calls == ["quantize_int8"] * 9
@@ -302,10 +315,12 @@ def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pa
 
 def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exercises):
     """--student 10 with 10.3 done and 10.1, 10.2 stubbed: the learner's int4_scale_and_zero makes every q4
-    layer's kernel scales, the reference's unpack_q4_1 and quantize_int8 the rest; the logits equal the
-    reference's exactly (the same numbers, computed by the same code)."""
+    layer's kernel scales and their dequantize_q4 the bf16 copy a large step multiplies, the reference's
+    unpack_q4_1 and quantize_int8 the rest; the logits equal the reference's exactly, on the kernel path and on
+    the copy (the same numbers, computed by the same code)."""
     import copy
 
+    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, set_kernel_crossover
     from nanoserve.student import StudentCode, unfinished
 
     path = finish("nanoserve.model.quant", ["int4_scale_and_zero", "dequantize_q4"])
@@ -316,7 +331,9 @@ def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exe
     model, blocks = tiny_pair
     theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions)
     ours = quantize_model(copy.deepcopy(model), "q4", blocks)
-    assert code.calls["int4_scale_and_zero"] == 8  # 2 layers x 4 products
-    assert "int4_scale_and_zero" in code.describe() and "(Exercise 10.2 not finished)" in code.describe()
-    ids = torch.tensor([1, 5, 9, 3])
-    assert torch.equal(theirs.compute_logits(theirs(ids)), ours.compute_logits(ours(ids)))
+    set_kernel_crossover(theirs), set_kernel_crossover(ours)  # as LLM(weights="q4") serves
+    assert code.calls["int4_scale_and_zero"] == 8 and code.calls["dequantize_q4"] == 8  # 2 layers x 4 products
+    assert "int4_scale_and_zero, dequantize_q4" in code.describe() and "(Exercise 10.2 not finished)" in code.describe()
+    for n in (4, KERNEL_CROSSOVER_TOKENS + 1):  # the kernel, then the bf16 copy
+        ids = torch.arange(n) * 7 % 256
+        assert torch.equal(theirs.compute_logits(theirs(ids)), ours.compute_logits(ours(ids)))

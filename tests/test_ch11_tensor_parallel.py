@@ -17,6 +17,7 @@ from nanoserve.llm import LLM
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation, use_student
+from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ the loader reads)
 
 # The tests count this process's children in /proc (Linux); CI runs them always.
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="checks for leftover worker processes "
@@ -166,6 +167,27 @@ def test_tp2_replicated_kv_head_gives_tp1_tokens():
     with LLM(model, tensor_parallel_size=2, student=use_student(), **POOL) as llm:
         got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
     assert got == want
+
+
+def test_tp2_with_student_11_reports_the_learners_code(exercises, capsys):
+    """LLM(student="11", tensor_parallel_size=2) with exercise 11 done: rank 0 builds its shard from the learner's
+    four files and sends every step through their pack_step, and the run's own report says so (the files, and
+    the calls counted), as `batch --student 11 --tensor-parallel-size 3` prints it. The model's column-parallel
+    products are all fused (qkv_proj, gate_up_proj): they take each part's slice from the learner's
+    ColumnParallelLinear constructor, and multiply in the fused layer."""
+    files = {"shard": "split_heads", "linear": "RowParallelLinear.forward", "vocab": "ParallelLMHead.forward",
+             "parallel_state": "pack_step"}
+    for name in files:
+        exercises(f"nanoserve.distributed.{name}")  # the learner's file = the reference's code
+    with LLM(tiny(1), tensor_parallel_size=2, student="11", **POOL) as llm:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        proof, calls = llm.engine.student_proof(), llm.engine.student.calls
+    assert calls["ColumnParallelLinear.__init__"] == 2 * 5  # 2 layers x (q, k, v, gate, up)
+    err = capsys.readouterr().err
+    for name, function in files.items():
+        assert f"from exercises/11-tensor-parallel/{name}.py" in err, err
+        assert f"{function} ×" in proof, proof
+    assert "no exercise of chapter 11 plugs into this run" not in err
 
 
 def hand_step():

@@ -24,7 +24,8 @@ class ColumnParallelLinear(nn.Module):
 
         Sets in_features, out_features, shard_dim (the dim of W that is split), shard_offset, shard_size and
         weight, an uninitialised nn.Parameter of this rank's shape. ValueError (naming the counts) when the
-        output features do not split into num_shards.
+        output features do not split into num_shards. Example: ColumnParallelLinear(4, 6, tp) on rank 1 of 2:
+        shard_dim 0, shard_offset 3, shard_size 3, weight (3, 4) — rows 3..5 of W.
         """
         super().__init__()
         raise NotImplementedError("Exercise 11.2: ColumnParallelLinear.__init__")
@@ -45,7 +46,9 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp):
         """Exercise 11.3. This rank's slice of the input features, 1/tp.size of them. Sets tp, in_features,
         out_features, shard_dim, shard_offset, shard_size and weight (uninitialised, this rank's shape).
-        ValueError (naming the counts) when the input features do not split over the ranks."""
+        ValueError (naming the counts) when the input features do not split over the ranks. Example:
+        RowParallelLinear(4, 2, tp) on rank 1 of 2: shard_dim 1, shard_offset 2, shard_size 2, weight (2, 2)
+        — columns 2..3 of W."""
         super().__init__()
         raise NotImplementedError("Exercise 11.3: RowParallelLinear.__init__")
 
@@ -55,5 +58,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Exercise 11.3. (N, in / n), this rank's slice of the input features (as a column-parallel layer
-        leaves it) -> (N, out), the whole product x · Wᵀ, the same on every rank."""
+        leaves it) -> (N, out), the whole product x · Wᵀ, the same on every rank. Example (chapter 11,
+        section 2): W = [[1, 2, 3, 4], [5, 6, 7, 8]], x = [1, 1, 1, 1]; rank 1 holds [[3, 4], [7, 8]], gets
+        x_1 = [1, 1], computes [7, 15]; rank 0 computes [3, 11]; both return [10, 26]."""
         raise NotImplementedError("Exercise 11.3: RowParallelLinear.forward")

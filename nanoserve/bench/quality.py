@@ -14,6 +14,7 @@ how much of the difference is the int8 LM head's (nanoserve/model/quant.py says 
 """
 
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -106,6 +107,9 @@ def run(args):
     n_ids = len(tokenizer.encode(HELDOUT.read_text()))
     print(f"command: python -m nanoserve bench quality --weights {' '.join(args.weights)} "
           f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}")
+    # the bf16 GEMMs' order of additions follows the kernel oneDNN picks for the CPU: the figures too
+    print(f"threads: {torch.get_num_threads()}; CPU: {torch.backends.cpu.get_cpu_capability()}; "
+          f"load average at the start: {os.getloadavg()[0]:.2f}")
     print(f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens; held-out text: {HELDOUT.name}, {n_ids} tokens")
     print(f"{'weights':12s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
           f"{'max |dlogit|':>13s} {'top-1 = fp32':>13s}")

@@ -78,10 +78,11 @@ def run_measured(args) -> None:
     config = model.config if model is not None else LlamaConfig()
     torch.set_num_threads(args.threads)  # start_workers gives each of n ranks max(1, threads // n)
     print(f"measured: {label}; a decode step of {args.batch} sequences after {args.prompt_len}-token prompts; "
-          f"torch threads per rank at TP n: max(1, {args.threads} // n); {args.rounds} rounds, each TP size in turn")
+          f"torch threads per rank at TP n: max(1, {args.threads} // n); {args.rounds} rounds, each TP size in turn, "
+          f"the order reversed every other round (medians over the rounds)")
     results = {n: [] for n in sizes}
     for r in range(args.rounds):
-        for n in sizes:
+        for n in sizes if r % 2 == 0 else sizes[::-1]:  # no size always first (cold) or last
             results[n].append(measure(model, n, args.batch, args.prompt_len, args.steps))
     base = statistics.median(m["step"] for m in results[sizes[0]])
     per_layer_token = 2 * config.hidden_size * 4  # two all-reduces of one fp32 hidden vector

@@ -77,7 +77,7 @@ def product_table(models: dict, tokens: list[int], repeats: int):
                                                                          layer.dequantize().to(torch.bfloat16)))
     print(f"\nproducts: all {len(next(iter(layers.values())))} Linear layers "
           f"once, ms (best of {repeats}, interleaved); kernels take bf16 activations; "
-          f"dequant = bf16 copy of the weight + bf16 F.linear (the prefill path)")
+          f"dequant = bf16 copy of the weight + bf16 F.linear (a large step without a kept copy)")
     print(f"{'tokens':>7s}" + "".join(f"{c:>15s}" for c in calls))
     for T in tokens:
         inputs = {n: torch.randn(T, n) for n in {576, 1536, 192}}

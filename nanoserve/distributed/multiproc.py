@@ -61,11 +61,14 @@ class ModelSource:
 
         return cls(config=model.config, state=state_bytes(model), student=student)
 
-    def load(self, tp: TPGroup):
+    def load(self, tp: TPGroup, code=None):
+        """This rank's shard. code: the StudentCode that records whose code runs (rank 0: the run's own, so its
+        report names the learner's chapter-11 code; a worker: one of its own, from `student`)."""
         from nanoserve.student import StudentCode
 
-        tp.codec = StudentCode(self.student).module("nanoserve.distributed.parallel_state")  # exercise 11.5's, or ours
-        layers = linear_layers_for(self.student)
+        code = code if code is not None else StudentCode(self.student)
+        tp.codec = code.module("nanoserve.distributed.parallel_state")  # exercise 11.5's, or ours
+        layers = linear_layers_for(self.student, code)
         if self.state is None:
             return load_shard_from_gguf(self.gguf_path, tp, layers)
         import io
@@ -251,10 +254,11 @@ def join_torchrun(source: ModelSource, tp_size: int, rank: int, world_size: int)
     return tp.workers, model
 
 
-def start_workers(model, tp_size: int, student=False):
+def start_workers(model, tp_size: int, student=False, code=None):
     """Start ranks 1 .. tp_size−1, load rank 0's shard here, join the group: (WorkerProcesses, rank 0's model).
 
-    model: None (the embedded GGUF), a GGUF path, or a full Llama in memory. Raises ValueError before any
+    model: None (the embedded GGUF), a GGUF path, or a full Llama in memory. code: the run's StudentCode, which
+    builds rank 0's shard (and so reports it); default one of its own from `student`. Raises ValueError before any
     process starts if the model cannot be split tp_size ways, WorkerError if a worker fails to start.
     """
     from nanoserve.distributed.shard import split_heads
@@ -288,7 +292,7 @@ def start_workers(model, tp_size: int, student=False):
     workers = tp.workers = WorkerProcesses(tp, procs, conns)
     torch.set_num_threads(num_threads)  # rank 0 too: n ranks share the cores
     try:
-        model = source.load(tp)
+        model = source.load(tp, code)
         workers.wait_loaded()
         join_group(tp, addr, port)
     except BaseException:

@@ -61,17 +61,18 @@ def split_heads(config: LlamaConfig, tp_size: int) -> HeadSplit:
                      f"the KV heads to replicate them ({n} % {Hkv} != 0)")
 
 
-def linear_layers_for(student=False):
+def linear_layers_for(student=False, code=None):
     """What builds the shards: the parallel layers (linear.py's ColumnParallelLinear, RowParallelLinear, ...;
     vocab.py's VocabParallelEmbedding, ParallelLMHead) and `split_heads`. The reference's, or with chapter 11
     selected in `student` (True, "11", ["11"], ...) the learner's exercises/11-tensor-parallel/ files where
-    finished, rung by rung (a stub left falls back to the reference with a warning, like every exercise)."""
+    finished, rung by rung (a stub left falls back to the reference with a warning, like every exercise).
+    code: the StudentCode to ask (and to record it in); default one of its own."""
     from types import SimpleNamespace
 
     from nanoserve.distributed import linear
     from nanoserve.student import StudentCode
 
-    code = StudentCode(student)
+    code = code if code is not None else StudentCode(student)
     vocab = code.module("nanoserve.distributed.vocab")
     return SimpleNamespace(**{**vars(linear), **vars(code.module("nanoserve.distributed.linear"))},
                            VocabParallelEmbedding=vocab.VocabParallelEmbedding, ParallelLMHead=vocab.ParallelLMHead,

@@ -16,17 +16,20 @@ Two formats, each a Linear that keeps its weight quantized and dequantizes insid
 
 Both kernels are fast on this CPU only with **bfloat16 activations** (with float32 ones they are slower
 than float32 MKL: `python -m nanoserve bench weights`), and they take their scales in the activation's
-dtype. So a quantized layer computes (the prefill path rounds dequantize(W) to bf16 too, below):
+dtype. So a quantized layer computes (the large-step path rounds dequantize(W) to bf16 too, below):
 
     bf16(x) · dequantize(W)ᵀ, accumulated in float32, rounded to bf16, returned as float32
 
-with `dequantize` using the bf16 scales. For decode-sized products (up to QUANT_MAX_TOKENS tokens) that
-is the kernel; for prefill-sized ones the kernels are several times slower than a GEMM, so the layer
-dequantizes its weight for that one call, rounds it to bf16 and multiplies with F.linear in bf16 (oneDNN's
-bf16 GEMM, AMX on this CPU: faster than float32 MKL, and it too accumulates in float32). That costs one
-pass over the weights per prefill step, against 2–4 bytes per weight for a copy kept beside them. The two
-paths see the same inputs; the prefill path's weights carry one more rounding (to bf16: at most 2^-8
-relative, half a unit in the last of its 8 significant bits), and the order of the float32 additions differs.
+with `dequantize` using the bf16 scales. For small products (up to `max_kernel_tokens` tokens) that is the
+kernel; for larger ones the kernels are slower than a GEMM, so the layer multiplies a bf16 copy of its
+weight with F.linear in bf16 (oneDNN's bf16 GEMM, AMX on this CPU: faster than float32 MKL, and it too
+accumulates in float32). Where that bf16 weight comes from is set_kernel_crossover's choice: a copy made
+once (LLM's default: 2 bytes per weight more, crossover KERNEL_CROSSOVER_TOKENS = 16) or dequantized for
+each large step (a bare quantized model: no memory added, one pass over the weights per step, crossover
+QUANT_MAX_TOKENS = 64). Either way `dequantize()` makes it, with the dequantize function the layer was
+built with. The two paths see the same inputs; the large-step path's weights carry one more rounding (to
+bf16: at most 2^-8 relative, half a unit in the last of its 8 significant bits), and the order of the
+float32 additions differs.
 
 The embedding and LM head are Q8_0 in the GGUF (int8 in groups of 32). torch's int8 kernel has one scale
 per row only, so they are re-quantized per row (int8, one matrix shared by the lookup and the LM head):
@@ -116,7 +119,7 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     """The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32. q (out, in), scale/zero (out, in/32)."""
     out, inp = q.shape
     groups = q.view(out, inp // Q4_GROUP_SIZE, Q4_GROUP_SIZE).to(torch.float32, copy=True)  # (out, in/32, 32)
-    # in place: a whole model's weights pass through here per prefill step, so no temporaries
+    # in place: a bare model's weights all pass through here per large step, so no temporaries
     return groups.sub_(8).mul_(scale.float()[..., None]).add_(zero.float()[..., None]).view(out, inp)
 
 
@@ -151,23 +154,25 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, name: str = ""):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, name: str = "", dequantize=dequantize_int8):
         if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != qweight.shape[:1]:
             raise ValueError(f"{name}: int8 weights must be (out, in) int8 with (out,) scales, "
                              f"got {tuple(qweight.shape)} {qweight.dtype} and {tuple(scale.shape)}")
         super().__init__(qweight.shape[1], qweight.shape[0], name)
         self.register_buffer("qweight", qweight, persistent=False)  # (out, in) int8
         self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # (out,)
+        self.dequantize_int8 = dequantize  # the reference's, or exercise 10's (quantize_model's `functions`)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, name: str = "", quantize=quantize_int8) -> "Int8Linear":
-        return cls(*quantize(weight.detach()), name)
+    def from_float(cls, weight: torch.Tensor, name: str = "", quantize=quantize_int8,
+                   dequantize=dequantize_int8) -> "Int8Linear":
+        return cls(*quantize(weight.detach()), name, dequantize)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) bf16 -> (num_tokens, out) bf16
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_int8(self.qweight, self.scale)
+        return self.dequantize_int8(self.qweight, self.scale)
 
     def nbytes(self) -> int:
         return self.qweight.numel() + 2 * self.scale.numel()
@@ -176,13 +181,14 @@ class Int8Linear(QuantLinear):
 class Q4Linear(QuantLinear):
     """A Linear served from Q4_1 blocks: the 4-bit integers and the block's (d, m) as the GGUF stores them.
 
-    Kept: `blocks` (out, in/32, 20), the file's bytes (the prefill path unpacks their nibbles), `packed`
+    Kept: `blocks` (out, in/32, 20), the file's bytes (`dequantize` unpacks their nibbles), `packed`
     (out, in/2), the same integers in torch's int4 kernel layout (a layout private to the kernel), and
     `scale_and_zero` (in/32, out, 2) bf16 = (d, m + 8·d), the kernel's argument. bf16 because the kernel
     takes its scales in the activations' dtype: d loses its 3 lowest bits of float16 mantissa there.
     """
 
-    def __init__(self, blocks: torch.Tensor, name: str = "", unpack=unpack_q4_1, to_int4=int4_scale_and_zero):
+    def __init__(self, blocks: torch.Tensor, name: str = "", unpack=unpack_q4_1, to_int4=int4_scale_and_zero,
+                 dequantize=dequantize_q4):
         try:
             q, d, m = unpack(blocks)
         except ValueError as e:
@@ -197,6 +203,7 @@ class Q4Linear(QuantLinear):
             q.to(torch.int32), INT4_INNER_K_TILES), persistent=False)
         scale_and_zero = torch.stack(to_int4(d, m), dim=-1).transpose(0, 1)  # (in/32, out, 2)
         self.register_buffer("scale_and_zero", scale_and_zero.contiguous().to(torch.bfloat16), persistent=False)
+        self.dequantize_q4 = dequantize  # the reference's, or exercise 10's (quantize_model's `functions`)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, Q4_GROUP_SIZE, self.scale_and_zero)
@@ -208,7 +215,7 @@ class Q4Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         scale, zero = self.scale_and_zero.transpose(0, 1).unbind(-1)  # (out, in/32) each
-        return dequantize_q4(self.unpacked(), scale, zero)
+        return self.dequantize_q4(self.unpacked(), scale, zero)
 
     def nbytes(self) -> int:
         """Bytes a decode step reads: the packed integers and the bf16 scales and zeros."""
@@ -297,8 +304,10 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
 
     int8: every decoder Linear from its float32 weight. q4: every decoder Linear from `q4_blocks`
     (module name -> its GGUF Q4_1 blocks (out, in/32, 20)). Both: embedding and LM head int8 per row.
-    functions: a module with `quantize_int8`, `unpack_q4_1` and `int4_scale_and_zero` (default: this one; exercise 10's
-    file when the learner's quantizer serves, see `LLM(student=True)`).
+    functions: a module with the five functions of exercise 10 — `quantize_int8`, `dequantize_int8`, `unpack_q4_1`,
+    `int4_scale_and_zero`, `dequantize_q4` (default: this one; exercise 10's file when the learner's quantizer
+    serves, see `LLM(student=True)`). The layers keep the two dequantize functions: they make the bf16 weight of a
+    large step (LLM's copy, once at load, or a bare quantized model's, per large step).
     """
     from nanoserve.model.layers import Linear
 
@@ -315,16 +324,16 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
         if weights == "q4":
             if name not in (q4_blocks or {}):
                 raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
-            new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1, f.int4_scale_and_zero)
+            new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1, f.int4_scale_and_zero, f.dequantize_q4)
         else:
-            new = Int8Linear.from_float(module.weight, name, f.quantize_int8)
+            new = Int8Linear.from_float(module.weight, name, f.quantize_int8, f.dequantize_int8)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     tied = model.lm_head.weight is model.embed_tokens.weight
     q, scale = f.quantize_int8(model.embed_tokens.weight.detach())
     model.embed_tokens = Int8Embedding(q, scale)
-    model.lm_head = (Int8Linear(q, scale, "lm_head") if tied
-                     else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8))
+    model.lm_head = (Int8Linear(q, scale, "lm_head", f.dequantize_int8) if tied
+                     else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8, f.dequantize_int8))
     return model
 
 
