@@ -449,3 +449,19 @@ def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, m
         async_engine.shutdown()
     assert free.token_ids == again.token_ids == alone
     assert eng.block_manager.get_num_free_blocks() == free_blocks and eng.structured.grammars == {}
+
+
+def test_mask_times_count_the_constrained_steps_and_only_those(tiny, smollm2_tokenizer):
+    """`bench structured` splits the overhead with MaskTimes: one step counted per step that sampled a
+    constrained token, each part timed; a run without grammars counts nothing; take_times starts afresh."""
+    eng = engine(tiny, smollm2_tokenizer)
+    eng.add_request("free", smollm2_tokenizer.encode("x"), SamplingParams(temperature=0, max_tokens=5))
+    run(eng)
+    assert eng.structured.take_times() == type(eng.structured.times)()  # all zero
+    eng.add_request("c", smollm2_tokenizer.encode("x"), SamplingParams(
+        temperature=0, max_tokens=30, structured=StructuredOutputsParams(choice=["red", "green"])))
+    ((tokens, _, _),) = run(eng).values()
+    times = eng.structured.take_times()
+    assert times.steps == len(tokens)  # one mask per sampled token, EOS's step included
+    assert times.advance > 0 and times.fill > 0 and times.apply > 0
+    assert eng.structured.times.steps == 0
