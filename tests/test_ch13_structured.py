@@ -449,3 +449,38 @@ def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, m
         async_engine.shutdown()
     assert free.token_ids == again.token_ids == alone
     assert eng.block_manager.get_num_free_blocks() == free_blocks and eng.structured.grammars == {}
+
+
+def test_mask_times_count_the_constrained_steps_and_only_those(tiny, smollm2_tokenizer):
+    """`bench structured` splits the overhead with MaskTimes: one step counted per step that sampled a
+    constrained token, each part timed; a run without grammars counts nothing; take_times starts afresh."""
+    eng = engine(tiny, smollm2_tokenizer)
+    eng.add_request("free", smollm2_tokenizer.encode("x"), SamplingParams(temperature=0, max_tokens=5))
+    run(eng)
+    assert eng.structured.take_times() == type(eng.structured.times)()  # all zero
+    eng.add_request("c", smollm2_tokenizer.encode("x"), SamplingParams(
+        temperature=0, max_tokens=30, structured=StructuredOutputsParams(choice=["red", "green"])))
+    ((tokens, _, _),) = run(eng).values()
+    times = eng.structured.take_times()
+    assert times.steps == len(tokens)  # one mask per sampled token, EOS's step included
+    assert times.advance > 0 and times.fill > 0 and times.apply > 0
+    assert eng.structured.times.steps == 0
+
+
+def test_a_grammar_violation_is_a_500_naming_it_and_the_server_serves_on(tiny, smollm2_tokenizer, monkeypatch):
+    """Through the server, the same broken mask: not the client's fault, so a 500 whose message says the output
+    left its grammar (OpenAI's error body), and the next request is answered."""
+    import types
+
+    import httpx
+
+    from nanoserve.server.runner import serving
+
+    eng = engine(tiny, smollm2_tokenizer)
+    monkeypatch.setattr(eng.structured, "bitmask_module", types.SimpleNamespace(apply_token_bitmask=lambda *a: None))
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": [7, 8, 9], "max_tokens": 10, "temperature": 0}
+    with serving(eng, smollm2_tokenizer) as (url, _):
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "structured_outputs": {"regex": "[0-9]{6}"}}, timeout=60)
+        good = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert bad.status_code == 500 and "left its grammar" in bad.json()["error"]["message"], bad.text
+    assert good.status_code == 200 and len(good.json()["choices"][0]["text"]) > 0

@@ -289,6 +289,7 @@ def test_the_real_model_calls_the_weather_tool_with_a_realistic_call(smollm2):
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
     for name, choice in zip(("auto:", "auto, strict:"), auto):  # the model decides: text, or calls that validate
         print(name, repr(choice.message.content), choice.message.tool_calls)
+        assert choice.message.content.startswith("The weather in Paris")  # the chapter's claim: prose, strict or not
         for c in choice.message.tool_calls or []:
             jsonschema.validate(json.loads(c.function.arguments), {"get_weather": weather, "get_time": clock}[
                 c.function.name]["function"]["parameters"])

@@ -449,3 +449,38 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     calls = engines[0].student.calls
     assert calls["block_owners"] == calls["EventFeed.emit_if_due"] == calls["Subscription.put"] == len(seen[0])
     assert calls["step_kind"] >= len(seen[0]) and calls["Subscription.take"] == len(seen[0])
+
+
+@pytest.mark.parametrize("module, called, yours", [
+    ("nanoserve.structured.bitmask", "apply_token_bitmask", "unpack_bitmask, apply_token_bitmask"),
+    ("nanoserve.structured.matcher", "SequenceMatcher.sync", "SequenceMatcher"),
+])
+def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module, called, yours):
+    """--student 13 with one rung finished: every constrained token went through the learner's code (13.2 the
+    mask applied to the logits, 13.3 the matcher synced to the sequence), the other rung falls back; the output
+    follows its schema and equals the reference run's token for token."""
+    import json
+
+    import jsonschema
+
+    from nanoserve.structured import StructuredOutputsParams
+
+    tiny = tiny_llama(vocab_size=49152)  # random weights, SmolLM2's vocabulary: the tokenizer's masks fit
+    exercises(module)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=StructuredOutputsParams(json=schema))
+    with pytest.warns(UserWarning, match=r"Exercise 13\.[23] not finished"):
+        engines = [LLMEngine(tiny, EngineConfig(num_blocks=32, student="13"), smollm2_tokenizer)]
+    engines.append(LLMEngine(tiny, EngineConfig(num_blocks=32), smollm2_tokenizer))
+    texts = []
+    for engine in engines:
+        engine.add_request("r", smollm2_tokenizer.encode("A colour and a number:"), params)
+        while engine.has_unfinished_requests():
+            texts += [(out.token_ids, out.text) for out in engine.step() if out.finished]
+    assert texts[0] == texts[1]
+    jsonschema.validate(json.loads(texts[0][1]), schema)
+    steps = len(texts[0][0])
+    calls = engines[0].student.calls
+    assert calls[called] >= steps  # one call a sampled token, at least
+    assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()

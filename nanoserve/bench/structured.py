@@ -93,7 +93,6 @@ def run(args):
     from nanoserve.llm import LLM
     from nanoserve.model import load_gguf
     from nanoserve.structured.params import StructuredOutputsParams
-    from nanoserve.structured.manager import MaskTimes
     from nanoserve.structured.schemas import SCHEMAS, prompt
 
     if args.threads:
@@ -119,10 +118,10 @@ def run(args):
         best = {}
         for r in range(args.rounds):
             for system in ("constrained", "unconstrained")[::1 if r % 2 == 0 else -1]:
-                engine.structured.times = MaskTimes()
+                engine.structured.take_times()  # the warm-up's and the last round's are not this round's
                 got = run_round(engine, prompts, structured if system == "constrained" else None, lengths,
                                 concurrency, args.max_tokens)
-                got["times"] = engine.structured.times
+                got["times"] = engine.structured.take_times()
                 got["tpot_p50"] = percentile([tp for _, tp in got["requests"].values() if tp is not None], 50)
                 got["tokens_per_s"] = sum(t for t, _ in got["requests"].values()) / got["seconds"]
                 if system not in best or got["tpot_p50"] < best[system]["tpot_p50"]:

@@ -71,7 +71,7 @@ class StructuredOutputManager:
         self.grammars: dict[str, object] = {}  # request_id -> CompiledGrammar
         self.matchers: dict[str, object] = {}  # seq_id -> SequenceMatcher
         self.failures: dict[str, str] = {}  # request_id -> why its grammar refused its tokens (this step)
-        self.times = MaskTimes()  # bench structured reads (and resets) it
+        self.times = MaskTimes()  # since the last take_times()
 
     @property
     def cache(self) -> GrammarCache:
@@ -122,6 +122,11 @@ class StructuredOutputManager:
             self.times.fill += time.perf_counter() - t1
         self.times.steps += 1
         return GrammarBitmask(bitmask[:len(rows)], rows, self.bitmask_module, self.times) if rows else None
+
+    def take_times(self) -> MaskTimes:
+        """The mask times since the last call (bench structured takes one round's), counting afresh from here."""
+        times, self.times = self.times, MaskTimes()
+        return times
 
     def take_failures(self) -> dict[str, str]:
         """{request_id: reason} of the requests whose grammar refused their tokens since the last call."""
