@@ -105,3 +105,24 @@ def test_engine_greedy_outputs_equal_eager_on_a_tiny_model(tiny, mode):
     assert outs[mode] == outs["eager"]  # a random tiny model has no near-ties at this scale
     with pytest.raises(ValueError, match="compile_mode"):
         LLMEngine(tiny, EngineConfig(kv_cache_memory=1 << 20, compile_mode="fast"))
+
+
+@pytest.mark.parametrize("flags, weights, kv, said", [
+    ([], "q4", "bf16", "q4 weights, bf16 KV pool, eager step (--weights fp32 is the float32 reference)"),
+    (["--compile-mode", "buckets"], "q4", "bf16", "q4 weights, bf16 KV pool, compiled step (buckets)"),
+    (["--weights", "fp32"], "fp32", "auto", "fp32 weights, the model's KV pool, eager step"),
+    (["--kv-cache-dtype", "fp32"], "q4", "fp32", "q4 weights, fp32 KV pool, eager step"),
+    (["-tp", "3"], "fp32", "auto", "fp32 weights"),  # tensor parallelism runs float32
+    (["--degrade-under-load", "8"], "fp32", "auto", "fp32 weights"),  # the q4 copy rides beside fp32
+    (["--attention-backend", "triton"], "q4", "auto", "q4 weights, the model's KV pool"),
+])
+def test_serve_without_weights_serves_the_ggufs_own_format(flags, weights, kv, said):
+    import argparse
+
+    from nanoserve.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", *flags])
+    assert said in serve.serving_format(args)
+    assert (args.weights, args.kv_cache_dtype) == (weights, kv)
