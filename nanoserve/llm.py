@@ -45,7 +45,8 @@ class LLM:
         tokenizer: one already loaded (default: the model file's). attention_backend: "torch" or "triton"
         (chapter 07; on a CPU "triton" needs TRITON_INTERPRET=1), None for the device's default — checked
         before the model loads. weights: "fp32" (default), "int8" or "q4" (chapter 10), how the weights are
-        kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
+        kept when the model is loaded here. LLM() stays float32 because it is the reference every chapter and
+        parity test checks against; `serve` without --weights serves the GGUF's own q4 (cli/serve.py). degrade_under_load: with this many requests waiting, steps run on
         a q4 copy of the weights loaded beside them (chapter 10; ~150 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
         and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
