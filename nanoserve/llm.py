@@ -37,15 +37,18 @@ class LLM:
                  large_step_weights: str = "copy", speculative: str | None = None, num_speculative_tokens: int = 4,
                  scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
                  slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
-                 tenant_slos: dict | None = None, kv_cache_dtype: str = "auto"):
+                 tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
+                 compile_mode: str = "eager"):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
         tokenizer: one already loaded (default: the model file's). attention_backend: "torch" or "triton"
         (chapter 07; on a CPU "triton" needs TRITON_INTERPRET=1), None for the device's default — checked
         before the model loads. weights: "fp32" (default), "int8" or "q4" (chapter 10), how the weights are
-        kept when the model is loaded here. degrade_under_load: with this many requests waiting, steps run on
-        a q4 copy of the weights loaded beside them (chapter 10; 161 MB more for SmolLM2).
+        kept when the model is loaded here. LLM() stays float32 because it is the reference every chapter and
+        parity test checks against; `serve` without --weights serves the GGUF's own q4 (cli/serve.py).
+        degrade_under_load: with this many requests waiting, steps run on a q4 copy of the weights loaded beside
+        them (chapter 10; 161 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
         and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
         kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
@@ -68,10 +71,11 @@ class LLM:
         if weights is not None:
             check_weight_format(weights)  # before the model loads
         if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
-                                         or attention_backend == "triton" or kv_cache_dtype != "auto"):
+                                         or attention_backend == "triton" or kv_cache_dtype != "auto"
+                                         or compile_mode != "eager"):
             raise ValueError("tensor_parallel_size > 1 runs float32 weights with the torch attention backend: "
-                             "weights, degrade_under_load, kv_cache_dtype and attention_backend='triton' are "
-                             "single-process only")
+                             "weights, degrade_under_load, kv_cache_dtype, compile_mode and attention_backend='triton' "
+                             "are single-process only")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
         if tensor_parallel_size > 1:
@@ -105,7 +109,8 @@ class LLM:
                               degrade_under_load=degrade_under_load, speculative=speculative,
                               num_speculative_tokens=num_speculative_tokens, scheduling_policy=scheduling_policy,
                               slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject,
-                              tenant_weights=tenant_weights, tenant_slos=tenant_slos, kv_cache_dtype=kv_cache_dtype)
+                              tenant_weights=tenant_weights, tenant_slos=tenant_slos, kv_cache_dtype=kv_cache_dtype,
+                              compile_mode=compile_mode)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
         except BaseException:

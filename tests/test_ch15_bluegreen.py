@@ -231,7 +231,7 @@ def test_sighup_and_admin_reload_through_the_cli_real_model():
     (A switch to q4 under load is the tiny-model test's and `bench bluegreen`'s: a second load here costs ~15 s.)"""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", "--admin-key", "admin-secret",
-                             "--kv-cache-mib", "16", "--warmup-requests", "1"],
+                             "--kv-cache-mib", "16", "--warmup-requests", "1", "--weights", "fp32"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url = None

@@ -1,6 +1,7 @@
 """The fast paths against the float32 oracle, greedy, on real prompts: bf16 weights (every product a bf16
 GEMM) and q4 with the kernel crossover (int4 kernel for small steps, bf16 GEMM for large ones, with the
-weight dequantized per step or kept as a bf16 copy), each also on a bf16 KV pool (kv_cache_dtype="bf16").
+weight dequantized per step or kept as a bf16 copy), each also on a bf16 KV pool (kv_cache_dtype="bf16"), and
+q4 on a bf16 pool through the compiled step (compile_mode="buckets", chapter 09).
 
 Greedy decoding amplifies a near-tie: once one token differs, the texts part. So the check is per token,
 teacher-forced: float32 reads the fast path's own output, and wherever the fast path picked another token
@@ -34,18 +35,20 @@ def fp32_outputs(smollm2, smollm2_tokenizer):
     return greedy_outputs(smollm2, smollm2_tokenizer, PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("weights, large_step_weights, kv_cache_dtype, margin",
-                         [("bf16", None, "auto", 1.0), ("q4", "dequantize", "auto", 2.5), ("q4", "copy", "auto", 2.5),
-                          ("bf16", None, "bf16", 1.0), ("q4", "copy", "bf16", 2.5)])
+@pytest.mark.parametrize("weights, large_step_weights, kv_cache_dtype, margin, compile_mode",
+                         [("bf16", None, "auto", 1.0, "eager"), ("q4", "dequantize", "auto", 2.5, "eager"),
+                          ("q4", "copy", "auto", 2.5, "eager"), ("bf16", None, "bf16", 1.0, "eager"),
+                          ("q4", "copy", "bf16", 2.5, "eager"), ("q4", "copy", "bf16", 2.5, "buckets")])
 def test_fast_path_matches_float32_except_near_ties(smollm2, smollm2_tokenizer, fp32_outputs, weights,
-                                                    large_step_weights, kv_cache_dtype, margin):
+                                                    large_step_weights, kv_cache_dtype, margin, compile_mode):
     from nanoserve.model import load_gguf
     from nanoserve.model.quant import set_kernel_crossover
 
     model = load_gguf(weights=weights)
     if large_step_weights:
         set_kernel_crossover(model, None, large_step_weights)  # prefill steps take the bf16 GEMM, decodes the kernel
-    outputs = greedy_outputs(model, smollm2_tokenizer, PROMPTS, NEW_TOKENS, kv_cache_dtype=kv_cache_dtype)
+    outputs = greedy_outputs(model, smollm2_tokenizer, PROMPTS, NEW_TOKENS, kv_cache_dtype=kv_cache_dtype,
+                             compile_mode=compile_mode)  # "buckets": the compiled step (chapter 09)
     assert near_tie_violations(smollm2, smollm2_tokenizer, outputs, margin) == []
     # and the check can fail: float32's own outputs pass at margin 0.01 (the batched engine adds in another order), a shifted copy does not
     assert near_tie_violations(smollm2, smollm2_tokenizer, fp32_outputs, 0.01) == []

@@ -8,13 +8,19 @@ batch of all of them, as bench offline's HF baseline), so a drift of the shared 
 system in every round; each system's figure is its median round. Then, per nanoserve format, batch-1 decode
 tokens/s and the prefill rate of one --prefill-tokens prompt.
 
-With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the attention in bf16).
+With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the attention in bf16), and with
+`--compile-mode eager buckets` each also through the compiled step (chapter 09, nanoserve/model/compiled.py);
+every system serves one untimed warm-up round first, which is where a compiled step compiles (its time printed).
+With `--llama-bench PATH`, the batch-1 figures are taken in --rounds interleaved rounds, each with one run of
+llama.cpp's `llama-bench -m GGUF -t THREADS -n 128 -p 512` on the same GGUF, printed beside them.
 
 Output tokens per second of wall time; the ratio column is against transformers bf16, the strongest peer.
 """
 
+import json
 import random
 import statistics
+import subprocess
 import time
 
 import torch
@@ -27,6 +33,10 @@ def register(sub):
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "q4"], choices=["fp32", "bf16", "int8", "q4"])
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp32", "bf16"],
                    help="nanoserve's KV pool: each format runs once per dtype given (auto: float32)")
+    p.add_argument("--compile-mode", nargs="+", default=["eager"], choices=["eager", "buckets", "dynamic"],
+                   help="each format runs once per mode given: eager, or the compiled step (chapter 09)")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench: its tg128 and pp512 on the same GGUF beside the batch-1 figures")
     p.add_argument("--hf", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="transformers dtypes to compare with (none: skip them)")
     p.add_argument("--rounds", type=int, default=2)
@@ -86,6 +96,19 @@ def single_stream(llm, prefill_tokens: int, decode_tokens: int, tokenizer) -> tu
     return decode_tokens / (time.perf_counter() - t0), prefill
 
 
+def llama_bench(path: str, gguf, threads: int) -> tuple[float, float]:
+    """(tg128, pp512) tokens/s from one run of llama.cpp's llama-bench on the GGUF."""
+    out = subprocess.run([path, "-m", str(gguf), "-t", str(threads), "-n", "128", "-p", "512", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    rate = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
+    return rate["tg"], rate["pp"]
+
+
+def system_name(weights: str, kv: str, mode: str) -> str:
+    return f"nanoserve {weights}" + ("" if kv == "auto" else f", kv {kv}") + ("" if mode == "eager" else f", {mode}")
+
+
 @torch.inference_mode()
 def run(args):
     from nanoserve.llm import LLM
@@ -95,14 +118,17 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
-          f"--formats {' '.join(args.formats)} --kv-cache-dtype {' '.join(args.kv_cache_dtype)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
-          f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else ""), flush=True)
+          f"--formats {' '.join(args.formats)} --kv-cache-dtype {' '.join(args.kv_cache_dtype)} "
+          f"--compile-mode {' '.join(args.compile_mode)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
+          f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else "")
+          + (f" --llama-bench {args.llama_bench}" if args.llama_bench else ""), flush=True)
     print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
           f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds")
     tokenizer = Tokenizer.from_gguf()
-    llms = {f"nanoserve {f}" + ("" if kv == "auto" else f", kv {kv}"):
-            LLM(weights=f, kv_cache_dtype=kv, num_blocks=max(args.num_requests) * 24, max_num_seqs=max(args.num_requests))
-            for f in args.formats for kv in args.kv_cache_dtype}
+    llms = {system_name(f, kv, mode):
+            LLM(weights=f, kv_cache_dtype=kv, num_blocks=max(args.num_requests) * 24, max_num_seqs=max(args.num_requests),
+                compile_mode=mode)
+            for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode}
     hf = {}
     if args.hf:
         from transformers import AutoModelForCausalLM
@@ -117,6 +143,10 @@ def run(args):
         jobs = {name: nanoserve_job(llm, prompts, args.new_tokens) for name, llm in llms.items()}
         jobs |= {name: hf_job(m, prompts, args.new_tokens) for name, m in hf.items()}
         times = {name: [] for name in jobs}
+        for name, job in jobs.items():  # warm-up, untimed in the figures: a compiled step compiles its buckets here
+            t0 = time.perf_counter()
+            job()
+            print(f"  warm-up {name}: {time.perf_counter() - t0:.1f}s", flush=True)
         for _ in range(args.rounds):
             for name, job in jobs.items():
                 times[name].append(job())
@@ -125,9 +155,21 @@ def run(args):
         print(f"\n{n} requests ({sum(map(len, prompts))} prompt tokens, {n * args.new_tokens} output tokens):")
         for name, rate in rates.items():
             ratio = f"{rate / base:6.2f}x" if base else ""
-            print(f"  {name:28s} {rate:8.1f} out tok/s  {ratio}   rounds: "
+            print(f"  {name:36s} {rate:8.1f} out tok/s  {ratio}   rounds: "
                   + " ".join(f"{t:.1f}s" for t in times[name]), flush=True)
-    print(f"\nper format: batch-1 decode ({args.decode_tokens} tokens) and one {args.prefill_tokens}-token prefill")
-    for name, llm in llms.items():
-        decode, prefill = single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer)
-        print(f"  {name:28s} decode {decode:7.1f} tok/s   prefill {prefill:8.1f} tok/s", flush=True)
+    print(f"\nper system: batch-1 decode ({args.decode_tokens} tokens) and one {args.prefill_tokens}-token prefill, "
+          f"median of {args.rounds} interleaved rounds")
+    singles = {name: [] for name in llms} | ({"llama.cpp llama-bench": []} if args.llama_bench else {})
+    for name, llm in llms.items():  # warm-up: the batch-1 and prefill shapes
+        single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer)
+    for _ in range(args.rounds):
+        for name, llm in llms.items():
+            singles[name].append(single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer))
+        if args.llama_bench:
+            singles["llama.cpp llama-bench"].append(llama_bench(args.llama_bench, embedded_gguf_path(),
+                                                                torch.get_num_threads()))
+    for name, runs in singles.items():
+        decode, prefill = (statistics.median(r[i] for r in runs) for i in (0, 1))
+        what = "tg128" if name.startswith("llama.cpp") else "decode"
+        size = "pp512" if name.startswith("llama.cpp") else "prefill"
+        print(f"  {name:36s} {what} {decode:7.1f} tok/s   {size} {prefill:8.1f} tok/s", flush=True)

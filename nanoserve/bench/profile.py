@@ -20,7 +20,10 @@ The roofline: the same command measures this machine's read bandwidth (sum of a 
 float32 GEMM peak (a 2048³ matmul). A step must read every weight once (and the K/V it attends to), and do
 2 FLOPs per weight per token: its time is at least max(bytes / bandwidth, FLOPs / peak). The larger term
 says which resource bounds the step; measured time far above both, with a large scheduler/Python share,
-means overhead bounds it. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
+means overhead bounds it. With `--compile-mode buckets | dynamic` (chapter 09) the step runs compiled: its graphs
+call no labelled method, so the compiled forward is labelled "norms/RoPE/act" as a whole, the attention (eager)
+claims its own time inside it, and the product ops found inside it (PRODUCT_OPS) count as "linear": what stays
+is the fused element-wise kernels. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
 but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor.
 """
 
@@ -35,6 +38,9 @@ import torch
 
 PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "sampling", "scheduler/Python"]
 GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading blocks out of the pool
+# inside a compiled step's graphs (no Python method runs there to label): the products, by their op
+PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
+               "aten::_weight_int8pack_mm"}
 
 
 def register(sub):
@@ -49,6 +55,8 @@ def register(sub):
                    help="fp32, bf16, int8 or q4 (chapter 10; the quantized ones with the kernel crossover)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="the KV pool's dtype (auto: float32)")
+    p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
+                   help="eager, or the compiled step (chapter 09)")
     p.add_argument("--out-dir", default="results/profile", help="profile.json and profile.png go here")
     p.set_defaults(func=run)
 
@@ -60,6 +68,7 @@ def labelled_methods():
     from nanoserve.kv.paged_attention import PagedAttention, PagedKVCache
     from nanoserve.model.block import DecoderBlock, LlamaAttention
     from nanoserve.model.layers import MLP, Linear, RMSNorm
+    from nanoserve.model.compiled import CompiledModel
     from nanoserve.model.llama import Llama
     from nanoserve.model.quant import QuantLinear
 
@@ -67,7 +76,8 @@ def labelled_methods():
             (PagedKVCache, "store_kv", "K/V gather/store"),
             (RMSNorm, "forward", "norms/RoPE/act"), (MLP, "forward", "norms/RoPE/act"),
             (LlamaAttention, "forward", "norms/RoPE/act"), (DecoderBlock, "forward", "norms/RoPE/act"),
-            (Llama, "forward", "norms/RoPE/act"), (ModelRunner, "sample", "sampling"),
+            (Llama, "forward", "norms/RoPE/act"), (CompiledModel, "forward", "norms/RoPE/act"),
+            (ModelRunner, "sample", "sampling"),
             (Scheduler, "schedule", "scheduler/Python"), (Scheduler, "update_from_output", "scheduler/Python"),
             (ModelRunner, "prepare_inputs", "scheduler/Python"), (PagedAttention, "__init__", "scheduler/Python")]
 
@@ -112,6 +122,9 @@ def breakdown(events, step_label: str) -> list[dict[str, float]]:
                 elif owner == "attention" and child.name in GATHER_OPS:
                     own["attention"] -= ms
                     own["K/V gather/store"] += ms
+                elif owner == "norms/RoPE/act" and child.name in PRODUCT_OPS:  # a compiled graph's product
+                    own[owner] -= ms
+                    own["linear"] += ms
                 else:
                     walk(child, owner)
 
@@ -251,12 +264,13 @@ def run(args):
         torch.set_num_threads(args.threads)
     biggest = max(args.batch_sizes)
     llm = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
-              num_blocks=biggest * (args.prompt_len // 16 + 2) + 8)
+              num_blocks=biggest * (args.prompt_len // 16 + 2) + 8, compile_mode=args.compile_mode)
     bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
     results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, seed=b) for b in args.batch_sizes]
     bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
     print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
-          f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}" + (f" --threads {args.threads}" if args.threads else ""))
+          f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}"
+          f" --compile-mode {args.compile_mode}" + (f" --threads {args.threads}" if args.threads else ""))
     print(f"threads: {torch.get_num_threads()}, weights {args.weights}; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM peak {peak / 1e9:.1f} GFLOP/s (ridge at {peak / bandwidth:.1f} FLOP/byte)")
     for r in results:

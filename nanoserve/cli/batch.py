@@ -76,6 +76,10 @@ def add_engine_args(p):
                    help="slo policy: refuse a request whose TTFT deadline is already lost instead of serving it late")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="the KV pool's dtype: auto = the model's (float32); bf16 halves the bytes per token (ch 06)")
+    p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
+                   help="eager: op by op (the reference); buckets / dynamic: each step's forward through torch.compile, "
+                        "padded up to a few fixed token counts or with a symbolic one (chapter 09; compiled code is "
+                        "cached under $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/nanoserve/inductor)")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
@@ -93,7 +97,8 @@ def llm_from_args(args, tokenizer=None, **extra):
                degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-               slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype, **extra)
+               slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
+               compile_mode=args.compile_mode, **extra)
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

@@ -62,7 +62,26 @@ def register(sub):
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
     add_fleet_args(p)
-    p.set_defaults(func=run)
+    # without --weights / --kv-cache-dtype: the fastest measured path (serving_format), not the reference
+    p.set_defaults(func=run, weights=None, kv_cache_dtype=None)
+
+
+def serving_format(args) -> str:
+    """Fill in --weights and --kv-cache-dtype where they were not given, and say what is served.
+
+    The server serves the GGUF's own format (q4, as llama.cpp serves Q4_1 and vLLM's --dtype auto the
+    checkpoint's) on a bf16 KV pool, the fastest path `bench peers` measured (chapters 09 and 10); --weights fp32
+    is the float32 reference the course checks against. Where q4 cannot run (tensor parallelism, a q4 copy kept
+    under --degrade-under-load) the default is fp32; the Triton backend keeps the model's KV dtype."""
+    if args.weights is None:
+        args.weights = "fp32" if args.tensor_parallel_size > 1 or args.degrade_under_load is not None else "q4"
+        if args.kv_cache_dtype is None and args.weights == "q4" and args.attention_backend != "triton":
+            args.kv_cache_dtype = "bf16"
+    args.kv_cache_dtype = args.kv_cache_dtype or "auto"
+    pool = "the model's" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    step = "eager step" if args.compile_mode == "eager" else f"compiled step ({args.compile_mode})"
+    return f"{args.weights} weights, {pool} KV pool, {step}" + (
+        "" if args.weights == "fp32" else " (--weights fp32 is the float32 reference)")
 
 
 def check_args(args) -> str | None:
@@ -163,6 +182,7 @@ def run(args):
     from nanoserve.server.metrics import PrometheusStatLogger
     from nanoserve.server.runner import Server, server_state
 
+    serving = serving_format(args)
     problem = check_args(args)
     if problem is None:
         try:  # bind now: a port in use is an error before minutes of model loading
@@ -197,7 +217,8 @@ def run(args):
         code = run_fleet(args, sock, config, ready)
         print("nanoserve: stopped (Ray shut down)", flush=True)
         return code
-    print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'} ...", flush=True)
+    print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'}: {serving} ...",
+          flush=True)
     try:
         llm = llm_from_args(args, **args.tenant_settings)
     except (ValueError, OSError) as e:

@@ -26,6 +26,7 @@ from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
 from nanoserve.structured.manager import StructuredOutputManager
@@ -72,6 +73,9 @@ class EngineConfig:
     # GGUF format), "fp32", or "bf16" — half the bytes per token, so twice the blocks in the same memory and
     # half the bytes each decode step gathers; the attention math then runs in bf16 (torch backend only).
     kv_cache_dtype: str = "auto"
+    # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
+    # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
+    compile_mode: str = "eager"
 
 
 @dataclass
@@ -131,13 +135,16 @@ class LLMEngine:
         runner = student.module("nanoserve.engine.model_runner").ModelRunner  # the learner's with 06 (exercise 6.5)
         if config.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+        if config.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
         if triton and config.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[config.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
-                                          model_runner_class=runner, store_kv=store_kv)])
+                                          model_runner_class=runner, store_kv=store_kv,
+                                          compile_mode=config.compile_mode)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")

@@ -46,15 +46,18 @@ class LlamaAttention(nn.Module):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        N = x.shape[0]  # x: (num_tokens, hidden)
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (num_tokens, hidden) -> q (N, H, D), k and v (N, Hkv, D), q and k rotated."""
+        N = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # views, no copy
         q = q.view(N, self.num_heads, self.head_dim)  # (N, H, D)
         k = k.view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D)
         v = v.view(N, self.num_kv_heads, self.head_dim)  # (N, Hkv, D), a strided view of the product
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(self.layer_idx, q, k, v)  # (N, H, D)
-        return self.o_proj(out.reshape(N, self.num_heads * self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        out = attn(self.layer_idx, *self.qkv(x, cos, sin))  # (N, H, D)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderBlock(nn.Module):
@@ -69,4 +72,16 @@ class DecoderBlock(nn.Module):
         # x: (num_tokens, hidden). Pre-norm: normalise what goes *into* each sub-layer,
         # and let the residual stream carry the un-normalised sum from block to block.
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    # The same block cut at its attention, for a compiled step (nanoserve/model/compiled.py): everything but
+    # the attention is element-wise work and products, which torch.compile fuses into one graph per half.
+    #   forward(x) == attention_output(x, attn(layer_idx, *attention_input(x)))
+    def attention_input(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (N, hidden) -> q (N, H, D), k, v (N, Hkv, D): the norm, the qkv product, RoPE."""
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def attention_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x (N, hidden) and the attention's out (N, H, D) -> the block's output (N, hidden)."""
+        h = x + self.self_attn.o_proj(out.reshape(x.shape[0], -1))
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -61,12 +61,17 @@ class Llama(nn.Module):
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's context of {self.config.max_position_embeddings} tokens"
             )
-        x = self.embed_tokens(input_ids)  # (N, hidden)
-        # angles computed in float32, applied in the model's dtype (a bf16 model keeps bf16 q and k)
-        cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))  # (N, D)
+        x, cos, sin = self.embed(input_ids, positions)
         for block in self.layers:
             x = block(x, cos, sin, attn or self.causal_attention)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """ids, positions (N,) -> x (N, hidden) and the RoPE tables cos, sin (N, D)."""
+        x = self.embed_tokens(input_ids)  # (N, hidden)
+        # angles computed in float32, applied in the model's dtype (a bf16 model keeps bf16 q and k)
+        cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))  # (N, D)
+        return x, cos, sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # (N, hidden) -> (N, vocab)
