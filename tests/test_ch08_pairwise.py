@@ -1,6 +1,6 @@
 """Chapter 08 — every pair of request features, on the tiny model: stream, n, logprobs, echo, response_format,
 stop strings, penalties, logit_bias, seed, temperature, max_tokens at its edges, speculative decoding, prefix-cache
-hits, a tenant's key, a timeout, a disconnect and one invalid field at a time, crossed pairwise
+hits, a tenant's key, a timeout, a disconnect, tools with each tool_choice and one invalid field at a time, crossed pairwise
 (nanoserve/bench/pairwise.py) and sent through the official openai client and raw HTTP. Each answer is a 200 whose
 body or every stream event is strict JSON (no NaN, no Infinity) in OpenAI's shape, or a 4xx in OpenAI's error
 format naming the field; never a 5xx; after each request none is running and every KV block is free."""
@@ -21,6 +21,7 @@ from tests.test_ch08_server import assert_pool_whole, slow_steps
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
 
 DEFAULT_MAX_TOKENS = 8  # the server's --default-max-tokens here: chat without max_tokens stops there
+OPERATOR = "pairwise-operator-key"  # with tenants, /metrics is an operator's (chapter 08)
 
 
 def test_the_rows_cover_every_pair_of_values():
@@ -37,14 +38,23 @@ def test_the_rows_cover_every_pair_of_values():
                 impossible.append((a, va, b, vb))
     assert all(pairwise.allowed(r) for r in rows)
     # what is left uncovered is exactly what cannot be sent (every name below by hand, not by allowed())
-    cannot = {("endpoint", "chat", "echo", True), ("stream", "yes", "echo", True), ("stream", "yes+usage", "echo", True),
+    cannot = [("endpoint", "chat", "echo", True), ("stream", "yes", "echo", True), ("stream", "yes+usage", "echo", True),
               ("endpoint", "chat", "max_tokens", 0), ("stream", "yes", "max_tokens", 0),
               ("stream", "yes+usage", "max_tokens", 0), ("echo", False, "max_tokens", 0),
               ("endpoint", "completions", "fault", "image_part"), ("echo", True, "fault", "image_part"),
               ("max_tokens", 0, "fault", "image_part"), ("endpoint", "chat", "fault", "echo_with_stream"),
               ("stream", "no", "fault", "echo_with_stream"), ("echo", True, "fault", "echo_with_stream"),
-              ("max_tokens", 0, "fault", "echo_with_stream")}
-    assert set(impossible) == cannot, sorted(set(impossible) ^ cannot)
+              ("max_tokens", 0, "fault", "echo_with_stream")]
+    # tools are chat's; offered, no response_format beside them; a forced call, no stop strings
+    for choice in ("required", "named", "auto", "none"):
+        cannot += [("endpoint", "completions", "tools", choice), ("echo", True, "tools", choice),
+                   ("max_tokens", 0, "tools", choice), ("tools", choice, "fault", "echo_with_stream")]
+    for choice in ("required", "named", "auto"):
+        cannot += [("response_format", rf, "tools", choice) for rf in ("json_object", "json_schema", "choice")]
+    for choice in ("required", "named"):
+        cannot += [("stop", "\n", "tools", choice), ("stop", [".", "!", "?", ","], "tools", choice)]
+    key = lambda t: tuple(json.dumps(x) for x in t)  # noqa: E731 (a stop list is a value too)
+    assert {key(t) for t in impossible} == {key(t) for t in cannot}, sorted({key(t) for t in impossible} ^ {key(t) for t in cannot})
     product = 1
     for values in FACTORS.values():
         product *= len(values)
@@ -66,7 +76,8 @@ def server(tiny, tokenizer):
                                           speculative_disable_by_batch_size=None), tokenizer)
     slow_steps(engine, 0.005)  # a stream lasts long enough to be left mid-way
     with serving(engine, tokenizer, model_name="tiny", api_key=KEYS["plain"],
-                 api_keys={KEYS["tenant"]: Tenant("acme")}, default_max_tokens=DEFAULT_MAX_TOKENS) as (url, srv):
+                 api_keys={KEYS["tenant"]: Tenant("acme"), OPERATOR: Tenant("ops", role="operator")},
+                 default_max_tokens=DEFAULT_MAX_TOKENS) as (url, srv):
         yield url, srv, engine
 
 
@@ -88,7 +99,7 @@ def test_every_pair_of_features_is_answered_right_and_leaves_nothing_behind(serv
     due = [expected(row)[0] for row in ROWS]
     assert sum(s == d for s, d in zip(statuses, due)) >= len(ROWS) - sum(r["disconnect"] for r in ROWS)
     assert {200, 400, 408} <= set(statuses)
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS['plain']}"}).text
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}).text
     assert 'status="5xx"' not in metrics and 'status="2xx"' in metrics  # nothing answered 5xx, not even to a client that had left
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 

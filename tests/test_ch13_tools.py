@@ -250,6 +250,8 @@ FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "obje
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
     ({"tools": [FN], "stream": True, "logprobs": True}, "logprobs"),
+    ({"tools": [FN], "tool_choice": "required", "stop": "}"}, "stop"),  # a stop would cut the forced call's JSON
+    ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["\n"]}, "stop"),
 ])
 def test_bad_tools_are_a_400_naming_the_param(tiny_url, body, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}

@@ -2,8 +2,8 @@
 
 One feature at a time is tested everywhere; two together is where servers break (response_format with
 top_logprobs once answered 500: the grammar's masked tokens had log p = -inf, which is not JSON). Trying every
-combination of the 19 features below is 2^13 · 3^3 · 4^2 · 5 ≈ 1.8·10^7 requests; trying every *pair* of values
-takes 39 (covering_rows()), because one request covers C(19, 2) = 171 pairs at once:
+combination of the 20 features below is 2^13 · 3^3 · 4^2 · 5^2 ≈ 8.8·10^7 requests; trying every *pair* of values
+takes 52 (covering_rows()), because one request covers C(20, 2) = 190 pairs at once:
 
     FACTORS        feature -> its values (a fault: one invalid field, whose 400 must name it)
     covering_rows  a greedy all-pairs generator: rows until every allowed pair of values is in some row
@@ -44,34 +44,50 @@ FACTORS = {
     "key": ["plain", "tenant"],  # the server's --api-key, or a tenant's key from --api-keys
     "timeout": [None, "expired"],
     "disconnect": [False, True],  # the client leaves after the first event (streamed) or at once
-    # tools / tool_choice: their values go here, in request_body and in expected, once the server has tools
+    "tools": [None, "required", "named", "auto", "none"],  # chapter 13: TOOLS offered, and tool_choice
     "fault": [None, "max_tokens_huge", "logit_bias_oov", "image_part", "echo_with_stream"],
 }
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 SHARED = "You are a careful assistant who answers in one short sentence. " * 3  # > 2 KV blocks of 16 tokens
 CHOICES = ["yes", "no"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+             "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"]}}}]
+TOOL_CHOICE = {"required": "required", "named": {"type": "function", "function": {"name": "get_weather"}},
+               "auto": "auto", "none": "none"}
 KEYS = {"plain": "pairwise-key", "tenant": "pairwise-tenant-key"}  # the keys the server under test must accept
 
 
 # what a value needs of other features: echo is completions' alone, and not streamed (echo + stream is a fault of
-# its own); max_tokens 0 only scores the prompt (echo); an image part is a chat message's
+# its own); max_tokens 0 only scores the prompt (echo); an image part is a chat message's; tools are chat's, and
+# offered they constrain the reply themselves (no response_format beside them), a call they force has no stop
+# strings (a stop would cut its JSON: the server refuses the pair, tests/test_ch13_tools.py)
 NEEDS = {("echo", True): {"endpoint": {"completions"}, "stream": {"no"}},
          ("max_tokens", 0): {"endpoint": {"completions"}, "echo": {True}, "stream": {"no"}},
          ("fault", "image_part"): {"endpoint": {"chat"}},
-         ("fault", "echo_with_stream"): {"endpoint": {"completions"}, "stream": {"yes", "yes+usage"}}}
+         ("fault", "echo_with_stream"): {"endpoint": {"completions"}, "stream": {"yes", "yes+usage"}},
+         ("tools", "none"): {"endpoint": {"chat"}},
+         ("tools", "auto"): {"endpoint": {"chat"}, "response_format": {None}},
+         **{("tools", forced): {"endpoint": {"chat"}, "response_format": {None}, "stop": {None}}
+            for forced in ("required", "named")}}
 
 
 def allowed(row: dict) -> bool:
     """Whether these (possibly partial) values can go in one request: what each needs of the others agrees
-    with what is there and with what the rest need (the needs are closed: echo's are part of max_tokens 0's)."""
-    for factor in ("endpoint", "stream", "echo"):
-        options = {row[factor]} if factor in row else set(FACTORS[factor])
+    with what is there and with what the rest need (the needs are closed: echo's are part of max_tokens 0's);
+    and no streamed logprobs beside offered tools (the server refuses the three together)."""
+    for factor in ("endpoint", "stream", "echo", "response_format", "stop"):
+        options = {_key(row[factor])} if factor in row else {_key(v) for v in FACTORS[factor]}
         for (k, v), needs in NEEDS.items():
             if k in row and row[k] == v and factor in needs:
-                options &= needs[factor]
+                options &= {_key(n) for n in needs[factor]}
         if not options:
             return False
-    return True
+    offered = row.get("tools") not in (None, "none")
+    return not (offered and row.get("stream", "no") != "no" and row.get("logprobs") is not None)
 
 
 def _key(value):
@@ -156,6 +172,8 @@ def request_body(row: dict, i: int, model: str) -> dict:
         body["max_tokens"] = 10**9 if fault == "max_tokens_huge" else row["max_tokens"]
     if not row["speculative"]:
         body["speculative"] = False
+    if row["tools"] is not None:
+        body |= {"tools": TOOLS, "tool_choice": TOOL_CHOICE[row["tools"]]}
     if row["timeout"] == "expired":
         body["timeout"] = 1e-6  # past before the first step: the deadline check fires at once
     return body
@@ -184,7 +202,8 @@ def strict_loads(text: str):
 # the openai client's own parameters; the rest of a body travels in extra_body
 _OPENAI_ARGS = {"model", "stream", "stream_options", "n", "logprobs", "stop", "presence_penalty", "frequency_penalty",
                 "logit_bias", "seed", "temperature", "max_tokens"}
-_OPENAI_CHAT, _OPENAI_COMPLETIONS = {"messages", "top_logprobs", "response_format"}, {"prompt", "echo"}
+_OPENAI_CHAT = {"messages", "top_logprobs", "response_format", "tools", "tool_choice"}
+_OPENAI_COMPLETIONS = {"prompt", "echo"}
 
 
 def send(row: dict, body: dict, url: str, wait: float = 60.0) -> tuple[int | None, bytes]:
@@ -311,11 +330,13 @@ def _body_problems(row: dict, body: dict, answer: dict, default_max_tokens: int 
             (cap is not None and usage.get("completion_tokens", 0) > row["n"] * cap):
         found.append(f"usage {usage}, max_tokens {cap}, n {row['n']}")
     for c in choices:
-        text = c["message"]["content"] if chat else c["text"]
+        text = (c["message"]["content"] or "") if chat else c["text"]
         if chat and c["message"].get("role") != "assistant":
             found.append(f"message {c['message']}")
-        if c.get("finish_reason") not in ("stop", "length"):
+        if c.get("finish_reason") not in ("stop", "length", *(("tool_calls",) if _offered(row) else ())):
             found.append(f"finish_reason {c.get('finish_reason')!r}")
+        if chat:
+            found += _tool_call_problems(row, c["message"].get("tool_calls"), c.get("finish_reason"))
         if row["echo"] and not text.startswith(body["prompt"]):
             found.append(f"echo: {text[:60]!r} does not start with the prompt")
         found += _logprobs_problems(row, c.get("logprobs"))
@@ -342,7 +363,7 @@ def _stream_problems(row: dict, body: dict, raw: bytes, partial: bool) -> list[s
             found.append(f"a stream past its timeout must carry one 408 event naming timeout: {errors}")
     elif errors:
         found.append(f"error events {errors}")
-    texts, finish = {}, {}
+    texts, finish, calls = {}, {}, {}
     kind = "chat.completion.chunk" if row["endpoint"] == "chat" else "text_completion"
     for c in (c for c in chunks if "error" not in c):
         if c.get("object") != kind or not isinstance(c.get("choices"), list):
@@ -354,6 +375,11 @@ def _stream_problems(row: dict, body: dict, raw: bytes, partial: bool) -> list[s
             piece = choice["delta"].get("content") if row["endpoint"] == "chat" else choice["text"]
             texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
             finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"])
+            for part in (choice["delta"].get("tool_calls") or []) if row["endpoint"] == "chat" else []:
+                call = calls.setdefault(choice["index"], {}).setdefault(
+                    part["index"], {"id": part.get("id"), "type": part.get("type"),
+                                    "function": {"name": part["function"].get("name"), "arguments": ""}})
+                call["function"]["arguments"] += part["function"].get("arguments", "")
             if "role" not in choice.get("delta", {}):  # chat's first chunk of a completion carries no token
                 found += _logprobs_problems(row, choice.get("logprobs"))
     if not partial and body.get("stream_options") and not errors and not chunks[-1].get("usage"):
@@ -361,6 +387,40 @@ def _stream_problems(row: dict, body: dict, raw: bytes, partial: bool) -> list[s
     for i, text in texts.items():
         if not partial:
             found += _json_problems(row, text, finish.get(i))
+            if row["endpoint"] == "chat":
+                listed = calls.get(i)
+                found += _tool_call_problems(row, [listed[j] for j in sorted(listed)] if listed else None, finish.get(i))
+    return found
+
+
+def _offered(row: dict) -> bool:
+    return row["tools"] not in (None, "none")
+
+
+def _tool_call_problems(row: dict, tool_calls: list | None, finish_reason: str | None) -> list[str]:
+    """No tool_calls unless tools were offered; finish_reason "tool_calls" exactly when there are calls; a call
+    that finished ("tool_calls") has an id, a tool's name (the named one, if named) and arguments that are a JSON
+    object valid against that tool's schema. A call cut by max_tokens ("length") may hold partial arguments."""
+    import jsonschema
+
+    if not tool_calls:
+        return ["finish_reason tool_calls without calls"] if finish_reason == "tool_calls" else []
+    if not _offered(row):
+        return [f"tool_calls without tools offered: {tool_calls}"]
+    if finish_reason not in ("tool_calls", "length"):
+        return [f"tool_calls with finish_reason {finish_reason!r}"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    found = []
+    for call in tool_calls:
+        name = call["function"]["name"]
+        if not str(call.get("id")).startswith("call_") or call.get("type") != "function" or name not in schemas or \
+                (row["tools"] == "named" and name != TOOL_CHOICE["named"]["function"]["name"]):
+            found.append(f"tool call {call}")
+        elif finish_reason == "tool_calls":
+            try:
+                jsonschema.validate(strict_loads(call["function"]["arguments"]), schemas[name])
+            except (ValueError, jsonschema.ValidationError) as e:
+                found.append(f"tool call {name}: arguments {call['function']['arguments']!r} ({str(e)[:100]})")
     return found
 
 

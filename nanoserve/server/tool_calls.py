@@ -212,7 +212,8 @@ async def openai_tool_stream(outputs: AsyncIterator, plan: ToolPlan, stop: list[
     def choice(index: int, delta: dict, finish_reason: str | None = None) -> dict:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    parsers, ids, finals = {}, {}, {}
+    parsers, ids, finals = {0: ToolCallParser(plan)}, {0: {}}, {}
+    yield event([choice(0, {"role": "assistant", "content": ""})])  # at once, as streaming.openai_stream does
     try:
         async for delta, out in text_deltas(outputs, stop):
             i = out.index
@@ -229,5 +230,5 @@ async def openai_tool_stream(outputs: AsyncIterator, plan: ToolPlan, stop: list[
         if include_usage:
             yield event([], usage=usage(*finals.values()))
     except Exception as e:  # noqa: BLE001 — the status line is long gone: the error travels in the stream
-        yield sse(error_body(str(e), getattr(e, "status", 500)))
+        yield sse(error_body(str(e), getattr(e, "status", 500), getattr(e, "param", None)))
     yield sse("[DONE]")
