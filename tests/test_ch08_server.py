@@ -139,7 +139,8 @@ def test_a_batch_of_prompts_answers_each_as_alone(engine, tokenizer):
         by_ids = client.completions.create(prompt=ids, **args)
         assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone]
         for body in ({"prompt": prompts, "stream": True}, {"prompt": ["a", ""]}, {"prompt": ["a"] * 17},
-                     {"prompt": ["a", "b" * 5000], "max_tokens": 4}):  # the second is too long: the batch is refused
+                     {"prompt": ["a", "b" * 5000], "max_tokens": 4},  # the second is too long: the batch is refused
+                     {"prompt": ["a"] * 16, "n": 16, "max_tokens": 300}):  # 4 800 each, 76 800 > 65 536 together
             assert assert_openai_error(httpx.post(f"{url}/v1/completions", json=body), 400)["param"] == "prompt"
         assert_pool_whole(engine)
 

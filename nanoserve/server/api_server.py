@@ -356,6 +356,11 @@ def build_app(state: ServerState) -> FastAPI:
         if req.stream:
             raise APIError(400, "a list of prompts with `stream` is not supported by this server: stream one "
                                 "request per prompt", "prompt")
+        work = len(prompts) * req.n * req.requested_max_tokens  # the batch is one request: its work is bounded once
+        if work > cfg.max_request_tokens:
+            raise APIError(400, f"{len(prompts)} prompts * n * max_tokens = {len(prompts)} * {req.n} * "
+                                f"{req.requested_max_tokens} exceeds this server's bound of {cfg.max_request_tokens} "
+                                f"generated tokens per request", "prompt")
         return await batch(request, req, prompts)
 
     def encode_prompt(prompt: str | list[int]) -> list[int]:
