@@ -16,6 +16,7 @@ from nanoserve.bench import pairwise
 from nanoserve.bench.pairwise import FACTORS, KEYS, covering_rows, expected, problems, request_body, send, strict_loads
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.server.limits import Tenant
+from nanoserve.server.protocol import finite_json
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import assert_pool_whole, slow_steps
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
@@ -57,6 +58,15 @@ def test_strict_loads_refuses_what_python_json_lets_through():
     for text in ('{"logprob": -Infinity}', '[NaN]', '{"a": Infinity}'):
         with pytest.raises(ValueError):
             strict_loads(text)
+
+
+def test_finite_json_writes_a_non_finite_float_as_null():
+    """The encoder of every body and stream chunk: what Python's json would write as -Infinity or NaN is null,
+    at any depth, and a body without one is written as json.dumps writes it."""
+    body = {"logprob": float("-inf"), "top": [1.5, float("nan")], "pair": (float("inf"), 2), "deep": {"x": [0.5]}}
+    assert strict_loads(finite_json(body)) == {"logprob": None, "top": [1.5, None], "pair": [None, 2],
+                                               "deep": {"x": [0.5]}}
+    assert finite_json({"x": [0.5, "a"]}, separators=(",", ":")) == '{"x":[0.5,"a"]}'
 
 
 @pytest.fixture(scope="module")
