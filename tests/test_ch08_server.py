@@ -324,7 +324,6 @@ def test_malformed_requests_get_openai_errors_and_leave_nothing_behind(engine, t
             ]
             for r, status in others:
                 assert_openai_error(r, status)
-            assert len(MALFORMED) + len(others) >= 25
             unknown = assert_openai_error(http.post("/v1/chat/completions", json=chat_body(unknown_field=1)), 400)
             assert unknown["message"] == "Unrecognized request argument supplied: unknown_field"  # OpenAI's words
             good = http.post("/v1/chat/completions", json=chat_body(user="u1", store=False, metadata={"a": "b"}))
