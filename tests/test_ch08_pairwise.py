@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from nanoserve.bench import pairwise
-from nanoserve.bench.pairwise import FACTORS, KEYS, covering_rows, expected, problems, request_body, send, strict_loads
+from nanoserve.bench.pairwise import (FACTORS, KEYS, OPERATOR_KEY, covering_rows, expected, problems, request_body, send,
+                                      strict_loads)
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.server.limits import Tenant
 from nanoserve.server.protocol import finite_json
@@ -76,7 +77,8 @@ def server(tiny, tokenizer):
                                           speculative_disable_by_batch_size=None), tokenizer)
     slow_steps(engine, 0.005)  # a stream lasts long enough to be left mid-way
     with serving(engine, tokenizer, model_name="tiny", api_key=KEYS["plain"],
-                 api_keys={KEYS["tenant"]: Tenant("acme")}, default_max_tokens=DEFAULT_MAX_TOKENS) as (url, srv):
+                 api_keys={KEYS["tenant"]: Tenant("acme"), OPERATOR_KEY: Tenant("ops", role="operator")},
+                 default_max_tokens=DEFAULT_MAX_TOKENS) as (url, srv):
         yield url, srv, engine
 
 
@@ -98,7 +100,7 @@ def test_every_pair_of_features_is_answered_right_and_leaves_nothing_behind(serv
     due = [expected(row)[0] for row in ROWS]
     assert sum(s == d for s, d in zip(statuses, due)) >= len(ROWS) - sum(r["disconnect"] for r in ROWS)
     assert {200, 400, 408} <= set(statuses)
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS['plain']}"}).text
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
     assert 'status="5xx"' not in metrics and 'status="2xx"' in metrics  # nothing answered 5xx, not even to a client that had left
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 

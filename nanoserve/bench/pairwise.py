@@ -51,6 +51,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
 SHARED = "You are a careful assistant who answers in one short sentence. " * 3  # > 2 KV blocks of 16 tokens
 CHOICES = ["yes", "no"]
 KEYS = {"plain": "pairwise-key", "tenant": "pairwise-tenant-key"}  # the keys the server under test must accept
+OPERATOR_KEY = "pairwise-operator-key"  # reads /metrics, which with tenants is an operator's alone (chapter 08)
 
 
 # what a value needs of other features: echo is completions' alone, and not streamed (echo + stream is a fault of
