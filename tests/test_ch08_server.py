@@ -493,3 +493,20 @@ def test_finished_08_rungs_serve_through_student_08(engine, tokenizer, exercises
     assert "--student 08: the server runs" in err and "yours      to_sampling_params" in err
     assert "reference  nanoserve.server.limits  (exercises/08-http-serving/limits.py still raises" in err
     assert_pool_whole(engine)
+
+
+def test_a_finished_8_4_limits_through_student_08(engine, tokenizer, exercises):
+    """Rung 8.4 served: the learner's TokenBucketLimiter, too_many_requests and check_queue decide the refusals
+    (burst 1 at 0.01 requests/s: the second request is the learner's 429, Retry-After 100)."""
+    exercises("nanoserve.server.limits")
+    with pytest.warns(UserWarning, match=r"Exercise 8\.[123] not finished"), \
+            serving(engine, tokenizer, model_name="tiny", student="08", rate_limit=0.01, rate_burst=1) as (url, server):
+        state = server.state
+        assert state.limits.__name__ == "student_nanoserve_server_limits"
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat_body()).status_code == 200
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+        assert assert_openai_error(refused, 429) and refused.headers["Retry-After"] == "100"
+        calls = state.student.calls
+        assert calls["TokenBucketLimiter.try_acquire"] == 2 and calls["too_many_requests"] == 1
+        assert calls["check_queue"] == 1  # checked by the route, after the guard let the first request in
+    assert_pool_whole(engine)
