@@ -271,7 +271,11 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
         # what it may cost, taken from the tenant's quota now (429 if not there), the unused part refunded at the end
-        reservation = state.tenants.reserve(tenant, len(prompt_ids) + params.n * params.max_tokens)
+        try:
+            reservation = state.tenants.reserve(tenant, len(prompt_ids) + params.n * params.max_tokens)
+        except APIError:  # the quota's 429 is a rate-limited request in the tenant's metrics, as admission's is
+            state.count(tenant, "rate_limited")
+            raise
         try:
             with state.versions.lease() as served:  # chapter 15: this request's version, to its last token
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
