@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from nanoserve.bench import pairwise
-from nanoserve.bench.pairwise import (FACTORS, KEYS, OPERATOR_KEY, covering_rows, expected, problems, request_body, send,
-                                      strict_loads)
+from nanoserve.bench.pairwise import (FACTORS, KEYS, OPERATOR_KEY, covering_rows, expected, problems, request_body,
+                                      send, strict_loads)
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.server.limits import Tenant
 from nanoserve.server.protocol import finite_json

@@ -44,7 +44,8 @@ FACTORS = {
     "key": ["plain", "tenant"],  # the server's --api-key, or a tenant's key from --api-keys
     "timeout": [None, "expired"],
     "disconnect": [False, True],  # the client leaves after the first event (streamed) or at once
-    # tools / tool_choice (chapter 13, chat only) are not crossed yet: their values would go here, in request_body and in expected
+    # tools / tool_choice (chapter 13, chat only) are not crossed yet: their values would go here, in request_body
+    # and in expected
     "fault": [None, "max_tokens_huge", "logit_bias_oov", "image_part", "echo_with_stream"],
 }
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
