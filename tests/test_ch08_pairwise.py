@@ -13,11 +13,9 @@ import httpx
 import pytest
 
 from nanoserve.bench import pairwise
-from nanoserve.bench.pairwise import (FACTORS, KEYS, OPERATOR_KEY, covering_rows, expected, problems, request_body,
-                                      send, strict_loads)
+from nanoserve.bench.pairwise import FACTORS, KEYS, covering_rows, expected, problems, request_body, send, strict_loads
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.server.limits import Tenant
-from nanoserve.server.protocol import finite_json
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import assert_pool_whole, slow_steps
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
@@ -61,15 +59,6 @@ def test_strict_loads_refuses_what_python_json_lets_through():
             strict_loads(text)
 
 
-def test_finite_json_writes_a_non_finite_float_as_null():
-    """The encoder of every body and stream chunk: what Python's json would write as -Infinity or NaN is null,
-    at any depth, and a body without one is written as json.dumps writes it."""
-    body = {"logprob": float("-inf"), "top": [1.5, float("nan")], "pair": (float("inf"), 2), "deep": {"x": [0.5]}}
-    assert strict_loads(finite_json(body)) == {"logprob": None, "top": [1.5, None], "pair": [None, 2],
-                                               "deep": {"x": [0.5]}}
-    assert finite_json({"x": [0.5, "a"]}, separators=(",", ":")) == '{"x":[0.5,"a"]}'
-
-
 @pytest.fixture(scope="module")
 def server(tiny, tokenizer):
     """One server for the whole crossing: speculation on (n-gram), prefix caching on, a plain key and a tenant's."""
@@ -77,8 +66,7 @@ def server(tiny, tokenizer):
                                           speculative_disable_by_batch_size=None), tokenizer)
     slow_steps(engine, 0.005)  # a stream lasts long enough to be left mid-way
     with serving(engine, tokenizer, model_name="tiny", api_key=KEYS["plain"],
-                 api_keys={KEYS["tenant"]: Tenant("acme"), OPERATOR_KEY: Tenant("ops", role="operator")},
-                 default_max_tokens=DEFAULT_MAX_TOKENS) as (url, srv):
+                 api_keys={KEYS["tenant"]: Tenant("acme")}, default_max_tokens=DEFAULT_MAX_TOKENS) as (url, srv):
         yield url, srv, engine
 
 
@@ -100,7 +88,7 @@ def test_every_pair_of_features_is_answered_right_and_leaves_nothing_behind(serv
     due = [expected(row)[0] for row in ROWS]
     assert sum(s == d for s, d in zip(statuses, due)) >= len(ROWS) - sum(r["disconnect"] for r in ROWS)
     assert {200, 400, 408} <= set(statuses)
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS['plain']}"}).text
     assert 'status="5xx"' not in metrics and 'status="2xx"' in metrics  # nothing answered 5xx, not even to a client that had left
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 

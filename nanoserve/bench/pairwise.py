@@ -44,15 +44,13 @@ FACTORS = {
     "key": ["plain", "tenant"],  # the server's --api-key, or a tenant's key from --api-keys
     "timeout": [None, "expired"],
     "disconnect": [False, True],  # the client leaves after the first event (streamed) or at once
-    # tools / tool_choice (chapter 13, chat only) are not crossed yet: their values would go here, in request_body
-    # and in expected
+    # tools / tool_choice: their values go here, in request_body and in expected, once the server has tools
     "fault": [None, "max_tokens_huge", "logit_bias_oov", "image_part", "echo_with_stream"],
 }
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
 SHARED = "You are a careful assistant who answers in one short sentence. " * 3  # > 2 KV blocks of 16 tokens
 CHOICES = ["yes", "no"]
 KEYS = {"plain": "pairwise-key", "tenant": "pairwise-tenant-key"}  # the keys the server under test must accept
-OPERATOR_KEY = "pairwise-operator-key"  # reads /metrics, which with tenants is an operator's alone (chapter 08)
 
 
 # what a value needs of other features: echo is completions' alone, and not streamed (echo + stream is a fault of

@@ -210,10 +210,9 @@ def run_pairwise(args) -> int:
     llm = LLM(load_gguf(), num_blocks=256, max_num_seqs=16, speculative="ngram")
     default = 16  # chat without max_tokens: a short answer, so a minute serves many rows
     with serving(llm.engine, llm.tokenizer, api_key=pairwise.KEYS["plain"], default_max_tokens=default,
-                 api_keys={pairwise.KEYS["tenant"]: Tenant("pairwise"),
-                           pairwise.OPERATOR_KEY: Tenant("pairwise-ops", role="operator")}) as (url, server):
+                 api_keys={pairwise.KEYS["tenant"]: Tenant("pairwise")}) as (url, server):
         result = pairwise.soak(url, server.state.config.model_name, args.duration, args.concurrency, default)
-        running, usage = idle_pool(url, pairwise.OPERATOR_KEY)
+        running, usage = idle_pool(url, pairwise.KEYS["plain"])
     print(f"{result['requests']} requests ({result['rows']} rows of the crossing, round and round) by status:")
     for status, n in sorted(result["statuses"].items()):
         print(f"  {status:<24} {n}")
