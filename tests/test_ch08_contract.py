@@ -13,7 +13,7 @@ import torch
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.engine.sampler import SampleRow, sample_rows, token_logprobs
 from nanoserve.sampling import SamplingParams, apply_penalties, min_p_filter
-from nanoserve.server.protocol import UNSUPPORTED, ChatCompletionRequest
+from nanoserve.server.protocol import UNSUPPORTED, ChatCompletionRequest, finite_json
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import HI, assert_openai_error, assert_pool_whole, chat_body
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
@@ -77,6 +77,17 @@ def test_each_row_is_sampled_alone_whatever_shares_the_batch():
     assert together_lp[2].logprob == pytest.approx(float(raw[together[2]]))
     assert [t for t, _ in together_lp[2].top] == raw.topk(3).indices.tolist()
     assert together_lp[0] is None  # not asked for
+
+
+def test_finite_json_writes_a_non_finite_float_as_null():
+    """The encoder of every body and stream chunk: what Python's json would write as -Infinity or NaN is null,
+    at any depth, and a body without one is written as json.dumps writes it."""
+    def strict(text):  # a parser that refuses NaN, Infinity and -Infinity, as JSON does
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+
+    body = {"logprob": float("-inf"), "top": [1.5, float("nan")], "pair": (float("inf"), 2), "deep": {"x": [0.5]}}
+    assert strict(finite_json(body)) == {"logprob": None, "top": [1.5, None], "pair": [None, 2], "deep": {"x": [0.5]}}
+    assert finite_json({"x": [0.5, "a"]}, separators=(",", ":")) == '{"x":[0.5,"a"]}'
 
 
 def test_token_logprobs_rank_and_top():

@@ -175,6 +175,7 @@ def test_a_burst_cannot_commit_more_than_the_token_quota(engine, tokenizer):
         assert codes == [200, 200, 429]
         scrape = httpx.get(f"{url}/metrics", headers=auth("key-ops")).text
         assert 'nanoserve:tenant_tokens_total{model_name="tiny",tenant="q"} 60.0' in scrape
+        assert 'nanoserve:tenant_requests_total{model_name="tiny",outcome="rate_limited",tenant="q"} 1.0' in scrape
     assert_pool_whole(engine)
 
 

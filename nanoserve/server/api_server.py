@@ -274,7 +274,11 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
         # what it may cost, taken from the tenant's quota now (429 if not there), the unused part refunded at the end
-        reservation = state.tenants.reserve(tenant, len(prompt_ids) + params.n * params.max_tokens)
+        try:
+            reservation = state.tenants.reserve(tenant, len(prompt_ids) + params.n * params.max_tokens)
+        except APIError:  # the quota's 429 is a rate-limited request in the tenant's metrics, as admission's is
+            state.count(tenant, "rate_limited")
+            raise
         try:
             with state.versions.lease() as served:  # chapter 15: this request's version, to its last token
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
@@ -359,6 +363,11 @@ def build_app(state: ServerState) -> FastAPI:
         if req.stream:
             raise APIError(400, "a list of prompts with `stream` is not supported by this server: stream one "
                                 "request per prompt", "prompt")
+        work = len(prompts) * req.n * req.requested_max_tokens  # the batch is one request: its work is bounded once
+        if work > cfg.max_request_tokens:
+            raise APIError(400, f"{len(prompts)} prompts * n * max_tokens = {len(prompts)} * {req.n} * "
+                                f"{req.requested_max_tokens} exceeds this server's bound of {cfg.max_request_tokens} "
+                                f"generated tokens per request", "prompt")
         return await batch(request, req, prompts)
 
     def encode_prompt(prompt: str | list[int]) -> list[int]:
