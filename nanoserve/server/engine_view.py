@@ -1,7 +1,8 @@
 """Chapter 12 — the engine, live in the browser: GET /engine (a static page) and GET /engine/events (SSE).
 
     GET /engine                    engine.html: the page (no data in it, so no key needed); sent with a
-                                   Content-Security-Policy (its own script and style only) and
+                                   Content-Security-Policy (its own script and style only; images its own or
+                                   data: URLs, for the page's empty icon) and
                                    X-Frame-Options: DENY (no other site can frame it)
     GET /engine/static/engine.js   its hand-written script; engine.css its style (shipped in the package)
     GET /engine/events             text/event-stream, one `data: {snapshot}` per engine snapshot
@@ -28,8 +29,8 @@ from nanoserve.server.protocol import APIError, error_body, finite_json
 
 STATIC = files("nanoserve.server") / "static"
 MEDIA_TYPES = {"engine.js": "text/javascript; charset=utf-8", "engine.css": "text/css; charset=utf-8"}
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
-                                           "form-action 'none'", "X-Frame-Options": "DENY"}
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                                           "frame-ancestors 'none'; base-uri 'none'; form-action 'none'", "X-Frame-Options": "DENY"}
 MAX_EVENT_STREAMS = 2  # open /engine/events streams per tenant
 
 
