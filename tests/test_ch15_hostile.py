@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -241,12 +242,15 @@ def test_a_reload_of_any_readable_file_quotes_none_of_it(tmp_path):
 def watch(url: str, key: str, snaps: list, seconds: float):
     """Read /engine/events with `key` for `seconds` (in a thread); the snapshots land in `snaps`."""
     def run():
+        deadline = time.monotonic() + seconds  # the stream never goes quiet (a ping each second): stop by the clock
         try:
             with httpx.stream("GET", f"{url}/engine/events", headers=auth(key), timeout=seconds) as r:
                 snaps.append(r.status_code)
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         snaps.append(json.loads(line[6:]))
+                    if time.monotonic() > deadline:
+                        break
         except httpx.ReadTimeout:
             pass
 
