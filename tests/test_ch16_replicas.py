@@ -193,7 +193,7 @@ def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path
     """The CLI as a user runs it (the real model): a local Ray started and stopped by the command."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--replicas", "2", "--port", "0",
-                             "--num-blocks", "64", "--ray-num-cpus", "2", "--shutdown-timeout", "2"],
+                             "--num-blocks", "64", "--weights", "fp32", "--ray-num-cpus", "2", "--shutdown-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url, said = None, []
