@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from nanoserve.kv.block_manager import BlockManager as ReferenceBlockManager
 from nanoserve.kv.block_manager import PrefixCacheStats, cdiv  # noqa: F401  (given: cdiv(a, b) is ceil(a / b))
+from nanoserve.kv.prefix_cache import root_hash  # noqa: F401  (given: where a chain of block hashes starts, a salt or None)
 
 
 def slot_mapping(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
