@@ -400,7 +400,7 @@ def test_generate_cli_runs_the_learners_chapter_03_and_says_so(smollm2, smollm2_
     import nanoserve.model
     from nanoserve.cli import checks, main
 
-    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest: smollm2)  # (path, weights)
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest, **kw: smollm2)  # (path, weights, modules=)
     monkeypatch.setattr(checks, "load_tokenizer", lambda path: smollm2_tokenizer)
     args = ["generate", "--prompt", "Name a colour.", "--chat", "--temperature", "0", "--max-tokens", "6", "--json"]
     assert main(args) == 0
