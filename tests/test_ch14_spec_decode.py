@@ -116,3 +116,62 @@ def test_seeded_sampling_with_speculation_completes_and_is_reproducible(model):
     a = run(engine(model, "ngram"), reqs, params)
     assert a == run(engine(model, "ngram"), reqs, params)
     assert all(len(a[i]) == reqs[i][1] for i in a)
+
+
+def chi2_quantile(df: int, z: float = 4.75) -> float:
+    """The chi-square quantile with `df` degrees of freedom at the normal quantile z (Wilson-Hilferty; z = 4.75:
+    exceeded with chance ~1e-6, so a correct sampler fails this test about once in a million seeds)."""
+    h = 2 / (9 * df)
+    return df * (1 - h + z * h ** 0.5) ** 3
+
+
+def homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's chi-square statistic of two samples drawn from one distribution, and its degrees of freedom."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    stat = 0.0
+    for token in ca.keys() | cb.keys():
+        pooled = (ca[token] + cb[token]) / (len(a) + len(b))
+        for counts, n in ((ca, len(a)), (cb, len(b))):
+            stat += (counts[token] - n * pooled) ** 2 / (n * pooled)
+    return stat, len(ca.keys() | cb.keys()) - 1
+
+
+SAMPLES = 3000  # requests per engine: each gives one draw of output tokens 1, 2, 3 (token 0 comes from the prefill)
+
+
+def sampled_outputs(model, speculative, seed0: int) -> tuple[list[list[int]], object]:
+    """SAMPLES seeded requests of one prompt that holds every token of the vocabulary (so the n-gram proposer
+    always has a proposal once decoding), at temperature 1: their outputs, and the engine's spec stats."""
+    rng = random.Random(7)
+    prompt = rng.sample(range(16), 16) + [rng.randrange(16) for _ in range(8)]
+    e = engine(model, speculative, num_speculative_tokens=3, num_blocks=4096, max_num_seqs=512,
+               max_num_batched_tokens=8192)
+    params = [SamplingParams(temperature=1.0, seed=seed0 + i, max_tokens=4, ignore_eos=True) for i in range(SAMPLES)]
+    out = run(e, [(prompt, 4)] * SAMPLES, params)
+    return [out[i] for i in range(SAMPLES)], e.spec_stats
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    return tiny_llama(vocab_size=16)
+
+
+def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypatch):
+    """Exactness in distribution, through the whole engine: output tokens 1..3 of 3,000 seeded requests with
+    n-gram speculation (they come out of verification: accepted proposals, residual draws, bonuses) against
+    3,000 without, a chi-square homogeneity test per position. The same test catches a wrong rule: after a
+    rejection, drawing from p itself instead of the residual (the rejected token gets a second chance)."""
+    plain, _ = sampled_outputs(small_vocab, None, 0)
+    spec, stats = sampled_outputs(small_vocab, "ngram", SAMPLES)
+    assert stats.num_drafts >= SAMPLES and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for pos in (1, 2, 3):
+        stat, df = homogeneity([o[pos] for o in plain], [o[pos] for o in spec])
+        assert stat < chi2_quantile(df), f"token {pos}: chi-square {stat:.1f} over {df} degrees of freedom"
+    from nanoserve.spec_decode import acceptance
+
+    monkeypatch.setattr(acceptance, "residual", lambda p, q: p)  # the wrong rule, through the engine's module
+    wrong, _ = sampled_outputs(small_vocab, "ngram", 2 * SAMPLES)
+    stats = [homogeneity([o[pos] for o in plain], [o[pos] for o in wrong]) for pos in (1, 2, 3)]
+    assert max(stat / chi2_quantile(df) for stat, df in stats) > 2, stats

@@ -144,7 +144,9 @@ class LLMEngine:
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
-                                          compile_mode=config.compile_mode)])
+                                          compile_mode=config.compile_mode,
+                                          # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
+                                          spec_acceptance=student.module("nanoserve.spec_decode.acceptance"))])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
@@ -184,11 +186,8 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
         self.num_steps = 0  # steps taken since the engine started (chapter 12's page counts from here)
         self.proposer = self._make_proposer(model)
-        # chapter 14's rollback and acceptance rules (the learner's, exercises 14.2-14.4, where finished)
+        # chapter 14's rollback (the learner's, exercise 14.4, where finished)
         self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
-        if self.proposer is not None:
-            for worker in self.executor.workers:
-                worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
         self.spec_stats = SpecDecodeStats()
         # chapter 13: grammars, matchers and each step's token masks (the learner's 13.2 / 13.3 where finished)
         self.structured = StructuredOutputManager(tokenizer, self.vocab_size,
@@ -371,10 +370,9 @@ class LLMEngine:
             return None
         if c.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {c.num_speculative_tokens}")
-        if c.speculative == "ngram":  # the learner's (exercise 14.1) where finished
-            ngram = self.student.module("nanoserve.spec_decode.ngram")
-            return ngram.NgramProposer(min_n=c.prompt_lookup_min, max_n=c.prompt_lookup_max)
-        return make_proposer(c.speculative, model, num_layers=c.draft_num_layers)
+        # n-gram: the learner's (exercise 14.1) where finished
+        return make_proposer(c.speculative, model, self.student.module, c.prompt_lookup_min, c.prompt_lookup_max,
+                             c.draft_num_layers)
 
     def _propose(self) -> None:
         """Proposals for the running sequences about to decode (the policy may say none: policy.py). At most
@@ -414,6 +412,7 @@ class LLMEngine:
             self.spec_stats.num_drafts += 1
             self.spec_stats.num_draft_tokens += k
             self.spec_stats.num_accepted_tokens += len(tokens) - 1
+            self.spec_stats.num_rejections += len(tokens) - 1 < k
             tokens = tokens[:seq.max_tokens - seq.num_output_tokens]
             stop = next((i for i, t in enumerate(tokens) if is_stop_token(t, params, self.eos_token_id)), None)
             tokens = tokens if stop is None else tokens[:stop + 1]

@@ -18,6 +18,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.kernels.backend import attention_class
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache, num_blocks_for_budget
 from nanoserve.model.compiled import CompiledModel
+from nanoserve.spec_decode import acceptance
 
 
 def keep_freed_host_memory() -> bool:
@@ -44,13 +45,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16} 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
-                 store_kv=None, compile_mode: str = "eager"):
+                 store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
         the learner's under --student 05 (None: the reference); model_runner_class: the reference
         ModelRunner, or the learner's (exercise 6.5); compile_mode: "eager", or how the runner's steps run
-        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic")."""
+        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic"); spec_acceptance: chapter 14's
+        acceptance module for the runner's verifications (the learner's under --student 14)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
@@ -63,6 +65,7 @@ class Worker:
         # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner_class = model_runner_class
+        self.spec_acceptance = spec_acceptance
         # what the runner calls: the model itself, or its compiled forward (the same weights)
         self.step_model = self.model if compile_mode == "eager" else CompiledModel(self.model, compile_mode)
         self.step_degraded = (degraded_model if compile_mode == "eager" or degraded_model is None
@@ -77,7 +80,7 @@ class Worker:
         cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                              self.device)
         self.model_runner = self.model_runner_class(self.step_model, cache, self.attention, self.step_degraded,
-                                                    self.metadata)
+                                                    self.metadata, self.spec_acceptance)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         return self.model_runner.execute_model(scheduler_output, degraded)

@@ -17,15 +17,25 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 @dataclass
 class SpecDecodeStats:
-    """Counters in vLLM's names: proposals verified, proposed tokens, of them accepted."""
+    """Counters in vLLM's names: proposals verified, proposed tokens, of them accepted; and the proposals
+    cut short by a rejection (the rest had every token accepted)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """The chance that a proposed token is accepted, given every one before it was: each token the rule
+        tested was accepted or was the one rejection of its proposal (tokens after a rejection are never
+        tested, so accepted / proposed underestimates it). The α of E = (1 - α^(k+1)) / (1 - α)."""
+        tested = self.num_accepted_tokens + self.num_rejections
+        return self.num_accepted_tokens / tested if tested else 0.0
 
     @property
     def mean_accepted_length(self) -> float:

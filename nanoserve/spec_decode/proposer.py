@@ -11,6 +11,7 @@ the draft because it proposes its argmax. acceptance.rejection_sample takes any 
 would plug in without changing the verifier.
 """
 
+import importlib
 from typing import Protocol
 
 PROPOSERS = ("ngram", "draft")
@@ -22,14 +23,15 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(method: str, model=None, **options) -> Proposer:
-    """The proposer of `--speculative METHOD`: "ngram" (no model) or "draft" (the target's first layers)."""
+def make_proposer(method: str, model=None, modules=importlib.import_module, prompt_lookup_min: int = 1,
+                  prompt_lookup_max: int = 4, draft_num_layers: int | None = None) -> Proposer:
+    """The proposer of `--speculative METHOD`: "ngram" (no model; prompt_lookup_min/max, vLLM's names) or
+    "draft" (the target's first draft_num_layers layers). modules(name) loads a module: the engine passes
+    StudentCode.module, so the learner's ngram.py (exercise 14.1) serves where finished."""
     if method == "ngram":
-        from nanoserve.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(**options)
+        return modules("nanoserve.spec_decode.ngram").NgramProposer(prompt_lookup_min, prompt_lookup_max)
     if method == "draft":
         from nanoserve.spec_decode.draft import DraftProposer
 
-        return DraftProposer(model, **options)
+        return DraftProposer(model, draft_num_layers)
     raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {method!r}")
