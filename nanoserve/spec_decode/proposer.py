@@ -23,15 +23,14 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(method: str, model=None, modules=importlib.import_module, prompt_lookup_min: int = 1,
-                  prompt_lookup_max: int = 4, draft_num_layers: int | None = None) -> Proposer:
-    """The proposer of `--speculative METHOD`: "ngram" (no model; prompt_lookup_min/max, vLLM's names) or
-    "draft" (the target's first draft_num_layers layers). modules(name) loads a module: the engine passes
-    StudentCode.module, so the learner's ngram.py (exercise 14.1) serves where finished."""
-    if method == "ngram":
-        return modules("nanoserve.spec_decode.ngram").NgramProposer(prompt_lookup_min, prompt_lookup_max)
-    if method == "draft":
+def make_proposer(spec, model=None, modules=importlib.import_module) -> Proposer:
+    """The proposer of a SpeculativeConfig (`--speculative METHOD`): "ngram" (no model; prompt_lookup_min/max,
+    vLLM's names) or "draft" (the target's first draft_num_layers layers). modules(name) loads a module: the
+    engine passes StudentCode.module, so the learner's ngram.py (exercise 14.1) serves where finished."""
+    if spec.method == "ngram":
+        return modules("nanoserve.spec_decode.ngram").NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft":
         from nanoserve.spec_decode.draft import DraftProposer
 
-        return DraftProposer(model, draft_num_layers)
-    raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {method!r}")
+        return DraftProposer(model, spec.draft_num_layers)
+    raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {spec.method!r}")
