@@ -22,7 +22,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
                    long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
 
-Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
+Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
+this machine drifts.
 """
 
 import importlib
