@@ -168,3 +168,15 @@ def test_rollback_refuses_to_uncover_a_cached_block():
     table = list(bm.block_table("s"))
     assert len(table) == 3 and bm.get_num_free_blocks() == 5  # refused before anything changed
     assert rollback().rollback_slots(bm, "s", 8) == table[2:] and bm.block_table("s") == table[:2]  # [0, 8): fine
+
+
+def test_block_manager_shrink_frees_the_tail_and_keeps_cached_blocks():
+    """BlockManager.shrink, the one method rollback goes through: the chapter's example, by hand."""
+    bm = BlockManager(8, block_size=4, allocator=BlockAllocator(8))
+    tokens = [10, 11, 12, 13, 14, 15]
+    table = list(bm.allocate_slots("s", tokens, 10))  # 3 blocks, block 0 (10 11 12 13) registered
+    assert bm.shrink("s", 2, 7) == table[2:] and bm.block_table("s") == table[:2] and bm.get_num_free_blocks() == 6
+    assert bm.num_slots["s"] == 7  # the next allocation grows from position 7
+    with pytest.raises(RuntimeError):
+        bm.shrink("s", 0, 0)  # block 0 is in the prefix cache
+    assert bm.block_table("s") == table[:2]
