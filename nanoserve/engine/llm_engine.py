@@ -165,7 +165,8 @@ class LLMEngine:
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
         policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),
                              slo_reject=config.slo_reject, tenant_weights=config.tenant_weights,
-                             tenant_slos=config.tenant_slos, modules=student.module)
+                             tenant_slos=config.tenant_slos, max_num_batched_tokens=config.max_num_batched_tokens,
+                             modules=student.module)
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager,
                                                                                  policy=policy)
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
