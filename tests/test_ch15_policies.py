@@ -267,7 +267,7 @@ def test_reject_looks_at_the_work_left_and_only_at_waiting_requests():
     assert slo_policy(budget=4, step_s=0.1).reject_reason(long, 9.0) is None  # without --slo-reject: never
 
 
-# ---- fair: 15.3 weighted fair order --------------------------------------------------------------------------
+# ---- fair: 15.5 weighted fair order, 15.6 virtual-time accounting --------------------------------------------------------------------------
 
 def seqs_of(spec):
     """'a1 a2 b1' -> Sequences, tenant = the letter, arrival = position; each a decode (1 token left)."""
@@ -279,7 +279,7 @@ def seqs_of(spec):
     return out
 
 
-@pytest.mark.exercise("15.3")
+@pytest.mark.exercise("15.5")
 def test_fair_order_interleaves_tenants_by_virtual_time():
     fair_order = implementation("nanoserve.engine.policies.fair").fair_order
     names = lambda seqs: [q.seq_id for q in seqs]  # noqa: E731
@@ -294,7 +294,7 @@ def test_fair_order_interleaves_tenants_by_virtual_time():
     assert vt == {"a": 1.0}  # ordering charges nothing
 
 
-@pytest.mark.exercise("15.3")
+@pytest.mark.exercise("15.5")
 def test_fair_cost_is_the_tokens_left_so_a_long_prefill_counts_in_full():
     fair_order = implementation("nanoserve.engine.policies.fair").fair_order
     long = Sequence("a1", list(range(10)), 4, arrival_time=0.0, tenant="a")  # 10 tokens to compute
@@ -304,7 +304,7 @@ def test_fair_cost_is_the_tokens_left_so_a_long_prefill_counts_in_full():
     assert [q.seq_id for q in fair_order([long, a2] + bs, {}, {})] == ["a1", "b0", "b1", "b2", "a2"]
 
 
-@pytest.mark.exercise("15.3")
+@pytest.mark.exercise("15.5")
 def test_two_tenants_at_ten_to_one_load_share_the_tokens_equally():
     """Tenant a sends 10 requests for each of b's; the budget (4 tokens a step) is the bottleneck. Under fair
     sharing, while both have work, the tokens each got differ by at most one step's budget (per weight);
@@ -336,10 +336,30 @@ def test_two_tenants_at_ten_to_one_load_share_the_tokens_equally():
     assert max(b_done) < max(fcfs_b_done)
 
 
-def test_a_tenant_back_from_idle_gets_no_credit_for_it():
-    from nanoserve.engine.policies.fair import FairPolicy
+@pytest.mark.exercise("15.6")
+def test_virtual_time_moves_by_tokens_over_weight_and_idle_is_no_credit():
+    policy = fair_policy({"a": 4.0})
+    a, b, c = (Sequence(t, [1], 4, arrival_time=0.0, tenant=t) for t in "abc")
+    policy.on_scheduled(a, 7)
+    policy.on_scheduled(b, 7)
+    policy.on_scheduled(b, 3)
+    assert policy.virtual_time == {"a": 7 / 4, "b": 10.0}  # tokens / weight, weight 1 by default
+    policy.catch_up({"a", "b"})  # nobody was busy before: nothing to catch up to
+    assert policy.virtual_time == {"a": 7 / 4, "b": 10.0}
+    policy.catch_up({"a", "b", "c"})  # c is new: it starts at the busy tenants' lowest, a's 1.75
+    assert policy.virtual_time["c"] == 7 / 4
+    policy.catch_up({"b"})  # a and c go idle
+    policy.on_scheduled(b, 20)  # b: 30
+    policy.catch_up({"a", "b"})  # a comes back: to b's 30, not its old 1.75
+    assert policy.virtual_time == {"a": 30.0, "b": 30.0, "c": 7 / 4}
+    policy.virtual_time["c"] = 50.0
+    policy.catch_up({"a", "b", "c"})  # never moved back
+    assert policy.virtual_time["c"] == 50.0
 
-    policy = FairPolicy()
+
+@pytest.mark.exercise("15.6")
+def test_a_tenant_back_from_idle_gets_no_credit_for_it():
+    policy = fair_policy()
     s, clock = make(policy, num_blocks=64, budget=4)
     add(s, "a0", 4, max_tokens=8, tenant="a")
     add(s, "b0", 4, max_tokens=1, tenant="b")

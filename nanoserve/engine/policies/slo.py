@@ -23,7 +23,8 @@ Both queues are served least laxity first (LLF; with step_s = 0, before anything
 earliest deadline first). Preemption (15.3) takes the sequence that loses least by it: recompute
 preemption drops its computed tokens, so after it its laxity shrinks by the steps of recomputing them;
 among those still on time after that (best effort always is), the one with the fewest computed tokens (the
-cheapest to recompute; equal costs: the most laxity left); if nobody is, the one the least late. With `reject=True` (--slo-reject, 15.4) a
+cheapest to recompute; equal costs: the most laxity left); if nobody is, the one the least late. With
+`reject=True` (--slo-reject, 15.4) a
 waiting request without a first token whose laxity is below zero — it cannot make its TTFT even if it ran
 now — is refused with a reason instead of served late: the tokens it would cost go to requests that can
 still make theirs (goodput), at the price of a refusal the client sees. Only waiting requests are refused:
