@@ -447,6 +447,8 @@ def test_engine_takes_the_policy_from_its_config_and_reports_a_rejection():
 
 def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_503():
     import json
+
+    from prometheus_client.parser import text_string_to_metric_families
     import urllib.error
     import urllib.request
 
@@ -463,18 +465,31 @@ def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_50
         req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.load(r)
+                return r.status, r.headers, json.load(r) if not body.get("stream") else r.read().decode()
         except urllib.error.HTTPError as e:
-            return e.code, json.load(e)
+            return e.code, e.headers, json.load(e)
+
+    def counted(metrics, name, **labels):
+        return sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     with serving(engine, tokenizer, model_name="tiny") as (url, _):
-        # a TTFT target of 1 microsecond is lost before the first step: refused, with the reason
-        status, body = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001})
+        # a TTFT target of 1 microsecond is lost before the first step: refused, with the reason and a Retry-After
+        status, headers, body = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001})
         assert status == 503 and "TTFT deadline lost" in body["error"]["message"], body
-        status, body = post({"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "ttft_slo_ms": 60_000})
+        assert headers["Retry-After"] == "1"
+        status, _, events = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001, "stream": True})
+        assert status == 200 and '"code": 503' in events and events.endswith("data: [DONE]\n\n")
+        status, _, body = post({"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "ttft_slo_ms": 60_000})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
-        status, body = post({"prompt": "Hi", "ttft_slo_ms": -5})
+        status, _, body = post({"prompt": "Hi", "ttft_slo_ms": -5})
         assert status == 400 and body["error"]["param"] == "ttft_slo_ms"
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    # its own counter, by the way it was answered; the 503 is in http_responses{5xx}, where the alert subtracts it
+    assert counted(metrics, "nanoserve:slo_rejections_total", stream="false") == 1
+    assert counted(metrics, "nanoserve:slo_rejections_total", stream="true") == 1
+    assert counted(metrics, "nanoserve:http_responses_total", status="5xx") == 1
 
 
 # ---- the tenants file: weights and SLO targets through the HTTP server -----------------------------------------
