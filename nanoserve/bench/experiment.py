@@ -71,7 +71,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
 
     pending = sorted(arrivals, key=lambda a: a[0])
     records, trace, step, t0 = {}, [], 0, time.perf_counter()
-    preemptions = 0
+    preemptions = recomputed = computed = 0
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             step = max(step, pending[0][0])  # idle: jump to the next arrival
@@ -79,6 +79,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
             _, rid, prompt, n, *kwargs = pending.pop(0)
             records[rid] = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
             engine.add_request(rid, prompt, greedy(n), **(kwargs[0] if kwargs else {}))
+        held = {seq.seq_id: seq.num_computed_tokens for seq in engine.scheduler.running}
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - t0
@@ -87,11 +88,16 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
         stamp_outputs(records, outputs, now)
         out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
         preemptions += len(out.preempted_seq_ids)
+        # the computed tokens a preemption threw away: recomputed when the victim is readmitted (less what the
+        # prefix cache still holds, if it is on)
+        recomputed += sum(held.get(seq_id, 0) for seq_id in out.preempted_seq_ids)
+        computed += out.total_num_scheduled_tokens
         used = blocks.num_blocks - blocks.get_num_free_blocks()
         trace.append({"step": step, "t": now, "step_ms": (now - (before - t0)) * 1000,
                       "num_tokens": sum(out.num_scheduled_tokens.values()), "running": len(sched.running),
                       "waiting": len(sched.waiting), "blocks_used": used, "num_blocks": blocks.num_blocks,
-                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions})
+                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions,
+                      "recomputed_tokens": recomputed, "computed_tokens": computed})
         step += 1
     return records, trace
 
@@ -107,10 +113,11 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def interleaved(rounds: int, systems: dict, measure) -> dict:
-    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift."""
+    """{name: [result per round]}, measuring A, B, ..., then ..., B, A: each system sees the same drift, and
+    none is always first (on a cold machine) or always after the same neighbour."""
     results = {name: [] for name in systems}
     for r in range(rounds):
-        for name, system in systems.items():
+        for name, system in (list(systems.items()) if r % 2 == 0 else reversed(systems.items())):
             results[name].append(measure(name, system, r))
             print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
     return results
