@@ -455,7 +455,8 @@ def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_50
     import urllib.error
     import urllib.request
 
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.server.runner import serving
     from nanoserve.text.tokenizer import Tokenizer
     from tests.tiny_model import tiny_llama

@@ -126,7 +126,11 @@ def scheduling(args, model, tokenizer):
                             enable_prefix_caching=False, tenant_slos=tenant_slos, **config)
         records, trace = drive(engine, arrivals)
         assert engine.block_manager.get_num_free_blocks() == NUM_BLOCKS  # every block back
-        return summarize_run(records, trace, tenants, slos)
+        row = summarize_run(records, trace, tenants, slos)
+        print(f"  {name}: goodput {row['goodput']:.2f}/s, chat met {row['interactive_met_pct']:.1f} %, rejected "
+              f"{row['rejected_pct']:.1f} %, {row['preemptions']} preemptions, {row['recomputed_pct']:.1f} % recomputed, "
+              f"{row['seconds']:.1f} s", file=sys.stderr, flush=True)
+        return row
 
     rounds = args.rounds
     results = interleaved(rounds, POLICY_RUNS, measure)
