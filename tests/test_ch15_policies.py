@@ -160,6 +160,17 @@ def test_laxity_takes_the_steps_left_before_the_next_token():
     assert [q.seq_id for q in policy.order_waiting([b, a], 1.0)] == ["A", "B"]
 
 
+@pytest.mark.exercise("15.2")
+def test_least_laxity_admits_the_long_prompt_that_must_start_first():
+    # budget 4 (one prompt a step), one step 0.1 s, t=0. S: 4 tokens, TTFT 200 ms: 1 step, laxity 0.2 - 0.1 = 0.1.
+    # L: 12 tokens, TTFT 350 ms: 3 steps, laxity 0.35 - 0.3 = 0.05. Least laxity admits L; EDF (step_s 0) S.
+    for step_s, first in ((0.1, "L"), (0.0, "S")):
+        s, clock = make(slo_policy(step_s=step_s, budget=4), budget=4)
+        add(s, "S", 4, arrival=0.0, slo=SLOTargets(ttft_ms=200))
+        add(s, "L", 12, arrival=0.0, slo=SLOTargets(ttft_ms=350))
+        assert order(step(s, clock, dt=0.1)) == [(first, 4)], step_s
+
+
 def test_the_policy_measures_a_step_from_its_clock_while_something_runs():
     from nanoserve.engine.policies.slo import STEP_S_WEIGHT, SLOPolicy
 
