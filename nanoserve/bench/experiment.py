@@ -19,8 +19,9 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
-  routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
-                   long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
+  routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
+                   and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
+                   each replica's share of the work (nanoserve/bench/routing.py)
 
 Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
 """
@@ -49,7 +50,8 @@ def register(sub):
                         "concurrency without --url starts nanoserve in this process")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
-    p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
+    p.add_argument("--num-users", type=int, default=9,
+                   help="routing: users, each with its own system prompt (odd: see chapter 16, section 3)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -106,11 +108,13 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(20, vocab) for _ in range(n)]
 
 
-def interleaved(rounds: int, systems: dict, measure) -> dict:
-    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift."""
+def interleaved(rounds: int, systems: dict, measure, alternate: bool = False) -> dict:
+    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift.
+    alternate: every other round runs in reverse (A, B, B, A, ...), so no system always goes first."""
     results = {name: [] for name in systems}
     for r in range(rounds):
-        for name, system in systems.items():
+        order = list(systems.items())
+        for name, system in (order[::-1] if alternate and r % 2 else order):
             results[name].append(measure(name, system, r))
             print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
     return results
