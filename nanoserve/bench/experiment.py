@@ -50,8 +50,7 @@ def register(sub):
                         "concurrency without --url starts nanoserve in this process")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
-    p.add_argument("--num-users", type=int, default=9,
-                   help="routing: users, each with its own system prompt (odd: see chapter 16, section 3)")
+    p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 

@@ -1,8 +1,8 @@
 """`python -m nanoserve bench experiment routing` (chapter 16): the routers on a workload where prefixes
 matter, and one replica against two on the same cores, in one run.
 
-    users          --num-users users (9: an odd count, so round robin's a, b, a, b does not pin each user to
-                   one replica by accident), each with a system prompt of its own (the whole prompt, chat
+    users          --num-users users (chapter 16 runs 9: with an even count round robin's a, b, a, b would pin
+                   each user to one replica by coincidence), each with a system prompt of its own (the whole prompt, chat
                    template included, is 250 tokens, of which a user's turns share 14 full blocks: 224 tokens),
                    asking 3 questions each; requests interleaved user by user, 4 in flight
     systems        1 replica x 2 cores       the baseline: all prefixes in one KV pool, both cores in one engine
