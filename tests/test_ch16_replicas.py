@@ -135,7 +135,7 @@ def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
         by_system = [set(where[i::3]) for i in range(3)]
         assert all(len(r) == 1 for r in by_system), f"each system prompt stays on one replica: {by_system}"
         decisions = fleet.request_router().decisions  # per call: a retried call (a slow probe) counts again
-        assert (decisions["new"], decisions["overloaded"]) == (3, 0) and decisions["owner"] >= 6, decisions
+        assert (decisions["new"], decisions.get("overloaded", 0)) == (3, 0) and decisions["owner"] >= 6, decisions
         infos = fleet.infos()
     assert len(infos) == 2
     prompts = [tokenizer.encode_chat(m) for turn in chats for m in turn]
