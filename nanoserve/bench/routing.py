@@ -131,7 +131,7 @@ def routing(args, model, tokenizer) -> dict:
             f.writelines(json.dumps({"prompt": f"Warm-up {i}: count to ten."}) + "\n" for i in range(4))
         start_ray(num_cpus=2, tries=6)  # a loaded machine: the raylet may miss Ray's 30 s start-up limit
         try:
-            runs = interleaved(args.rounds, SYSTEMS, run_system, alternate=True)
+            runs = interleaved(args.rounds, SYSTEMS, run_system)
         finally:
             from ray import serve
 
