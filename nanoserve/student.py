@@ -160,7 +160,8 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     },
     "nanoserve.cluster.routing": {
         "16.1": ["power_of_two_choices"],
-        "16.2": ["prefix_affinity"],
+        "16.2": ["HashRing.__init__", "HashRing.add", "HashRing.remove", "HashRing.lookup"],
+        "16.3": ["prefix_affinity"],
     },
 }
 

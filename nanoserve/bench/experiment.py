@@ -19,8 +19,9 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
-  routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
-                   long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
+  routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
+                   and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
+                   each replica's share of the work (nanoserve/bench/routing.py)
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
 this machine drifts.
