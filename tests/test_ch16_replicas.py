@@ -38,9 +38,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def spec(**kw) -> ReplicaSpec:
-    return ReplicaSpec(factory="tests.tiny_model:tiny_llama", factory_kwargs=TINY, engine_kwargs=ENGINE,
-                       model_name="tiny", **kw)
+def spec(step_delay_s: float = 0.0, **kw) -> ReplicaSpec:
+    """The tiny model in every replica; with step_delay_s, each step takes at least that long (tests/tiny_model.py)."""
+    factory = ("tests.tiny_model:paced_tiny_llama", {**TINY, "delay_s": step_delay_s}) if step_delay_s else \
+        ("tests.tiny_model:tiny_llama", TINY)
+    return ReplicaSpec(factory=factory[0], factory_kwargs=factory[1], engine_kwargs=ENGINE, model_name="tiny", **kw)
 
 
 def ray_processes() -> list[psutil.Process]:
