@@ -235,6 +235,8 @@ def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path
         assert httpx.get(url + "/replicas").status_code == 401
         replicas = httpx.get(url + "/replicas", headers={"Authorization": "Bearer sk-fleet"}).json()["replicas"]
         assert len(replicas) == 2 and all(r["metrics_url"].startswith("http://127.0.0.1:") for r in replicas)
+        # chapter 12's live page shows one engine: a fleet has none such (a 404, not a broken stream)
+        assert httpx.get(url + "/engine/events", headers={"Authorization": "Bearer sk-fleet"}).status_code == 404
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0
     finally:

@@ -188,13 +188,14 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
 
 def build_state(f: Fleet, tokenizer, **config):
     """Chapter 08's ServerState around the fleet's client: the same app, validation and errors; its /metrics
-    the ingress's HTTP counters and every replica's series (metrics.py). A bound on the waiting queue is
-    refused: a fleet's requests wait in Ray Serve's router and in each replica, not in one queue here."""
+    the ingress's HTTP counters and every replica's series (metrics.py); no /engine page (404: it shows one
+    engine). A bound on the waiting queue is refused: a fleet's requests wait in Ray Serve's router and in each
+    replica, not in one queue here."""
     from nanoserve.cluster.metrics import FleetStatLogger
     from nanoserve.cluster.replica import replica_metrics_urls
     from nanoserve.server.api_server import ServerConfig, ServerState
 
-    config = ServerConfig(**config)
+    config = ServerConfig(**{**config, "engine_view": False})  # chapter 12's page shows one engine: a fleet has n
     if config.max_waiting_requests is not None:
         raise ValueError("max_waiting_requests: a fleet has no one waiting queue to bound")
     return ServerState(f.client, tokenizer, config, FleetStatLogger(config.model_name, replica_metrics_urls))

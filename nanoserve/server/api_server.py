@@ -76,6 +76,7 @@ class ServerConfig:
     admin_key: str | None = None
     weights: str = "fp32"
     warmup_requests: int = 4
+    engine_view: bool = True  # chapter 12's GET /engine and /engine/events (a fleet, chapter 16, has no one engine)
 
 
 class ServerState:
@@ -457,7 +458,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
+    if cfg.engine_view:
+        add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
     return app
