@@ -1,8 +1,10 @@
 """Chapter 16 — `serve --replicas N` honours every engine flag or refuses it, without starting Ray.
 
 A replica builds its engine from `ReplicaSpec.engine_kwargs`, which `spec_from_args` takes from the very function
-one process uses (cli/batch.py's engine_kwargs). Each flag class is checked on the engine a replica would build
-(`LLM(model, **spec.engine_kwargs)`, the tiny model in place of SmolLM2) against hand-written expectations; a flag a fleet cannot
+one process uses (cli/batch.py's engine_kwargs); LLM groups them into the engine's EngineConfig with the pure
+`engine_config` (engine/config.py). Each flag class is checked on the EngineConfig (and the parts built from it) of
+the engine a replica would build, `LLM(model, **spec.engine_kwargs)` with the tiny model in place of SmolLM2, against
+hand-written expectations; a flag a fleet cannot
 honour is refused at start-up with one `error:` line and exit status 2, before Ray or the model is touched."""
 
 import argparse
@@ -53,20 +55,20 @@ def replica_engine(smollm2_tokenizer):
 
 
 def test_speculative_decoding_reaches_the_replicas(replica_engine):
-    config = replica_engine("--speculative", "ngram", "--num-speculative-tokens", "3").config
-    assert (config.speculative, config.num_speculative_tokens) == ("ngram", 3)
+    spec = replica_engine("--speculative", "ngram", "--num-speculative-tokens", "3").config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
 
 
 def test_the_scheduling_policy_and_its_slo_targets_reach_the_replicas(replica_engine):
     engine = replica_engine("--scheduling-policy", "slo", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--slo-reject")
-    config = engine.config
-    assert (config.scheduling_policy, config.slo_ttft_ms, config.slo_tpot_ms, config.slo_reject) == ("slo", 500, 50, True)
+    config = engine.config.scheduler_config
+    assert (config.policy, config.slo_ttft_ms, config.slo_tpot_ms, config.slo_reject) == ("slo", 500, 50, True)
     assert type(engine.scheduler.policy).__name__ == "SLOPolicy"
 
 
 def test_the_kv_cache_dtype_reaches_the_replicas(replica_engine):
     engine = replica_engine("--kv-cache-dtype", "bf16")
-    assert engine.config.kv_cache_dtype == "bf16"
+    assert engine.config.cache_config.kv_cache_dtype == "bf16"
     assert engine.executor.workers[0].model_runner.kv_cache.k_cache[0].dtype == torch.bfloat16
 
 
@@ -74,8 +76,8 @@ def test_the_tenants_weights_and_slos_reach_the_replicas(tmp_path, replica_engin
     keys = tmp_path / "keys.toml"
     keys.write_text(TENANTS)
     engine = replica_engine("--api-keys", str(keys))
-    config = engine.config
-    assert config.scheduling_policy == "fair"  # serve's default with tenants (chapter 15)
+    config = engine.config.scheduler_config
+    assert config.policy == "fair"  # serve's default with tenants (chapter 15)
     assert config.tenant_weights == {"big": 4, "strict": 1.0}
     assert config.tenant_slos == {"strict": SLOTargets(ttft_ms=250, tpot_ms=40)}
     assert engine.scheduler.policy.weights == {"big": 4, "strict": 1.0}

@@ -37,7 +37,8 @@ def ttft_ms(url: str, key: str, prompt: str, cache_salt: str | None = None) -> f
     from nanoserve.bench.client import send
     from nanoserve.metrics import ttft
 
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
 
