@@ -174,3 +174,48 @@ def test_a_replica_error_reaches_the_client_as_one_line(tiny, smollm2_tokenizer,
     finally:
         server.stop()
         replica_engine.shutdown()
+
+
+def test_the_ingress_metrics_are_its_own_and_each_replicas_labelled():
+    """The ingress's /metrics (cluster/metrics.py) over two replicas' real /metrics servers (replica.py's) and one
+    that is gone: its own HTTP counts, each replica's series with replica="..." (hand-set values), nothing from
+    the dead one, and none of the ingress's own engine series (it runs no engine: they would read 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nanoserve.cluster.metrics import FleetStatLogger
+    from nanoserve.cluster.replica import _serve_metrics
+    from nanoserve.server.metrics import PrometheusStatLogger
+
+    a, b = PrometheusStatLogger("tiny"), PrometheusStatLogger("tiny")
+    a.num_requests_running.set(2)
+    a.request_success.labels("tiny", "stop").inc(3)
+    a.ttft.observe(0.05)
+    b.num_requests_waiting.set(1)
+    servers = [_serve_metrics(a, "127.0.0.1"), _serve_metrics(b, "127.0.0.1")]
+    try:
+        urls = {name: f"http://127.0.0.1:{s.server_address[1]}/metrics" for name, s in zip(("ra", "rb"), servers)}
+        urls["gone"] = "http://127.0.0.1:9/metrics"  # nothing listens there: a replica that died
+        ingress = FleetStatLogger("tiny", lambda: urls, timeout_s=2)
+        ingress.record_response(200)
+        ingress.record_response(404)
+        text = ingress.scrape().decode()
+    finally:
+        for s in servers:
+            s.shutdown()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(name, **labels):
+        return samples.get((name, tuple(sorted({"model_name": "tiny", **labels}.items()))))
+
+    assert value("nanoserve:http_responses_total", status="2xx") == 1
+    assert value("nanoserve:http_responses_total", status="4xx") == 1
+    assert value("nanoserve:num_requests_running", replica="ra") == 2
+    assert value("nanoserve:num_requests_running", replica="rb") == 0
+    assert value("nanoserve:num_requests_waiting", replica="rb") == 1
+    assert value("nanoserve:request_success_total", replica="ra", finished_reason="stop") == 3
+    assert value("nanoserve:time_to_first_token_seconds_count", replica="ra") == 1
+    assert value("nanoserve:time_to_first_token_seconds_count", replica="rb") == 0
+    assert value("nanoserve:num_requests_running") is None  # the ingress's own engine gauges are not exported
+    assert not any(dict(labels).get("replica") == "gone" for _, labels in samples)
+    assert text.count("# TYPE nanoserve:num_requests_running ") == 1  # one family, a sample per replica
