@@ -19,6 +19,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
+  prefix-isolation chapter 15: with --api-keys, tenant B's TTFT for a ~1,200-token prefix tenant A sent, against
+                   a cold miss and B's own hit (SmolLM2 over HTTP; nanoserve/bench/isolation.py)
   routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
                    and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
                    each replica's share of the work (nanoserve/bench/routing.py)
@@ -37,7 +39,7 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "routing"]
+               "scheduling", "noisy-neighbour", "prefix-isolation", "routing"]
 
 
 def register(sub):
@@ -524,7 +526,8 @@ def scheduling(args, model, tokenizer):
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
-           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a)}
+           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a),
+           "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a)}
 
 
 def run(args):
