@@ -7,6 +7,10 @@ import os
 # tile update it is given ("Cannot call @triton.jit'd outside of the scope of a kernel").
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Chapter 16's local Ray listens on loopback only if RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is "0" before Ray is first
+# imported (some test modules import ray.exceptions themselves): nanoserve.cluster sets it.
+import nanoserve.cluster  # noqa: E402, F401
+
 import pytest
 import torch
 

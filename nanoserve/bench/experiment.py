@@ -19,8 +19,11 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
-  routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
-                   long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
+  prefix-isolation chapter 15: with --api-keys, tenant B's TTFT for a ~1,200-token prefix tenant A sent, against
+                   a cold miss and B's own hit (SmolLM2 over HTTP; nanoserve/bench/isolation.py)
+  routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
+                   and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
+                   each replica's share of the work (nanoserve/bench/routing.py)
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
 this machine drifts.
@@ -36,7 +39,7 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "routing"]
+               "scheduling", "noisy-neighbour", "prefix-isolation", "routing"]
 
 
 def register(sub):
@@ -72,7 +75,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
 
     pending = sorted(arrivals, key=lambda a: a[0])
     records, trace, step, t0 = {}, [], 0, time.perf_counter()
-    preemptions = 0
+    preemptions = recomputed = computed = 0
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             step = max(step, pending[0][0])  # idle: jump to the next arrival
@@ -80,6 +83,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
             _, rid, prompt, n, *kwargs = pending.pop(0)
             records[rid] = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
             engine.add_request(rid, prompt, greedy(n), **(kwargs[0] if kwargs else {}))
+        held = {seq.seq_id: seq.num_computed_tokens for seq in engine.scheduler.running}
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - t0
@@ -88,11 +92,16 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
         stamp_outputs(records, outputs, now)
         out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
         preemptions += len(out.preempted_seq_ids)
+        # the computed tokens a preemption threw away: recomputed when the victim is readmitted (less what the
+        # prefix cache still holds, if it is on)
+        recomputed += sum(held.get(seq_id, 0) for seq_id in out.preempted_seq_ids)
+        computed += out.total_num_scheduled_tokens
         used = blocks.num_blocks - blocks.get_num_free_blocks()
         trace.append({"step": step, "t": now, "step_ms": (now - (before - t0)) * 1000,
                       "num_tokens": sum(out.num_scheduled_tokens.values()), "running": len(sched.running),
                       "waiting": len(sched.waiting), "blocks_used": used, "num_blocks": blocks.num_blocks,
-                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions})
+                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions,
+                      "recomputed_tokens": recomputed, "computed_tokens": computed})
         step += 1
     return records, trace
 
@@ -517,7 +526,8 @@ def scheduling(args, model, tokenizer):
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
-           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a)}
+           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a),
+           "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a)}
 
 
 def run(args):

@@ -84,21 +84,26 @@ def add_engine_args(p):
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
 
+def engine_kwargs(args, **extra) -> dict:
+    """LLM's keyword arguments (all but the model and the tokenizer) that the engine flags describe; `extra`: more
+    of them (serve: the tenants' weights and SLO targets, chapter 15). One function for one process and for every
+    replica of a fleet (chapter 16), so a flag cannot reach one and not the other."""
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
+                student=args.student, attention_backend=args.attention_backend, weights=args.weights,
+                degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms,
+                slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
+                compile_mode=args.compile_mode, **extra)
+
+
 def llm_from_args(args, tokenizer=None, **extra):
-    """The LLM the engine flags describe; `extra`: more of LLM's keyword arguments (serve: the tenants' weights
-    and SLO targets, chapter 15)."""
+    """The LLM the engine flags describe (engine_kwargs)."""
     from nanoserve.llm import LLM
 
-    return LLM(getattr(args, "model", None), block_size=args.block_size,
-               num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=not args.no_chunked_prefill,
-               enable_prefix_caching=not args.no_prefix_caching, student=args.student, tokenizer=tokenizer,
-               attention_backend=args.attention_backend, weights=args.weights,
-               degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
-               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-               scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-               slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
-               compile_mode=args.compile_mode, **extra)
+    return LLM(getattr(args, "model", None), tokenizer=tokenizer, **engine_kwargs(args, **extra))
 
 
 def prompt_token_ids(obj: dict, tokenizer) -> tuple[list[int], str]:

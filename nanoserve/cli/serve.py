@@ -209,7 +209,8 @@ def run(args):
         print(how_to_call(url, args.served_model_name, args.api_key is not None or bool(args.api_keys)) + "\n",
               flush=True)
         if is_fleet(args):
-            print(f"each replica's /metrics: {url}/replicas\n", flush=True)
+            print(f"the fleet's metrics (each replica's, labelled): {url}/metrics; each replica's own: {url}/replicas\n",
+                  flush=True)
         else:
             print(f"watch the engine live (chapter 12): {url}/engine\n", flush=True)
 

@@ -40,6 +40,11 @@ class EngineStepError(RuntimeError):
     """A step failed while this request was part of it; the request is aborted."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take a request now (stopped, or none of a fleet's replicas answered): try again later.
+    A server answers 503 with Retry-After."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -88,6 +93,16 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def max_model_len(self) -> int:
+        """The model's context: prompt + output tokens may not exceed it."""
+        return self.engine.max_model_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence this engine can hold (its context, or less if the KV pool is smaller)."""
+        return self.engine.max_seq_len
+
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,
@@ -96,7 +111,7 @@ class AsyncLLMEngine:
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
         so a server can answer 400 before it starts streaming."""
         if not self.is_running:
-            raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
+            raise EngineUnavailable("the engine loop is not running (start() it, or it was shut down)")
         grammar = None  # chapter 13: compiled in a pool thread, not the engine's, and handed over with the request
         if sampling_params.structured is not None:
             grammar = await self.engine.structured.cache.compile_async(sampling_params.structured)

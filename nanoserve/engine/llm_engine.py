@@ -129,7 +129,8 @@ class LLMEngine:
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
         policy = make_policy(sched.policy, default_slo=SLOTargets(sched.slo_ttft_ms, sched.slo_tpot_ms),
                              slo_reject=sched.slo_reject, tenant_weights=sched.tenant_weights,
-                             tenant_slos=sched.tenant_slos, modules=student.module)
+                             tenant_slos=sched.tenant_slos, max_num_batched_tokens=sched.max_num_batched_tokens,
+                             modules=student.module)
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(sched, self.block_manager,
                                                                                  policy=policy)
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer

@@ -35,7 +35,7 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError, EngineUnavailable
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server import tool_calls
@@ -76,6 +76,7 @@ class ServerConfig:
     admin_key: str | None = None
     weights: str = "fp32"
     warmup_requests: int = 4
+    engine_view: bool = True  # chapter 12's GET /engine and /engine/events (a fleet, chapter 16, has no one engine)
 
 
 class ServerState:
@@ -99,8 +100,8 @@ class ServerState:
         self.limiter = self.limits.TokenBucketLimiter(config.rate_limit, config.rate_burst) if config.rate_limit else None
         self.tenants = TenantLimits(config.api_keys or {})
         self.draining = False  # set at shutdown: new requests get 503 while running streams finish
-        self.max_model_len = engine.engine.max_model_len
-        self.max_seq_len = engine.engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
+        self.max_model_len = engine.max_model_len
+        self.max_seq_len = engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
 
     @property
     def engine(self) -> AsyncLLMEngine:
@@ -122,11 +123,12 @@ class ServerState:
         self.count(reservation.tenant, "", tokens)
 
     async def metered(self, request_id: str, outputs, reservation: Reservation, deadline: float | None,
-                      timeout: float | None, engine: AsyncLLMEngine | None = None):
+                      timeout: float | None, engine: AsyncLLMEngine | None = None, stream: bool = False):
         """The engine's outputs, each generated token paid from the tenant's reservation (what is left of it goes
         back when the request ends, chapter 08's quotas); past `deadline` (the event
         loop's clock) a RequestTimeout; a request the scheduling policy refused (chapter 15, --slo-reject)
-        an APIError 503 — in a stream, an error event then [DONE]. Leaving early aborts the request on
+        an APIError 503 with Retry-After, counted in slo_rejections_total{stream} (not a failure: the 5xx alert
+        leaves it out) — in a stream, an error event then [DONE]. Leaving early aborts the request on
         `engine` (the version it runs on; default the current one) — explicitly: closing `outputs` would
         not if it never started (a deadline already past, a client gone before the first token)."""
         engine, tenant = engine or self.engine, reservation.tenant
@@ -146,7 +148,10 @@ class ServerState:
                     self.count(tenant, "timed_out")
                     raise RequestTimeout(timeout) from None
                 if getattr(out, "reject_reason", None):
-                    raise APIError(503, out.reject_reason, "ttft_slo_ms")
+                    if self.stat_logger is not None:
+                        self.stat_logger.slo_rejections.labels(self.config.model_name, str(stream).lower()).inc()
+                    raise APIError(503, out.reject_reason, "ttft_slo_ms",
+                                   headers={"Retry-After": str(self.config.retry_after_s)})
                 self.spend(reservation, len(out.new_token_ids))
                 yield out
         finally:
@@ -220,6 +225,8 @@ def build_app(state: ServerState) -> FastAPI:
         request.state.arrival = asyncio.get_running_loop().time()
 
     def check_queue() -> None:
+        if cfg.max_waiting_requests is None:  # no bound (chapter 16's fleets refuse one: their queues are not here)
+            return
         waiting = state.engine.num_unfinished_requests() - state.engine.num_requests_running
         state.limits.check_queue(waiting, cfg.max_waiting_requests, cfg.retry_after_s)  # exercise 8.4
 
@@ -292,12 +299,14 @@ def build_app(state: ServerState) -> FastAPI:
             if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
                 named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field named
                 raise APIError(400, str(e), named[0] if named else None) from None
+            if isinstance(e, EngineUnavailable):  # stopped, or a fleet whose replicas did not answer: come back
+                raise APIError(503, str(e), headers={"Retry-After": str(cfg.retry_after_s)}) from None
             raise
         state.count(tenant, "admitted")
         state.spend(reservation, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine)
+        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine, req.stream)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
         shape = None
@@ -453,7 +462,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
+    if cfg.engine_view:
+        add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
     return app
