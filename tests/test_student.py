@@ -501,7 +501,6 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()
 
 
-<<<<<<< HEAD
 def test_finished_14_speculates_with_the_learners_code(tiny, exercises):
     """--student 14 with every rung finished: the learner's n-gram proposer proposes (14.1), the learner's rules
     accept, greedy (14.2) and sampled (14.3), and the learner's rollback gives the rejected slots back (14.4), in
@@ -539,7 +538,8 @@ def test_finished_14_speculates_with_the_learners_code(tiny, exercises):
     described = engine.student.describe()
     for name in ["NgramProposer", "greedy_accept, residual, rejection_sample", "rollback_slots"]:
         assert name in described
-=======
+
+
 def test_finished_15_slo_orders_preempts_and_rejects(tiny, exercises):
     """--student 15 with the slo policy: the learner's deadline (15.1), laxity (15.2), victim (15.3) and
     rejection (15.4) schedule a run that must preempt (5 requests of 17 tokens on 12 blocks of 4, no prefix cache) and refuse
@@ -596,4 +596,3 @@ def test_finished_15_fair_charges_each_tenant_its_tokens_over_its_weight(tiny, e
     assert engine.scheduler.policy.virtual_time == {"a": 24.0, "b": 32.0}
     calls = engine.student.calls
     assert calls["fair_order"] > 0 and calls["FairPolicy.on_scheduled"] > 0 and calls["FairPolicy.catch_up"] > 0
->>>>>>> main
