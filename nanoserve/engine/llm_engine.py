@@ -26,6 +26,7 @@ from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.kv.tiered_block_manager import TieredBlockManager
 from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
@@ -73,6 +74,11 @@ class EngineConfig:
     # GGUF format), "fp32", or "bf16" — half the bytes per token, so twice the blocks in the same memory and
     # half the bytes each decode step gathers; the attention math then runs in bf16 (torch backend only).
     kv_cache_dtype: str = "auto"
+    # Chapter 18: "int8" / "fp8" above store 8-bit codes with a scale per token and kv head (1.94x bf16's blocks).
+    # A second KV tier: evicted prefix blocks go to a file of this many block slots (0: off), at kv_tier_path
+    # (None: a temporary file), and come back when a prompt needs them and loading beats recomputing.
+    kv_tier_blocks: int = 0
+    kv_tier_path: str | None = None
     # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
     # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
     compile_mode: str = "eager"
@@ -137,6 +143,13 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
+        if config.kv_tier_blocks < 0:
+            raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {config.kv_tier_blocks}")
+        if config.kv_tier_blocks and not config.enable_prefix_caching:
+            raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching")
+        if config.kv_tier_blocks and "05" in student.chapters:
+            raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
+                             "selected in student")
         if triton and config.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
@@ -144,7 +157,10 @@ class LLMEngine:
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
-                                          compile_mode=config.compile_mode)])
+                                          compile_mode=config.compile_mode,
+                                          kv_quant=student.module("nanoserve.kv.kv_quant"))])
+        if self.executor.tp_group.size > 1 and (config.kv_tier_blocks or config.kv_cache_dtype in ("int8", "fp8")):
+            raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
@@ -153,6 +169,12 @@ class LLMEngine:
         # detokenizer (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
+        if block_manager is None and config.kv_tier_blocks:  # chapter 18 (the learner's 18.1 / 18.2 where finished)
+            block_bytes = self.executor.workers[0].init_kv_tier(config.kv_tier_blocks, config.kv_tier_path)
+            block_manager = TieredBlockManager(num_blocks, config.block_size,
+                                               student.module("nanoserve.kv.tier_index").TierIndex(config.kv_tier_blocks),
+                                               block_bytes / config.block_size,
+                                               load_policy=student.module("nanoserve.kv.load_policy"))
         if block_manager is None:
             block_manager = student.module("nanoserve.kv.block_manager").BlockManager(
                 num_blocks, config.block_size, config.enable_prefix_caching, allocator=allocator,
@@ -184,6 +206,7 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
         self.num_steps = 0  # steps taken since the engine started (chapter 12's page counts from here)
         self.proposer = self._make_proposer(model)
+        self._tier_seen = (0, 0, 0.0)  # chapter 18: the tier's load counts at the last step
         # chapter 14's rollback and acceptance rules (the learner's, exercises 14.2-14.4, where finished)
         self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
         if self.proposer is not None:
@@ -276,6 +299,8 @@ class LLMEngine:
             self._trim_proposals(scheduler_output)
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
+        if self.config.kv_tier_blocks:  # chapter 18: the step's offloads and loads, in order
+            scheduler_output.kv_tier_ops = self.block_manager.take_tier_ops()
         self.last_scheduler_output = scheduler_output
         scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
@@ -285,6 +310,8 @@ class LLMEngine:
             self._update_precision()
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
+        if self.config.kv_tier_blocks:
+            self._measure_tier(scheduler_output)
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
         # one sequence whose draw raised fails its request alone (before the scheduler advances it: it has no token)
         outputs = rejected + [self._fail(seq_id, e) for seq_id, e in getattr(sampled, "failed", {}).items()]
@@ -295,6 +322,38 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 — its stop check or text failed: its request, not the step
                 outputs.append(self._fail(parent.seq_id, e))
         return self._fail_grammar_violations([out for out in outputs if out is not None])
+
+    # ---- chapter 18: the second KV tier ------------------------------------------------------------
+    def _measure_tier(self, out: SchedulerOutput) -> None:
+        """Feed the step's measured costs to the load-or-recompute decision: (tokens computed, forward seconds),
+        and (bytes, seconds) of its loads."""
+        worker, rates = self.executor.workers[0], self.block_manager.rates
+        if out.total_num_scheduled_tokens:
+            rates.steps.add(out.total_num_scheduled_tokens, worker.step_seconds)
+        stats, seen = worker.kv_tier.stats, self._tier_seen
+        if stats.loads > seen[0]:
+            rates.loads.add(stats.bytes_read - seen[1], stats.load_seconds - seen[2])
+        self._tier_seen = (stats.loads, stats.bytes_read, stats.load_seconds)
+
+    def kv_tier_stats(self) -> dict | None:
+        """Chapter 18: the second tier's counts so far (None without one): tokens found per tier, blocks moved,
+        bytes, stalls, the measured rates."""
+        if not self.config.kv_tier_blocks:
+            return None
+        bm, tier = self.block_manager, self.executor.workers[0].kv_tier.stats
+        rates = bm.rates
+        return {"pool_hit_tokens": bm.stats.hit_tokens - bm.tier_stats.hit_tokens,
+                "tier_hit_tokens": bm.tier_stats.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
+                "tier_recomputed_tokens": bm.tier_stats.recomputed_tokens,
+                "offloaded_blocks": tier.offloads, "loaded_blocks": tier.loads, "bytes_written": tier.bytes_written,
+                "bytes_read": tier.bytes_read, "stalls": tier.stalls, "stall_seconds": tier.stall_seconds,
+                "tier_blocks_used": len(bm.tier), "tier_capacity": bm.tier.capacity,
+                "prefill_s_per_token": rates.prefill_s_per_token(), "tier_bytes_per_s": rates.tier_bytes_per_s()}
+
+    def close(self) -> None:
+        """Stop what the engine started beside itself (chapter 18's tier writer and its file); idempotent."""
+        for worker in self.executor.workers:
+            worker.close()
 
     def _fail_grammar_violations(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Chapter 13: a request whose grammar refused its tokens this step (its row had no mask) is aborted,
