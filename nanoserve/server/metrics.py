@@ -163,7 +163,7 @@ class PrometheusStatLogger:
             value = getattr(engine.spec_stats, name)
             metric.inc(value - seen[name])
             seen[name] = value
-        tier = engine.kv_tier_stats() if hasattr(engine, "kv_tier_stats") else None
+        tier = engine.kv_tier_stats()
         for name, metric in self.tier_counters.items() if tier else ():  # chapter 18: deltas, like chapter 14's
             metric.inc(tier[name] - seen.get("tier_" + name, 0))
             seen["tier_" + name] = tier[name]
