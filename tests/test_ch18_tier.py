@@ -16,6 +16,7 @@ from nanoserve.kv.quantized_pool import QuantizedKVCache
 from nanoserve.kv.rates import LineFit
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation
+from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ to finish)
 from tests.tiny_model import tiny_llama
 
 
@@ -223,3 +224,24 @@ def test_tier_settings_are_checked(tiny):
         LLMEngine(tiny, EngineConfig(num_blocks=8, kv_tier_blocks=8, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="chapter 05"):
         LLMEngine(tiny, EngineConfig(num_blocks=8, kv_tier_blocks=8, student="05"))
+
+
+def test_student_18_serves_the_learners_tier_policy_and_quantizer(tiny, exercises):
+    """--student 18 with the three rungs done (the reference copied in): the engine's tier index, load decision
+    and KV quantizer are the learner's, they are called, and the greedy text is the reference engine's."""
+    for module in ("nanoserve.kv.tier_index", "nanoserve.kv.load_policy", "nanoserve.kv.kv_quant"):
+        exercises(module)
+    prompts = users(tiny.config.vocab_size)
+    config = dict(num_blocks=16, block_size=4, kv_tier_blocks=64, kv_cache_dtype="int8")
+    expected_engine = LLMEngine(tiny, EngineConfig(**config))
+    engine = LLMEngine(tiny, EngineConfig(**config, student="18"))
+    try:
+        assert type(engine.block_manager.tier).__module__ == "student_nanoserve_kv_tier_index"
+        assert serve(engine, prompts) == serve(expected_engine, prompts)
+        calls = engine.student.calls
+        assert calls["TierIndex.store"] > 0 and calls["TierIndex.lookup"] > 0 and calls["TierIndex.mark_used"] > 0
+        assert calls["should_load"] > 0 and calls["quantize_kv"] > 0 and calls["dequantize_kv"] > 0
+        assert engine.kv_tier_stats()["tier_hit_tokens"] == 4 * 40
+    finally:
+        engine.close()
+        expected_engine.close()
