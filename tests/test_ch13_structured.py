@@ -13,7 +13,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, engine_config
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.structured import StructuredOutputsParams
 from nanoserve.structured.compiler import GrammarCache, StructuredOutputError
@@ -40,7 +42,7 @@ def tiny():
 
 
 def engine(tiny, tokenizer, **config):
-    return LLMEngine(tiny, EngineConfig(**{"num_blocks": 256, **config}), tokenizer)
+    return LLMEngine(tiny, engine_config(**{"num_blocks": 256, **config}), tokenizer)
 
 
 def run(eng) -> dict:
@@ -369,7 +371,7 @@ def test_refusals_at_the_engines_door(tiny, smollm2_tokenizer):
     with pytest.raises(StructuredOutputError, match="cannot be compiled"):
         eng.add_request("b", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="(")))
     assert not eng.has_unfinished_requests() and eng.structured.grammars == {}
-    no_tokenizer = LLMEngine(tiny, EngineConfig(num_blocks=16))
+    no_tokenizer = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16)))
     with pytest.raises(StructuredOutputError, match="need an engine with a tokenizer"):
         no_tokenizer.add_request("c", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="a")))
 

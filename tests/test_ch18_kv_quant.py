@@ -129,11 +129,12 @@ def test_capacity_per_dtype_against_chapter_04():
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_an_8bit_pool_holds_194x_the_blocks_of_bf16(kv_cache_dtype):
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
     from tests.tiny_model import tiny_llama
 
     model = tiny_llama()
-    blocks = {dt: LLMEngine(model, EngineConfig(kv_cache_memory=1 << 20, kv_cache_dtype=dt)).block_manager.num_blocks
+    blocks = {dt: LLMEngine(model, engine_config(kv_cache_memory=1 << 20, kv_cache_dtype=dt)).block_manager.num_blocks
               for dt in ("bf16", kv_cache_dtype)}
     c = model.config
     per_block = 2 * c.num_hidden_layers * c.num_key_value_heads * 16 * (c.head_dim + 2)

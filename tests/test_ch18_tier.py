@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.file_tier import FileKVTier, block_nbytes, read_block
 from nanoserve.kv.paged_attention import PagedKVCache
 from nanoserve.kv.quantized_pool import QuantizedKVCache
@@ -156,8 +157,8 @@ def test_a_second_tier_hit_gives_the_recomputed_text(tiny, kv_cache_dtype):
     scratch (no prefix cache at all) on the same pool dtype."""
     prompts = users(tiny.config.vocab_size)
     config = dict(num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
-    expected = serve(LLMEngine(tiny, EngineConfig(**config, enable_prefix_caching=False)), prompts)
-    engine = LLMEngine(tiny, EngineConfig(**config, kv_tier_blocks=64))
+    expected = serve(LLMEngine(tiny, engine_config(**config, enable_prefix_caching=False)), prompts)
+    engine = LLMEngine(tiny, engine_config(**config, kv_tier_blocks=64))
     try:
         assert serve(engine, prompts) == expected
         stats = engine.kv_tier_stats()
@@ -173,11 +174,11 @@ def test_a_second_tier_hit_gives_the_recomputed_text(tiny, kv_cache_dtype):
 def test_recompute_is_chosen_when_the_tier_is_measured_slow(tiny):
     """The decision reads the measured rates: a tier measured at 1 byte per second is never loaded from."""
     prompts = users(tiny.config.vocab_size)
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, kv_tier_blocks=64))
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64))
     try:
         engine.block_manager.rates.loads.add(1, 1.0)
         engine.block_manager.rates.loads.add(2, 2.0)
-        expected = serve(LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, enable_prefix_caching=False)), prompts)
+        expected = serve(LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, enable_prefix_caching=False)), prompts)
         assert serve(engine, prompts) == expected
         stats = engine.kv_tier_stats()
         assert stats["tier_hit_tokens"] == 0 and stats["tier_recomputed_tokens"] == 4 * 40 and stats["loaded_blocks"] == 0
@@ -192,7 +193,7 @@ def test_stress_of_evictions_hits_and_aborts_leaves_no_block_or_slot(tiny):
     rng = random.Random(1)
     vocab = tiny.config.vocab_size
     systems = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 48))] for _ in range(6)]
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=24, block_size=4, max_num_seqs=4, kv_tier_blocks=20))
+    engine = LLMEngine(tiny, engine_config(num_blocks=24, block_size=4, max_num_seqs=4, kv_tier_blocks=20))
     tier = engine.executor.workers[0].kv_tier
     n = 0
     for step in range(150):
@@ -219,11 +220,11 @@ def test_stress_of_evictions_hits_and_aborts_leaves_no_block_or_slot(tiny):
 
 def test_tier_settings_are_checked(tiny):
     with pytest.raises(ValueError, match="kv_tier_blocks must be >= 0"):
-        LLMEngine(tiny, EngineConfig(num_blocks=8, kv_tier_blocks=-1))
+        LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=-1))
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
-        LLMEngine(tiny, EngineConfig(num_blocks=8, kv_tier_blocks=8, enable_prefix_caching=False))
+        LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="chapter 05"):
-        LLMEngine(tiny, EngineConfig(num_blocks=8, kv_tier_blocks=8, student="05"))
+        LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, student="05"))
 
 
 def test_student_18_serves_the_learners_tier_policy_and_quantizer(tiny, exercises):
@@ -233,8 +234,8 @@ def test_student_18_serves_the_learners_tier_policy_and_quantizer(tiny, exercise
         exercises(module)
     prompts = users(tiny.config.vocab_size)
     config = dict(num_blocks=16, block_size=4, kv_tier_blocks=64, kv_cache_dtype="int8")
-    expected_engine = LLMEngine(tiny, EngineConfig(**config))
-    engine = LLMEngine(tiny, EngineConfig(**config, student="18"))
+    expected_engine = LLMEngine(tiny, engine_config(**config))
+    engine = LLMEngine(tiny, engine_config(**config, student="18"))
     try:
         assert type(engine.block_manager.tier).__module__ == "student_nanoserve_kv_tier_index"
         assert serve(engine, prompts) == serve(expected_engine, prompts)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from nanoserve import student
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import RUNGS, STUDENT_FILES, StudentCode, parse_selection, unfinished
 from tests.tiny_model import tiny_llama
@@ -69,7 +70,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9 + i, 20 + i, 30 + i] for i in range(5)]
 
 
 def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
-    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
+    engine = LLMEngine(model, engine_config(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     tokens = {}
@@ -134,7 +135,8 @@ def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys)
     with torch.no_grad():  # no cache: the model's own attention is the learner's (chapter 01)
         torch.testing.assert_close(model.compute_logits(model(ids)), tiny.compute_logits(tiny(ids)))
     assert code.calls["scaled_dot_product_attention"] == tiny.config.num_hidden_layers
-    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16,
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=11, block_size=4),
+                                           scheduler_config=SchedulerConfig(max_num_batched_tokens=16),
                                            student="01,02"), student=code)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -430,7 +432,7 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     exercises("nanoserve.engine.snapshot")
     finish("nanoserve.engine.event_feed", ["Subscription.put", "Subscription.take", "EventFeed.emit_if_due"])
     config = dict(num_blocks=11, block_size=4, max_num_batched_tokens=16)
-    engines = [LLMEngine(tiny, EngineConfig(**config, student="12")), LLMEngine(tiny, EngineConfig(**config))]
+    engines = [LLMEngine(tiny, engine_config(**config, student="12")), LLMEngine(tiny, engine_config(**config))]
     feeds = [AsyncLLMEngine(engines[0]).event_feed, EventFeed()]
     assert type(feeds[0]).__module__ == "student_nanoserve_engine_event_feed"
     subs = [feed.subscribe() for feed in feeds]
@@ -471,8 +473,9 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
                                                "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=StructuredOutputsParams(json=schema))
     with pytest.warns(UserWarning, match=r"Exercise 13\.[23] not finished"):
-        engines = [LLMEngine(tiny, EngineConfig(num_blocks=32, student="13"), smollm2_tokenizer)]
-    engines.append(LLMEngine(tiny, EngineConfig(num_blocks=32), smollm2_tokenizer))
+        engines = [LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32),
+                                                student="13"), smollm2_tokenizer)]
+    engines.append(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32)), smollm2_tokenizer))
     texts = []
     for engine in engines:
         engine.add_request("r", smollm2_tokenizer.encode("A colour and a number:"), params)

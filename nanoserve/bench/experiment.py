@@ -101,9 +101,11 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
 
 
 def engine_for(model, tokenizer=None, **config):
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    """An engine from LLM's flat settings (block_size=…, max_num_seqs=…, speculative=…)."""
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(model, EngineConfig(**config), tokenizer)
+    return LLMEngine(model, engine_config(**config), tokenizer)
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
