@@ -223,6 +223,8 @@ def test_tier_settings_are_checked(tiny):
         LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=-1))
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, enable_prefix_caching=False))
+    with pytest.raises(ValueError, match="needs kv_tier_blocks > 0"):
+        LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_path="/tmp/kv.bin"))
     with pytest.raises(ValueError, match="chapter 05"):
         LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, student="05"))
 

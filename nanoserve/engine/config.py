@@ -18,7 +18,7 @@ from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 @dataclass
 class CacheConfig:
-    """The KV pool (chapters 04, 05, 10)."""
+    """The KV pool (chapters 04, 05, 10) and the tier behind it (chapter 18)."""
 
     block_size: int = 16  # tokens per block
     num_blocks: int | None = None  # None: as many as fit in kv_cache_memory

@@ -101,6 +101,8 @@ class LLMEngine:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
         if cache.kv_tier_blocks < 0:
             raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {cache.kv_tier_blocks}")
+        if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
+            raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
         if cache.kv_tier_blocks and not cache.enable_prefix_caching:
             raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching")
         if cache.kv_tier_blocks and "05" in student.chapters:
