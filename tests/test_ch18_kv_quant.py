@@ -130,7 +130,7 @@ def test_capacity_per_dtype_against_chapter_04():
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_an_8bit_pool_holds_194x_the_blocks_of_bf16(kv_cache_dtype):
     from nanoserve.engine.config import engine_config
-from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.engine.llm_engine import LLMEngine
     from tests.tiny_model import tiny_llama
 
     model = tiny_llama()
