@@ -143,7 +143,7 @@ def test_an_8bit_pool_holds_194x_the_blocks_of_bf16(kv_cache_dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype, margin", [("int8", 1.0), ("fp8", 2.0)])
+@pytest.mark.parametrize("kv_cache_dtype, margin", [("int8", 1.0), ("fp8", 4.0)])
 def test_smollm2_on_an_8bit_pool_matches_float32_except_near_ties(smollm2, smollm2_tokenizer, kv_cache_dtype, margin):
     """Greedy, 4 chat prompts x 16 tokens, teacher-forced check (tests/test_speed_parity.py's): wherever the 8-bit pool
     chose another token than float32's argmax, float32 found the two within `margin` (logits span about ±40)."""
