@@ -453,14 +453,21 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     assert calls["step_kind"] >= len(seen[0]) and calls["Subscription.take"] == len(seen[0])
 
 
+SCHEMA_13 = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                            "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
+CHOICES_13 = ["red", "green", "not sure"]
+
+
 @pytest.mark.parametrize("module, called, yours", [
+    ("nanoserve.structured.choice", "choice_mask", "build_trie, choice_mask"),
     ("nanoserve.structured.bitmask", "apply_token_bitmask", "unpack_bitmask, apply_token_bitmask"),
     ("nanoserve.structured.matcher", "SequenceMatcher.sync", "SequenceMatcher"),
 ])
 def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module, called, yours):
-    """--student 13 with one rung finished: every constrained token went through the learner's code (13.2 the
-    mask applied to the logits, 13.3 the matcher synced to the sequence), the other rung falls back; the output
-    follows its schema and equals the reference run's token for token."""
+    """--student 13 with one rung finished: every constrained token went through the learner's code (13.1 the
+    choice list's masks from the trie, 13.2 the mask applied to the logits, 13.3 the matcher synced to the
+    sequence), the other rungs fall back; the output follows its grammar (a JSON schema; for 13.1 a choice list)
+    and equals the reference run's token for token."""
     import json
 
     import jsonschema
@@ -469,10 +476,10 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
 
     tiny = tiny_llama(vocab_size=49152)  # random weights, SmolLM2's vocabulary: the tokenizer's masks fit
     exercises(module)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                               "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=StructuredOutputsParams(json=schema))
-    with pytest.warns(UserWarning, match=r"Exercise 13\.[23] not finished"):
+    choice = module.endswith("choice")
+    structured = StructuredOutputsParams(choice=CHOICES_13) if choice else StructuredOutputsParams(json=SCHEMA_13)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=structured)
+    with pytest.warns(UserWarning, match=r"Exercise 13\.[123] not finished"):
         engines = [LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32),
                                                 student="13"), smollm2_tokenizer)]
     engines.append(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32)), smollm2_tokenizer))
@@ -482,8 +489,13 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
         while engine.has_unfinished_requests():
             texts += [(out.token_ids, out.text) for out in engine.step() if out.finished]
     assert texts[0] == texts[1]
-    jsonschema.validate(json.loads(texts[0][1]), schema)
+    if choice:
+        assert texts[0][1] in CHOICES_13
+    else:
+        jsonschema.validate(json.loads(texts[0][1]), SCHEMA_13)
     steps = len(texts[0][0])
     calls = engines[0].student.calls
     assert calls[called] >= steps  # one call a sampled token, at least
+    if choice:  # one mask per trie node the output stood at (each token a new node), one trie per request
+        assert calls["choice_mask"] == steps and calls["build_trie"] == 1
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()

@@ -26,7 +26,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   kv-crossover     chapter 18: recompute vs load from the file tier, measured; the load-or-recompute map
   kv-dtypes        chapter 18: blocks in 1 GiB and the logit error per KV dtype (fp32, bf16, int8, fp8)
 
-Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
+Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
+this machine drifts.
 """
 
 import importlib
@@ -113,10 +114,12 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def interleaved(rounds: int, systems: dict, measure) -> dict:
-    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift."""
+    """{name: [result per round]}, measuring A, B, then B, A, then A, B, ...: each system sees the same drift, and
+    none always runs first (the first of a round follows whatever the last round left behind)."""
     results = {name: [] for name in systems}
+    order = list(systems.items())
     for r in range(rounds):
-        for name, system in systems.items():
+        for name, system in order if r % 2 == 0 else order[::-1]:
             results[name].append(measure(name, system, r))
             print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
     return results

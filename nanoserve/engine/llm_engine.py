@@ -172,10 +172,11 @@ class LLMEngine:
             for worker in self.executor.workers:
                 worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
         self.spec_stats = SpecDecodeStats()
-        # chapter 13: grammars, matchers and each step's token masks (the learner's 13.2 / 13.3 where finished)
+        # chapter 13: grammars, matchers and each step's token masks (the learner's 13.1-13.3 where finished)
         self.structured = StructuredOutputManager(tokenizer, self.vocab_size,
                                                   matcher_module=student.module("nanoserve.structured.matcher"),
-                                                  bitmask_module=student.module("nanoserve.structured.bitmask"))
+                                                  bitmask_module=student.module("nanoserve.structured.bitmask"),
+                                                  choice_module=student.module("nanoserve.structured.choice"))
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
