@@ -152,10 +152,12 @@ def kv_crossover(args, model, tokenizer) -> dict:
             a.loglog(lengths, [(latency + n * bytes_per_token / bw) * 1000 for n in lengths], ":",
                      label=f"load at {bw / 1e6:.0f} MB/s (modelled)")
         a.set(xlabel="prefix tokens", ylabel="ms", title="recompute vs load"), a.legend(fontsize=8)
-        ns, bws = np.logspace(0, 4, 60), np.logspace(6, 11, 60)
+        crossover_bw = bytes_per_token / prefill_rate  # below it loading never pays, whatever the length
+        ns, bws = np.logspace(0, 4, 60), np.logspace(np.log10(crossover_bw) - 2, 11, 60)
         grid = [[should_load(int(n), bytes_per_token, prefill_rate, bw, latency) for n in ns] for bw in bws]
         b.pcolormesh(ns, bws, np.array(grid, dtype=float), cmap="RdYlGn", shading="auto", vmin=0, vmax=1)
-        b.axhline(tier_bw, color="k", ls="--", label=f"this file tier ({tier_bw / 1e9:.1f} GB/s)")
+        b.axhline(tier_bw, color="k", ls="--", label=f"this file tier ({tier_bw / 1e6:.0f} MB/s)")
+        b.axhline(crossover_bw, color="w", ls=":", label=f"crossover ({crossover_bw / 1e6:.2f} MB/s)")
         b.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="tier bandwidth (B/s)",
               title="load (green) or recompute (red)"), b.legend(fontsize=8)
         return fig
