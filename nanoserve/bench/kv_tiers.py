@@ -57,7 +57,8 @@ def returning_users(args, model, tokenizer) -> dict:
     print(f"{users} users, {prompt_len}-token system prompts, {visits} visits each, a pool of "
           f"{pool_bytes / 2**20:.1f} MiB; TTFT of the returning visits")
     for name, x in best.items():
-        x["same_text_as_no_tier"] = sum(x.pop("texts")[k] == base[k] for k in base) / len(base)
+        texts = x.pop("texts")
+        x["same_text_as_no_tier"] = sum(texts[k] == base[k] for k in base) / len(base)
         t = x["ttft_ms"]
         print(f"  {name:10s} {x['num_blocks']:4d} blocks  hits: pool {x['pool_hit_rate']:5.1%}  tier "
               f"{x['tier_hit_rate']:5.1%}   TTFT p50 {t['median']:7.0f} ms  p99 {t['p99']:7.0f} ms   "
