@@ -39,7 +39,7 @@ class LLM:
                  scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
                  slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
                  tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
-                 compile_mode: str = "eager"):
+                 compile_mode: str = "eager", kv_tier_blocks: int = 0, kv_tier_path: str | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -62,7 +62,10 @@ class LLM:
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
         tenant_weights (tenant -> its fair share) and tenant_slos (tenant -> SLOTargets): the server's tenants file.
         kv_cache_dtype: "auto" (the model's parameters', float32 here), "fp32" or "bf16" (half the bytes per
-        token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16)."""
+        token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16), "int8" or
+        "fp8" (chapter 18: 8-bit codes and a bf16 scale per token and kv head, dequantized in the gather).
+        kv_tier_blocks: a second KV tier of that many blocks in a file (kv_tier_path, None: a temporary one) that
+        evicted prefix blocks go to and are loaded back from (chapter 18); call close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -113,7 +116,8 @@ class LLM:
             scheduling_policy=scheduling_policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
             slo_reject=slo_reject, tenant_weights=tenant_weights, tenant_slos=tenant_slos, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
-            degrade_under_load=degrade_under_load, compile_mode=compile_mode)
+            degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_tier_blocks=kv_tier_blocks,
+            kv_tier_path=kv_tier_path)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
         except BaseException:
@@ -122,7 +126,9 @@ class LLM:
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do at TP 1); idempotent."""
+        """Stop the tensor-parallel worker processes and chapter 18's tier writer; idempotent."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
         if self.workers is not None:
             self.workers.shutdown()
 

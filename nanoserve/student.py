@@ -90,6 +90,9 @@ STUDENT_FILES = {
     "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
     "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
     "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
+    "nanoserve.kv.tier_index": "18-kv-tiers/tier_index.py",
+    "nanoserve.kv.load_policy": "18-kv-tiers/load_policy.py",
+    "nanoserve.kv.kv_quant": "18-kv-tiers/kv_quant.py",
 }
 
 

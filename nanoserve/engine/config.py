@@ -18,7 +18,7 @@ from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 @dataclass
 class CacheConfig:
-    """The KV pool (chapters 04, 05, 10)."""
+    """The KV pool (chapters 04, 05, 10) and the tier behind it (chapter 18)."""
 
     block_size: int = 16  # tokens per block
     num_blocks: int | None = None  # None: as many as fit in kv_cache_memory
@@ -28,6 +28,12 @@ class CacheConfig:
     # "bf16" — half the bytes per token, so twice the blocks in the same memory and half the bytes each decode
     # step gathers; the attention math then runs in bf16 (torch backend only).
     kv_cache_dtype: str = "auto"
+    # Chapter 18: "int8" / "fp8" store 8-bit codes with a bf16 scale per token and kv head (1.94x bf16's blocks).
+    # A second KV tier: evicted prefix blocks go to a file of kv_tier_blocks block slots (0: off) at kv_tier_path
+    # (None: a temporary file), least recently used dropped first, and come back when a prompt needs them and
+    # loading is measured to beat recomputing (nanoserve/kv/tiered_block_manager.py).
+    kv_tier_blocks: int = 0
+    kv_tier_path: str | None = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.kv.tiered_block_manager import TieredBlockManager
 from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
@@ -98,6 +99,15 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
+        if cache.kv_tier_blocks < 0:
+            raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {cache.kv_tier_blocks}")
+        if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
+            raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
+        if cache.kv_tier_blocks and not cache.enable_prefix_caching:
+            raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching")
+        if cache.kv_tier_blocks and "05" in student.chapters:
+            raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
+                             "selected in student")
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
@@ -107,7 +117,10 @@ class LLMEngine:
                                           model_runner_class=runner, store_kv=store_kv,
                                           compile_mode=config.compile_mode,
                                           # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
-                                          spec_acceptance=student.module("nanoserve.spec_decode.acceptance"))])
+                                          spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
+                                          kv_quant=student.module("nanoserve.kv.kv_quant"))])
+        if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
+            raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {cache.block_size} "
@@ -117,6 +130,12 @@ class LLMEngine:
         # detokenizer (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
+        if block_manager is None and cache.kv_tier_blocks:  # chapter 18 (the learner's 18.1 / 18.2 where finished)
+            block_bytes = self.executor.workers[0].init_kv_tier(cache.kv_tier_blocks, cache.kv_tier_path)
+            block_manager = TieredBlockManager(num_blocks, cache.block_size,
+                                               student.module("nanoserve.kv.tier_index").TierIndex(cache.kv_tier_blocks),
+                                               block_bytes / cache.block_size,
+                                               load_policy=student.module("nanoserve.kv.load_policy"))
         if block_manager is None:
             block_manager = student.module("nanoserve.kv.block_manager").BlockManager(
                 num_blocks, cache.block_size, cache.enable_prefix_caching, allocator=allocator,
@@ -149,6 +168,7 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
         self.num_steps = 0  # steps taken since the engine started (chapter 12's page counts from here)
         self.proposer = self._make_proposer(model)
+        self._tier_seen = (0, 0, 0.0)  # chapter 18: the tier's load counts at the last step
         # chapter 14's rollback (the learner's, exercise 14.4, where finished)
         self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
         self.spec_stats = SpecDecodeStats()
@@ -239,6 +259,8 @@ class LLMEngine:
             self._trim_proposals(scheduler_output)
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
+        if self.config.cache_config.kv_tier_blocks:  # chapter 18: the step's offloads and loads, in order
+            scheduler_output.kv_tier_ops = self.block_manager.take_tier_ops()
         self.last_scheduler_output = scheduler_output
         scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
@@ -248,6 +270,8 @@ class LLMEngine:
             self._update_precision()
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
+        if self.config.cache_config.kv_tier_blocks:
+            self._measure_tier(scheduler_output)
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
         # one sequence whose draw raised fails its request alone (before the scheduler advances it: it has no token)
         outputs = rejected + [self._fail(seq_id, e) for seq_id, e in getattr(sampled, "failed", {}).items()]
@@ -258,6 +282,38 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 — its stop check or text failed: its request, not the step
                 outputs.append(self._fail(parent.seq_id, e))
         return self._fail_grammar_violations([out for out in outputs if out is not None])
+
+    # ---- chapter 18: the second KV tier ------------------------------------------------------------
+    def _measure_tier(self, out: SchedulerOutput) -> None:
+        """Feed the step's measured costs to the load-or-recompute decision: (tokens computed, forward seconds),
+        and (bytes, seconds) of its loads."""
+        worker, rates = self.executor.workers[0], self.block_manager.rates
+        if out.total_num_scheduled_tokens:
+            rates.steps.add(out.total_num_scheduled_tokens, worker.step_seconds)
+        stats, seen = worker.kv_tier.stats, self._tier_seen
+        if stats.loads > seen[0]:
+            rates.loads.add(stats.bytes_read - seen[1], stats.load_seconds - seen[2])
+        self._tier_seen = (stats.loads, stats.bytes_read, stats.load_seconds)
+
+    def kv_tier_stats(self) -> dict | None:
+        """Chapter 18: the second tier's counts so far (None without one): tokens found per tier, blocks moved,
+        bytes, stalls, the measured rates."""
+        if not self.config.cache_config.kv_tier_blocks:
+            return None
+        bm, tier = self.block_manager, self.executor.workers[0].kv_tier.stats
+        rates = bm.rates
+        return {"pool_hit_tokens": bm.stats.hit_tokens - bm.tier_stats.hit_tokens,
+                "tier_hit_tokens": bm.tier_stats.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
+                "tier_recomputed_tokens": bm.tier_stats.recomputed_tokens,
+                "offloaded_blocks": tier.offloads, "loaded_blocks": tier.loads, "bytes_written": tier.bytes_written,
+                "bytes_read": tier.bytes_read, "stalls": tier.stalls, "stall_seconds": tier.stall_seconds,
+                "tier_blocks_used": len(bm.tier), "tier_capacity": bm.tier.capacity,
+                "prefill_s_per_token": rates.prefill_s_per_token(), "tier_bytes_per_s": rates.tier_bytes_per_s()}
+
+    def close(self) -> None:
+        """Stop what the engine started beside itself (chapter 18's tier writer and its file); idempotent."""
+        for worker in self.executor.workers:
+            worker.close()
 
     def _fail_grammar_violations(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Chapter 13: a request whose grammar refused its tokens this step (its row had no mask) is aborted,

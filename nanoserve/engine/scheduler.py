@@ -70,6 +70,9 @@ class SchedulerOutput:
     # (src, dst) whole-block copies the worker does before the forward pass: copy-on-write of a shared
     # last block after a fork (BlockManager.take_copies; vLLM v0's blocks_to_copy)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # chapter 18: ("offload", block, slot) / ("load", slot, block), in order, for the second tier (set by the
+    # engine from TieredBlockManager.take_tier_ops, like blocks_to_copy)
+    kv_tier_ops: list[tuple[str, int, int]] = field(default_factory=list)
     # chapter 13: the token masks of the constrained sequences that sample (a GrammarBitmask, set by the
     # engine like blocks_to_copy; the scheduler never looks at it), applied by ModelRunner.sample
     grammar_bitmask: object = None

@@ -7,6 +7,8 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
     nanoserve:kv_cache_fragmentation                           gauge: slots of held blocks that hold no token,
                                                                over all slots of held blocks (0..1; chapter 15)
     nanoserve:prefix_cache_queries_total / _hits_total         counters, in prompt tokens
+    nanoserve:kv_tier_*_total                                  counters: chapter 18's second KV tier (hits in
+                                                               tokens, blocks offloaded / loaded, bytes, stalls)
     nanoserve:num_preemptions_total                            counter: recompute preemptions
     nanoserve:prompt_tokens_total / generation_tokens_total    counters
     nanoserve:request_success_total{finished_reason=...}       counter: stop, length, abort
@@ -119,6 +121,14 @@ class PrometheusStatLogger:
             ("num_drafts", "Speculative proposals verified (one per sequence and step)."),
             ("num_draft_tokens", "Tokens proposed and verified."),
             ("num_accepted_tokens", "Proposed tokens the target accepted."))}
+        # chapter 18: the second KV tier (LLMEngine.kv_tier_stats; absent without one)
+        self.tier_counters = {name: counter(f"kv_tier_{name}", doc) for name, doc in (
+            ("tier_hit_tokens", "Prompt tokens found in the second KV tier and loaded instead of computed."),
+            ("offloaded_blocks", "Evicted prefix-cache blocks written to the second KV tier."),
+            ("loaded_blocks", "Blocks loaded from the second KV tier into the pool."),
+            ("bytes_written", "Bytes written to the second KV tier."),
+            ("bytes_read", "Bytes read from the second KV tier."),
+            ("stalls", "Loads that waited for their block's write to the tier to finish."))}
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
                                       ["model_name", "status"], registry=self.registry)
         # chapter 15: requests --slo-reject refused: a 503 with Retry-After (stream="false", also in
@@ -161,6 +171,10 @@ class PrometheusStatLogger:
             value = getattr(engine.spec_stats, name)
             metric.inc(value - seen[name])
             seen[name] = value
+        tier = engine.kv_tier_stats()
+        for name, metric in self.tier_counters.items() if tier else ():  # chapter 18: deltas, like chapter 14's
+            metric.inc(tier[name] - seen.get("tier_" + name, 0))
+            seen["tier_" + name] = tier[name]
         self.degraded.set(engine.degraded)  # chapter 10: the mode of the step just run
         by_precision = self.tokens_by_precision.labels(self.model_name, engine.precision)
         for out in outputs:
