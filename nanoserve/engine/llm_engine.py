@@ -26,6 +26,7 @@ from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.lora.config import LoRAConfig
 from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
@@ -76,6 +77,17 @@ class EngineConfig:
     # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
     # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
     compile_mode: str = "eager"
+    # Chapter 19: LoRA adapters (nanoserve/lora/): max_loras, max_lora_rank, max_cpu_loras, modules. None: off.
+    lora_config: LoRAConfig | None = None
+
+
+def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
+    """Chapter 19: the salt of a request's prefix-cache chain with its adapter folded in, so that two adapters
+    (or one adapter unloaded and loaded again: a new id) never share a block: the same K/V inputs give other
+    K/V under another adapter. lora_cache_salt(None, "upper", {"upper": 3}) == "lora:3:upper"."""
+    if lora_name is None:
+        return cache_salt
+    return f"lora:{lora_ids[lora_name]}:{lora_name}" + ("" if cache_salt is None else f"|{cache_salt}")
 
 
 @dataclass
@@ -140,11 +152,16 @@ class LLMEngine:
         if triton and config.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
+        lora = config.lora_config
+        if lora is not None and (degraded_model is not None or config.compile_mode != "eager"
+                                 or config.speculative == "draft" or getattr(model, "tp_group", None) is not None):
+            raise ValueError("LoRA adapters run on one eager model: degrade_under_load, compile_mode, the draft "
+                             "proposer and tensor parallelism are refused with them")
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[config.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
-                                          compile_mode=config.compile_mode)])
+                                          compile_mode=config.compile_mode, lora_config=lora)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
@@ -166,8 +183,12 @@ class LLMEngine:
         policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),
                              slo_reject=config.slo_reject, tenant_weights=config.tenant_weights,
                              tenant_slos=config.tenant_slos, modules=student.module)
+        # chapter 19: the scheduler admits no request whose adapter would be one too many for the step's slots
+        lora_slots = {} if lora is None else {"max_loras": lora.max_loras}
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager,
-                                                                                 policy=policy)
+                                                                                 policy=policy, **lora_slots)
+        self.lora_ids: dict[str, int] = {}  # chapter 19: adapter name -> its id (a new one per load)
+        self._next_lora_id = 1
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -199,14 +220,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
                     slo: SLOTargets | None = None, speculative: bool = True, grammar=None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_name: str | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
         this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
         when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here.
         cache_salt: only requests with the same salt share prefix cache blocks (vLLM's; None: the cache everyone
-        without a salt shares)."""
+        without a salt shares). lora_name: the adapter it runs with (chapter 19; None: the base model)."""
         prompt_token_ids = list(prompt_token_ids)
+        if lora_name is not None and lora_name not in self.lora_ids:
+            raise ValueError(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
+                             f"{', '.join(self.lora_ids) or 'none'}")
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints "
@@ -229,7 +253,8 @@ class LLMEngine:
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
-                       tenant=tenant, slo=slo, cache_salt=cache_salt)
+                       tenant=tenant, slo=slo, cache_salt=lora_cache_salt(cache_salt, lora_name, self.lora_ids),
+                       lora_name=lora_name)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
@@ -240,6 +265,27 @@ class LLMEngine:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
         self.num_live[request_id] = sampling_params.n
+
+    # ---- chapter 19: LoRA adapters ----------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` under `name` (ValueError: it does not fit, or the name is taken)."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters are off in this engine (EngineConfig.lora_config is None)")
+        if not name or name in self.lora_ids:
+            raise ValueError(f"adapter name {name!r} is empty or already loaded")
+        self.executor.add_lora(name, path)
+        self.lora_ids[name] = self._next_lora_id
+        self._next_lora_id += 1
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no live request uses (ValueError otherwise)."""
+        if name not in self.lora_ids:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        users = [s.seq_id for s in self.scheduler.seqs.values() if s.lora_name == name]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} request(s)")
+        self.executor.remove_lora(name)
+        del self.lora_ids[name]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request (every completion of it; a completion's sequence id also
@@ -437,7 +483,7 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

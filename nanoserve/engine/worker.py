@@ -44,15 +44,21 @@ KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16} 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
-                 store_kv=None, compile_mode: str = "eager"):
+                 store_kv=None, compile_mode: str = "eager", lora_config=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
         the learner's under --student 05 (None: the reference); model_runner_class: the reference
         ModelRunner, or the learner's (exercise 6.5); compile_mode: "eager", or how the runner's steps run
-        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic")."""
+        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic"); lora_config: chapter 19's
+        LoRAConfig — the model's projections get LoRA layers and each step sets which token uses which adapter."""
         keep_freed_host_memory()
         self.model = model.eval()
+        self.lora_manager = None
+        if lora_config is not None:
+            from nanoserve.lora.manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(self.model, lora_config)
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
@@ -80,4 +86,12 @@ class Worker:
                                                     self.metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
-        return self.model_runner.execute_model(scheduler_output, degraded)
+        if self.lora_manager is None:
+            return self.model_runner.execute_model(scheduler_output, degraded)
+        # chapter 19: the step's rows in the runner's order (each sequence's scheduled tokens end to end)
+        self.lora_manager.set_step([(seq.lora_name, scheduler_output.num_scheduled_tokens[seq.seq_id])
+                                    for seq in scheduler_output.scheduled_seqs])
+        try:
+            return self.model_runner.execute_model(scheduler_output, degraded)
+        finally:
+            self.lora_manager.end_step()
