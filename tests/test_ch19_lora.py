@@ -5,8 +5,6 @@ import json
 
 import pytest
 import torch
-from peft import PeftModel
-
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.lora.adapter import load_adapter
 from nanoserve.lora.config import LoRAConfig
@@ -14,24 +12,12 @@ from nanoserve.lora.manager import LoRAModelManager
 from nanoserve.lora.punica import bgmv, sgmv
 from nanoserve.model.quant import BF16Linear, Int8Linear
 from nanoserve.sampling import SamplingParams
-from tests.lora_reference import TINY, hf_twin, tiny_llama, train_tiny_adapters
-
-SPECS = {"a": {"rank": 4, "alpha": 8}, "b": {"rank": 8, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}}
+from tests.lora_reference import TINY, peft_greedy, peft_model, tiny_llama
 
 
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    """The tiny model's two adapters, trained once: `a` on every projection (rank 4), `b` on q, v and down (8)."""
-    return train_tiny_adapters(hf_twin(tiny_llama()), tmp_path_factory.mktemp("lora"), SPECS)
-
-
-def peft_model(paths: dict[str, str]):
-    """transformers + PEFT holding every adapter of `paths` (switch with set_adapter)."""
-    names = list(paths)
-    model = PeftModel.from_pretrained(hf_twin(tiny_llama()), paths[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(paths[name], adapter_name=name)
-    return model.eval()
+@pytest.fixture
+def adapters(tiny_adapters):
+    return tiny_adapters
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -118,14 +104,7 @@ def test_mixed_batch_greedy_matches_peft_and_each_alone(adapters):
     mixed = run(lora_engine(adapters), requests)
     theirs = peft_model(adapters)
     for rid, (ids, lora) in requests.items():
-        with torch.no_grad():
-            if lora is None:
-                with theirs.disable_adapter():
-                    out = theirs.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
-            else:
-                theirs.set_adapter(lora)
-                out = theirs.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
-        assert mixed[rid] == out[0, len(ids):].tolist(), rid
+        assert mixed[rid] == peft_greedy(theirs, ids, lora, 6), rid
         assert run(lora_engine(adapters), {rid: (ids, lora)}) == {rid: mixed[rid]}
 
 
