@@ -90,6 +90,8 @@ STUDENT_FILES = {
     "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
     "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
     "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
+    "nanoserve.lora.punica": "19-multi-lora/punica.py",
+    "nanoserve.lora.manager": "19-multi-lora/manager.py",
 }
 
 
@@ -150,6 +152,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     "nanoserve.cluster.routing": {
         "16.1": ["power_of_two_choices"],
         "16.2": ["prefix_affinity"],
+    },
+    "nanoserve.lora.punica": {
+        "19.1": ["sgmv"],
+        "19.2": ["bgmv"],
     },
 }
 

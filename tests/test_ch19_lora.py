@@ -1,6 +1,7 @@
 """Chapter 19: LoRA adapters — PEFT's files read, the batched gather against a per-row reference, the model
 against transformers + PEFT (logits and greedy text), mixed batches, every weights format, the slots' LRU."""
 
+import contextlib
 import json
 
 import pytest
@@ -37,21 +38,34 @@ def per_row_reference(x, a, b, slots, slices):
     return out
 
 
+def random_slots(seed=0, slices=(6, 2, 2), R=3, num_slots=4, d_in=5):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(num_slots, len(slices) * R, d_in, generator=g), torch.randn(num_slots, sum(slices), R, generator=g)
+    a[0], b[0] = 0, 0  # slot 0: the base model
+    return a, b, torch.randn(7, d_in, generator=g), list(slices)
+
+
+@pytest.mark.exercise("19.1")
+def test_sgmv_matches_a_loop_over_rows():
+    a, b, x, slices = random_slots()
+    segments = [(0, 1, 1), (1, 2, 0), (2, 4, 3), (4, 5, 2), (5, 7, 1)]
+    expected = per_row_reference(x, a, b, [1, 0, 3, 3, 2, 1, 1], slices)
+    torch.testing.assert_close(punica().sgmv(x, a, b, segments, slices), expected)
+
+
 @pytest.mark.exercise("19.2")
-def test_bgmv_and_sgmv_match_a_loop_over_rows():
+def test_bgmv_matches_a_loop_over_rows():
+    a, b, x, slices = random_slots(1)
+    slots = [1, 0, 3, 3, 2, 1, 0]
+    got = punica().bgmv(x, a, b, torch.tensor(slots), slices)
+    torch.testing.assert_close(got, per_row_reference(x, a, b, slots, slices))
+    assert torch.equal(got[1], torch.zeros(10))  # a base row adds nothing
+
+
+def punica():
     from nanoserve.student import implementation
 
-    punica = implementation("nanoserve.lora.punica")
-    g = torch.Generator().manual_seed(0)
-    slices, R = [6, 2, 2], 3
-    a, b = torch.randn(4, 3 * R, 5, generator=g), torch.randn(4, 10, R, generator=g)
-    a[0], b[0] = 0, 0  # slot 0: the base model
-    x = torch.randn(7, 5, generator=g)
-    slots = [1, 0, 3, 3, 2, 1, 0]
-    expected = per_row_reference(x, a, b, slots, slices)
-    torch.testing.assert_close(punica.bgmv(x, a, b, torch.tensor(slots), slices), expected)
-    segments = [(0, 1, 1), (1, 2, 0), (2, 4, 3), (4, 5, 2), (5, 6, 1), (6, 7, 0)]
-    torch.testing.assert_close(punica.sgmv(x, a, b, segments, slices), expected)
+    return implementation("nanoserve.lora.punica")
 
 
 # --- the adapter against transformers + PEFT --------------------------------------------------------
@@ -60,7 +74,7 @@ def test_bgmv_and_sgmv_match_a_loop_over_rows():
 @pytest.mark.parametrize("name", ["a", "b"])
 def test_lora_logits_match_peft(adapters, name):
     ours = tiny_llama()
-    manager = LoRAModelManager(ours, LoRAConfig(max_loras=2, max_lora_rank=8))
+    manager = LoRAModelManager(ours, LoRAConfig(max_loras=2, max_lora_rank=8), punica=punica())
     manager.add_adapter(name, adapters[name])
     theirs = peft_model(adapters)
     theirs.set_adapter(name)
@@ -69,10 +83,34 @@ def test_lora_logits_match_peft(adapters, name):
         expected = theirs(ids[None]).logits[0]
         with theirs.disable_adapter():
             base = theirs(ids[None]).logits[0]
-        manager.set_step([(name, len(ids))])
+        manager.set_step([(name, len(ids))])  # one prefill segment: sgmv
         got = ours.compute_logits(ours(ids))
     assert (expected - base).abs().max() > 1e-2  # the adapter changes the logits: the comparison means something
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.exercise("19.2")
+def test_a_mixed_decode_step_matches_peft_row_by_row(adapters):
+    """One decode step's rows use a, the base, b, a: each row of the fused qkv_proj is PEFT's q, k, v of that
+    row's adapter (bgmv: every sequence decodes one token)."""
+    model = tiny_llama()
+    manager = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8), punica=punica())
+    for name in adapters:
+        manager.add_adapter(name, adapters[name])
+    rows = ["a", None, "b", "a"]
+    manager.set_step([(name, 1) for name in rows])
+    assert manager.mapping.decode
+    x = torch.randn(4, TINY.hidden_size, generator=torch.Generator().manual_seed(3))
+    theirs = peft_model(adapters)
+    attn = theirs.base_model.model.model.layers[0].self_attn
+    with torch.no_grad():
+        got = manager.layers["layers.0.self_attn.qkv_proj"](x)
+        for t, name in enumerate(rows):
+            with theirs.disable_adapter() if name is None else contextlib.nullcontext():
+                if name is not None:
+                    theirs.set_adapter(name)
+                expected = torch.cat([p(x[t:t + 1]) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], dim=-1)[0]
+            torch.testing.assert_close(got[t], expected, atol=1e-5, rtol=1e-5)
 
 
 def lora_engine(adapters, max_loras=2, max_num_seqs=8, **kw):
@@ -95,7 +133,6 @@ def run(engine, requests: dict[str, tuple[list[int], str | None]], max_tokens=6)
     return done
 
 
-@pytest.mark.exercise("19.2")
 def test_mixed_batch_greedy_matches_peft_and_each_alone(adapters):
     """Both adapters and the base in one batch (prefill chunks, then decode steps through the gather): each
     request's greedy tokens are transformers + PEFT's, and what the request gets served alone."""

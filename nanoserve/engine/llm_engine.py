@@ -157,11 +157,14 @@ class LLMEngine:
                                  or config.speculative == "draft" or getattr(model, "tp_group", None) is not None):
             raise ValueError("LoRA adapters run on one eager model: degrade_under_load, compile_mode, the draft "
                              "proposer and tensor parallelism are refused with them")
+        # chapter 19: the adapter slots' LRU and the batched gather (the learner's, exercises/19, where finished)
+        lora_code = {} if lora is None else {"lora_manager_class": student.module("nanoserve.lora.manager").LoRAModelManager,
+                                             "punica": student.module("nanoserve.lora.punica")}
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[config.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
-                                          compile_mode=config.compile_mode, lora_config=lora)])
+                                          compile_mode=config.compile_mode, lora_config=lora, **lora_code)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")

@@ -11,14 +11,16 @@ base's output dtype. All LoRA layers of a model read one LoRAMapping, which the 
 import torch
 from torch import nn
 
+from nanoserve.lora import punica as reference_punica
 from nanoserve.lora.config import LORA_MODULES
-from nanoserve.lora.punica import bgmv, sgmv, slice_bounds
+from nanoserve.lora.punica import slice_bounds
 
 
 class LoRAMapping:
     """The step's tokens -> slots (vLLM's LoRAMapping and PunicaWrapper in one). Slot 0 is the base model."""
 
-    def __init__(self):
+    def __init__(self, punica=None):
+        self.punica = punica or reference_punica  # whose bgmv / sgmv (the learner's under --student 19)
         self.clear()
 
     def set(self, rows: list[tuple[int, int]]) -> None:
@@ -41,8 +43,8 @@ class LoRAMapping:
         if x.shape[0] != len(self.token_slots):
             raise RuntimeError(f"the LoRA mapping covers {len(self.token_slots)} tokens, the layer got {x.shape[0]}")
         if self.decode:
-            return bgmv(x, a, b, self.token_slots.to(x.device), slices)
-        return sgmv(x, a, b, self.segments, slices)
+            return self.punica.bgmv(x, a, b, self.token_slots.to(x.device), slices)
+        return self.punica.sgmv(x, a, b, self.segments, slices)
 
 
 class LoRALinear(nn.Module):

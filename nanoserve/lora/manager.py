@@ -23,13 +23,36 @@ from nanoserve.lora.config import LORA_MODULES, LoRAConfig
 from nanoserve.lora.layers import LoRAMapping, add_lora_layers
 
 
+def lru_slots(slots: OrderedDict, names: set[str], max_loras: int) -> dict[str, int]:
+    """Exercise 19.3: give every adapter of `names` a slot in 1..max_loras; returns {name: slot} of those that
+    must be written into their slot now (the ones that had none). `slots` (name -> slot, least recently used
+    first) is updated in place: every name of `names` ends up in it, most recently used last — the ones already
+    there moved to the end, the new ones after them in sorted order; a new one takes the smallest free slot,
+    or evicts the least recently used adapter that is not in `names`. len(names) <= max_loras.
+
+        slots {a: 1, b: 2}, names {b, c}, max_loras 2  ->  returns {c: 1}; slots {b: 2, c: 1}
+    """
+    for name in sorted(names & set(slots)):
+        slots.move_to_end(name)
+    new = {}
+    for name in sorted(names - set(slots)):
+        free = set(range(1, max_loras + 1)) - set(slots.values())
+        slot = min(free) if free else slots.pop(next(n for n in slots if n not in names))
+        slots[name] = new[name] = slot
+    return new
+
+
 class LoRAModelManager:
-    def __init__(self, model, config: LoRAConfig, load=load_adapter):
-        """Adds LoRA layers to `model` (in place). load(name, path, model_config, max_rank, modules) -> LoRAAdapter."""
+    assign_slots = staticmethod(lru_slots)  # the eviction policy (exercise 19.3 gives its own)
+
+    def __init__(self, model, config: LoRAConfig, load=load_adapter, punica=None):
+        """Adds LoRA layers to `model` (in place). load(name, path, model_config, max_rank, modules) -> LoRAAdapter;
+        punica: the module whose bgmv and sgmv the layers call (default nanoserve.lora.punica; the learner's,
+        exercises 19.1 and 19.2, under --student 19)."""
         self.config = config
         self.model_config = model.config
         self.load = load
-        self.mapping = LoRAMapping()
+        self.mapping = LoRAMapping(punica)
         self.layers = add_lora_layers(model, config.modules, config.max_loras, config.max_lora_rank, self.mapping)
         self.paths: dict[str, str] = {}  # name -> directory: every adapter known (the disk tier)
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -70,18 +93,8 @@ class LoRAModelManager:
         """Give each adapter of `names` a slot; returns {name: slot}."""
         if len(names) > self.config.max_loras:
             raise RuntimeError(f"a step needs {len(names)} adapters, max_loras is {self.config.max_loras}")
-        for name in names:
-            if name in self.slots:
-                self.slots.move_to_end(name)
-        for name in sorted(names - set(self.slots)):
-            free = set(range(1, self.config.max_loras + 1)) - set(self.slots.values())
-            if free:
-                slot = min(free)
-            else:  # evict the least recently used adapter this step does not need
-                victim = next(n for n in self.slots if n not in names)
-                slot = self.slots.pop(victim)
+        for name, slot in self.assign_slots(self.slots, names, self.config.max_loras).items():
             self._write_slot(slot, self._in_memory(name))
-            self.slots[name] = slot
         return {name: self.slots[name] for name in names}
 
     # ---- tiers ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Chapter 19 — training small LoRA adapters with PEFT, to have real adapters to serve.
 
-    .venv/bin/python -m nanoserve lora-train --out adapters     # adapters/upper and adapters/reverse, SmolLM2
+    python -m nanoserve lora-train --out adapters     # adapters/upper and adapters/reverse, SmolLM2
 
 Two toy tasks, each a few hundred prompt/answer pairs made up on the spot, each learnt by its own adapter
 (rank 8 on q, k, v, o, gate, up, down) with transformers + PEFT in float32 on the CPU:
