@@ -43,7 +43,7 @@ def train_adapter(hf_model, sequences: list[list[int]], out_dir, rank: int = 8, 
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(hf_model).float().train(),
+    model = get_peft_model(copy.deepcopy(hf_model).train(),  # float32 (the callers load it so)
                            LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     rng = random.Random(seed)
