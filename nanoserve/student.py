@@ -133,6 +133,11 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "7.3": ["load_kv_tile"],
         "7.4": ["paged_attention_kernel"],
     },
+    "nanoserve.metrics": {
+        "9.1": ["ttft", "itl", "e2e", "tpot", "request_latencies"],
+        "9.2": ["percentile", "stats"],
+        "9.3": ["meets_slos", "summarize"],
+    },
     "nanoserve.bench.load": {
         "9.4": ["arrival_times"],
         "9.5": ["open_loop"],

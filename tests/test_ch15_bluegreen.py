@@ -21,7 +21,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.runner import serving
 from tests.tiny_model import tiny_llama
 
@@ -38,7 +40,8 @@ def tokenizer():
 
 def tiny_engine(tokenizer, step_s=0.0, **model):
     engine = LLMEngine(tiny_llama(vocab_size=49152, max_position_embeddings=1024, **model),
-                       EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer)
+                       EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
+                                    scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
     if step_s:  # pace the steps like a real model's, so requests are in flight across the switch
         execute = engine.executor.execute_model
         engine.executor.execute_model = lambda out, *a: (time.sleep(step_s), execute(out, *a))[1]
@@ -151,7 +154,7 @@ def test_a_failed_load_or_warm_up_leaves_the_old_version_serving(tokenizer):
             raise ValueError("unknown weights 'bogus'; known: fp32, int8, q4, bf16")
         if model_file == "other-model.gguf":  # loads, but is another model: another vocabulary
             return LLMEngine(tiny_llama(vocab_size=1000, max_position_embeddings=1024),
-                             EngineConfig(num_blocks=48, block_size=16), tokenizer)
+                             EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16)), tokenizer)
         if model_file == "slow.gguf":
             release.wait(30)
         engine = tiny_engine(tokenizer)

@@ -317,11 +317,13 @@ def test_every_request_finishes_or_is_rejected_no_block_leaks(name, requests, nu
 def test_engine_takes_the_policy_from_its_config_and_reports_a_rejection():
     import time
 
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    from nanoserve.engine.llm_engine import LLMEngine
     from tests.tiny_model import tiny_llama
 
-    engine = LLMEngine(tiny_llama(), EngineConfig(num_blocks=32, block_size=4, scheduling_policy="slo",
-                                                  slo_ttft_ms=60_000, slo_reject=True), eos_token_id=-1)
+    engine = LLMEngine(tiny_llama(), EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4),
+                                                  scheduler_config=SchedulerConfig(policy="slo", slo_ttft_ms=60_000, slo_reject=True)), eos_token_id=-1)
     assert type(engine.scheduler.policy).__name__ == "SLOPolicy"
     params = SamplingParams(max_tokens=2, temperature=0.0)
     engine.add_request("late", [1, 2, 3], params, arrival_time=time.perf_counter() - 1.0, tenant="t1",
@@ -338,7 +340,8 @@ def test_engine_takes_the_policy_from_its_config_and_reports_a_rejection():
     assert ok[-1].finish_reason == "length" and ok[-1].reject_reason is None and len(ok[-1].token_ids) == 2
     assert engine.block_manager.get_num_free_blocks() == 32
     with pytest.raises(ValueError, match="scheduling policy"):
-        LLMEngine(tiny_llama(), EngineConfig(num_blocks=8, scheduling_policy="round-robin"))
+        LLMEngine(tiny_llama(), EngineConfig(cache_config=CacheConfig(num_blocks=8),
+                                             scheduler_config=SchedulerConfig(policy="round-robin")))
 
 
 def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_503():
@@ -353,7 +356,8 @@ def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_50
 
     tokenizer = Tokenizer.from_gguf()
     engine = LLMEngine(tiny_llama(vocab_size=49152, max_position_embeddings=1024),
-                       EngineConfig(num_blocks=32, block_size=16, scheduling_policy="slo", slo_reject=True), tokenizer)
+                       EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=16),
+                                    scheduler_config=SchedulerConfig(policy="slo", slo_reject=True)), tokenizer)
 
     def post(body):
         req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})

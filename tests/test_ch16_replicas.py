@@ -20,7 +20,8 @@ import pytest
 from nanoserve.bench.routing import autoscaling_trace
 from nanoserve.cluster.deploy import Autoscaling, serving_fleet, start_ray, wait_for
 from nanoserve.cluster.replica import ReplicaSpec
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.runner import serving
 from tests.tiny_model import tiny_llama
 
@@ -77,7 +78,7 @@ def ray_session(smollm2_tokenizer):
 
 def test_two_replicas_answer_like_one_server(ray_session):
     tokenizer = ray_session
-    engine = LLMEngine(tiny_llama(**TINY), EngineConfig(**ENGINE), tokenizer)
+    engine = LLMEngine(tiny_llama(**TINY), engine_config(**ENGINE), tokenizer)
     greedy = {"model": "tiny", "max_tokens": 8, "temperature": 0}
     too_long = {"model": "tiny", "prompt": "hello " * 2000, "max_tokens": 4}
     with serving(engine, tokenizer, model_name="tiny") as (url, _):

@@ -6,9 +6,10 @@ import json
 
 import pytest
 import torch
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.lora.adapter import load_adapter
-from nanoserve.lora.config import LoRAConfig
+from nanoserve.engine.config import LoRAConfig
 from nanoserve.lora.manager import LoRAModelManager
 from nanoserve.lora.punica import bgmv, sgmv
 from nanoserve.model.quant import BF16Linear, Int8Linear
@@ -114,7 +115,7 @@ def test_a_mixed_decode_step_matches_peft_row_by_row(adapters):
 
 
 def lora_engine(adapters, max_loras=2, max_num_seqs=8, **kw):
-    engine = LLMEngine(tiny_llama(), EngineConfig(num_blocks=64, max_num_seqs=max_num_seqs,
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=64, max_num_seqs=max_num_seqs,
                                                   lora_config=LoRAConfig(max_loras=max_loras, max_lora_rank=8)),
                        eos_token_id=-1, **kw)
     for name, path in adapters.items():

@@ -9,8 +9,9 @@ import httpx
 import openai
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.lora.config import LoRAConfig
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.config import LoRAConfig
 from nanoserve.server.runner import serving
 from tests.lora_reference import peft_greedy, peft_model, tiny_llama
 
@@ -20,7 +21,7 @@ PROMPTS = {"a": [5, 17, 99, 3, 42, 7], "b": [8, 1, 200, 31], None: [64, 65, 66, 
 
 @pytest.fixture(scope="module")
 def server(tiny_adapters, smollm2_tokenizer):
-    engine = LLMEngine(tiny_llama(), EngineConfig(num_blocks=64, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)),
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=64, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)),
                        smollm2_tokenizer)
     for name, path in tiny_adapters.items():
         engine.add_lora(name, path)

@@ -4,8 +4,9 @@ back to the reference with a warning naming it."""
 
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
-from nanoserve.lora.config import LoRAConfig
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.config import LoRAConfig
 from nanoserve.sampling import SamplingParams
 from tests.lora_reference import tiny_llama
 from tests.test_student import exercises, finish  # noqa: F401 — the fixture that copies exercises/
@@ -16,7 +17,7 @@ REQUESTS = {"r-a": ([5, 17, 99, 3, 42], "a"), "r-b": ([8, 1, 200, 31], "b"), "r-
 
 def serve(adapters, **config):
     """Three adapters (c is a again) on max_loras 2: the slots' LRU evicts while the batch mixes them."""
-    engine = LLMEngine(tiny_llama(), EngineConfig(num_blocks=64, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8),
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=64, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8),
                                                   **config), eos_token_id=-1)
     for name, path in {**adapters, "c": adapters["a"]}.items():
         engine.add_lora(name, path)

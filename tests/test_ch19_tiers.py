@@ -11,7 +11,7 @@ from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.block_manager import BlockManager
 from nanoserve.lora.adapter import LoRAAdapter
-from nanoserve.lora.config import LoRAConfig
+from nanoserve.engine.config import LoRAConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation
 from tests.lora_reference import TINY, tiny_llama
@@ -88,9 +88,10 @@ def test_the_scheduler_admits_no_adapter_beyond_the_slots_and_starves_none():
 
 def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny_adapters):
     """The same 12-token prompt under adapter a, adapter b, a again and the base: only the repeat of a hits."""
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(tiny_llama(), EngineConfig(num_blocks=32, block_size=4,
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=32, block_size=4,
                                                   lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)), eos_token_id=-1)
     for name, path in tiny_adapters.items():
         engine.add_lora(name, path)

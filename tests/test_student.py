@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from nanoserve import student
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import RUNGS, STUDENT_FILES, StudentCode, parse_selection, unfinished
 from tests.tiny_model import tiny_llama
@@ -69,7 +70,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9 + i, 20 + i, 30 + i] for i in range(5)]
 
 
 def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
-    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
+    engine = LLMEngine(model, engine_config(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     tokens = {}
@@ -134,7 +135,8 @@ def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys)
     with torch.no_grad():  # no cache: the model's own attention is the learner's (chapter 01)
         torch.testing.assert_close(model.compute_logits(model(ids)), tiny.compute_logits(tiny(ids)))
     assert code.calls["scaled_dot_product_attention"] == tiny.config.num_hidden_layers
-    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16,
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=11, block_size=4),
+                                           scheduler_config=SchedulerConfig(max_num_batched_tokens=16),
                                            student="01,02"), student=code)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -430,7 +432,7 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     exercises("nanoserve.engine.snapshot")
     finish("nanoserve.engine.event_feed", ["Subscription.put", "Subscription.take", "EventFeed.emit_if_due"])
     config = dict(num_blocks=11, block_size=4, max_num_batched_tokens=16)
-    engines = [LLMEngine(tiny, EngineConfig(**config, student="12")), LLMEngine(tiny, EngineConfig(**config))]
+    engines = [LLMEngine(tiny, engine_config(**config, student="12")), LLMEngine(tiny, engine_config(**config))]
     feeds = [AsyncLLMEngine(engines[0]).event_feed, EventFeed()]
     assert type(feeds[0]).__module__ == "student_nanoserve_engine_event_feed"
     subs = [feed.subscribe() for feed in feeds]
@@ -451,14 +453,21 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     assert calls["step_kind"] >= len(seen[0]) and calls["Subscription.take"] == len(seen[0])
 
 
+SCHEMA_13 = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                            "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
+CHOICES_13 = ["red", "green", "not sure"]
+
+
 @pytest.mark.parametrize("module, called, yours", [
+    ("nanoserve.structured.choice", "choice_mask", "build_trie, choice_mask"),
     ("nanoserve.structured.bitmask", "apply_token_bitmask", "unpack_bitmask, apply_token_bitmask"),
     ("nanoserve.structured.matcher", "SequenceMatcher.sync", "SequenceMatcher"),
 ])
 def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module, called, yours):
-    """--student 13 with one rung finished: every constrained token went through the learner's code (13.2 the
-    mask applied to the logits, 13.3 the matcher synced to the sequence), the other rung falls back; the output
-    follows its schema and equals the reference run's token for token."""
+    """--student 13 with one rung finished: every constrained token went through the learner's code (13.1 the
+    choice list's masks from the trie, 13.2 the mask applied to the logits, 13.3 the matcher synced to the
+    sequence), the other rungs fall back; the output follows its grammar (a JSON schema; for 13.1 a choice list)
+    and equals the reference run's token for token."""
     import json
 
     import jsonschema
@@ -467,20 +476,26 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
 
     tiny = tiny_llama(vocab_size=49152)  # random weights, SmolLM2's vocabulary: the tokenizer's masks fit
     exercises(module)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                               "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=StructuredOutputsParams(json=schema))
-    with pytest.warns(UserWarning, match=r"Exercise 13\.[23] not finished"):
-        engines = [LLMEngine(tiny, EngineConfig(num_blocks=32, student="13"), smollm2_tokenizer)]
-    engines.append(LLMEngine(tiny, EngineConfig(num_blocks=32), smollm2_tokenizer))
+    choice = module.endswith("choice")
+    structured = StructuredOutputsParams(choice=CHOICES_13) if choice else StructuredOutputsParams(json=SCHEMA_13)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=structured)
+    with pytest.warns(UserWarning, match=r"Exercise 13\.[123] not finished"):
+        engines = [LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32),
+                                                student="13"), smollm2_tokenizer)]
+    engines.append(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32)), smollm2_tokenizer))
     texts = []
     for engine in engines:
         engine.add_request("r", smollm2_tokenizer.encode("A colour and a number:"), params)
         while engine.has_unfinished_requests():
             texts += [(out.token_ids, out.text) for out in engine.step() if out.finished]
     assert texts[0] == texts[1]
-    jsonschema.validate(json.loads(texts[0][1]), schema)
+    if choice:
+        assert texts[0][1] in CHOICES_13
+    else:
+        jsonschema.validate(json.loads(texts[0][1]), SCHEMA_13)
     steps = len(texts[0][0])
     calls = engines[0].student.calls
     assert calls[called] >= steps  # one call a sampled token, at least
+    if choice:  # one mask per trie node the output stood at (each token a new node), one trie per request
+        assert calls["choice_mask"] == steps and calls["build_trie"] == 1
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()

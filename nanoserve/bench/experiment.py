@@ -22,7 +22,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
                    long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
 
-Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
+Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
+this machine drifts.
 """
 
 import importlib
@@ -97,9 +98,11 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
 
 
 def engine_for(model, tokenizer=None, **config):
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    """An engine from LLM's flat settings (block_size=…, max_num_seqs=…, speculative=…)."""
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(model, EngineConfig(**config), tokenizer)
+    return LLMEngine(model, engine_config(**config), tokenizer)
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -107,10 +110,12 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def interleaved(rounds: int, systems: dict, measure) -> dict:
-    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift."""
+    """{name: [result per round]}, measuring A, B, then B, A, then A, B, ...: each system sees the same drift, and
+    none always runs first (the first of a round follows whatever the last round left behind)."""
     results = {name: [] for name in systems}
+    order = list(systems.items())
     for r in range(rounds):
-        for name, system in systems.items():
+        for name, system in order if r % 2 == 0 else order[::-1]:
             results[name].append(measure(name, system, r))
             print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
     return results

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nanoserve.lora import punica as reference_punica
-from nanoserve.lora.config import LORA_MODULES
+from nanoserve.lora.modules import LORA_MODULES
 from nanoserve.lora.punica import slice_bounds
 
 

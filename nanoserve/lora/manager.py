@@ -18,8 +18,9 @@ scheduler admits no request whose adapter would be one too many (Scheduler.lora_
 import time
 from collections import OrderedDict
 
+from nanoserve.engine.config import LoRAConfig
 from nanoserve.lora.adapter import LoRAAdapter, load_adapter
-from nanoserve.lora.config import LORA_MODULES, LoRAConfig
+from nanoserve.lora.modules import LORA_MODULES
 from nanoserve.lora.layers import LoRAMapping, add_lora_layers
 
 
