@@ -89,7 +89,7 @@ def test_the_scheduler_admits_no_adapter_beyond_the_slots_and_starves_none():
 def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny_adapters):
     """The same 12-token prompt under adapter a, adapter b, a again and the base: only the repeat of a hits."""
     from nanoserve.engine.config import engine_config
-from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(tiny_llama(), engine_config(num_blocks=32, block_size=4,
                                                   lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)), eos_token_id=-1)
@@ -105,3 +105,23 @@ from nanoserve.engine.llm_engine import LLMEngine
     assert hits == [0, 0, 2, 0]  # 12 tokens: 3 full blocks, the last one recomputed to sample (2 hits)
     with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
         engine.add_request("x", [1, 2], SamplingParams(max_tokens=1), lora_name="c")
+
+
+def test_vllm_lora_requests_info_names_running_and_waiting_adapters(tiny_adapters):
+    """--metrics-compat vllm: after a step with max_loras 1, adapter a runs and b waits (the scheduler's slot rule)."""
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.server.metrics import PrometheusStatLogger
+
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=32, lora_config=LoRAConfig(max_loras=1, max_lora_rank=8)),
+                       eos_token_id=-1)
+    for name, path in tiny_adapters.items():
+        engine.add_lora(name, path)
+    for rid, lora in (("1", "a"), ("2", "b"), ("3", None)):
+        engine.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=3), lora_name=lora)
+    logger = PrometheusStatLogger("tiny", "vllm")
+    logger.record(engine, engine.step(), engine.last_scheduler_output)
+    lines = [line for line in logger.scrape().decode().splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1
+    assert 'max_lora="1"' in lines[0] and 'running_lora_adapters="a"' in lines[0]
+    assert 'waiting_lora_adapters="b"' in lines[0]
