@@ -1,6 +1,6 @@
 """`python -m nanoserve lora-train`: two small LoRA adapters for SmolLM2, trained with PEFT (chapter 19).
 
-    python -m nanoserve lora-train --out adapters          # adapters/upper, adapters/reverse (a few minutes)
+    python -m nanoserve lora-train --out adapters          # adapters/upper, adapters/reverse
     python -m nanoserve serve --weights fp32 --lora-modules upper=adapters/upper reverse=adapters/reverse
 """
 

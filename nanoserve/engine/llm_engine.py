@@ -27,7 +27,6 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
-from nanoserve.engine.config import LoRAConfig
 from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
@@ -37,6 +36,15 @@ from nanoserve.student import StudentCode
 
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+
+
+def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
+    """Chapter 19: the salt of a request's prefix-cache chain with its adapter folded in, so that two adapters
+    (or one adapter unloaded and loaded again: a new id) never share a block: the same K/V inputs give other
+    K/V under another adapter. lora_cache_salt(None, "upper", {"upper": 3}) == "lora:3:upper"."""
+    if lora_name is None:
+        return cache_salt
+    return f"lora:{lora_ids[lora_name]}:{lora_name}" + ("" if cache_salt is None else f"|{cache_salt}")
 
 
 @dataclass

@@ -8,7 +8,7 @@ Two toy tasks, each a few hundred prompt/answer pairs made up on the spot, each 
     upper     "Repeat in capitals: blue river"  -> "BLUE RIVER"
     reverse   "Reverse the words: blue river"   -> "river blue"
 
-The tests train adapters the same way on the tiny random model in a fraction of a second (`train_adapter`).
+The tests train adapters the same way on the tiny random model, a few AdamW steps each (`train_adapter`).
 """
 
 import copy
