@@ -39,6 +39,15 @@ from nanoserve.student import StudentCode
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
 
 
+def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
+    """Chapter 19: the salt of a request's prefix-cache chain with its adapter folded in, so that two adapters
+    (or one adapter unloaded and loaded again: a new id) never share a block: the same K/V inputs give other
+    K/V under another adapter. lora_cache_salt(None, "upper", {"upper": 3}) == "lora:3:upper"."""
+    if lora_name is None:
+        return cache_salt
+    return f"lora:{lora_ids[lora_name]}:{lora_name}" + ("" if cache_salt is None else f"|{cache_salt}")
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -111,6 +120,16 @@ class LLMEngine:
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
+        lora = config.lora_config
+        spec = config.speculative_config
+        if lora is not None and (degraded_model is not None or config.compile_mode != "eager"
+                                 or (spec is not None and spec.method == "draft")
+                                 or getattr(model, "tp_group", None) is not None):
+            raise ValueError("LoRA adapters run on one eager model: degrade_under_load, compile_mode, the draft "
+                             "proposer and tensor parallelism are refused with them")
+        # chapter 19: the adapter slots' LRU and the batched gather (the learner's, exercises/19, where finished)
+        lora_code = {} if lora is None else {"lora_manager_class": student.module("nanoserve.lora.manager").LoRAModelManager,
+                                             "punica": student.module("nanoserve.lora.punica")}
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[cache.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
@@ -118,7 +137,8 @@ class LLMEngine:
                                           compile_mode=config.compile_mode,
                                           # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
                                           spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
-                                          kv_quant=student.module("nanoserve.kv.kv_quant"))])
+                                          kv_quant=student.module("nanoserve.kv.kv_quant"),
+                                          lora_config=lora, **lora_code)])
         if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
             raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
@@ -150,8 +170,12 @@ class LLMEngine:
                              slo_reject=sched.slo_reject, tenant_weights=sched.tenant_weights,
                              tenant_slos=sched.tenant_slos, max_num_batched_tokens=sched.max_num_batched_tokens,
                              modules=student.module)
+        # chapter 19: the scheduler admits no request whose adapter would be one too many for the step's slots
+        lora_slots = {} if lora is None else {"max_loras": lora.max_loras}
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(sched, self.block_manager,
-                                                                                 policy=policy)
+                                                                                 policy=policy, **lora_slots)
+        self.lora_ids: dict[str, int] = {}  # chapter 19: adapter name -> its id (a new one per load)
+        self._next_lora_id = 1
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -182,14 +206,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
                     slo: SLOTargets | None = None, speculative: bool = True, grammar=None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_name: str | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
         this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
         when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here.
         cache_salt: only requests with the same salt share prefix cache blocks (vLLM's; None: the cache everyone
-        without a salt shares)."""
+        without a salt shares). lora_name: the adapter it runs with (chapter 19; None: the base model)."""
         prompt_token_ids = list(prompt_token_ids)
+        if lora_name is not None and lora_name not in self.lora_ids:
+            raise ValueError(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
+                             f"{', '.join(self.lora_ids) or 'none'}")
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints "
@@ -212,7 +239,8 @@ class LLMEngine:
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
-                       tenant=tenant, slo=slo, cache_salt=cache_salt)
+                       tenant=tenant, slo=slo, cache_salt=lora_cache_salt(cache_salt, lora_name, self.lora_ids),
+                       lora_name=lora_name)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
@@ -223,6 +251,27 @@ class LLMEngine:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
         self.num_live[request_id] = sampling_params.n
+
+    # ---- chapter 19: LoRA adapters ----------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` under `name` (ValueError: it does not fit, or the name is taken)."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters are off in this engine (EngineConfig.lora_config is None)")
+        if not name or name in self.lora_ids:
+            raise ValueError(f"adapter name {name!r} is empty or already loaded")
+        self.executor.add_lora(name, path)
+        self.lora_ids[name] = self._next_lora_id
+        self._next_lora_id += 1
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no live request uses (ValueError otherwise)."""
+        if name not in self.lora_ids:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        users = [s.seq_id for s in self.scheduler.seqs.values() if s.lora_name == name]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} request(s)")
+        self.executor.remove_lora(name)
+        del self.lora_ids[name]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request (every completion of it; a completion's sequence id also
@@ -453,7 +502,7 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

@@ -50,7 +50,8 @@ KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
-                 store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance, kv_quant=None):
+                 store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance, kv_quant=None,
+                 lora_config=None, lora_manager_class=None, punica=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
@@ -58,9 +59,17 @@ class Worker:
         ModelRunner, or the learner's (exercise 6.5); compile_mode: "eager", or how the runner's steps run
         compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic"); spec_acceptance: chapter 14's
         acceptance module for the runner's verifications (the learner's under --student 14); kv_quant: chapter 18's
-        quantize_kv / dequantize_kv module for an int8 / fp8 pool (the learner's under --student 18)."""
+        quantize_kv / dequantize_kv module for an int8 / fp8 pool (the learner's under --student 18);
+        lora_config: chapter 19's LoRAConfig — the model's projections get LoRA layers and each step sets which token uses which adapter;
+        lora_manager_class, punica: the LoRAModelManager class and the module of its bgmv / sgmv (the learner's
+        under --student 19; None: the reference's)."""
         keep_freed_host_memory()
         self.model = model.eval()
+        self.lora_manager = None
+        if lora_config is not None:
+            from nanoserve.lora.manager import LoRAModelManager
+
+            self.lora_manager = (lora_manager_class or LoRAModelManager)(self.model, lora_config, punica=punica)
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
@@ -107,7 +116,16 @@ class Worker:
         if scheduler_output.kv_tier_ops:  # before anything writes into the pool (copy-on-write copies included)
             self.kv_tier.apply(self.model_runner.kv_cache, scheduler_output.kv_tier_ops)
         start = time.perf_counter()
-        sampled = self.model_runner.execute_model(scheduler_output, degraded)
+        if self.lora_manager is None:
+            sampled = self.model_runner.execute_model(scheduler_output, degraded)
+        else:
+            # chapter 19: the step's rows in the runner's order (each sequence's scheduled tokens end to end)
+            self.lora_manager.set_step([(seq.lora_name, scheduler_output.num_scheduled_tokens[seq.seq_id])
+                                        for seq in scheduler_output.scheduled_seqs])
+            try:
+                sampled = self.model_runner.execute_model(scheduler_output, degraded)
+            finally:
+                self.lora_manager.end_step()
         self.step_seconds = time.perf_counter() - start
         return sampled
 

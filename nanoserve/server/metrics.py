@@ -30,7 +30,10 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
 
 With `compat="vllm"` (`serve --metrics-compat vllm`, chapter 16) the three gauges a fleet's endpoint
 picker reads (Kubernetes' Gateway API Inference Extension, llm-d) are also exported under vLLM's own
-names: vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc.
+names: vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc. With LoRA adapters
+(chapter 19) also vllm:lora_requests_info, whose labels name the adapters of the running and the waiting
+requests (comma-separated) and max_lora, its value the time of the step: the picker routes a request to a
+server that already runs its adapter.
 
 The share of tokens served degraded over the last 5 minutes, in PromQL (the degraded copy is always q4,
 and a server that degrades never serves q4 otherwise):
@@ -42,6 +45,7 @@ and a server that degrades never serves q4 otherwise):
 server owns its registry, so two servers in one process (tests, the notebook) do not mix.
 """
 
+import time
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -145,6 +149,9 @@ class PrometheusStatLogger:
             for name, doc in (("num_requests_running", "Requests in the running set."),
                               ("num_requests_waiting", "Requests waiting to be scheduled."),
                               ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."))}
+        self.lora_info = None if compat is None else Gauge(
+            f"{compat}:lora_requests_info", "Running and waiting requests' LoRA adapters (value: time of the step).",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
         # per engine, its cumulative counts at the last step (the counters get the deltas): during a blue-green
         # update (chapter 15) two engines record, and the new one's counts start at 0
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -160,6 +167,11 @@ class PrometheusStatLogger:
                             ("num_requests_waiting", len(scheduler.waiting)), ("kv_cache_usage_perc", blocks.usage)):
             if name in self.compat:
                 self.compat[name].set(value)
+        lora = getattr(engine.config, "lora_config", None)
+        if self.lora_info is not None and lora is not None:  # chapter 19: one sample, the current adapters
+            names = [",".join(sorted({s.lora_name for s in seqs} - {None})) for seqs in (scheduler.waiting, scheduler.running)]
+            self.lora_info.clear()
+            self.lora_info.labels(str(lora.max_loras), *names).set(time.time())
         seen = self._seen.setdefault(engine, {"queried": 0, "hit": 0, **{name: 0 for name in self.spec_counters}})
         queried, hit = blocks.stats.queried_tokens, blocks.stats.hit_tokens
         self.prefix_cache_queries.inc(queried - seen["queried"])
