@@ -38,7 +38,7 @@ class LLM:
                  scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
                  slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
                  tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
-                 compile_mode: str = "eager"):
+                 compile_mode: str = "eager", kv_transfer_config=None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -61,7 +61,9 @@ class LLM:
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
         tenant_weights (tenant -> its fair share) and tenant_slos (tenant -> SLOTargets): the server's tenants file.
         kv_cache_dtype: "auto" (the model's parameters', float32 here), "fp32" or "bf16" (half the bytes per
-        token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16)."""
+        token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16).
+        kv_transfer_config: a KVTransferConfig (chapter 17, nanoserve/disagg/config.py): this engine is the
+        prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -110,7 +112,7 @@ class LLM:
                               num_speculative_tokens=num_speculative_tokens, scheduling_policy=scheduling_policy,
                               slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject,
                               tenant_weights=tenant_weights, tenant_slos=tenant_slos, kv_cache_dtype=kv_cache_dtype,
-                              compile_mode=compile_mode)
+                              compile_mode=compile_mode, kv_transfer_config=kv_transfer_config)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
         except BaseException:
@@ -119,7 +121,10 @@ class LLM:
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do at TP 1); idempotent."""
+        """Stop the tensor-parallel worker processes (nothing to do at TP 1) and chapter 17's KV connector;
+        idempotent."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
         if self.workers is not None:
             self.workers.shutdown()
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
+from nanoserve.disagg.config import KVTransferConfig
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.policies import SLOTargets, make_policy
 from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
@@ -76,6 +77,9 @@ class EngineConfig:
     # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
     # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
     compile_mode: str = "eager"
+    # Chapter 17: this engine's part in disaggregated serving (prefill = kv_producer, decode = kv_consumer), or
+    # None: it serves alone. Its own dataclass, as vLLM's KVTransferConfig (nanoserve/disagg/config.py).
+    kv_transfer_config: KVTransferConfig | None = None
 
 
 @dataclass
@@ -102,6 +106,9 @@ class RequestOutput:
     # the request failed alone (its draw raised inside a step, or its grammar refused its tokens, chapter 13):
     # why, in one line (finish_reason "abort"); the others in that step went on
     error: str | None = None
+    # chapter 17: on a prefill engine's last output for a request that asked {"do_remote_decode": True}, what a
+    # decode engine needs to load its prompt's KV (the connector's request_finished)
+    kv_transfer_params: dict | None = None
 
 
 class LLMEngine:
@@ -140,11 +147,12 @@ class LLMEngine:
         if triton and config.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
+        kv_worker = self._kv_connector_worker(model)  # chapter 17 (None unless config.kv_transfer_config)
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[config.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
-                                          compile_mode=config.compile_mode)])
+                                          compile_mode=config.compile_mode, kv_connector=kv_worker)])
         num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
@@ -166,8 +174,10 @@ class LLMEngine:
         policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),
                              slo_reject=config.slo_reject, tenant_weights=config.tenant_weights,
                              tenant_slos=config.tenant_slos, modules=student.module)
+        self.kv_connector = self._kv_connector_scheduler(kv_worker)  # chapter 17: its scheduler side, or None
+        connector = {"connector": self.kv_connector} if self.kv_connector is not None else {}
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager,
-                                                                                 policy=policy)
+                                                                                 policy=policy, **connector)
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -195,17 +205,56 @@ class LLMEngine:
                                                   matcher_module=student.module("nanoserve.structured.matcher"),
                                                   bitmask_module=student.module("nanoserve.structured.bitmask"))
 
+    # ---- chapter 17: the KV connector ----------------------------------------------------------
+    def _kv_connector_worker(self, model):
+        """The connector's worker side for config.kv_transfer_config (None without one); what it cannot serve
+        with is refused here."""
+        c = self.config
+        if c.kv_transfer_config is None:
+            return None
+        from nanoserve.disagg.connector import SharedMemoryConnectorWorker
+        from nanoserve.distributed.parallel_state import get_tp_group
+
+        refused = [name for name, on in (("compile_mode", c.compile_mode != "eager"), ("speculative", c.speculative),
+                                         ("degrade_under_load", c.degrade_under_load is not None),
+                                         ("tensor parallelism", get_tp_group(model).size > 1)) if on]
+        if refused:
+            raise ValueError(f"kv_transfer_config (chapter 17) runs the eager single-process step; it cannot be "
+                             f"combined with {refused[0]}")
+        return SharedMemoryConnectorWorker(c.kv_transfer_config)
+
+    def _kv_connector_scheduler(self, kv_worker):
+        if kv_worker is None:
+            return None
+        from nanoserve.disagg.connector import DTYPE_NAMES, KVLayout, SharedMemoryConnectorScheduler
+
+        worker = self.executor.workers[0]
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[worker.dtype]
+        layout = KVLayout(worker.kv_config.num_hidden_layers, worker.kv_config.num_key_value_heads,
+                          worker.kv_config.head_dim, dtype)
+        return SharedMemoryConnectorScheduler(self.config.kv_transfer_config, self.config.block_size, layout,
+                                              kv_worker.control_endpoint,
+                                              receive=self.student.module("nanoserve.disagg.receive"))
+
+    def close(self) -> None:
+        """Chapter 17: stop the KV connector's sockets and free its staged segments (nothing to do without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.executor.workers[0].kv_connector.close()
+            self.kv_connector = None
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
                     slo: SLOTargets | None = None, speculative: bool = True, grammar=None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
         this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
         when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here.
         cache_salt: only requests with the same salt share prefix cache blocks (vLLM's; None: the cache everyone
-        without a salt shares)."""
+        without a salt shares). kv_transfer_params: chapter 17's, for the KV connector (ValueError on an engine
+        without one, or params it cannot honour)."""
         prompt_token_ids = list(prompt_token_ids)
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -225,6 +274,12 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        if kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params: this engine has no KV connector (serve --kv-role)")
+            self.kv_connector.check_params(kv_transfer_params)
+            if sampling_params.n != 1:
+                raise ValueError("kv_transfer_params: a transferred request has one completion (n=1)")
         # chapter 13: compiled here unless the async engine compiled it ahead
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
@@ -233,6 +288,7 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
+        seq.kv_transfer_params = kv_transfer_params
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
         if grammar is not None:
             self.structured.add_request(request_id, grammar)
@@ -276,6 +332,8 @@ class LLMEngine:
             self._trim_proposals(scheduler_output)
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
+        if self.kv_connector is not None:  # chapter 17: this step's KV loads and saves, for the worker side
+            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         self.last_scheduler_output = scheduler_output
         scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
@@ -504,6 +562,8 @@ class LLMEngine:
         if not self.num_live[seq.request_id]:
             del self.num_live[seq.request_id]
         out = self._output(seq, new_token_ids, new_text)
+        if self.kv_connector is not None:
+            out.kv_transfer_params = self.kv_connector.request_finished(seq)
         self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)

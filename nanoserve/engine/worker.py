@@ -44,13 +44,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16} 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
-                 store_kv=None, compile_mode: str = "eager"):
+                 store_kv=None, compile_mode: str = "eager", kv_connector=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
         the learner's under --student 05 (None: the reference); model_runner_class: the reference
         ModelRunner, or the learner's (exercise 6.5); compile_mode: "eager", or how the runner's steps run
-        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic")."""
+        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic"); kv_connector: chapter 17's
+        KV connector, its worker side (nanoserve/disagg/connector.py), or None."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
@@ -68,6 +69,7 @@ class Worker:
         self.step_degraded = (degraded_model if compile_mode == "eager" or degraded_model is None
                               else CompiledModel(degraded_model, compile_mode))
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
+        self.kv_connector = kv_connector
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
         return num_blocks_for_budget(self.kv_config, kv_cache_bytes, block_size, self.dtype)
@@ -78,6 +80,19 @@ class Worker:
                              self.device)
         self.model_runner = self.model_runner_class(self.step_model, cache, self.attention, self.step_degraded,
                                                     self.metadata)
+        if self.kv_connector is not None:  # it loads before and saves after each decoder layer
+            self.kv_connector.register_kv_caches(cache, self.model.layers)
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
-        return self.model_runner.execute_model(scheduler_output, degraded)
+        connector = self.kv_connector
+        if connector is None:
+            return self.model_runner.execute_model(scheduler_output, degraded)
+        # chapter 17, vLLM's order: bind the step's loads and saves, start the loads; the layers' hooks wait for
+        # each layer's load and save each layer; then wait for the saves
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            return self.model_runner.execute_model(scheduler_output, degraded)
+        finally:
+            connector.wait_for_save()
+            connector.clear_connector_metadata()
