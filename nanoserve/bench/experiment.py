@@ -21,6 +21,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    the victim's TTFT under priority (first come, first served) and fair
   routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
                    long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
+  kv-routing       chapter 17: replicas in this process publishing KV events; round-robin, pow2, chapter 16's
+                   prefix router and the KV-aware router on their events: hit rate, TTFT (bench/kv_routing.py)
 
 Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
 """
@@ -35,7 +37,7 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "routing"]
+               "scheduling", "noisy-neighbour", "routing", "kv-routing"]
 
 
 def register(sub):
@@ -50,6 +52,8 @@ def register(sub):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
     p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
+    p.add_argument("--replicas", type=int, default=3, help="kv-routing: replicas (engines in this process)")
+    p.add_argument("--num-blocks", type=int, default=96, help="kv-routing: KV blocks per replica")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -512,6 +516,7 @@ def scheduling(args, model, tokenizer):
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
+           "kv-routing": lambda *a: importlib.import_module("nanoserve.bench.kv_routing").kv_routing(*a),
            "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a)}
 
 
@@ -526,6 +531,9 @@ def run(args):
 
     if args.rounds < 1:
         print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
+        print("error: kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1", file=sys.stderr)
         return 2
     if args.name == "servers" and (not args.url or len(args.url) < 2):
         print("error: servers needs two or more --url NAME=URL", file=sys.stderr)
