@@ -90,6 +90,8 @@ STUDENT_FILES = {
     "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
     "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
     "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
+    "nanoserve.disagg.receive": "17-disaggregated-serving/receive.py",
+    "nanoserve.disagg.kv_index": "17-disaggregated-serving/kv_index.py",
 }
 
 
@@ -150,6 +152,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
     "nanoserve.cluster.routing": {
         "16.1": ["power_of_two_choices"],
         "16.2": ["prefix_affinity"],
+    },
+    "nanoserve.disagg.kv_index": {
+        "17.2": ["KVIndex.apply", "KVIndex.longest_prefix"],
+        "17.3": ["choose_replica"],
     },
 }
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nanoserve.disagg.config import KVTransferConfig
-from nanoserve.disagg.receive import num_tokens_to_receive, receive_slots
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.sampling import SamplingParams
+from nanoserve.student import implementation
 from tests.tiny_model import tiny_llama
 
 BLOCK = 4
@@ -62,7 +62,12 @@ def prefill_then_decode(prefill, decode, request_id, prompt, max_tokens):
     return staged, run(decode, request_id, prompt, max_tokens, kv_transfer_params=staged.kv_transfer_params)
 
 
-# ---- the receiving side's plan, by hand -------------------------------------------------------------------
+# ---- the receiving side's plan, by hand (graded: exercise 17.1) ----------------------------------------------
+def receive():
+    return implementation("nanoserve.disagg.receive")
+
+
+@pytest.mark.exercise("17.1")
 @pytest.mark.parametrize("prompt, remote, computed, expected", [
     (10, 10, 0, 9),   # everything but the last prompt token, which samples the first output token
     (10, 10, 4, 5),   # a local prefix hit of one block skips it
@@ -71,13 +76,17 @@ def prefill_then_decode(prefill, decode, request_id, prompt, max_tokens):
     (1, 1, 0, 0),     # a one-token prompt: nothing to receive
 ])
 def test_num_tokens_to_receive_by_hand(prompt, remote, computed, expected):
-    assert num_tokens_to_receive(prompt, remote, computed) == expected
+    assert receive().num_tokens_to_receive(prompt, remote, computed) == expected
 
 
+@pytest.mark.exercise("17.1")
 def test_receive_slots_land_in_our_own_table():
     # table [7, 2, 5], block 4: positions 4..8 are block 2's slots 8..11, then block 5's first slot 20
-    assert receive_slots([7, 2, 5], 4, 5, 4) == [8, 9, 10, 11, 20]
-    assert receive_slots([3], 0, 3, 4) == [12, 13, 14]
+    assert receive().receive_slots([7, 2, 5], 4, 5, 4) == [8, 9, 10, 11, 20]
+    assert receive().receive_slots([3], 0, 3, 4) == [12, 13, 14]
+    assert receive().receive_slots([3, 9], 6, 0, 4) == []
+    with pytest.raises(ValueError):
+        receive().receive_slots([3], 2, 3, 4)  # positions 2..4 need two blocks
 
 
 # ---- the transfer against plain copies ----------------------------------------------------------------

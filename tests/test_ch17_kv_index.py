@@ -6,21 +6,27 @@ import time
 
 import pytest
 
-from nanoserve.disagg.kv_index import KVEventSubscriber, KVIndex, choose_replica, decode_event
+from nanoserve.disagg.kv_index import decode_event
 from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
 from nanoserve.kv.kv_events import record_kv_events
 from nanoserve.kv.prefix_cache import block_hashes
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.kv_events import KVEventPublisher, encode_event
+from nanoserve.student import implementation
 from tests.tiny_model import tiny_llama
+
+
+def kv_index():
+    return implementation("nanoserve.disagg.kv_index")
 
 
 def stored(*hashes):
     return ["BlockStored", list(hashes), None, [], 4, None, "GPU"]
 
 
+@pytest.mark.exercise("17.2")
 def test_index_by_hand():
-    index = KVIndex()
+    index = kv_index().KVIndex()
     index.apply("a", stored(1, 2, 3))
     index.apply("b", stored(1, 2))
     index.apply("b", stored(9))
@@ -30,10 +36,13 @@ def test_index_by_hand():
     index.apply("b", ["AllBlocksCleared"])
     assert index.longest_prefix([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 0}
     assert index.holders == {1: {"a"}, 3: {"a"}}, "a hash nobody holds leaves the index"
+    index.apply("b", ["BlockRemoved", [3], "GPU"])  # b never held 3: nothing changes
+    assert index.holders == {1: {"a"}, 3: {"a"}} and index.num_events == 6
     with pytest.raises(ValueError, match="unknown KV event"):
         index.apply("a", ["BlockMoved"])
 
 
+@pytest.mark.exercise("17.3")
 @pytest.mark.parametrize("matches, queues, cost, expected", [
     ({"a": 3, "b": 2}, {"a": 3, "b": 0}, 2, "b"),   # a: 3 - 6 = -3, b: 2 - 0 = 2
     ({"a": 3, "b": 2}, {"a": 0, "b": 0}, 2, "a"),   # no load: the longer chain
@@ -42,7 +51,7 @@ def test_index_by_hand():
     ({"a": 5}, {"a": 2, "b": 0, "c": 0}, 2, "a"),   # 5 - 4 = 1 beats 0
 ])
 def test_router_score_by_hand(matches, queues, cost, expected):
-    assert choose_replica(matches, queues, cost) == expected
+    assert kv_index().choose_replica(matches, queues, cost) == expected
 
 
 def test_wire_hashes_decode_back_to_ints():
@@ -54,6 +63,7 @@ def test_wire_hashes_decode_back_to_ints():
     assert decode_event(encode_event(BlockRemoved([h]))) == ["BlockRemoved", [h], "GPU"]
 
 
+@pytest.mark.exercise("17.2")
 def test_index_from_events_is_what_the_caches_hold():
     """Two replicas with small pools (evictions happen), their publishers and one subscriber: after every
     event arrived, the index's replicas of each hash are exactly the replicas whose prefix cache holds it."""
@@ -62,8 +72,8 @@ def test_index_from_events_is_what_the_caches_hold():
                for n in ("r0", "r1")}
     publishers = {n: KVEventPublisher(record_kv_events(e.block_manager), "tcp://127.0.0.1:*", topic=n)
                   for n, e in engines.items()}
-    index = KVIndex()
-    subscriber = KVEventSubscriber(index, {n: p.endpoint for n, p in publishers.items()})
+    index = kv_index().KVIndex()
+    subscriber = kv_index().KVEventSubscriber(index, {n: p.endpoint for n, p in publishers.items()})
     time.sleep(0.3)  # the SUB socket's connections come up (ZMQ's slow joiner)
     try:
         rng = random.Random(0)

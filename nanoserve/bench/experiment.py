@@ -54,6 +54,8 @@ def register(sub):
     p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
     p.add_argument("--replicas", type=int, default=3, help="kv-routing: replicas (engines in this process)")
     p.add_argument("--num-blocks", type=int, default=96, help="kv-routing: KV blocks per replica")
+    p.add_argument("--student", default=None, metavar="CHAPTERS",
+                   help="kv-routing: your finished exercises route (\"17\": the KV index and score, exercise 17)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -534,6 +536,9 @@ def run(args):
         return 2
     if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
         print("error: kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1", file=sys.stderr)
+        return 2
+    if args.student is not None and args.name != "kv-routing":
+        print("error: --student applies to kv-routing only", file=sys.stderr)
         return 2
     if args.name == "servers" and (not args.url or len(args.url) < 2):
         print("error: servers needs two or more --url NAME=URL", file=sys.stderr)

@@ -18,6 +18,7 @@ The replicas step in turn in this one thread (a fleet on one 2-core machine coul
 parallel either); the `--num-users` requests in flight at once are spread by the router under test.
 """
 
+import importlib
 import itertools
 import random
 import time
@@ -31,8 +32,8 @@ LOAD_COST = 2.0  # blocks a queued request is worth (kv_index.choose_replica)
 class Fleet:
     """The replicas, their publishers, and the subscriber's index."""
 
-    def __init__(self, model, tokenizer, num_replicas: int, num_blocks: int):
-        from nanoserve.disagg.kv_index import KVEventSubscriber, KVIndex
+    def __init__(self, model, tokenizer, num_replicas: int, num_blocks: int, student=None):
+        """student: the run's StudentCode (--student 17: the learner's index and score, exercises 17.2, 17.3)."""
         from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
         from nanoserve.kv.kv_events import record_kv_events
         from nanoserve.server.kv_events import KVEventPublisher
@@ -42,18 +43,26 @@ class Fleet:
                         for n in self.names}
         self.publishers = {n: KVEventPublisher(record_kv_events(e.block_manager), "tcp://127.0.0.1:*", topic=n)
                            for n, e in self.engines.items()}
-        self.index = KVIndex()
-        self.subscriber = KVEventSubscriber(self.index, {n: p.endpoint for n, p in self.publishers.items()})
+        self.kv_index = (student.module if student is not None else importlib.import_module)("nanoserve.disagg.kv_index")
+        self.index = self.kv_index.KVIndex()
+        self.subscriber = self.kv_index.KVEventSubscriber(self.index, {n: p.endpoint for n, p in self.publishers.items()})
         time.sleep(0.3)  # ZMQ's slow joiner: a SUB socket misses what is published before it has connected
 
     def queue_lens(self) -> dict[str, int]:
         return {n: e.get_num_unfinished_requests() for n, e in self.engines.items()}
 
     def fresh(self) -> None:
-        """Every event published and applied: the index as the replicas are now."""
-        sent = sum(p.flush() for p in self.publishers.values())
-        while sent and self.subscriber.poll(200):
-            sent = sum(p.flush() for p in self.publishers.values())
+        """Every event recorded so far published and applied: the index as the replicas are now. A publisher
+        numbers its batches 0, 1, ...: the subscriber is caught up when it saw each one's last number, and the
+        publisher thread has taken every event from its log (checked twice, a publishing period apart, so that
+        a batch taken but not yet sent is waited for)."""
+        def caught_up() -> bool:
+            self.subscriber.poll(0)
+            return all(not p.log.events and self.subscriber.last_seq.get(n, -1) == p.seq - 1
+                       for n, p in self.publishers.items())
+
+        while not (caught_up() and time.sleep(0.06) is None and caught_up()):
+            self.subscriber.poll(50)
 
     def close(self) -> None:
         self.subscriber.close()
@@ -64,7 +73,6 @@ class Fleet:
 def make_router(name: str, fleet: Fleet, block_size: int):
     """route(prompt ids) -> replica name, for router `name`."""
     from nanoserve.cluster.routing import power_of_two_choices, prefix_affinity
-    from nanoserve.disagg.kv_index import choose_replica
     from nanoserve.kv.prefix_cache import block_hashes
 
     rng, cycle, owner_of = random.Random(0), itertools.cycle(fleet.names), {}
@@ -84,16 +92,17 @@ def make_router(name: str, fleet: Fleet, block_size: int):
             fleet.fresh()
         else:
             fleet.subscriber.poll()
-        return choose_replica(fleet.index.longest_prefix(hashes, fleet.names), queues, LOAD_COST)
+        return fleet.kv_index.choose_replica(fleet.index.longest_prefix(hashes, fleet.names), queues, LOAD_COST)
 
     return route
 
 
-def run_one(name: str, model, tokenizer, prompts: list[list[int]], args) -> dict:
+def run_one(name: str, model, tokenizer, prompts: list[list[int]], args, student=None) -> dict:
+    """One router over a fresh fleet: the prompts, `args.num_users` in flight at once, to the end."""
     from nanoserve.bench.experiment import greedy
     from nanoserve.metrics import percentile
 
-    fleet = Fleet(model, tokenizer, args.replicas, args.num_blocks)
+    fleet = Fleet(model, tokenizer, args.replicas, args.num_blocks, student)
     route = make_router(name, fleet, fleet.engines["r0"].config.block_size)
     pending, started, ttft, placed = list(enumerate(prompts)), {}, [], {n: 0 for n in fleet.names}
     try:
@@ -122,9 +131,14 @@ def run_one(name: str, model, tokenizer, prompts: list[list[int]], args) -> dict
 def kv_routing(args, model, tokenizer) -> tuple[dict, object]:
     from nanoserve.bench.experiment import interleaved
 
+    from nanoserve.student import StudentCode
+
+    student = StudentCode(args.student or False)
     prompts = [tokenizer.encode_chat(item["messages"]) for item in workload(args.num_users)]
     rounds = interleaved(args.rounds, dict.fromkeys(ROUTERS),
-                         lambda name, _, r: run_one(name, model, tokenizer, prompts, args))
+                         lambda name, _, r: run_one(name, model, tokenizer, prompts, args, student))
+    if student:
+        print(student.describe("the KV-aware router runs"), "\n" + student.proof(), flush=True)
     results = {name: max(runs, key=lambda x: x["hit_rate"]) for name, runs in rounds.items()}
     for name, r in results.items():
         print(f"  {name:20s} hit rate {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_ms']['median']:7.0f} ms  "

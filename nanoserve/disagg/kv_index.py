@@ -38,16 +38,14 @@ class KVIndex:
         if kind == "BlockStored":
             for h in event[1]:
                 self.holders.setdefault(h, set()).add(replica)
-        elif kind == "BlockRemoved":
-            for h in event[1]:
+        elif kind in ("BlockRemoved", "AllBlocksCleared"):
+            gone = event[1] if kind == "BlockRemoved" else [h for h, held in self.holders.items() if replica in held]
+            for h in gone:
                 held = self.holders.get(h)
                 if held is not None:
                     held.discard(replica)
-                    if not held:
+                    if not held:  # nobody holds it: it leaves the index
                         del self.holders[h]
-        elif kind == "AllBlocksCleared":
-            for h in [h for h, held in self.holders.items() if replica in held]:
-                self.apply(replica, ["BlockRemoved", [h], None])
         else:
             raise ValueError(f"unknown KV event {kind!r}")
 
