@@ -18,7 +18,8 @@ input order. The tokenizer lives here, above the engine: the engine sees token i
 import sys
 from pathlib import Path
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import StudentCode
 
@@ -62,7 +63,7 @@ class LLM:
         tenant_weights (tenant -> its fair share) and tenant_slos (tenant -> SLOTargets): the server's tenants file.
         kv_cache_dtype: "auto" (the model's parameters', float32 here), "fp32" or "bf16" (half the bytes per
         token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16).
-        kv_transfer_config: a KVTransferConfig (chapter 17, nanoserve/disagg/config.py): this engine is the
+        kv_transfer_config: a KVTransferConfig (chapter 17, nanoserve/engine/config.py): this engine is the
         prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
@@ -106,13 +107,15 @@ class LLM:
                                  "give a GGUF path (or none) and weights 'fp32' or 'int8'")
             degraded = load_gguf(path, "q4")
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
-        config = EngineConfig(block_size, num_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
-                              enable_chunked_prefill, enable_prefix_caching, student, attention_backend,
-                              degrade_under_load=degrade_under_load, speculative=speculative,
-                              num_speculative_tokens=num_speculative_tokens, scheduling_policy=scheduling_policy,
-                              slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, slo_reject=slo_reject,
-                              tenant_weights=tenant_weights, tenant_slos=tenant_slos, kv_cache_dtype=kv_cache_dtype,
-                              compile_mode=compile_mode, kv_transfer_config=kv_transfer_config)
+        # the flat keyword arguments above (vLLM's EngineArgs), grouped by idea (nanoserve/engine/config.py)
+        config = engine_config(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+            slo_reject=slo_reject, tenant_weights=tenant_weights, tenant_slos=tenant_slos, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
+            degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_transfer_config=kv_transfer_config)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
         except BaseException:

@@ -133,6 +133,11 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "7.3": ["load_kv_tile"],
         "7.4": ["paged_attention_kernel"],
     },
+    "nanoserve.metrics": {
+        "9.1": ["ttft", "itl", "e2e", "tpot", "request_latencies"],
+        "9.2": ["percentile", "stats"],
+        "9.3": ["meets_slos", "summarize"],
+    },
     "nanoserve.bench.load": {
         "9.4": ["arrival_times"],
         "9.5": ["open_loop"],
@@ -146,12 +151,19 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "14.3": ["residual", "rejection_sample"],
     },
     "nanoserve.engine.policies.slo": {
-        "15.1": ["SLOPolicy.order_waiting"],
-        "15.2": ["SLOPolicy.choose_victim"],
+        "15.1": ["next_token_deadline"],
+        "15.2": ["SLOPolicy.laxity"],
+        "15.3": ["SLOPolicy.choose_victim"],
+        "15.4": ["SLOPolicy.reject_reason"],
+    },
+    "nanoserve.engine.policies.fair": {
+        "15.5": ["fair_order"],
+        "15.6": ["FairPolicy.catch_up", "FairPolicy.on_scheduled"],
     },
     "nanoserve.cluster.routing": {
         "16.1": ["power_of_two_choices"],
-        "16.2": ["prefix_affinity"],
+        "16.2": ["HashRing.__init__", "HashRing.add", "HashRing.remove", "HashRing.lookup"],
+        "16.3": ["prefix_affinity"],
     },
     "nanoserve.disagg.kv_index": {
         "17.2": ["KVIndex.apply", "KVIndex.longest_prefix"],

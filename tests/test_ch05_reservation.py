@@ -41,10 +41,11 @@ def test_reservation_admits_fewer_and_never_preempts_under_the_same_cap():
 
 
 def test_the_engine_refuses_a_block_manager_for_another_pool():
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
 
     model = Llama(LlamaConfig.tiny()).eval()
-    config = EngineConfig(num_blocks=24, block_size=4, enable_prefix_caching=False)
+    config = EngineConfig(cache_config=CacheConfig(num_blocks=24, block_size=4, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="23 blocks of 4.*24 blocks of 4"):
         LLMEngine(model, config, block_manager=ReservingBlockManager(23, 4, lambda seq_id: 8))
     manager = ReservingBlockManager(24, 4, lambda seq_id: 8)

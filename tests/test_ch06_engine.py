@@ -10,7 +10,9 @@ import random
 import pytest
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -72,7 +74,7 @@ def run(engine, requests, params=None, on_step=None):
 @pytest.fixture(scope="module")
 def alone(smollm2, workload):
     """Each request on its own, one after another through one engine."""
-    engine = LLMEngine(smollm2, EngineConfig(num_blocks=64))
+    engine = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64)))
     return {i: run(engine, [req])[0] for i, req in enumerate(workload)}
 
 
@@ -88,7 +90,8 @@ def test_alone_matches_the_no_cache_forward_pass(smollm2, workload, alone):
 
 @pytest.mark.parametrize("chunked, budget", [(True, 64), (False, 256)], ids=["chunked-prefill", "whole-prefill"])
 def test_batch_invariance(smollm2, workload, alone, chunked, budget):
-    engine = LLMEngine(smollm2, EngineConfig(num_blocks=256, max_num_batched_tokens=budget, enable_chunked_prefill=chunked))
+    engine = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=256),
+                                             scheduler_config=SchedulerConfig(max_num_batched_tokens=budget, enable_chunked_prefill=chunked)))
     counts = {"chunks": 0, "mixed steps": 0}
 
     def on_step(so):
@@ -103,7 +106,8 @@ def test_batch_invariance(smollm2, workload, alone, chunked, budget):
 
 def test_preemption_under_a_tiny_pool_changes_nothing(smollm2, workload, alone):
     # the longest request needs ceil((60 + 24) / 16) = 6 blocks; 12 blocks hold two of them
-    engine = LLMEngine(smollm2, EngineConfig(num_blocks=12, block_size=16, max_num_batched_tokens=128))
+    engine = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=12, block_size=16),
+                                             scheduler_config=SchedulerConfig(max_num_batched_tokens=128)))
     preempted = []
     assert run(engine, workload, on_step=lambda so: preempted.extend(so.preempted_seq_ids)) == alone
     assert preempted, "the pool was meant to be too small: no preemption happened"
@@ -112,14 +116,14 @@ def test_preemption_under_a_tiny_pool_changes_nothing(smollm2, workload, alone):
 def test_seeded_sampling_does_not_depend_on_the_batch(smollm2, workload):
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=m, ignore_eos=True)
               for i, (_, m) in enumerate(workload[:8])]
-    together = run(LLMEngine(smollm2, EngineConfig(num_blocks=64)), workload[:8], params)
-    engine = LLMEngine(smollm2, EngineConfig(num_blocks=64))
+    together = run(LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64))), workload[:8], params)
+    engine = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64)))
     for i in (0, 5):
         assert run(engine, [workload[i]], [params[i]])[0] == together[i]
 
 
 def test_prefix_cache_hit_skips_tokens_and_changes_nothing(smollm2, workload, alone):
-    engine = LLMEngine(smollm2, EngineConfig(num_blocks=64, block_size=4))
+    engine = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=4)))
     prompt, max_tokens = workload[3]
     first = run(engine, [workload[3]])[0]
     engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from tests.tiny_model import tiny_llama
 
@@ -24,7 +26,8 @@ def greedy(max_tokens, **kw):
 
 
 def test_abort_frees_blocks_at_once_running_or_waiting(tiny):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, max_num_seqs=1))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=1)))
     engine.add_request("run", list(range(1, 10)), greedy(5))
     engine.add_request("wait", [1, 2, 3], greedy(5))
     engine.step()
@@ -40,7 +43,7 @@ def test_abort_frees_blocks_at_once_running_or_waiting(tiny):
 
 
 def test_eos_and_stop_ids_and_length(tiny):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4)))
     engine.add_request("probe", [5, 6, 7], greedy(8))
     while engine.has_unfinished_requests():
         (out,) = engine.step()
@@ -49,7 +52,7 @@ def test_eos_and_stop_ids_and_length(tiny):
     # the first token that did not appear before it: stopping on it must keep exactly probe[:k + 1]
     k = next(i for i, t in enumerate(probe) if t not in probe[:i] and i > 0)
     # the same prompt, now stopping on tokens it is known to produce
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4), eos_token_id=probe[0])
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4)), eos_token_id=probe[0])
     engine.add_request("eos", [5, 6, 7], greedy(8))
     engine.add_request("ignore", [5, 6, 7], greedy(8, ignore_eos=True))
     engine.add_request("stop-id", [5, 6, 7], greedy(8, ignore_eos=True, stop_token_ids=[probe[k]]))
@@ -63,7 +66,7 @@ def test_eos_and_stop_ids_and_length(tiny):
 
 
 def test_refuses_requests_that_could_never_run(tiny):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=4, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=4, block_size=4)))
     with pytest.raises(ValueError, match="can never fit"):
         engine.add_request("big", list(range(10)), greedy(10))
     with pytest.raises(ValueError, match="context"):
@@ -73,7 +76,7 @@ def test_refuses_requests_that_could_never_run(tiny):
 
 @pytest.mark.parametrize("bad", [[], [1, 256], [-1, 2], [1, "2"], [1.0]])
 def test_refuses_bad_token_ids_and_keeps_serving(tiny, bad):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4))  # the tiny vocabulary is 256
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4)))  # the tiny vocabulary is 256
     with pytest.raises(ValueError, match=r"prompt_token_ids.*\[0, 256\)"):
         engine.add_request("bad", bad, greedy(2))
     engine.add_request("good", [1, 2, 3], greedy(2))
@@ -188,7 +191,7 @@ def test_readmission_after_preemption_recomputes_only_the_uncached_tail(tiny, pr
     cached. After A finishes B returns: with prefix caching it hits its own 2 freed blocks and recomputes
     13 - 8 = 5 tokens; without, all 13. Either way B's tokens are those of a pool that never preempts."""
     def run(num_blocks):
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=num_blocks, block_size=4, enable_prefix_caching=prefix_caching))
+        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=num_blocks, block_size=4, enable_prefix_caching=prefix_caching)))
         for rid, first in (("A", 10), ("B", 20)):
             engine.add_request(rid, list(range(first, first + 8)), greedy(8, ignore_eos=True))
         done, scheduled_b = {}, []

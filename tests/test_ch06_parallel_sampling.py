@@ -6,7 +6,8 @@ and n = 1 gets alone in a fresh engine. The block counts are worked out by hand 
 import pytest
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from tests.tiny_model import tiny_llama
 
@@ -23,7 +24,7 @@ def params(n=1, seed=7, max_tokens=6):
 
 
 def engine_for(model, **kw):
-    return LLMEngine(model, EngineConfig(**{"num_blocks": 32, "block_size": 4, **kw}))
+    return LLMEngine(model, engine_config(**{"num_blocks": 32, "block_size": 4, **kw}))
 
 
 def run(engine, on_step=None):

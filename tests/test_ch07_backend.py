@@ -15,7 +15,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine  # noqa: E402
 from nanoserve.kernels.backend import check_launchable, resolve_attention_backend  # noqa: E402
 from nanoserve.model import Llama, LlamaConfig  # noqa: E402
 from nanoserve.sampling import SamplingParams  # noqa: E402
@@ -53,7 +55,8 @@ def prompts():
 def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny, num_blocks):
     results = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16,
+        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=num_blocks, block_size=4),
+                                              scheduler_config=SchedulerConfig(max_num_batched_tokens=16),
                                               attention_backend=backend))
         assert engine.attention_backend == backend
         results[backend] = run(engine, prompts())
@@ -69,13 +72,13 @@ def test_default_is_torch_on_cpu_triton_on_cuda():
 
 def test_unknown_backend_lists_the_known_ones(tiny):
     with pytest.raises(ValueError, match="unknown attention backend 'flash'; known: torch, triton"):
-        LLMEngine(tiny, EngineConfig(num_blocks=8, attention_backend="flash"))
+        LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8), attention_backend="flash"))
 
 
 def test_triton_on_cpu_without_the_interpreter_names_the_fix(tiny, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        LLMEngine(tiny, EngineConfig(num_blocks=8, attention_backend="triton"))
+        LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8), attention_backend="triton"))
 
 
 def test_a_kernel_compiled_for_a_gpu_is_not_launched_on_the_cpu(monkeypatch):
@@ -149,7 +152,9 @@ def test_student_flag_runs_the_learners_kernel(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(student, "EXERCISES", root)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
+        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
+                                              attention_backend="triton",
+                                              student="07"))
     messages = " ".join(str(w.message) for w in caught)
     assert "Exercise 7.1" in messages and "Exercise 7.2" in messages
     tokens, _ = run(engine, prompts()[:2], max_tokens=3)
@@ -157,7 +162,9 @@ def test_student_flag_runs_the_learners_kernel(tiny, tmp_path, monkeypatch):
         shutil.copy(importlib.import_module(module).__file__, root / student.STUDENT_FILES[module])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every rung finished: no fallback
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, attention_backend="triton", student="07"))
+        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
+                                              attention_backend="triton",
+                                              student="07"))
     assert run(engine, prompts()[:2], max_tokens=3)[0] == tokens
     calls = engine.student.calls  # every layer of every step ran the learner's kernels
     assert calls["paged_attention"] == calls["store_kv"] > 1

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from nanoserve.engine.async_engine import EngineStepError
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation
 from tests.tiny_model import tiny_llama
@@ -41,7 +42,7 @@ PROMPTS = [[5 + i, 6, 7 + 2 * i, 8] * (1 + i % 3) for i in range(6)]
 
 def offline(model, prompts, params):
     """The reference: the synchronous engine stepped by hand."""
-    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=4)))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     done = {}
@@ -57,7 +58,7 @@ def assert_pool_whole(engine: LLMEngine):
 
 @pytest.fixture
 def async_engine(tiny):
-    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=100, block_size=4)))
+    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=100, block_size=4))))
     engine.start()
     yield engine
     engine.shutdown()
@@ -171,7 +172,7 @@ def test_n_completions_stream_with_their_index_and_a_failing_completion_fails_th
     executor = async_engine.engine.executor
     real = executor.execute_model
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True, n=3)
-    sync = LLMEngine(async_engine.engine.executor.workers[0].model, EngineConfig(num_blocks=100, block_size=4))
+    sync = LLMEngine(async_engine.engine.executor.workers[0].model, EngineConfig(cache_config=CacheConfig(num_blocks=100, block_size=4)))
     sync.add_request("probe", [1, 2, 3, 4, 5], params)
     done = {}
     while sync.has_unfinished_requests():
@@ -201,7 +202,7 @@ def test_n_completions_stream_with_their_index_and_a_failing_completion_fails_th
 
 
 def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
-    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=100, block_size=4)))
+    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=100, block_size=4))))
     steps = count_steps(engine)
     engine.start()
     time.sleep(0.2)

@@ -10,7 +10,9 @@ import openai
 import pytest
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sampler import SampleRow, sample_rows, token_logprobs
 from nanoserve.sampling import SamplingParams, apply_penalties, min_p_filter
 from nanoserve.server.protocol import UNSUPPORTED, ChatCompletionRequest, finite_json
@@ -21,7 +23,8 @@ from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the
 
 @pytest.fixture
 def engine(tiny, tokenizer):
-    return LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8), tokenizer)
+    return LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=16),
+                                        scheduler_config=SchedulerConfig(max_num_seqs=8)), tokenizer)
 
 
 # ---- the sampler, against hand-computed logits ---------------------------------------------------------
@@ -267,8 +270,8 @@ def test_prompt_logprobs_across_chunks_and_past_a_cached_prefix(tiny):
 
     def run(prompt_logprobs: int | None, caching: bool = True):
         # a 16-token budget: the 45-token prompt spans 3 chunks, sharing steps with the other request
-        engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=8, max_num_batched_tokens=16,
-                                              enable_prefix_caching=caching))
+        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=8, enable_prefix_caching=caching),
+                                              scheduler_config=SchedulerConfig(max_num_batched_tokens=16)))
         engine.add_request("warm", prompt[:40], SamplingParams(max_tokens=1, temperature=0))
         while engine.has_unfinished_requests():  # leaves 4 full blocks of the prompt in the prefix cache
             engine.step()

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.protocol import UNSUPPORTED
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import assert_pool_whole
@@ -44,7 +46,8 @@ bodies = st.fixed_dictionaries({}, optional={k: v | anything if k == "messages" 
 
 @pytest.fixture(scope="module")
 def server(tiny, tokenizer):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), tokenizer)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=16),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
     with serving(engine, tokenizer, model_name="tiny") as (url, _):
         with httpx.Client(base_url=url, timeout=60) as http:
             yield http, engine
@@ -75,7 +78,8 @@ def test_no_body_gets_a_5xx_and_nothing_is_left_behind(server, body, endpoint, m
 def test_a_short_soak_leaves_no_5xx_no_block_and_serves_every_kind(tiny, tokenizer):
     from nanoserve.bench.soak import soak_engine
 
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), tokenizer)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=16),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
     result = soak_engine(engine, tokenizer, duration=8, concurrency=4)
     assert result["5xx"] == 0 and result["running"] == 0 and result["kv_usage"] == 0
     seen = {k.split(": ")[0] + ": " + k.split(": ")[1].split(" ")[0] for k in result["outcomes"]}

@@ -14,7 +14,9 @@ import tracemalloc
 import httpx
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.limits import Tenant, load_api_keys
 from nanoserve.server.runner import serving
 from nanoserve.student import implementation
@@ -28,7 +30,8 @@ TENANTS = {"key-a": Tenant("a", requests_per_second=1, burst=3, priority=1),
 
 @pytest.fixture
 def engine(tiny, tokenizer):
-    return LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4), tokenizer)
+    return LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=16),
+                                        scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
 
 
 def TokenBucketLimiter(*args, **kwargs):  # noqa: N802 — the graded class: the learner's under make grade

@@ -14,7 +14,8 @@ import pytest
 
 from nanoserve.bench import pairwise
 from nanoserve.bench.pairwise import FACTORS, KEYS, covering_rows, expected, problems, request_body, send, strict_loads
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.limits import Tenant
 from nanoserve.server.runner import serving
 from tests.test_ch08_server import assert_pool_whole, slow_steps
@@ -72,8 +73,9 @@ def test_strict_loads_refuses_what_python_json_lets_through():
 @pytest.fixture(scope="module")
 def server(tiny, tokenizer):
     """One server for the whole crossing: speculation on (n-gram), prefix caching on, a plain key and a tenant's."""
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=96, block_size=16, max_num_seqs=4, speculative="ngram",
-                                          speculative_disable_by_batch_size=None), tokenizer)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=96, block_size=16),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=4),
+                                          speculative_config=SpeculativeConfig(method="ngram", disable_by_batch_size=None)), tokenizer)
     slow_steps(engine, 0.005)  # a stream lasts long enough to be left mid-way
     with serving(engine, tokenizer, model_name="tiny", api_key=KEYS["plain"],
                  api_keys={KEYS["tenant"]: Tenant("acme"), OPERATOR: Tenant("ops", role="operator")},

@@ -15,7 +15,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.protocol import APIError
 from nanoserve.server.runner import serving
 from nanoserve.student import implementation
@@ -39,7 +41,8 @@ def tiny():
 
 @pytest.fixture
 def engine(tiny, tokenizer):
-    return LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer)
+    return LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
+                                        scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
 
 
 def slow_steps(engine, seconds=0.01):
@@ -216,7 +219,8 @@ def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenize
     with pytest.raises(APIError) as e:
         limits.check_queue(3, 3, 7)
     assert (e.value.status, e.value.headers) == (503, {"Retry-After": "7"}) and "3" in e.value.message
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=1), tokenizer)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=1)), tokenizer)
     slow_steps(engine)
     with serving(engine, tokenizer, model_name="tiny", max_waiting_requests=1) as (url, server):
         graded(server, "nanoserve.server.limits")

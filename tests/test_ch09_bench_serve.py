@@ -9,6 +9,7 @@ usage, not the chunk count), TPOT about half the ITL, failures counted, concurre
 import asyncio
 import json
 import math
+import re
 import socket
 import statistics
 import threading
@@ -151,27 +152,43 @@ def test_without_usage_counts_tokens_with_the_tokenizer(stand_in, tmp_path, caps
     assert json.loads(out.read_text())["output_lens"] == [expected, expected]
 
 
-def test_student_metrics_plug_in(stand_in, tmp_path, capsys, monkeypatch):
-    """--student reports with exercises/09-measuring/metrics.py: untouched, it says so and exits 2; finished (here:
-    a copy of the reference in a stand-in exercises folder), its numbers are the report."""
+def test_student_09_measures_and_reports_with_the_learners_rungs(stand_in, tmp_path, capsys, monkeypatch):
+    """`bench serve --student 09`: untouched, every rung falls back to the reference with a warning and the run says
+    none of the learner's code ran; finished (a copy of the reference in a stand-in exercises folder), the learner's
+    arrivals and open loop send the requests and the learner's metrics are the report, each rung's functions called."""
     import shutil
 
     import nanoserve.student
 
     url, _ = stand_in
-    rc, io = bench(["--url", url, "--num-prompts", "1", "--student"], capsys)
-    assert rc == 2 and "error: exercises/09-measuring/metrics.py is not finished" in io.err
-    (tmp_path / "09-measuring").mkdir()
-    source = (tmp_path / "09-measuring" / "metrics.py")
-    shutil.copy(nanoserve.student.EXERCISES.parent / "nanoserve" / "metrics.py", source)
+    with pytest.warns(UserWarning) as caught:
+        rc, io = bench(["--url", url, "--num-prompts", "1", "--student", "09"], capsys)
+    assert [str(w.message).split(" not finished")[0] for w in caught] == [
+        "Exercise 9.1, Exercise 9.2, Exercise 9.3", "Exercise 9.4, Exercise 9.5"]
+    assert rc == 0 and "none of your code ran" in io.out
+    folder = tmp_path / "09-measuring"
+    folder.mkdir()
+    for module, name in [("metrics", "metrics.py"), ("bench/load", "load.py")]:
+        shutil.copy(nanoserve.student.EXERCISES.parent / "nanoserve" / f"{module}.py", folder / name)
+    source = folder / "metrics.py"
     source.write_text(source.read_text().replace('"completed": len(ok)', '"completed": len(ok), "by": "student"'))
-    shutil.copy(nanoserve.student.EXERCISES / "09-measuring" / "load.py", tmp_path / "09-measuring")  # 9.4, 9.5 stubs
     monkeypatch.setattr(nanoserve.student, "EXERCISES", tmp_path)
     out = tmp_path / "r.json"
-    with pytest.warns(UserWarning, match=r"Exercise 9\.4, Exercise 9\.5 not finished in .*09-measuring/load\.py: the reference"):
-        rc, io = bench(["--url", url, "--num-prompts", "2", "--student", "--result-json", str(out)], capsys)
+    rc, io = bench(["--url", url, "--num-prompts", "3", "--student", "09", "--result-json", str(out)], capsys)
     result = json.loads(out.read_text())
-    assert rc == 0 and result["by"] == "student" and result["student_metrics"] and result["completed"] == 2
+    assert rc == 0 and result["by"] == "student" and result["student_metrics"] and result["completed"] == 3
+    assert re.search(r"yours .*, summarize  from \S*09-measuring/metrics\.py\n", io.out)
+    assert re.search(r"yours      arrival_times, open_loop  from \S*09-measuring/load\.py\n", io.out)
+    proof = io.out.split("--student: your code served: ")[1].splitlines()[0]
+    calls = {name: int(n) for name, n in (item.split(" ×") for item in proof.split(", "))}
+    served = {"9.1": "request_latencies", "9.2": "stats", "9.3": "summarize", "9.4": "arrival_times", "9.5": "open_loop"}
+    assert all(calls.get(name, 0) >= 1 for name in served.values()), calls  # a function of every rung ran
+    assert calls["arrival_times"] == calls["open_loop"] == calls["summarize"] == 1  # one schedule, one run, one report
+
+
+def test_student_of_another_chapter_is_refused(capsys):
+    rc, io = bench(["--url", "http://127.0.0.1:9", "--student", "05"], capsys)
+    assert rc == 2 and io.err.strip() == "error: --student 05: bench serve runs chapter 09's exercises only (--student 09)"
 
 
 @pytest.mark.parametrize("argv, message", [

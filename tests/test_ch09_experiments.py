@@ -38,3 +38,13 @@ def test_drive_trace_under_an_overloaded_pool(tiny):
     for row in trace:  # the tokens held always fit in the blocks used
         assert row["tokens_held"] <= row["blocks_used"] * 4
     assert engine.block_manager.get_num_free_blocks() == 10  # every block back at the end
+
+
+def test_interleaved_alternates_the_order_round_by_round():
+    """A, B then B, A then A, B: each system sees the same drift, and none always runs first."""
+    from nanoserve.bench.experiment import interleaved
+
+    seen = []
+    results = interleaved(3, {"A": 1, "B": 2}, lambda name, system, r: seen.append((r, name)) or system * 10 + r)
+    assert seen == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
+    assert results == {"A": [10, 11, 12], "B": [20, 21, 22]}

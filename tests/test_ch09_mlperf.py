@@ -10,7 +10,8 @@ from nanoserve.bench import mlperf  # noqa: E402
 from nanoserve.bench.mlperf_data import load_samples  # noqa: E402
 from nanoserve.bench.mlperf_sut import SUT, Completion, engine_generator, openai_generator  # noqa: E402
 from nanoserve.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.tiny_model import tiny_llama  # noqa: E402
 
 SHORT = {"Offline": 16, "Server": 12, "SingleStream": 6}  # min_query_count of each scenario's short run
@@ -41,7 +42,8 @@ def tiny():
 
 
 def new_engine(tiny, tokenizer):
-    return LLMEngine(tiny, EngineConfig(num_blocks=600, block_size=16, max_num_seqs=8), tokenizer)
+    return LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=600, block_size=16),
+                                        scheduler_config=SchedulerConfig(max_num_seqs=8)), tokenizer)
 
 
 @pytest.fixture(scope="module")

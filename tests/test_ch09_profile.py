@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanoserve.bench import profile
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.model.layers import Linear
 
@@ -15,7 +16,8 @@ from nanoserve.model.layers import Linear
 def test_breakdown_of_a_real_step_on_a_tiny_model():
     torch.manual_seed(0)
     model = Llama(LlamaConfig.tiny()).eval()
-    engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=4, max_num_seqs=4, enable_prefix_caching=False))
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4, enable_prefix_caching=False),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=4)))
     original = Linear.forward
     result = profile.profile_batch(SimpleNamespace(engine=engine, model=model), batch=3, prompt_len=8, decode_steps=2, seed=0)
     assert Linear.forward is original  # the labels are gone after the profile

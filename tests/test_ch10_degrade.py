@@ -9,7 +9,8 @@ import copy
 
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model.quant import quantize_model
 from nanoserve.sampling import SamplingParams
 from tests.tiny_model import tiny_llama
@@ -41,16 +42,18 @@ def run(engine, max_tokens=4):
 def test_off_or_never_triggered_changes_nothing(models):
     fp32, int8 = models
     config = dict(num_blocks=32, block_size=4, max_num_seqs=1)
-    plain, _ = run(LLMEngine(fp32, EngineConfig(**config)))
+    plain, _ = run(LLMEngine(fp32, engine_config(**config)))
     assert all("token_precisions" not in o.metrics for o in plain.values())
-    high, _ = run(LLMEngine(fp32, EngineConfig(**config, degrade_under_load=100), degraded_model=int8))
+    high, _ = run(LLMEngine(fp32, engine_config(**config, degrade_under_load=100), degraded_model=int8))
     assert {k: o.token_ids for k, o in high.items()} == {k: o.token_ids for k, o in plain.items()}
     assert all(o.metrics["token_precisions"] == ["fp32"] * 4 for o in high.values())
 
 
 def test_switches_under_load_and_back_with_hysteresis(models):
     fp32, int8 = models
-    engine = LLMEngine(fp32, EngineConfig(num_blocks=32, block_size=4, max_num_seqs=1, degrade_under_load=4),
+    engine = LLMEngine(fp32, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=1),
+                                          degrade_under_load=4),
                        degraded_model=int8)
     outs, modes = run(engine)
     # One request runs at a time, 4 tokens each; 5 then 4, 3, ... wait. Degraded from the first step
@@ -61,16 +64,17 @@ def test_switches_under_load_and_back_with_hysteresis(models):
     assert precisions[0] == ["int8"] * 4 and precisions[-1] == ["fp32"] * 4
     assert all(len(p) == 4 for p in precisions)
     # a request computed wholly in fp32 gets exactly the tokens the plain engine gives it
-    plain, _ = run(LLMEngine(fp32, EngineConfig(num_blocks=32, block_size=4, max_num_seqs=1)))
+    plain, _ = run(LLMEngine(fp32, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4),
+                                                scheduler_config=SchedulerConfig(max_num_seqs=1))))
     assert outs["5"].token_ids == plain["5"].token_ids
 
 
 def test_threshold_and_copy_go_together(models):
     fp32, int8 = models
     with pytest.raises(ValueError, match="go together"):
-        LLMEngine(fp32, EngineConfig(num_blocks=8, degrade_under_load=2))
+        LLMEngine(fp32, EngineConfig(cache_config=CacheConfig(num_blocks=8), degrade_under_load=2))
     with pytest.raises(ValueError, match=">= 1"):
-        LLMEngine(fp32, EngineConfig(num_blocks=8, degrade_under_load=0), degraded_model=int8)
+        LLMEngine(fp32, EngineConfig(cache_config=CacheConfig(num_blocks=8), degrade_under_load=0), degraded_model=int8)
 
 
 def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
@@ -87,7 +91,9 @@ def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
 
     model = tiny_llama(vocab_size=49152, max_position_embeddings=256)
     model.weight_format = "fp32"
-    engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=16, max_num_seqs=1, degrade_under_load=2),
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=16),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=1),
+                                           degrade_under_load=2),
                        Tokenizer.from_gguf(), degraded_model=quantize_model(copy.deepcopy(model), "int8"))
     steps, step = [], engine.step
 

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import load_gguf
 from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf, unpermute_qk
 from nanoserve.model.quant import (KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, Int8Linear, Q4Linear, QuantLinear,
@@ -134,12 +136,13 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
     try:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.bf16_copy is not None for m in layers)
-        narrow = LLMEngine(model, EngineConfig(num_blocks=96, max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS))
+        narrow = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96),
+                                               scheduler_config=SchedulerConfig(max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS)))
         batched, widest = serve(narrow, workload)
         assert widest == KERNEL_CROSSOVER_TOKENS  # steps mixed several requests up to the limit, on the kernel
         alone = {i: serve(narrow, [req])[0][0] for i, req in enumerate(workload)}
         assert sum(batched[i] == alone[i] for i in alone) >= 8, (batched, alone)
-        wide, widest = serve(LLMEngine(model, EngineConfig(num_blocks=96)), workload)
+        wide, widest = serve(LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96))), workload)
         assert widest > KERNEL_CROSSOVER_TOKENS and len(wide) == len(workload)
         assert all(len(wide[i]) == n for i, (_, n) in enumerate(workload))
     finally:  # the module's other tests measure the bare model

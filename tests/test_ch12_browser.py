@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from tests.engine_view_server import start_server
 from tests.tiny_model import tiny_llama
 
@@ -49,7 +51,8 @@ def model_and_tokenizer():
 
 def serve(model_and_tokenizer, port=0):
     model, tokenizer = model_and_tokenizer
-    engine = LLMEngine(model, EngineConfig(num_blocks=40, block_size=4, max_num_seqs=8), tokenizer)
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=40, block_size=4),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=8)), tokenizer)
     step = engine.step
 
     @functools.wraps(step)

@@ -14,7 +14,9 @@ import httpx
 import pytest
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import Llama, LlamaConfig
 from tests.engine_view_server import start_server
 
@@ -27,7 +29,7 @@ def tiny():
 
 @pytest.fixture
 def server(tiny):
-    server = start_server(LLMEngine(tiny, EngineConfig(num_blocks=24, block_size=4)))
+    server = start_server(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=24, block_size=4))))
     yield server
     server.stop()
 
@@ -129,7 +131,7 @@ def test_a_page_opened_after_a_burst_gets_its_steps(server):
 
 
 def test_events_need_the_key_when_there_is_one(tiny):
-    server = start_server(LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4)), api_key="sekret")
+    server = start_server(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4))), api_key="sekret")
     try:
         r = httpx.get(url(server, "/engine/events"))
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nanoserve.engine.event_feed import EventFeed, Subscription
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine import snapshot as reference
 from nanoserve.engine.snapshot import SnapshotBuilder, encode_pool
 from nanoserve.model import Llama, LlamaConfig
@@ -78,7 +79,8 @@ def test_prefix_hit_shared_then_cached(tiny):
     """block_size 4, 8 blocks. a = 6-token prompt, 3 tokens; b shares a's first block (4 tokens), 2 tokens."""
     rules = SimpleNamespace(block_owners=implementation("nanoserve.engine.snapshot").block_owners,
                             step_kind=reference.step_kind)
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4, max_num_batched_tokens=8))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_batched_tokens=8)))
     builder, step = stepper(engine, rules)
     engine.add_request("a", [1, 2, 3, 4, 5, 6], params(3))
 
@@ -112,7 +114,7 @@ def test_preemption_then_abort(tiny):
     """block_size 4, 4 blocks, two 4-token prompts with 8 tokens each: the pool fills, b is preempted."""
     rules = SimpleNamespace(block_owners=reference.block_owners,
                             step_kind=implementation("nanoserve.engine.snapshot").step_kind)
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=4, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=4, block_size=4)))
     _, step = stepper(engine, rules)
     engine.add_request("a", [1, 2, 3, 4], params(8))
     engine.add_request("b", [5, 6, 7, 8], params(8))
@@ -151,7 +153,7 @@ def test_encode_pool_round_trips():
 # ---- the feed: off, throttled, bounded ------------------------------------------------------------------
 def test_feed_is_nearly_off_without_subscribers(tiny):
     """Nobody watching: no snapshot, no builder; only each step's record, in a ring of the last HISTORY_STEPS."""
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4)))
     feed = EventFeed()
     engine.add_request("a", [1, 2, 3], params(2))
     while engine.has_unfinished_requests():
@@ -167,7 +169,8 @@ def test_feed_is_nearly_off_without_subscribers(tiny):
 def test_a_viewer_connecting_after_k_steps_gets_the_last_min_k_n(tiny, k):
     """The page opened mid-run: its first snapshot carries the records of the last min(K, N) steps, the same
     records a builder that watched from the start wrote (times aside: each counts from its own origin)."""
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=160, block_size=4, max_num_batched_tokens=8))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=160, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_batched_tokens=8)))
     feed, watcher = EventFeed(min_interval=0), SnapshotBuilder(engine)
     # two requests, chunked prefills of 8 tokens, then decodes: both kinds of record in the history
     engine.add_request("a", list(range(1, 21)), params(k))
@@ -203,7 +206,7 @@ def test_subscription_keeps_only_the_latest():
 
 
 def test_feed_throttles_and_flushes(tiny):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4)))
     feed = EventFeed(min_interval=3600)  # one snapshot an hour: everything after the first is held back
     sub = feed.subscribe()
     engine.add_request("a", [1, 2, 3], params(4))
@@ -229,7 +232,7 @@ def test_feed_throttles_and_flushes(tiny):
 
 def test_a_failing_view_never_stops_the_engine(tiny):
     """A bug in the snapshot code (say a learner's block_owners under --student) skips snapshots, with a warning."""
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4)))
     feed = EventFeed(min_interval=0)
     sub = feed.subscribe()
 
@@ -250,7 +253,7 @@ def test_a_failing_view_never_stops_the_engine(tiny):
 def test_a_view_opened_mid_run_counts_steps_from_the_engine_and_shows_the_streaming_latencies(tiny):
     """A page opened while requests run: its step numbers are the engine's (a user can match them to the engine's
     logs and to another page), and the latency panel already has the running requests' TTFT (and TPOT so far)."""
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4)))
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     for _ in range(3):  # nobody watching yet
         engine.step()
@@ -269,7 +272,7 @@ def test_the_cost_benchmark_runs_the_three_systems_it_names(tiny):
     every step's record and builds nothing, the open one hands its viewer a snapshot per step (no throttle here)."""
     from nanoserve.bench.engine_view import run_once
 
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=4))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4)))
     workload = [([1, 2, 3, 4, 5], 3), ([6, 7], 5)]  # prompts of 5 and 2 tokens, 3 and 5 tokens out: 5 steps
     seconds, tokens, per_step, encoded, steps = run_once(engine, workload)
     assert (tokens, per_step, encoded, steps) == (8, [], 0, 5)

@@ -13,7 +13,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, engine_config
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.structured import StructuredOutputsParams
 from nanoserve.structured.compiler import GrammarCache, StructuredOutputError
@@ -40,7 +42,7 @@ def tiny():
 
 
 def engine(tiny, tokenizer, **config):
-    return LLMEngine(tiny, EngineConfig(**{"num_blocks": 256, **config}), tokenizer)
+    return LLMEngine(tiny, engine_config(**{"num_blocks": 256, **config}), tokenizer)
 
 
 def run(eng) -> dict:
@@ -165,13 +167,19 @@ def test_a_grammar_over_the_size_limit_is_refused(smollm2_tokenizer):
 
 # ---- 13.1 a choice list's mask by hand, against xgrammar's ----------------------------------------------
 
+def xgrammar_choice(cache, choices: list[str]) -> "xgr.CompiledGrammar":
+    """The reference: xgrammar's own automaton for `root ::= "yes" | "no" | ...` over the same vocabulary."""
+    ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    return xgr.GrammarCompiler(cache.tokenizer_info).compile_grammar(ebnf)
+
+
 @pytest.mark.exercise("13.1")
 def test_choice_mask_by_hand_equals_xgrammars(cache, smollm2_tokenizer):
     choice = implementation("nanoserve.structured.choice")
     choices = ["yes", "no", "not sure", "nothing", "né"]
     vocab = [b"" if i in smollm2_tokenizer.special_ids else p for i, p in enumerate(smollm2_tokenizer.id_to_bytes)]
     trie = choice.build_trie(choices)
-    matcher = xgr.GrammarMatcher(cache.compile(StructuredOutputsParams(choice=choices)))
+    matcher = xgr.GrammarMatcher(xgrammar_choice(cache, choices))
     eos = smollm2_tokenizer.eos_token_id
     for prefix in [b"", b"n", b"no", b"not", b"not s", b"n\xc3", b"yes"]:
         if prefix:
@@ -181,6 +189,51 @@ def test_choice_mask_by_hand_equals_xgrammars(cache, smollm2_tokenizer):
         assert mine.shape == (VOCAB,) and mine.dtype == torch.bool
         assert mine.nonzero().flatten().tolist() == allowed(matcher).tolist(), prefix
     assert choice.choice_mask(trie, b"x", vocab, [eos]).sum() == 0  # off the grammar: nothing may follow
+
+
+def test_a_choice_list_served_by_its_trie_samples_what_xgrammar_samples(tiny, smollm2_tokenizer):
+    """The engine serves a choice list through the trie (trie_grammar.py, 13.1's functions); the same choices as an
+    EBNF grammar go through xgrammar. Same masks, so the same seeded samples, token for token."""
+    choices = ["red", "green", "not sure", "né"]
+    ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    eng = engine(tiny, smollm2_tokenizer)
+    prompt = smollm2_tokenizer.encode("Pick one:")
+    for seed in range(4):
+        for name, structured in [("trie", StructuredOutputsParams(choice=choices)),
+                                 ("xgrammar", StructuredOutputsParams(grammar=ebnf))]:
+            eng.add_request(f"{name}{seed}", prompt, SamplingParams(temperature=1.5, seed=seed, max_tokens=12,
+                                                                    structured=structured))
+    got = run(eng)
+    for seed in range(4):
+        assert got[f"trie{seed}", 0] == got[f"xgrammar{seed}", 0]
+        assert got[f"trie{seed}", 0][1] in choices and got[f"trie{seed}", 0][2] == "stop"
+    grammar = eng.structured.cache.compile(StructuredOutputsParams(choice=choices))
+    assert type(grammar).__name__ == "ChoiceGrammar" and set(grammar.masks) <= {c.encode()[:i] for c in choices
+                                                                                for i in range(len(c.encode()) + 1)}
+
+
+def test_the_choice_matcher_reads_bytes_and_refuses_what_leaves_the_trie(cache, smollm2_tokenizer):
+    from nanoserve.structured.matcher import GrammarViolation
+    from nanoserve.structured.trie_grammar import ChoiceMatcher, pack_bitmask
+
+    mask = torch.rand(VOCAB) < 0.3
+    assert allowed(pack_bitmask(mask).unsqueeze(0)).tolist() == mask.nonzero().flatten().tolist()
+    grammar = cache.compile(StructuredOutputsParams(choice=["not", "no"]))
+    tok, eos = smollm2_tokenizer, smollm2_tokenizer.eos_token_id
+    n, o, t, ot, x = (tok.id_to_bytes.index(p) for p in [b"n", b"o", b"t", b"ot", b"x"])
+    matcher = ChoiceMatcher(grammar)
+    for spelling in ([n, o, t], [n, ot]):  # two spellings, one trie node, one mask computed
+        matcher.sync(spelling)
+        assert matcher.prefix == b"not" and not matcher.is_terminated
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    matcher.fill(bitmask, 0)
+    assert allowed(bitmask).tolist() == [eos] and list(grammar.masks) == [b"not"]
+    matcher.sync([n, o, eos])
+    assert matcher.is_terminated
+    special = next(i for i in tok.special_ids if i != eos)
+    for bad in ([n, x], [n, eos], [n, o, eos, o], [special]):
+        with pytest.raises(GrammarViolation):
+            matcher.sync(bad)
 
 
 # ---- 13.2 packed bitmasks on a batch of logits rows -----------------------------------------------------
@@ -369,7 +422,7 @@ def test_refusals_at_the_engines_door(tiny, smollm2_tokenizer):
     with pytest.raises(StructuredOutputError, match="cannot be compiled"):
         eng.add_request("b", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="(")))
     assert not eng.has_unfinished_requests() and eng.structured.grammars == {}
-    no_tokenizer = LLMEngine(tiny, EngineConfig(num_blocks=16))
+    no_tokenizer = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16)))
     with pytest.raises(StructuredOutputError, match="need an engine with a tokenizer"):
         no_tokenizer.add_request("c", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="a")))
 

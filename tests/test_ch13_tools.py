@@ -14,7 +14,9 @@ import openai
 import pytest
 import xgrammar as xgr
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.runner import serving
 from nanoserve.server.tool_calls import ToolCallParser, message, template_messages
 from nanoserve.server.protocol import ChatCompletionRequest
@@ -46,7 +48,8 @@ ASK = [{"role": "user", "content": "Weather in Oslo? Also add the user Ada, 36, 
 
 @pytest.fixture(scope="module")
 def tiny_url(smollm2_tokenizer):
-    engine = LLMEngine(tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048), EngineConfig(num_blocks=512, max_num_seqs=8), smollm2_tokenizer)
+    engine = LLMEngine(tiny_llama(vocab_size=VOCAB, max_position_embeddings=2048), EngineConfig(cache_config=CacheConfig(num_blocks=512),
+                                                                                                scheduler_config=SchedulerConfig(max_num_seqs=8)), smollm2_tokenizer)
     with serving(engine, smollm2_tokenizer, model_name="tiny") as (url, _):
         yield url
 

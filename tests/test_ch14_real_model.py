@@ -8,7 +8,8 @@ accepted and rejected both) and open chat, alone and all in one batch, with the 
 import pytest
 
 from nanoserve.bench.prompts import course_prompts
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -32,12 +33,12 @@ def prompts(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def plain(smollm2, prompts):
-    return run(LLMEngine(smollm2, EngineConfig(num_blocks=128)), prompts)
+    return run(LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=128))), prompts)
 
 
 def test_ngram_greedy_parity_alone_and_batched(smollm2, prompts, plain):
-    config = EngineConfig(num_blocks=128, speculative="ngram", num_speculative_tokens=4,
-                          speculative_disable_by_batch_size=None)
+    config = EngineConfig(cache_config=CacheConfig(num_blocks=128),
+                          speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=None))
     engine = LLMEngine(smollm2, config)
     assert [run(engine, [ids])[0] for ids in prompts[:2]] == plain[:2]
     assert run(engine, prompts) == plain
@@ -46,7 +47,8 @@ def test_ngram_greedy_parity_alone_and_batched(smollm2, prompts, plain):
 
 
 def test_draft_greedy_parity(smollm2, prompts, plain):
-    config = EngineConfig(num_blocks=128, speculative="draft", num_speculative_tokens=2, draft_num_layers=4)
+    config = EngineConfig(cache_config=CacheConfig(num_blocks=128),
+                          speculative_config=SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_num_layers=4))
     engine = LLMEngine(smollm2, config)
     assert run(engine, prompts[:1], max_tokens=8) == [plain[0][:8]]
     assert engine.spec_stats.num_draft_tokens > 0

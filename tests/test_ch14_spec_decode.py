@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from tests.test_ch06_engine import run  # submit all, step until idle, check the pool is whole
 from tests.tiny_model import tiny_llama
@@ -34,7 +35,7 @@ def requests(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 def engine(model, speculative=None, eos=-1, **config):
     config = {"num_blocks": 128, "block_size": 4, "speculative_disable_by_batch_size": None, **config}
-    return LLMEngine(model, EngineConfig(speculative=speculative, **config), eos_token_id=eos)
+    return LLMEngine(model, engine_config(speculative=speculative, **config), eos_token_id=eos)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ import httpx
 import psutil
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.limits import Tenant, TenantLimits
 from nanoserve.server.protocol import APIError
@@ -30,7 +32,8 @@ from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the
 
 @pytest.fixture
 def engine(tiny, tokenizer):
-    return LLMEngine(tiny, EngineConfig(num_blocks=96, block_size=16, max_num_seqs=8), tokenizer)
+    return LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=96, block_size=16),
+                                        scheduler_config=SchedulerConfig(max_num_seqs=8)), tokenizer)
 
 
 class ExplodingParams(SamplingParams):

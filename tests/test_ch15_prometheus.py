@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv.block_manager import BlockManager
 from nanoserve.sampling import SamplingParams
@@ -84,7 +86,8 @@ def test_a_real_prometheus_scrapes_nanoserve():
 
     tokenizer = Tokenizer.from_gguf()
     engine = LLMEngine(tiny_llama(vocab_size=49152, max_position_embeddings=1024),
-                       EngineConfig(num_blocks=32, block_size=16, max_num_seqs=4), tokenizer)
+                       EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=16),
+                                    scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
     with serving(engine, tokenizer, model_name="tiny") as (url, _), tempfile.TemporaryDirectory() as data:
         body = json.dumps({"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}).encode()
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})

@@ -16,7 +16,8 @@ from nanoserve.cluster.client import ReplicaClient, routing_hashes
 from nanoserve.cluster.deploy import Fleet
 from nanoserve.cluster.replica import replica_stream
 from nanoserve.engine.async_engine import AsyncLLMEngine
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.prefix_cache import block_hashes
 from nanoserve.server.api_server import ServerConfig, ServerState
 from nanoserve.server.runner import Server, serving
@@ -71,7 +72,8 @@ def tiny():
 
 
 def ingress(tiny, tokenizer, die_after=None):
-    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer))
+    engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
+                                                         scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer))
     engine.start()
     info = {"block_size": 16, "max_model_len": engine.engine.max_model_len, "max_seq_len": engine.engine.max_seq_len}
     handle = FakeHandle(engine, die_after)
@@ -91,7 +93,8 @@ def test_the_ingress_answers_like_chapter_08(tiny, smollm2_tokenizer):
     tokenizer = smollm2_tokenizer
     greedy = {"model": "tiny", "max_tokens": 8, "temperature": 0}
     too_long = {"model": "tiny", "prompt": "hello " * 2000, "max_tokens": 4}
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=48, block_size=16, max_num_seqs=4), tokenizer)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
     with serving(engine, tokenizer, model_name="tiny") as (url, _):
         one = openai.OpenAI(base_url=url + "/v1", api_key="none")
         expect = one.chat.completions.create(messages=HI, **greedy).choices[0].message.content

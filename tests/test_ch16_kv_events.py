@@ -10,7 +10,9 @@ import msgpack
 import pytest
 import zmq
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.prefix_cache import block_hashes
 from nanoserve.kv.kv_events import record_kv_events
 from nanoserve.sampling import SamplingParams
@@ -39,7 +41,8 @@ def subscribe(endpoint: str):
 
 
 def test_kv_events_match_the_block_manager(tiny):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=12, block_size=4, max_num_seqs=2))
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=12, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=2)))
     log = record_kv_events(engine.block_manager)
     publisher = KVEventPublisher(log, "tcp://127.0.0.1:*")
     ctx, sub = subscribe(publisher.endpoint)
@@ -87,7 +90,8 @@ def test_kv_events_match_the_block_manager(tiny):
 
 
 def test_vllm_metric_names(tiny, tokenizer):
-    engine = LLMEngine(tiny, EngineConfig(num_blocks=16, block_size=4, max_num_seqs=2), tokenizer)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
     with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
         httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3}, timeout=60)
         text = httpx.get(url + "/metrics").text

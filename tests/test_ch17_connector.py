@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from nanoserve.disagg.config import KVTransferConfig
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import KVTransferConfig
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation
 from tests.tiny_model import tiny_llama
@@ -37,7 +38,7 @@ def model():
 
 def engine(model, role=None, **kw) -> LLMEngine:
     config = KVTransferConfig(role) if role else None
-    return LLMEngine(model, EngineConfig(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=8,
+    return LLMEngine(model, engine_config(block_size=BLOCK, num_blocks=64, max_num_batched_tokens=8,
                                          kv_transfer_config=config, **kw))
 
 

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from nanoserve.disagg.kv_index import decode_event
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.kv_events import record_kv_events
 from nanoserve.kv.prefix_cache import block_hashes
 from nanoserve.sampling import SamplingParams
@@ -68,7 +69,7 @@ def test_index_from_events_is_what_the_caches_hold():
     """Two replicas with small pools (evictions happen), their publishers and one subscriber: after every
     event arrived, the index's replicas of each hash are exactly the replicas whose prefix cache holds it."""
     model = tiny_llama(vocab_size=97)
-    engines = {n: LLMEngine(model, EngineConfig(block_size=4, num_blocks=12, max_num_batched_tokens=64))
+    engines = {n: LLMEngine(model, engine_config(block_size=4, num_blocks=12, max_num_batched_tokens=64))
                for n in ("r0", "r1")}
     publishers = {n: KVEventPublisher(record_kv_events(e.block_manager), "tcp://127.0.0.1:*", topic=n)
                   for n, e in engines.items()}

@@ -89,13 +89,14 @@ def test_a_step_beyond_the_largest_bucket_runs_eagerly(tiny, compiled):
 
 @pytest.mark.parametrize("mode", ["buckets", "dynamic"])
 def test_engine_greedy_outputs_equal_eager_on_a_tiny_model(tiny, mode):
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling import SamplingParams
 
     prompts = [[(7 * i + j) % tiny.config.vocab_size for j in range(3 + 5 * i)] for i in range(3)]
     outs = {}
     for m in ("eager", mode):
-        engine = LLMEngine(tiny, EngineConfig(kv_cache_memory=1 << 20, compile_mode=m))
+        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20), compile_mode=m))
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         done = {}
@@ -104,7 +105,7 @@ def test_engine_greedy_outputs_equal_eager_on_a_tiny_model(tiny, mode):
         outs[m] = done
     assert outs[mode] == outs["eager"]  # a random tiny model has no near-ties at this scale
     with pytest.raises(ValueError, match="compile_mode"):
-        LLMEngine(tiny, EngineConfig(kv_cache_memory=1 << 20, compile_mode="fast"))
+        LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20), compile_mode="fast"))
 
 
 @pytest.mark.parametrize("flags, weights, kv, said", [

@@ -137,12 +137,13 @@ def test_bf16_weights_and_the_kernel_crossover():
 def test_a_bf16_kv_pool_holds_twice_the_blocks_and_attends_like_float32():
     """kv_cache_dtype="bf16": the pool is bf16 (2 bytes per element, so a budget holds twice the blocks), the
     model's activations stay float32, and greedy decoding gives the float32 pool's tokens."""
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling import SamplingParams
     from tests.tiny_model import tiny_llama
 
     model = tiny_llama()
-    engines = {dt: LLMEngine(model, EngineConfig(kv_cache_memory=1 << 20, kv_cache_dtype=dt)) for dt in ("auto", "bf16")}
+    engines = {dt: LLMEngine(model, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20, kv_cache_dtype=dt))) for dt in ("auto", "bf16")}
     pools = {dt: e.executor.workers[0].model_runner.kv_cache for dt, e in engines.items()}
     assert pools["auto"].k_cache[0].dtype == torch.float32 and pools["bf16"].k_cache[0].dtype == torch.bfloat16
     assert pools["bf16"].num_blocks == 2 * pools["auto"].num_blocks
@@ -159,4 +160,4 @@ def test_a_bf16_kv_pool_holds_twice_the_blocks_and_attends_like_float32():
         a, b = outs["auto"][rid], outs["bf16"][rid]
         assert a.token_ids == b.token_ids  # a random tiny model has no near-ties at this scale
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLMEngine(model, EngineConfig(kv_cache_memory=1 << 20, kv_cache_dtype="fp8"))
+        LLMEngine(model, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20, kv_cache_dtype="fp8")))

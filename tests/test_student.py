@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from nanoserve import student
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import RUNGS, STUDENT_FILES, StudentCode, parse_selection, unfinished
 from tests.tiny_model import tiny_llama
@@ -69,7 +70,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9 + i, 20 + i, 30 + i] for i in range(5)]
 
 
 def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
-    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
+    engine = LLMEngine(model, engine_config(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     tokens = {}
@@ -134,7 +135,8 @@ def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys)
     with torch.no_grad():  # no cache: the model's own attention is the learner's (chapter 01)
         torch.testing.assert_close(model.compute_logits(model(ids)), tiny.compute_logits(tiny(ids)))
     assert code.calls["scaled_dot_product_attention"] == tiny.config.num_hidden_layers
-    engine = LLMEngine(model, EngineConfig(num_blocks=11, block_size=4, max_num_batched_tokens=16,
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=11, block_size=4),
+                                           scheduler_config=SchedulerConfig(max_num_batched_tokens=16),
                                            student="01,02"), student=code)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
@@ -430,7 +432,7 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     exercises("nanoserve.engine.snapshot")
     finish("nanoserve.engine.event_feed", ["Subscription.put", "Subscription.take", "EventFeed.emit_if_due"])
     config = dict(num_blocks=11, block_size=4, max_num_batched_tokens=16)
-    engines = [LLMEngine(tiny, EngineConfig(**config, student="12")), LLMEngine(tiny, EngineConfig(**config))]
+    engines = [LLMEngine(tiny, engine_config(**config, student="12")), LLMEngine(tiny, engine_config(**config))]
     feeds = [AsyncLLMEngine(engines[0]).event_feed, EventFeed()]
     assert type(feeds[0]).__module__ == "student_nanoserve_engine_event_feed"
     subs = [feed.subscribe() for feed in feeds]
@@ -451,14 +453,21 @@ def test_finished_12_feeds_the_live_page(tiny, exercises):
     assert calls["step_kind"] >= len(seen[0]) and calls["Subscription.take"] == len(seen[0])
 
 
+SCHEMA_13 = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                            "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
+CHOICES_13 = ["red", "green", "not sure"]
+
+
 @pytest.mark.parametrize("module, called, yours", [
+    ("nanoserve.structured.choice", "choice_mask", "build_trie, choice_mask"),
     ("nanoserve.structured.bitmask", "apply_token_bitmask", "unpack_bitmask, apply_token_bitmask"),
     ("nanoserve.structured.matcher", "SequenceMatcher.sync", "SequenceMatcher"),
 ])
 def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module, called, yours):
-    """--student 13 with one rung finished: every constrained token went through the learner's code (13.2 the
-    mask applied to the logits, 13.3 the matcher synced to the sequence), the other rung falls back; the output
-    follows its schema and equals the reference run's token for token."""
+    """--student 13 with one rung finished: every constrained token went through the learner's code (13.1 the
+    choice list's masks from the trie, 13.2 the mask applied to the logits, 13.3 the matcher synced to the
+    sequence), the other rungs fall back; the output follows its grammar (a JSON schema; for 13.1 a choice list)
+    and equals the reference run's token for token."""
     import json
 
     import jsonschema
@@ -467,36 +476,100 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
 
     tiny = tiny_llama(vocab_size=49152)  # random weights, SmolLM2's vocabulary: the tokenizer's masks fit
     exercises(module)
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                               "c": {"enum": ["red", "green"]}}, "required": ["n", "c"]}
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=StructuredOutputsParams(json=schema))
-    with pytest.warns(UserWarning, match=r"Exercise 13\.[23] not finished"):
-        engines = [LLMEngine(tiny, EngineConfig(num_blocks=32, student="13"), smollm2_tokenizer)]
-    engines.append(LLMEngine(tiny, EngineConfig(num_blocks=32), smollm2_tokenizer))
+    choice = module.endswith("choice")
+    structured = StructuredOutputsParams(choice=CHOICES_13) if choice else StructuredOutputsParams(json=SCHEMA_13)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, structured=structured)
+    with pytest.warns(UserWarning, match=r"Exercise 13\.[123] not finished"):
+        engines = [LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32),
+                                                student="13"), smollm2_tokenizer)]
+    engines.append(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32)), smollm2_tokenizer))
     texts = []
     for engine in engines:
         engine.add_request("r", smollm2_tokenizer.encode("A colour and a number:"), params)
         while engine.has_unfinished_requests():
             texts += [(out.token_ids, out.text) for out in engine.step() if out.finished]
     assert texts[0] == texts[1]
-    jsonschema.validate(json.loads(texts[0][1]), schema)
+    if choice:
+        assert texts[0][1] in CHOICES_13
+    else:
+        jsonschema.validate(json.loads(texts[0][1]), SCHEMA_13)
     steps = len(texts[0][0])
     calls = engines[0].student.calls
     assert calls[called] >= steps  # one call a sampled token, at least
+    if choice:  # one mask per trie node the output stood at (each token a new node), one trie per request
+        assert calls["choice_mask"] == steps and calls["build_trie"] == 1
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()
+
+
+def test_finished_15_slo_orders_preempts_and_rejects(tiny, exercises):
+    """--student 15 with the slo policy: the learner's deadline (15.1), laxity (15.2), victim (15.3) and
+    rejection (15.4) schedule a run that must preempt (5 requests of 17 tokens on 12 blocks of 4, no prefix cache) and refuse
+    one request that arrived a second ago wanting its first token within 10 ms; the others' tokens equal a
+    reference run's, and every block comes back."""
+    import time
+
+    from nanoserve.engine.policies import SLOTargets
+
+    finish("nanoserve.engine.policies.slo", ["next_token_deadline", "SLOPolicy.laxity", "SLOPolicy.choose_victim",
+                                             "SLOPolicy.reject_reason"])
+    config = dict(num_blocks=12, block_size=4, enable_prefix_caching=False, scheduling_policy="slo",
+                  slo_ttft_ms=60_000, slo_tpot_ms=60_000, slo_reject=True)
+    engines = [LLMEngine(tiny, engine_config(**config, student="15")), LLMEngine(tiny, engine_config(**config))]
+    assert type(engines[0].scheduler.policy).__module__ == "student_nanoserve_engine_policies_slo"
+    results = []
+    for engine in engines:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=2), arrival_time=time.perf_counter() - 1.0,
+                           slo=SLOTargets(ttft_ms=10))
+        done, preempted = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.reject_reason)
+            preempted += len(engine.last_scheduler_output.preempted_seq_ids)
+        assert preempted > 0 and engine.block_manager.get_num_free_blocks() == 12
+        results.append(done)
+    assert results[0] == results[1]
+    assert results[0]["late"][0] == [] and results[0]["late"][1].startswith("TTFT deadline lost")
+    calls = engines[0].student.calls
+    assert calls["next_token_deadline"] > 0 and calls["SLOPolicy.laxity"] > 0
+    assert calls["SLOPolicy.choose_victim"] > 0 and calls["SLOPolicy.reject_reason"] > 0
+    assert "yours      next_token_deadline, SLOPolicy.deadline, SLOPolicy.laxity" in engines[0].student.describe()
+
+
+def test_finished_15_fair_charges_each_tenant_its_tokens_over_its_weight(tiny, exercises):
+    """--student 15 with the fair policy: the learner's fair_order (15.5) orders, its on_scheduled and catch_up
+    (15.6) keep the virtual times. Both tenants busy from the first step, no preemption: each tenant's virtual
+    time is the tokens its requests computed (prompt + outputs - 1 each: the last token is sampled, never fed
+    back; no prefix cache, so no prompt is skipped) over its weight — 3 requests of 11 + 6 - 1 = 16 tokens for a (weight 2): 24; 2 for b: 32."""
+    finish("nanoserve.engine.policies.fair", ["fair_order", "FairPolicy.catch_up", "FairPolicy.on_scheduled"])
+    engine = LLMEngine(tiny, engine_config(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                           enable_prefix_caching=False, scheduling_policy="fair",
+                                           tenant_weights={"a": 2.0}, student="15"))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           tenant="a" if i % 2 == 0 else "b")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert sorted(finished) == ["0", "1", "2", "3", "4"]
+    assert engine.scheduler.policy.virtual_time == {"a": 24.0, "b": 32.0}
+    calls = engine.student.calls
+    assert calls["fair_order"] > 0 and calls["FairPolicy.on_scheduled"] > 0 and calls["FairPolicy.catch_up"] > 0
 
 
 def test_finished_17_receives_into_its_own_slots(exercises):
     """--student 17, rung 17.1: the decode engine plans each transferred prompt's load with the learner's
     num_tokens_to_receive and receive_slots; its greedy tokens are a colocated engine's."""
-    from nanoserve.disagg.config import KVTransferConfig
+    from nanoserve.engine.config import KVTransferConfig
 
     exercises("nanoserve.disagg.receive")
     model = tiny_llama(vocab_size=97)
     config = dict(block_size=4, num_blocks=32, max_num_batched_tokens=8)
-    prefill = LLMEngine(model, EngineConfig(**config, kv_transfer_config=KVTransferConfig("kv_producer")))
-    decode = LLMEngine(model, EngineConfig(**config, student="17", kv_transfer_config=KVTransferConfig("kv_consumer")))
-    plain = LLMEngine(model, EngineConfig(**config))
+    prefill = LLMEngine(model, engine_config(**config, kv_transfer_config=KVTransferConfig("kv_producer")))
+    decode = LLMEngine(model, engine_config(**config, student="17", kv_transfer_config=KVTransferConfig("kv_consumer")))
+    plain = LLMEngine(model, engine_config(**config))
     try:
         for i, prompt in enumerate([list(range(3, 17)), list(range(3, 13)) + [40, 41]]):
             got = []

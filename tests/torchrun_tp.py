@@ -6,7 +6,9 @@ import sys
 
 import torch
 
-from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 from tests.tiny_model import tiny_llama
 
@@ -20,7 +22,8 @@ def greedy_tokens(model, tp_size: int) -> list[list[int]]:
     if tp_size > 1:
         workers, model = start_workers(model, tp_size)  # under torchrun: ranks > 0 never return
     try:
-        engine = LLMEngine(model, EngineConfig(num_blocks=32, block_size=4, max_num_seqs=4))
+        engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4),
+                                               scheduler_config=SchedulerConfig(max_num_seqs=4)))
         for i, p in enumerate(PROMPTS):
             engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         done = {}

@@ -31,5 +31,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     logits (N, vocab) float; bitmask (len(rows), words) int32; rows: distinct row indices into logits. Every
     row not in `rows` must stay exactly as it was (an unconstrained request shares the batch). rows may be
     empty.
+
+        logits = torch.zeros(3, 4); apply_token_bitmask(logits, torch.tensor([[5]], dtype=torch.int32), [2])
+        logits.tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, -inf, 0, -inf]]   # row 2 only: tokens 1 and 3 masked
     """
     raise NotImplementedError("Exercise 13.2: apply_token_bitmask — -inf on the disallowed tokens of the given rows")

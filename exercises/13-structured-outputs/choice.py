@@ -1,7 +1,10 @@
 """Exercise 13.1 — a token mask for a fixed choice list, by hand.
 
-This file mirrors nanoserve/structured/choice.py. The grader compares your mask, token for token, with
-the one xgrammar computes for the grammar `"yes" | "no" | ...` over SmolLM2's 49,152 tokens.
+This file mirrors nanoserve/structured/choice.py; once it is finished, `--student 13` compiles every choice list
+(`"structured_outputs": {"choice": [...]}`) with your `build_trie` and asks your `choice_mask` for the mask of each
+trie node an output reaches (nanoserve/structured/trie_grammar.py keeps each mask for the next request). The grader
+compares your mask, token for token, with the one xgrammar computes for the grammar `"yes" | "no" | ...` over
+SmolLM2's 49,152 tokens.
 
 Run `make grade CH=13` to grade it.
 """

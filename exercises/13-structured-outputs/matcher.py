@@ -12,9 +12,7 @@ Run `make grade CH=13` to grade it.
 
 import xgrammar as xgr
 
-
-class GrammarViolation(RuntimeError):
-    """The sequence holds a token its grammar refuses (only possible if something bypassed the mask)."""
+from nanoserve.structured.matcher import GrammarViolation  # noqa: F401  (given: raise it, the engine catches it)
 
 
 class SequenceMatcher:
@@ -33,6 +31,9 @@ class SequenceMatcher:
         you such histories): keep the longest common prefix of self.tokens and output_token_ids, roll back what
         the matcher holds past it, accept the rest. Keep self.tokens equal to what the matcher has accepted.
         A token the grammar refuses raises GrammarViolation.
+
+            self.tokens [A, B, C]     output_token_ids [A, B, C, D]   -> accept D;            self.tokens [A, B, C, D]
+            self.tokens [A, B, C, D]  output_token_ids [A, B, E]      -> roll back 2, accept E; self.tokens [A, B, E]
         """
         raise NotImplementedError("Exercise 13.3: SequenceMatcher.sync — roll back to the common prefix, then accept")
 

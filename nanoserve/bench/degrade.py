@@ -60,7 +60,8 @@ def summarize(steps: list, reference: dict[str, list[int]] | None = None) -> dic
 def run(args):
     from nanoserve.bench.prompts import course_prompts
     from nanoserve.bench.weights import lockstep
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
@@ -74,7 +75,7 @@ def run(args):
     requests = [(ids, args.max_tokens) for ids in prompts]
 
     def config(**kw):
-        return EngineConfig(kv_cache_memory=256 << 20, max_num_seqs=args.max_num_seqs, **kw)
+        return engine_config(kv_cache_memory=256 << 20, max_num_seqs=args.max_num_seqs, **kw)
 
     engines = {"fp32": LLMEngine(fp32, config()),
                "fp32+degrade": LLMEngine(fp32, config(degrade_under_load=args.threshold), degraded_model=q4),

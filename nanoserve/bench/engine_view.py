@@ -66,7 +66,8 @@ def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, list
 @torch.inference_mode()
 def run(args):
     from nanoserve.engine.event_feed import EventFeed
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.memory import kv_bytes_per_token
     from nanoserve.model import Llama, LlamaConfig, load_gguf
 
@@ -81,7 +82,8 @@ def run(args):
                                                                      * args.block_size))
     else:
         model = load_gguf()
-    config = EngineConfig(block_size=args.block_size, num_blocks=num_blocks, kv_cache_memory=args.kv_cache_mib << 20)
+    config = EngineConfig(cache_config=CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                                                   kv_cache_memory=args.kv_cache_mib << 20))
     engine = LLMEngine(model, config)
     workload = make_workload(args.num_requests, args.prompt_len, args.output_len, 0, model.config.vocab_size)
     closed, open_feed = EventFeed(), EventFeed()

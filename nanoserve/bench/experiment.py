@@ -19,12 +19,14 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
-  routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
-                   long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
+  routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
+                   and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
+                   each replica's share of the work (nanoserve/bench/routing.py)
   kv-routing       chapter 17: replicas in this process publishing KV events; round-robin, pow2, chapter 16's
                    prefix router and the KV-aware router on their events: hit rate, TTFT (bench/kv_routing.py)
 
-Systems compared are interleaved (A, B, A, B, ...) and each keeps its best round: this machine drifts.
+Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
+this machine drifts.
 """
 
 import importlib
@@ -77,7 +79,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
 
     pending = sorted(arrivals, key=lambda a: a[0])
     records, trace, step, t0 = {}, [], 0, time.perf_counter()
-    preemptions = 0
+    preemptions = recomputed = computed = 0
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             step = max(step, pending[0][0])  # idle: jump to the next arrival
@@ -85,6 +87,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
             _, rid, prompt, n, *kwargs = pending.pop(0)
             records[rid] = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
             engine.add_request(rid, prompt, greedy(n), **(kwargs[0] if kwargs else {}))
+        held = {seq.seq_id: seq.num_computed_tokens for seq in engine.scheduler.running}
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - t0
@@ -93,19 +96,26 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
         stamp_outputs(records, outputs, now)
         out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
         preemptions += len(out.preempted_seq_ids)
+        # the computed tokens a preemption threw away: recomputed when the victim is readmitted (less what the
+        # prefix cache still holds, if it is on)
+        recomputed += sum(held.get(seq_id, 0) for seq_id in out.preempted_seq_ids)
+        computed += out.total_num_scheduled_tokens
         used = blocks.num_blocks - blocks.get_num_free_blocks()
         trace.append({"step": step, "t": now, "step_ms": (now - (before - t0)) * 1000,
                       "num_tokens": sum(out.num_scheduled_tokens.values()), "running": len(sched.running),
                       "waiting": len(sched.waiting), "blocks_used": used, "num_blocks": blocks.num_blocks,
-                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions})
+                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions,
+                      "recomputed_tokens": recomputed, "computed_tokens": computed})
         step += 1
     return records, trace
 
 
 def engine_for(model, tokenizer=None, **config):
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    """An engine from LLM's flat settings (block_size=…, max_num_seqs=…, speculative=…)."""
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(model, EngineConfig(**config), tokenizer)
+    return LLMEngine(model, engine_config(**config), tokenizer)
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -113,10 +123,12 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def interleaved(rounds: int, systems: dict, measure) -> dict:
-    """{name: [result per round]}, measuring A, B, ..., A, B, ...: each system sees the same drift."""
+    """{name: [result per round]}, measuring A, B, then B, A, then A, B, ...: each system sees the same drift, and
+    none always runs first (the first of a round follows whatever the last round left behind)."""
     results = {name: [] for name in systems}
+    order = list(systems.items())
     for r in range(rounds):
-        for name, system in systems.items():
+        for name, system in order if r % 2 == 0 else order[::-1]:
             results[name].append(measure(name, system, r))
             print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
     return results

@@ -34,12 +34,13 @@ class Fleet:
 
     def __init__(self, model, tokenizer, num_replicas: int, num_blocks: int, student=None):
         """student: the run's StudentCode (--student 17: the learner's index and score, exercises 17.2, 17.3)."""
-        from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+        from nanoserve.engine.config import engine_config
+        from nanoserve.engine.llm_engine import LLMEngine
         from nanoserve.kv.kv_events import record_kv_events
         from nanoserve.server.kv_events import KVEventPublisher
 
         self.names = [f"r{i}" for i in range(num_replicas)]
-        self.engines = {n: LLMEngine(model, EngineConfig(num_blocks=num_blocks, max_num_seqs=4), tokenizer)
+        self.engines = {n: LLMEngine(model, engine_config(num_blocks=num_blocks, max_num_seqs=4), tokenizer)
                         for n in self.names}
         self.publishers = {n: KVEventPublisher(record_kv_events(e.block_manager), "tcp://127.0.0.1:*", topic=n)
                            for n, e in self.engines.items()}
@@ -74,15 +75,15 @@ class Fleet:
 
 def make_router(name: str, fleet: Fleet, block_size: int):
     """route(prompt ids) -> replica name, for router `name`."""
-    from nanoserve.cluster.routing import power_of_two_choices, prefix_affinity
+    from nanoserve.cluster.routing import power_of_two_choices, prefix_affinity, round_robin
     from nanoserve.kv.prefix_cache import block_hashes
 
-    rng, cycle, owner_of = random.Random(0), itertools.cycle(fleet.names), {}
+    rng, turns, owner_of = random.Random(0), itertools.count(), {}
 
     def route(prompt: list[int]) -> str:
         hashes, queues = block_hashes(prompt, block_size), fleet.queue_lens()
         if name == "round-robin":
-            return next(cycle)
+            return round_robin(queues, next(turns))
         if name == "pow2":
             return power_of_two_choices(queues, rng)
         if name == "prefix (chapter 16)":
@@ -105,7 +106,7 @@ def run_one(name: str, model, tokenizer, prompts: list[list[int]], args, student
     from nanoserve.metrics import percentile
 
     fleet = Fleet(model, tokenizer, args.replicas, args.num_blocks, student)
-    route = make_router(name, fleet, fleet.engines["r0"].config.block_size)
+    route = make_router(name, fleet, fleet.engines["r0"].config.cache_config.block_size)
     pending, started, ttft, placed = list(enumerate(prompts)), {}, [], {n: 0 for n in fleet.names}
     try:
         while pending or any(e.has_unfinished_requests() for e in fleet.engines.values()):

@@ -145,10 +145,12 @@ def under_memory_cap(model, num_blocks: int, block_size: int, workload) -> dict:
     """Paged vs reserving, the same requests in the same pool; the two engines step in turn, each timed on
     its own clock. {name: {steps, seconds, output_throughput, preemptions, peak_running, mean_running}}."""
     from nanoserve.bench.experiment import greedy
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.kv.reservation import ReservingBlockManager
 
-    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False)
+    config = EngineConfig(cache_config=CacheConfig(num_blocks=num_blocks, block_size=block_size,
+                                                   enable_prefix_caching=False))
     # The reserving engine's manager reads each sequence's prompt + max_tokens from that engine's scheduler.
     def max_total_tokens(seq_id: str) -> int:
         return engines["reserve prompt+max_tokens"].scheduler.seqs[seq_id].max_total_tokens

@@ -8,8 +8,8 @@ gaps (shape `burstiness`, mean 1 / request_rate; `--request-rate inf` sends all 
 schedule, not when earlier replies come; `--max-concurrency` caps the requests in flight, like a pool of
 that many users, and the time a request waited for the pool is reported apart ("client wait"), so an
 overloaded server cannot hide its queue in the load generator's. Each request streams (client.py) and is
-summarised by the one metric module (nanoserve/metrics.py). `--student`: exercise 09's metrics.py and, where
-finished, its load.py.
+summarised by the one metric module (nanoserve/metrics.py). `--student 09` (or a bare `--student`): exercise
+09's metrics.py and load.py, each rung where finished (the reference's where not, with a warning naming it).
 """
 
 import asyncio
@@ -47,7 +47,8 @@ def register(sub):
                    help="SLOs in ms, any of ttft:MS tpot:MS e2el:MS; goodput = requests/s meeting all of them")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the run")
     p.add_argument("--result-json", default=None, help="write the summary and per-request figures here")
-    p.add_argument("--student", action="store_true", help="report with YOUR metric code (exercises/09-measuring)")
+    p.add_argument("--student", nargs="?", const="09", default=False, metavar="09",
+                   help="measure and report with YOUR code (exercises/09-measuring: metrics.py, load.py)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -82,6 +83,8 @@ def check_args(args) -> None:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
     if args.input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
+    if args.student and args.student.strip().zfill(2) != "09":
+        raise ValueError(f"--student {args.student}: bench serve runs chapter 09's exercises only (--student 09)")
     if not args.url.startswith(("http://", "https://")):
         raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
     if args.dataset not in ("course", "random") and not os.path.isfile(args.dataset):
@@ -178,19 +181,6 @@ def model_tokenizer():
     return Tokenizer.from_gguf()
 
 
-def load_student_metrics():
-    """exercises/09-measuring/metrics.py, or None (and an error line) while it is unfinished."""
-    from nanoserve.student import load_student
-
-    metrics = load_student("nanoserve.metrics")
-    try:
-        metrics.summarize([metrics.RequestRecord(0.0, [0.1, 0.2], 0.2, output_tokens=2)], 1.0)
-    except NotImplementedError as e:
-        print(f"error: exercises/09-measuring/metrics.py is not finished ({e}); run without --student", file=sys.stderr)
-        return None
-    return metrics
-
-
 def command_line(args) -> str:
     flags = [f"--url {args.url}", f"--endpoint {args.endpoint}", f"--num-prompts {args.num_prompts}",
              f"--request-rate {args.request_rate:g}", f"--burstiness {args.burstiness:g}", f"--dataset {args.dataset}",
@@ -221,7 +211,7 @@ def measure(args, metrics, load=None) -> dict:
         "command": command_line(args), "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,
-        "slos_ms": {k: v * 1000 for k, v in slos.items()}, "student_metrics": args.student,
+        "slos_ms": {k: v * 1000 for k, v in slos.items()}, "student_metrics": bool(args.student),
         **metrics.summarize(records, raw["duration"], slos),
         "client_wait_ms": metrics.stats([w * 1000 for w in raw["client_wait"]]),
         "input_lens": [r.prompt_tokens for r in records], "output_lens": [r.output_tokens for r in records],
@@ -254,11 +244,11 @@ def run(args):
         return 2
     from nanoserve import student
 
-    metrics = load_student_metrics() if args.student else importlib.import_module("nanoserve.metrics")
-    if metrics is None:
-        return 2
-    # --student: the learner's arrivals (9.4) and open loop (9.5) where finished, the reference's (with a warning) where not
-    load = student.StudentCode("09").module("nanoserve.bench.load") if args.student else None
+    # --student 09: the learner's metrics (9.1-9.3), arrivals (9.4) and open loop (9.5) where finished
+    code = student.StudentCode(args.student)
+    metrics, load = code.module("nanoserve.metrics"), code.module("nanoserve.bench.load")
+    if code:
+        print(code.describe("bench serve measures and reports"))
     try:
         result = measure(args, metrics, load)
     except ValueError as e:
@@ -273,4 +263,6 @@ def run(args):
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.result_json}")
+    if code:
+        print(code.proof())
     return 1 if result["failed"] else 0

@@ -75,7 +75,8 @@ HEADER = f"  {'engine':<14} {'tok/s':>8} {'speedup':>9} {'acceptance':>10} {'mea
 @torch.inference_mode()
 def run(args):
     from nanoserve.bench.prompts import course_prompts
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
@@ -84,9 +85,10 @@ def run(args):
     model, tokenizer = load_gguf(), Tokenizer.from_gguf()
 
     def engine(speculative=None, k=4):
-        return LLMEngine(model, EngineConfig(kv_cache_memory=256 << 20, speculative=speculative, num_speculative_tokens=k,
-                                             speculative_disable_by_batch_size=None, draft_num_layers=args.draft_layers),
-                         tokenizer)
+        spec = (SpeculativeConfig(method=speculative, num_speculative_tokens=k, disable_by_batch_size=None,
+                                  draft_num_layers=args.draft_layers) if speculative else None)
+        config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=256 << 20), speculative_config=spec)
+        return LLMEngine(model, config, tokenizer)
 
     configs = {"off": engine()} | {f"{p} k={k}": engine(p, k) for p in args.proposers for k in args.k}
     draft = next((e.proposer for e in configs.values() if getattr(e.proposer, "num_layers", None)), None)

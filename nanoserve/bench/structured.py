@@ -90,6 +90,7 @@ def run_round(engine, prompts, structured, lengths, concurrency: int, max_tokens
 
 
 def run(args):
+    from nanoserve.bench.experiment import interleaved
     from nanoserve.llm import LLM
     from nanoserve.model import load_gguf
     from nanoserve.structured.params import StructuredOutputsParams
@@ -115,18 +116,17 @@ def run(args):
         warm = run_round(engine, prompts, structured, None, concurrency, args.max_tokens)  # warm-up, not counted
         lengths = [warm["requests"][i][0] for i in range(n)]
         run_round(engine, prompts, None, lengths, concurrency, args.max_tokens)
-        best = {}
-        for r in range(args.rounds):
-            for system in ("constrained", "unconstrained")[::1 if r % 2 == 0 else -1]:
-                engine.structured.take_times()  # the warm-up's and the last round's are not this round's
-                got = run_round(engine, prompts, structured if system == "constrained" else None, lengths,
-                                concurrency, args.max_tokens)
-                got["times"] = engine.structured.take_times()
-                got["tpot_p50"] = percentile([tp for _, tp in got["requests"].values() if tp is not None], 50)
-                got["tokens_per_s"] = sum(t for t, _ in got["requests"].values()) / got["seconds"]
-                if system not in best or got["tpot_p50"] < best[system]["tpot_p50"]:
-                    best[system] = got
-        results[concurrency] = best
+
+        def measure(name, grammars, r):
+            engine.structured.take_times()  # the warm-up's and the last round's are not this round's
+            got = run_round(engine, prompts, grammars, lengths, concurrency, args.max_tokens)
+            got["times"] = engine.structured.take_times()
+            got["tpot_p50"] = percentile([tp for _, tp in got["requests"].values() if tp is not None], 50)
+            got["tokens_per_s"] = sum(t for t, _ in got["requests"].values()) / got["seconds"]
+            return got
+
+        rounds = interleaved(args.rounds, {"constrained": structured, "unconstrained": None}, measure)
+        results[concurrency] = {system: min(got, key=lambda g: g["tpot_p50"]) for system, got in rounds.items()}
 
     print(f"\ngreedy, max_tokens {args.max_tokens}, a warm-up round each, then the best of {args.rounds} interleaved "
           f"rounds (order alternating; shared machine: read the ratios):")

@@ -134,7 +134,8 @@ def run(args):
 
     from nanoserve.bench.model import timed
     from nanoserve.bench.offline import make_workload
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.engine.worker import keep_freed_host_memory
     from nanoserve.memory import parameter_counts
     from nanoserve.model import load_gguf
@@ -178,7 +179,8 @@ def run(args):
         if name in ("int8", "q4"):
             set_kernel_crossover(model)
     with torch.inference_mode():
-        engines = {n: LLMEngine(m, EngineConfig(kv_cache_memory=384 << 20)) for n, m in models.items()}
+        config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=384 << 20))
+        engines = {n: LLMEngine(m, config) for n, m in models.items()}
         lockstep(engines, make_workload(4, (8, 16), (2, 4), 1, config.vocab_size))  # warm up
         rng = random.Random(0)
         print(f"\nengine (one engine per format, stepped in lockstep; median decode step of {args.decode_steps})")

@@ -149,7 +149,7 @@ def kv_transfer_config(args):
     """The KVTransferConfig --kv-role asks for, or None."""
     if args.kv_role is None:
         return None
-    from nanoserve.disagg.config import CLI_ROLES, KVTransferConfig
+    from nanoserve.engine.config import CLI_ROLES, KVTransferConfig
 
     return KVTransferConfig(CLI_ROLES[args.kv_role], kv_control_endpoint=f"tcp://127.0.0.1:{args.kv_control_port or '*'}")
 

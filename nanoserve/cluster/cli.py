@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from nanoserve.cluster.routing import ROUTERS  # Ray (deploy.py) is imported only by run_fleet
+from nanoserve.cluster.policies import ROUTERS  # Ray (deploy.py) is imported only by run_fleet
 
 
 def add_fleet_args(p) -> None:
@@ -23,8 +23,8 @@ def add_fleet_args(p) -> None:
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto' or host:port) instead of starting a local Ray")
     g.add_argument("--router", choices=ROUTERS, default="pow2",
-                   help="pow2: Ray Serve's power of two choices; prefix: to the replica holding the prompt's "
-                        "leading KV blocks, unless it is busy")
+                   help="round-robin: in turn; pow2: the shorter queue of two random replicas; prefix: to the "
+                        "replica holding the prompt's leading KV blocks, unless it is busy")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (= its torch threads)")
     g.add_argument("--ray-num-cpus", type=checks.positive_int, default=None,
                    help="CPUs of the local Ray (default: the machine's)")

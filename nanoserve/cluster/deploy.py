@@ -10,8 +10,8 @@
         --upscale-delay-s 2 --downscale-delay-s 10                        # autoscaling
 
 The ingress runs in this process (no Ray Serve HTTP proxy: nanoserve's own server and validation);
-the DeploymentHandle in it routes each request, with Ray Serve's default router (power of two
-choices) or the prefix-aware one (router.py), to a replica actor.
+the DeploymentHandle in it routes each request to a replica actor, with the policy `router` names
+(round robin, power of two choices, prefix affinity: policies.py) on Ray Serve's router interface (router.py).
 
 Autoscaling is Ray Serve's: every replica reports its ongoing requests; when the average over a
 look-back window stays above `target_ongoing_requests` for `upscale_delay_s`, the controller adds
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from nanoserve.cluster.client import ReplicaClient
 from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
-from nanoserve.cluster.routing import ROUTERS
+from nanoserve.cluster.policies import ROUTERS
 
 APP_NAME = "nanoserve"
 LOOPBACK = "127.0.0.1"
@@ -67,9 +67,9 @@ class Fleet:
         return self.replica_states().get("RUNNING", 0)
 
     def request_router(self):
-        """The RequestRouter object this process's handle routes with (a PrefixAwareRouter, or Ray Serve's
-        default), or None before the first request. Ray Serve has no public accessor: this reads its private
-        attributes (Ray 2.x: handle -> router -> asyncio router -> request router)."""
+        """The RequestRouter object this process's handle routes with (a PolicyRouter), or None before the
+        first request. Ray Serve has no public accessor: this reads its private attributes
+        (Ray 2.x: handle -> router -> asyncio router -> request router)."""
         router = getattr(self.handle._router, "_asyncio_router", None)
         return getattr(router, "_request_router", None)
 
@@ -88,8 +88,9 @@ class Fleet:
 def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None,
                router: str = "pow2", num_cpus: float = 1, max_ongoing_requests: int = 16, imbalance: int = 4,
                student: bool | str | list[str] = False):
-    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`. student: the prefix
-    router runs the learner's routing policies (exercise 16) where finished."""
+    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`; `router` names the routing
+    policy (policies.ROUTERS). student: the router runs the learner's routing decisions (exercise 16) where
+    finished."""
     from ray.serve.config import RequestRouterConfig
 
     if router not in ROUTERS:
@@ -100,12 +101,13 @@ def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autosca
         options["autoscaling_config"] = autoscaling.config()
     else:
         options["num_replicas"] = replicas
-    if router == "prefix":
-        from nanoserve.cluster.router import PrefixAwareRouter
+    from nanoserve.cluster.router import PolicyRouter
 
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAwareRouter, request_router_kwargs={"imbalance": imbalance, "student": student},
-            request_routing_stats_period_s=1)
+    policy_kwargs = {"imbalance": imbalance} if router == "prefix" else {}
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class=PolicyRouter,
+        request_router_kwargs={"policy": router, "policy_kwargs": policy_kwargs, "student": student},
+        request_routing_stats_period_s=1)
     return LLMReplica.options(**options).bind(spec)
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.disagg.config import KVTransferConfig
+from nanoserve.engine.config import KVTransferConfig
 from nanoserve.disagg.transport import ReleaseSender, StagingArea, open_staged, staged_view
 from nanoserve.kv.block_manager import slot_mapping
 

@@ -20,15 +20,15 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from nanoserve.disagg.config import KVTransferConfig
+from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.policies import SLOTargets, make_policy
-from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
 from nanoserve.model.compiled import COMPILE_MODES
-from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE, SpecDecodeStats, num_speculative_tokens
+from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.text.stop import check_stop, is_stop_token
@@ -36,50 +36,6 @@ from nanoserve.student import StudentCode
 
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: as many as fit in kv_cache_memory
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool when num_blocks is None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    # the learner's finished exercises to run instead of the reference (nanoserve/student.py):
-    # True = every chapter, "05,06" or ["05"] = those chapters, False = none
-    student: bool | str | list[str] = False
-    attention_backend: str | None = None  # "torch" | "triton" (chapter 07); None: triton on CUDA, torch on CPU
-    # Chapter 10: with at least this many requests waiting, steps run on the degraded (quantized) copy of the
-    # weights, until the queue falls to half of it (hysteresis). None: off, nothing changes.
-    degrade_under_load: int | None = None
-    # Chapter 14: speculative decoding. "ngram" (prompt lookup) | "draft" (the model's first layers) | None: off.
-    speculative: str | None = None
-    num_speculative_tokens: int = 4  # proposals per sequence and step (k)
-    speculative_disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # None: speculate at any batch
-    prompt_lookup_min: int = 1  # ngram: the shortest suffix matched (vLLM's names)
-    prompt_lookup_max: int = 4  # ngram: the longest
-    draft_num_layers: int | None = None  # draft: the first L layers (None: a quarter of them)
-    # Chapter 15: the scheduling policy (nanoserve/engine/policies/): "fcfs" | "priority" | "slo" | "fair";
-    # the server's default SLO targets (ms), per-tenant SLO overrides and fair-share weights, and whether the
-    # slo policy refuses a request whose TTFT deadline is lost (instead of serving it late)
-    scheduling_policy: str = "priority"
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    slo_reject: bool = False
-    tenant_weights: dict | None = None  # tenant -> weight (fair); missing tenants weigh 1
-    tenant_slos: dict | None = None  # tenant -> SLOTargets (slo)
-    # The KV pool's dtype (vLLM's --kv-cache-dtype): "auto" = the model's parameters' (float32 for every
-    # GGUF format), "fp32", or "bf16" — half the bytes per token, so twice the blocks in the same memory and
-    # half the bytes each decode step gathers; the attention math then runs in bf16 (torch backend only).
-    kv_cache_dtype: str = "auto"
-    # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
-    # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
-    compile_mode: str = "eager"
-    # Chapter 17: this engine's part in disaggregated serving (prefill = kv_producer, decode = kv_consumer), or
-    # None: it serves alone. Its own dataclass, as vLLM's KVTransferConfig (nanoserve/disagg/config.py).
-    kv_transfer_config: KVTransferConfig | None = None
 
 
 @dataclass
@@ -119,6 +75,7 @@ class LLMEngine:
         same pool (chapter 05's benchmark passes its reserving baseline, kv/reservation.py); None builds the
         paging one."""
         self.config = config = config or EngineConfig()
+        cache = config.cache_config
         self.tokenizer = tokenizer
         if (config.degrade_under_load is None) != (degraded_model is None):
             raise ValueError("degrade_under_load and degraded_model go together: the threshold says when to run "
@@ -140,50 +97,52 @@ class LLMEngine:
         # chapter 05's paged attention and metadata (the learner's rungs 5.3, 5.5, 5.6 where finished)
         paged_kv = student.module("nanoserve.kv.paged_attention")
         runner = student.module("nanoserve.engine.model_runner").ModelRunner  # the learner's with 06 (exercise 6.5)
-        if config.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {config.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+        if cache.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
-        if triton and config.kv_cache_dtype != "auto":
+        if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
         kv_worker = self._kv_connector_worker(model)  # chapter 17 (None unless config.kv_transfer_config)
-        self.executor = Executor([Worker(model, KV_CACHE_DTYPES[config.kv_cache_dtype],
+        self.executor = Executor([Worker(model, KV_CACHE_DTYPES[cache.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
                                           compile_mode=config.compile_mode, kv_connector=kv_worker)])
-        num_blocks = config.num_blocks or self.executor.num_blocks_for(config.kv_cache_memory, config.block_size)
+        num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {config.block_size} tokens")
-        self.executor.init_kv_cache(num_blocks, config.block_size)
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {cache.block_size} "
+                             "tokens")
+        self.executor.init_kv_cache(num_blocks, cache.block_size)
         # the learner's block allocator, prefix cache and block manager (exercises/05), scheduler (06) and
         # detokenizer (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
         if block_manager is None:
             block_manager = student.module("nanoserve.kv.block_manager").BlockManager(
-                num_blocks, config.block_size, config.enable_prefix_caching, allocator=allocator,
+                num_blocks, cache.block_size, cache.enable_prefix_caching, allocator=allocator,
                 prefix_cache=prefix_cache)
-        elif (block_manager.num_blocks, block_manager.block_size) != (num_blocks, config.block_size):
+        elif (block_manager.num_blocks, block_manager.block_size) != (num_blocks, cache.block_size):
             raise ValueError(f"the block manager's pool ({block_manager.num_blocks} blocks of {block_manager.block_size}) "
-                             f"is not the engine's ({num_blocks} blocks of {config.block_size})")
+                             f"is not the engine's ({num_blocks} blocks of {cache.block_size})")
         self.block_manager = block_manager
-        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        sched = config.scheduler_config
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
-        policy = make_policy(config.scheduling_policy, default_slo=SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms),
-                             slo_reject=config.slo_reject, tenant_weights=config.tenant_weights,
-                             tenant_slos=config.tenant_slos, modules=student.module)
+        policy = make_policy(sched.policy, default_slo=SLOTargets(sched.slo_ttft_ms, sched.slo_tpot_ms),
+                             slo_reject=sched.slo_reject, tenant_weights=sched.tenant_weights,
+                             tenant_slos=sched.tenant_slos, max_num_batched_tokens=sched.max_num_batched_tokens,
+                             modules=student.module)
         self.kv_connector = self._kv_connector_scheduler(kv_worker)  # chapter 17: its scheduler side, or None
         connector = {"connector": self.kv_connector} if self.kv_connector is not None else {}
-        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(scheduler_config, self.block_manager,
+        self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(sched, self.block_manager,
                                                                                  policy=policy, **connector)
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
         self.max_model_len = model.config.max_position_embeddings
         # the longest sequence (prompt + output) this engine can ever hold: the context, or the whole pool
-        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.max_seq_len = min(self.max_model_len, num_blocks * cache.block_size)
         self.vocab_size = model.config.vocab_size
         # without a tokenizer (token ids in, token ids out) EOS must be given to stop on it
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", -1)
@@ -200,10 +159,11 @@ class LLMEngine:
             for worker in self.executor.workers:
                 worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
         self.spec_stats = SpecDecodeStats()
-        # chapter 13: grammars, matchers and each step's token masks (the learner's 13.2 / 13.3 where finished)
+        # chapter 13: grammars, matchers and each step's token masks (the learner's 13.1-13.3 where finished)
         self.structured = StructuredOutputManager(tokenizer, self.vocab_size,
                                                   matcher_module=student.module("nanoserve.structured.matcher"),
-                                                  bitmask_module=student.module("nanoserve.structured.bitmask"))
+                                                  bitmask_module=student.module("nanoserve.structured.bitmask"),
+                                                  choice_module=student.module("nanoserve.structured.choice"))
 
     # ---- chapter 17: the KV connector ----------------------------------------------------------
     def _kv_connector_worker(self, model):
@@ -215,7 +175,8 @@ class LLMEngine:
         from nanoserve.disagg.connector import SharedMemoryConnectorWorker
         from nanoserve.distributed.parallel_state import get_tp_group
 
-        refused = [name for name, on in (("compile_mode", c.compile_mode != "eager"), ("speculative", c.speculative),
+        refused = [name for name, on in (("compile_mode", c.compile_mode != "eager"),
+                                         ("speculative", c.speculative_config is not None),
                                          ("degrade_under_load", c.degrade_under_load is not None),
                                          ("tensor parallelism", get_tp_group(model).size > 1)) if on]
         if refused:
@@ -232,7 +193,7 @@ class LLMEngine:
         dtype = {v: k for k, v in DTYPE_NAMES.items()}[worker.dtype]
         layout = KVLayout(worker.kv_config.num_hidden_layers, worker.kv_config.num_key_value_heads,
                           worker.kv_config.head_dim, dtype)
-        return SharedMemoryConnectorScheduler(self.config.kv_transfer_config, self.config.block_size, layout,
+        return SharedMemoryConnectorScheduler(self.config.kv_transfer_config, self.config.cache_config.block_size, layout,
                                               kv_worker.control_endpoint,
                                               receive=self.student.module("nanoserve.disagg.receive"))
 
@@ -424,22 +385,20 @@ class LLMEngine:
 
     # ---- chapter 14: speculative decoding ----------------------------------------------------------
     def _make_proposer(self, model):
-        c = self.config
-        if c.speculative is None:
+        spec = self.config.speculative_config
+        if spec is None:
             return None
-        if c.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {c.num_speculative_tokens}")
-        if c.speculative == "ngram":  # the learner's (exercise 14.1) where finished
+        if spec.method == "ngram":  # the learner's (exercise 14.1) where finished
             ngram = self.student.module("nanoserve.spec_decode.ngram")
-            return ngram.NgramProposer(min_n=c.prompt_lookup_min, max_n=c.prompt_lookup_max)
-        return make_proposer(c.speculative, model, num_layers=c.draft_num_layers)
+            return ngram.NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
+        return make_proposer(spec.method, model, num_layers=spec.draft_num_layers)
 
     def _propose(self) -> None:
         """Proposals for the running sequences about to decode (the policy may say none: policy.py). At most
         the tokens the request has left minus one: the verification adds one token of its own."""
         running = self.scheduler.running
-        k = num_speculative_tokens(self.config.num_speculative_tokens, len(running),
-                                   self.config.speculative_disable_by_batch_size)
+        spec = self.config.speculative_config
+        k = num_speculative_tokens(spec.num_speculative_tokens, len(running), spec.disable_by_batch_size)
         # verification reports no logprobs; and a constrained request (chapter 13) never speculates: its one mask
         # per step covers one sampled position, a verification samples 1 + k (structured/manager.py)
         plain = lambda p: p.logprobs is None and p.structured is None  # noqa: E731

@@ -51,20 +51,9 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from nanoserve.engine.config import SchedulerConfig
 from nanoserve.engine.policies.base import PriorityPolicy
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64  # seats: sequences in the running set at once
-    max_num_batched_tokens: int = 2048  # token budget of one forward pass
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass

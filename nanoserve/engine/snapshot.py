@@ -188,7 +188,7 @@ class SnapshotBuilder:
         stats = self._stats()
         queried, hit, hit_blocks, evicted = (now - seen for now, seen in zip(stats, self._stats_seen))
         self._stats_seen = stats
-        cfg = engine.config
+        cfg = engine.config.scheduler_config
         snap = {
             "step": self.step, "time": round(time.time() - self.t0, 4),
             "config": {"block_size": bm.block_size, "num_blocks": bm.num_blocks, "max_num_seqs": cfg.max_num_seqs,

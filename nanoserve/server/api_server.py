@@ -122,11 +122,12 @@ class ServerState:
         self.count(reservation.tenant, "", tokens)
 
     async def metered(self, request_id: str, outputs, reservation: Reservation, deadline: float | None,
-                      timeout: float | None, engine: AsyncLLMEngine | None = None):
+                      timeout: float | None, engine: AsyncLLMEngine | None = None, stream: bool = False):
         """The engine's outputs, each generated token paid from the tenant's reservation (what is left of it goes
         back when the request ends, chapter 08's quotas); past `deadline` (the event
         loop's clock) a RequestTimeout; a request the scheduling policy refused (chapter 15, --slo-reject)
-        an APIError 503 — in a stream, an error event then [DONE]. Leaving early aborts the request on
+        an APIError 503 with Retry-After, counted in slo_rejections_total{stream} (not a failure: the 5xx alert
+        leaves it out) — in a stream, an error event then [DONE]. Leaving early aborts the request on
         `engine` (the version it runs on; default the current one) — explicitly: closing `outputs` would
         not if it never started (a deadline already past, a client gone before the first token)."""
         engine, tenant = engine or self.engine, reservation.tenant
@@ -146,7 +147,10 @@ class ServerState:
                     self.count(tenant, "timed_out")
                     raise RequestTimeout(timeout) from None
                 if getattr(out, "reject_reason", None):
-                    raise APIError(503, out.reject_reason, "ttft_slo_ms")
+                    if self.stat_logger is not None:
+                        self.stat_logger.slo_rejections.labels(self.config.model_name, str(stream).lower()).inc()
+                    raise APIError(503, out.reject_reason, "ttft_slo_ms",
+                                   headers={"Retry-After": str(self.config.retry_after_s)})
                 self.spend(reservation, len(out.new_token_ids))
                 yield out
         finally:
@@ -299,7 +303,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.spend(reservation, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine)
+        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine, req.stream)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
         shape = None

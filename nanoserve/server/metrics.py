@@ -14,6 +14,7 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
     nanoserve:request_time_per_output_token_seconds, e2e_request_latency_seconds,
     nanoserve:request_queue_time_seconds                       histograms
     nanoserve:http_responses_total{status="2xx"|"4xx"|"5xx"}  counter: HTTP responses by status class (chapter 15)
+    nanoserve:slo_rejections_total{stream}                     counter: requests --slo-reject refused (chapter 15)
     nanoserve:degraded                                         gauge: 1 while steps run on the degraded
                                                                (q4) copy of the weights (chapter 10), else 0
     nanoserve:spec_decode_num_drafts_total / _num_draft_tokens_total / _num_accepted_tokens_total
@@ -120,6 +121,13 @@ class PrometheusStatLogger:
             ("num_accepted_tokens", "Proposed tokens the target accepted."))}
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
                                       ["model_name", "status"], registry=self.registry)
+        # chapter 15: requests --slo-reject refused: a 503 with Retry-After (stream="false", also in
+        # http_responses{5xx}) or an error event in a 200 stream; shedding load on purpose, not a failure
+        self.slo_rejections = Counter(PREFIX + "slo_rejections", "Requests refused by the scheduling policy "
+                                      "(--slo-reject): their TTFT could not be met.", ["model_name", "stream"],
+                                      registry=self.registry)
+        for stream in ("false", "true"):  # both series from the start: the 5xx alert subtracts them
+            self.slo_rejections.labels(model_name, stream)
         self.model_name = model_name
         # the same values under another server's names: vLLM's, for a fleet's endpoint picker
         self.compat = {} if compat is None else {

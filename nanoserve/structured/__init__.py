@@ -7,7 +7,8 @@
              to its output tokens before each step; each constrained row's packed bitmask filled
     sampler  ModelRunner.sample -> GrammarBitmask.apply -> apply_token_bitmask (bitmask.py): -inf on the
              disallowed tokens of the constrained rows only, before temperature / top-k / top-p
-    by hand  choice.py: the mask of a choice list from a trie, what xgrammar computes for any grammar
+    by hand  choice.py: the mask of a choice list from a trie, what xgrammar computes for any grammar; the
+             engine serves choice lists with it (trie_grammar.py: the trie compiled, each node's mask kept)
     tools    tools.py: OpenAI's tools + tool_choice as one of these grammars (the server reads the calls
              back: nanoserve/server/tool_calls.py)
 

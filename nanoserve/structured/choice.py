@@ -1,4 +1,5 @@
-"""Chapter 13 — a token mask for a fixed choice list, by hand (exercise 13.1).
+"""Chapter 13 — a token mask for a fixed choice list, by hand (exercise 13.1); the engine serves every choice list
+with it (trie_grammar.py).
 
 The grammar `"yes" | "no" | "maybe"` is a trie over the choices' bytes; the output so far is a path from
 its root. A token may come next when *all* of its bytes walk on down the trie from there — one token is

@@ -7,6 +7,8 @@ seconds for a large one — and it depends on the schema alone, so it is done on
 
     cache: params.key ('json:{"properties":...,"type":"object"}') -> CompiledGrammar   (hits: µs, misses: ms..s)
 
+(A choice list is the exception: its trie is its automaton, built by hand in trie_grammar.py, cached the same way.)
+
 Three rules keep the cache honest:
 - one compilation per key: requests that ask for a schema while it compiles wait for that compilation (a
   Future per key in flight) instead of starting their own;
@@ -22,16 +24,19 @@ engine hands the CompiledGrammar to the engine with the request. A grammar xgram
 """
 
 import asyncio
-import json
 import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from types import ModuleType
+
 import xgrammar as xgr
 
+import nanoserve.structured.choice as reference_choice
 from nanoserve.structured.params import StructuredOutputsParams
-from nanoserve.structured.tokenizer_info import build_tokenizer_info
+from nanoserve.structured.tokenizer_info import build_tokenizer_info, vocab_bytes
+from nanoserve.structured.trie_grammar import ChoiceGrammar
 
 MAX_GRAMMAR_BYTES = 32 * 1024  # the canonical text of a schema / regex / grammar; vLLM has no such bound
 MAX_CACHE_BYTES = 256 << 20  # compiled grammars kept (the chapter's schemas: ~0.1-2 MB each)
@@ -50,19 +55,22 @@ class GrammarCache:
     """CompiledGrammars for one vocabulary, keyed by the request grammar's canonical text (an LRU)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
-                 threads: int = 2, max_cache_bytes: int = MAX_CACHE_BYTES):
+                 threads: int = 2, max_cache_bytes: int = MAX_CACHE_BYTES, choice_module: ModuleType = reference_choice):
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size)
+        # a choice list compiles to its trie (trie_grammar.py), with the learner's choice.py under --student 13
+        self.vocab, self.stop_token_ids = vocab_bytes(tokenizer, vocab_size), [tokenizer.eos_token_id]
+        self.choice_module = choice_module
         # xgrammar's own cache is off: ours is the one keyed by the canonical text, and it counts hits
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
         self.max_grammar_bytes, self.max_cache_bytes = max_grammar_bytes, max_cache_bytes
-        self.grammars: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()  # least recently used first
+        self.grammars: OrderedDict[str, xgr.CompiledGrammar | ChoiceGrammar] = OrderedDict()  # least recently used first
         self.cache_bytes = 0
         self.hits = self.misses = 0
         self._in_flight: dict[str, Future] = {}  # key -> the one compilation running for it
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="nanoserve-grammar")
 
-    def compile(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar":
+    def compile(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar | ChoiceGrammar":
         """The request's CompiledGrammar: from the cache, from a compilation in flight, or compiled now (in the
         calling thread). Raises StructuredOutputError."""
         found, future, mine = self._lookup(params)
@@ -72,7 +80,7 @@ class GrammarCache:
             self._build(params, future)
         return future.result()
 
-    async def compile_async(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar":
+    async def compile_async(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar | ChoiceGrammar":
         """`compile`, with a miss compiled in the pool's thread: the caller's event loop (and the engine thread)
         are not held up, and a request joining a compilation in flight holds no thread while it waits."""
         found, future, mine = self._lookup(params)
@@ -121,7 +129,7 @@ class GrammarCache:
             del self._in_flight[params.key]
         future.set_result(grammar)
 
-    def _compile(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar":
+    def _compile(self, params: StructuredOutputsParams) -> "xgr.CompiledGrammar | ChoiceGrammar":
         kind, text = params.kind, params.text
         if kind == "json":
             # compact JSON: a free-whitespace grammar lets a small model loop on spaces and newlines
@@ -130,8 +138,8 @@ class GrammarCache:
             return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return self.compiler.compile_regex(text)
-        if kind == "choice":  # root ::= "yes" | "no" — a JSON string literal is an EBNF string literal
-            return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+        if kind == "choice":  # no pushdown automaton needed: the choices' trie is one
+            return ChoiceGrammar(list(params.choice), self.vocab, self.stop_token_ids, self.choice_module)
         if kind == "structural_tag":
             return self.compiler.compile_structural_tag(text)
         return self.compiler.compile_grammar(text)

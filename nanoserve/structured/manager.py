@@ -26,8 +26,10 @@ from types import ModuleType
 import torch
 
 import nanoserve.structured.bitmask as reference_bitmask
+import nanoserve.structured.choice as reference_choice
 import nanoserve.structured.matcher as reference_matcher
 from nanoserve.structured.compiler import MAX_GRAMMAR_BYTES, GrammarCache, StructuredOutputError
+from nanoserve.structured.trie_grammar import ChoiceGrammar, ChoiceMatcher
 
 
 @dataclass
@@ -64,9 +66,10 @@ class GrammarBitmask:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, max_grammar_bytes: int = MAX_GRAMMAR_BYTES,
-                 matcher_module: ModuleType = reference_matcher, bitmask_module: ModuleType = reference_bitmask):
+                 matcher_module: ModuleType = reference_matcher, bitmask_module: ModuleType = reference_bitmask,
+                 choice_module: ModuleType = reference_choice):
         self.tokenizer, self.vocab_size, self.max_grammar_bytes = tokenizer, vocab_size, max_grammar_bytes
-        self.matcher_module, self.bitmask_module = matcher_module, bitmask_module
+        self.matcher_module, self.bitmask_module, self.choice_module = matcher_module, bitmask_module, choice_module
         self._cache: GrammarCache | None = None  # built on the first structured request (xgrammar's setup: ~50 ms)
         self.grammars: dict[str, object] = {}  # request_id -> CompiledGrammar
         self.matchers: dict[str, object] = {}  # seq_id -> SequenceMatcher
@@ -79,7 +82,8 @@ class StructuredOutputManager:
             if self.tokenizer is None:
                 raise StructuredOutputError("structured outputs need an engine with a tokenizer (the grammar "
                                             "speaks text, the mask needs every token's bytes)")
-            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.max_grammar_bytes)
+            self._cache = GrammarCache(self.tokenizer, self.vocab_size, self.max_grammar_bytes,
+                                       choice_module=self.choice_module)
         return self._cache
 
     def prepare(self, params, grammar=None):
@@ -107,11 +111,11 @@ class StructuredOutputManager:
         for seq in seqs:
             matcher = self.matchers.get(seq.seq_id)
             if matcher is None:  # a new completion (n > 1: each its own, all fresh at the prompt's first token)
-                matcher = self.matchers[seq.seq_id] = self.matcher_module.SequenceMatcher(self.grammars[seq.request_id])
+                matcher = self.matchers[seq.seq_id] = self._matcher(self.grammars[seq.request_id])
             t0 = time.perf_counter()
             try:
                 matcher.sync(seq.output_token_ids)
-            except self.matcher_module.GrammarViolation as e:  # this request fails (take_failures), the step goes on without its row
+            except reference_matcher.GrammarViolation as e:  # this request fails (take_failures), the step goes on without its row
                 self.failures[seq.request_id] = f"the output left its grammar: {e}"
                 continue
             finally:
@@ -122,6 +126,12 @@ class StructuredOutputManager:
             self.times.fill += time.perf_counter() - t1
         self.times.steps += 1
         return GrammarBitmask(bitmask[:len(rows)], rows, self.bitmask_module, self.times) if rows else None
+
+    def _matcher(self, grammar):
+        """A choice list's trie is followed by a ChoiceMatcher, every xgrammar grammar by a SequenceMatcher."""
+        if isinstance(grammar, ChoiceGrammar):
+            return ChoiceMatcher(grammar)
+        return self.matcher_module.SequenceMatcher(grammar)
 
     def take_times(self) -> MaskTimes:
         """The mask times since the last call (bench structured takes one round's), counting afresh from here."""

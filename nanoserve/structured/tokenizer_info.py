@@ -15,8 +15,14 @@ SmolLM2), which may exceed the tokenizer's list on padded vocabularies.
 import xgrammar as xgr
 
 
+def vocab_bytes(tokenizer, vocab_size: int | None = None) -> list[bytes]:
+    """Every token id's bytes, b"" for a special token and for the padding ids past the tokenizer's list."""
+    vocab = [b"" if i in tokenizer.special_ids else piece for i, piece in enumerate(tokenizer.id_to_bytes)]
+    return vocab + [b""] * ((vocab_size or len(vocab)) - len(vocab))
+
+
 def build_tokenizer_info(tokenizer, vocab_size: int | None = None) -> "xgr.TokenizerInfo":
     """xgrammar's TokenizerInfo from nanoserve's Tokenizer (its GGUF vocabulary)."""
-    vocab = [b"" if i in tokenizer.special_ids else piece for i, piece in enumerate(tokenizer.id_to_bytes)]
+    vocab = vocab_bytes(tokenizer)
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size or len(vocab),
                              stop_token_ids=[tokenizer.eos_token_id])

@@ -1,0 +1,151 @@
+"""The engine's settings, grouped by the idea they belong to (vLLM's names, so its `VllmConfig` reads the same).
+
+    EngineConfig(
+        cache_config=CacheConfig(block_size=16, num_blocks=64),        # chapters 04–05: the KV pool
+        scheduler_config=SchedulerConfig(max_num_seqs=8),              # chapters 06, 15: who runs, in what order
+        speculative_config=SpeculativeConfig(method="ngram"),          # chapter 14 (None: off)
+    )
+
+`LLM(...)` and the CLI keep one flat list of keyword arguments and flags (vLLM's `EngineArgs`); they build these.
+Each dataclass is read by the layer it names: the block manager and the worker read `CacheConfig`, the scheduler
+and its policy `SchedulerConfig`, the proposer and the verify step `SpeculativeConfig`.
+"""
+
+from dataclasses import dataclass, field
+
+from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+@dataclass
+class CacheConfig:
+    """The KV pool (chapters 04, 05, 10)."""
+
+    block_size: int = 16  # tokens per block
+    num_blocks: int | None = None  # None: as many as fit in kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool when num_blocks is None
+    enable_prefix_caching: bool = True
+    # vLLM's --kv-cache-dtype: "auto" = the model's parameters' (float32 for every GGUF format), "fp32", or
+    # "bf16" — half the bytes per token, so twice the blocks in the same memory and half the bytes each decode
+    # step gathers; the attention math then runs in bf16 (torch backend only).
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass
+class SchedulerConfig:
+    """Who runs in a step and in what order (chapters 06 and 15)."""
+
+    max_num_seqs: int = 64  # seats: sequences in the running set at once
+    max_num_batched_tokens: int = 2048  # token budget of one forward pass
+    enable_chunked_prefill: bool = True
+    # Chapter 15: the scheduling policy (nanoserve/engine/policies/): "fcfs" | "priority" | "slo" | "fair" (the
+    # CLI's --scheduling-policy); the default SLO targets (ms), per-tenant SLO overrides and fair-share weights,
+    # and whether the slo policy refuses a request whose TTFT deadline is lost (instead of serving it late)
+    policy: str = "priority"
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_reject: bool = False
+    tenant_weights: dict | None = None  # tenant -> weight (fair); missing tenants weigh 1
+    tenant_slos: dict | None = None  # tenant -> SLOTargets (slo)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Chapter 14: speculative decoding (EngineConfig.speculative_config None: off)."""
+
+    method: str = "ngram"  # "ngram" (prompt lookup) | "draft" (the model's first layers)
+    num_speculative_tokens: int = 4  # proposals per sequence and step (k)
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # None: speculate at any batch
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: the longest
+    draft_num_layers: int | None = None  # draft: the first L layers (None: a quarter of them)
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+
+
+KV_ROLES = ("kv_producer", "kv_consumer")
+KV_CONNECTORS = ("SharedMemoryConnector",)
+CLI_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}  # serve --kv-role's words
+
+
+@dataclass
+class KVTransferConfig:
+    kv_role: str = "kv_producer"
+    kv_connector: str = "SharedMemoryConnector"
+    # producer: where its control socket binds ("tcp://127.0.0.1:*": a free port, see the connector's endpoint)
+    kv_control_endpoint: str = "tcp://127.0.0.1:*"
+    # producer: staged KV nobody asked for within this many seconds is freed (a proxy died between the two halves)
+    kv_release_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"unknown kv_role {self.kv_role!r}; known: {', '.join(KV_ROLES)}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"unknown kv_connector {self.kv_connector!r}; known: {', '.join(KV_CONNECTORS)}")
+        if not self.kv_release_timeout_s > 0:
+            raise ValueError(f"kv_release_timeout_s must be > 0, got {self.kv_release_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role == "kv_producer"
+
+
+@dataclass
+class EngineConfig:
+    """Everything LLMEngine is built from: one sub-config per idea, and the few settings of the step itself."""
+
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None
+    # the learner's finished exercises to run instead of the reference (nanoserve/student.py):
+    # True = every chapter, "05,06" or ["05"] = those chapters, False = none
+    student: bool | str | list[str] = False
+    attention_backend: str | None = None  # "torch" | "triton" (chapter 07); None: triton on CUDA, torch on CPU
+    # Chapter 10: with at least this many requests waiting, steps run on the degraded (quantized) copy of the
+    # weights, until the queue falls to half of it (hysteresis). None: off, nothing changes.
+    degrade_under_load: int | None = None
+    # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
+    # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
+    compile_mode: str = "eager"
+    # Chapter 17: this engine's part in disaggregated serving (prefill = kv_producer, decode = kv_consumer), or
+    # None: it serves alone (KVTransferConfig, above)
+    kv_transfer_config: KVTransferConfig | None = None
+
+
+# the flat names LLM(...) and the CLI use, where they differ from the sub-config's field
+_RENAMED = {"scheduling_policy": "policy", "speculative": "method", "speculative_disable_by_batch_size":
+            "disable_by_batch_size"}
+
+
+def engine_config(**kwargs) -> EngineConfig:
+    """One flat list of settings (LLM's keyword arguments, the CLI's flags: vLLM's `EngineArgs`) grouped into
+    an EngineConfig; `speculative=None` (or absent) leaves speculation off.
+
+        engine_config(block_size=4, max_num_seqs=8, speculative="ngram") == EngineConfig(
+            cache_config=CacheConfig(block_size=4), scheduler_config=SchedulerConfig(max_num_seqs=8),
+            speculative_config=SpeculativeConfig(method="ngram"))
+    """
+    groups = {"cache_config": CacheConfig, "scheduler_config": SchedulerConfig, "speculative_config": SpeculativeConfig}
+    parts = {name: {} for name in groups}
+    top = {}
+    for key, value in kwargs.items():
+        field_name = _RENAMED.get(key, key)
+        group = next((g for g, cls in groups.items() if field_name in cls.__dataclass_fields__), None)
+        if key in _RENAMED.values():  # a sub-config's own name for a setting the flat list calls otherwise
+            group = None
+        if group is not None:
+            parts[group][field_name] = value
+        elif key in EngineConfig.__dataclass_fields__ and key not in groups:
+            top[key] = value
+        else:
+            raise TypeError(f"engine_config() got an unexpected setting {key!r}")
+    speculative = parts.pop("speculative_config")
+    spec = SpeculativeConfig(**speculative) if speculative.get("method") is not None else None
+    return EngineConfig(cache_config=CacheConfig(**parts["cache_config"]),
+                        scheduler_config=SchedulerConfig(**parts["scheduler_config"]), speculative_config=spec, **top)
