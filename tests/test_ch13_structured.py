@@ -504,6 +504,25 @@ def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, m
     assert eng.block_manager.get_num_free_blocks() == free_blocks and eng.structured.grammars == {}
 
 
+def test_a_violation_in_the_last_token_fails_the_request_too(tiny, smollm2_tokenizer, monkeypatch):
+    """max_tokens 1 with a mask that masks nothing: the one token is sampled after the only sync and the
+    sequence finishes at once, so no later step's sync would see it; the final sync at release does: the request
+    ends with the reason in `error`, and its matcher and grammar are gone."""
+    import types
+
+    eng = engine(tiny, smollm2_tokenizer)
+    monkeypatch.setattr(eng.structured, "bitmask_module", types.SimpleNamespace(apply_token_bitmask=lambda *a: None))
+    eng.add_request("bad", [7, 8, 9], SamplingParams(temperature=0, max_tokens=1,
+                                                     structured=StructuredOutputsParams(regex="[0-9]{6}")))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    (token,) = outs[-1].token_ids
+    assert not smollm2_tokenizer.decode([token]).isdigit()  # the random model left the grammar at its first token
+    assert outs[-1].finish_reason is not None and "left its grammar" in (outs[-1].error or ""), outs[-1]
+    assert eng.structured.matchers == {} and eng.structured.grammars == {}
+
+
 def test_mask_times_count_the_constrained_steps_and_only_those(tiny, smollm2_tokenizer):
     """`bench structured` splits the overhead with MaskTimes: one step counted per step that sampled a
     constrained token, each part timed; a run without grammars counts nothing; take_times starts afresh."""
