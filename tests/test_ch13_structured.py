@@ -422,6 +422,9 @@ def test_refusals_at_the_engines_door(tiny, smollm2_tokenizer):
     with pytest.raises(StructuredOutputError, match="cannot be compiled"):
         eng.add_request("b", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="(")))
     assert not eng.has_unfinished_requests() and eng.structured.grammars == {}
+    for field, value in [("stop", ["}"]), ("stop_token_ids", [2])]:  # either would end the output before its grammar
+        with pytest.raises(ValueError, match=f"^{field} cannot be combined with structured outputs"):
+            SamplingParams(structured=StructuredOutputsParams(json_object=True), **{field: value})
     no_tokenizer = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16)))
     with pytest.raises(StructuredOutputError, match="need an engine with a tokenizer"):
         no_tokenizer.add_request("c", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="a")))

@@ -255,6 +255,10 @@ FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "obje
     ({"tools": [FN], "stream": True, "logprobs": True}, "logprobs"),
     ({"tools": [FN], "tool_choice": "required", "stop": "}"}, "stop"),  # a stop would cut the forced call's JSON
     ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["\n"]}, "stop"),
+    # any grammar: a stop string or stop token would end the output before the grammar does
+    ({"tools": [{"type": "function", "function": {**FN["function"], "strict": True}}], "stop": "}"}, "stop"),  # auto
+    ({"response_format": {"type": "json_object"}, "stop": "\n"}, "stop"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}, "stop_token_ids": [2]}, "stop_token_ids"),
 ])
 def test_bad_tools_are_a_400_naming_the_param(tiny_url, body, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
