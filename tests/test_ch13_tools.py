@@ -181,21 +181,30 @@ def test_the_prompt_offers_the_tools_and_writes_calls_and_results_in_the_models_
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
 
 
-@pytest.mark.parametrize("choice, text, content, calls", [
-    ("auto", f"Let me look. <tool_call>[{WEATHER}]</tool_call>", "Let me look. ", [("get_weather", 0)]),
-    ("auto", f"<tool_call>{WEATHER}</tool_call>", None, [("get_weather", 0)]),  # one object, no array
-    ("auto", "It is sunny. <tool", "It is sunny. <tool", []),  # held back, then given back
-    ("auto", '<tool_call>[{"name": "no_such_tool", "arguments": {}}]</tool_call>',
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CUT = '{"name": "get_weather", "arguments": {"city": "Os'  # a call cut by max_tokens
+
+
+@pytest.mark.parametrize("choice, text, finish_reason, content, calls", [
+    ("auto", f"Let me look. <tool_call>[{WEATHER}]</tool_call>", "stop", "Let me look. ", [("get_weather", 0)]),
+    ("auto", f"<tool_call>{WEATHER}</tool_call>", "stop", None, [("get_weather", 0)]),  # one object, no array
+    ("auto", "It is sunny. <tool", "stop", "It is sunny. <tool", []),  # held back, then given back
+    ("auto", '<tool_call>[{"name": "no_such_tool", "arguments": {}}]</tool_call>', "stop",
      '<tool_call>[{"name": "no_such_tool", "arguments": {}}]</tool_call>', []),  # not a call of these tools: text
-    ("required", f"[{WEATHER}, {WEATHER}]", None, [("get_weather", 0), ("get_weather", 1)]),
-    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo", "unit": "celsius"}', None,
-     [("get_weather", 0)]),
+    ("required", f"[{WEATHER}, {WEATHER}]", "stop", None, [("get_weather", 0), ("get_weather", 1)]),
+    (NAMED, '{"city": "Oslo", "unit": "celsius"}', "stop", None, [("get_weather", 0)]),
+    # cut by max_tokens: the cut call is no call, its text is content, finish_reason "length"
+    ("required", f"[{CUT}", "length", f"[{CUT}", []),
+    ("required", f"[{WEATHER}, {CUT}", "length", CUT, [("get_weather", 0)]),  # the complete call stays a call
+    ("auto", f"Let me look. <tool_call>[{CUT}", "length", f"Let me look. <tool_call>[{CUT}", []),
+    (NAMED, '{"city": "Os', "length", '{"city": "Os', []),
 ])
-def test_the_parser_reads_content_and_calls_the_same_at_once_and_character_by_character(choice, text, content, calls):
+def test_the_parser_reads_content_and_calls_the_same_at_once_and_character_by_character(
+        choice, text, finish_reason, content, calls):
     tools = [Tool(name, schema) for name, schema in SCHEMAS.items()]
     the_plan = plan(tools, choice)
-    msg, finish = message(the_plan, text, "stop")
-    assert msg["content"] == content and finish == ("tool_calls" if calls else "stop")
+    msg, finish = message(the_plan, text, finish_reason)
+    assert msg["content"] == content and finish == ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
     assert [(c["function"]["name"], i) for i, c in enumerate(msg.get("tool_calls", []))] == calls
     for call in msg.get("tool_calls", []):
         assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
@@ -259,6 +268,7 @@ FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "obje
     ({"tools": [{"type": "function", "function": {**FN["function"], "strict": True}}], "stop": "}"}, "stop"),  # auto
     ({"response_format": {"type": "json_object"}, "stop": "\n"}, "stop"),
     ({"structured_outputs": {"choice": ["yes", "no"]}, "stop_token_ids": [2]}, "stop_token_ids"),
+    ({"structured_outputs": {"choice": ["x" * 300]}}, "structured_outputs"),  # over MAX_CHOICE_NODES trie nodes
 ])
 def test_bad_tools_are_a_400_naming_the_param(tiny_url, body, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
