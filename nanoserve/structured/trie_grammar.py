@@ -4,7 +4,7 @@
 choices' bytes is built, and the mask of every trie node — which of the 49,152 tokens walk on down from it, by
 `choice_mask` — is computed then, packed to int32 words like xgrammar's rows. Compiling runs in the grammar
 cache's pool (compiler.py), so the engine thread only looks masks up; a Python walk over the whole vocabulary per
-node is slow (`bench structured --mask-cost` times it beside xgrammar's fill), which is why a choice list may have
+node is slow (`bench structured` times one beside xgrammar's fill of the same choices), which is why a choice list may have
 at most MAX_CHOICE_NODES trie nodes (params.py refuses more: a 400 naming structured_outputs):
 
     choices "red", "green", "blue"       trie nodes: 1 root + 12 below      masks: 13 x 6 KiB, all at compile time
