@@ -90,6 +90,11 @@ STUDENT_FILES = {
     "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
     "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
     "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
+    "nanoserve.kv.tier_index": "18-kv-tiers/tier_index.py",
+    "nanoserve.kv.load_policy": "18-kv-tiers/load_policy.py",
+    "nanoserve.kv.kv_quant": "18-kv-tiers/kv_quant.py",
+    "nanoserve.lora.punica": "19-multi-lora/punica.py",
+    "nanoserve.lora.manager": "19-multi-lora/manager.py",
 }
 
 
@@ -149,12 +154,23 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "14.3": ["residual", "rejection_sample"],
     },
     "nanoserve.engine.policies.slo": {
-        "15.1": ["SLOPolicy.order_waiting"],
-        "15.2": ["SLOPolicy.choose_victim"],
+        "15.1": ["next_token_deadline"],
+        "15.2": ["SLOPolicy.laxity"],
+        "15.3": ["SLOPolicy.choose_victim"],
+        "15.4": ["SLOPolicy.reject_reason"],
+    },
+    "nanoserve.engine.policies.fair": {
+        "15.5": ["fair_order"],
+        "15.6": ["FairPolicy.catch_up", "FairPolicy.on_scheduled"],
     },
     "nanoserve.cluster.routing": {
         "16.1": ["power_of_two_choices"],
-        "16.2": ["prefix_affinity"],
+        "16.2": ["HashRing.__init__", "HashRing.add", "HashRing.remove", "HashRing.lookup"],
+        "16.3": ["prefix_affinity"],
+    },
+    "nanoserve.lora.punica": {
+        "19.1": ["sgmv"],
+        "19.2": ["bgmv"],
     },
 }
 

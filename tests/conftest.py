@@ -7,6 +7,10 @@ import os
 # tile update it is given ("Cannot call @triton.jit'd outside of the scope of a kernel").
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Chapter 16's local Ray listens on loopback only if RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is "0" before Ray is first
+# imported (some test modules import ray.exceptions themselves): nanoserve.cluster sets it.
+import nanoserve.cluster  # noqa: E402, F401
+
 import pytest
 import torch
 
@@ -56,3 +60,12 @@ def hf_tokenizer():
 
     path = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory):
+    """Chapter 19: two PEFT adapters trained (a few steps) on the tiny random model, once per session:
+    `a` on every projection (rank 4), `b` on q, v and down (rank 8). {name: directory}."""
+    from tests.lora_reference import ADAPTER_SPECS, hf_twin, tiny_llama, train_tiny_adapters
+
+    return train_tiny_adapters(hf_twin(tiny_llama()), tmp_path_factory.mktemp("lora"), ADAPTER_SPECS)

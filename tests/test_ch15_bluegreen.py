@@ -19,6 +19,7 @@ import weakref
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -38,10 +39,20 @@ def tokenizer():
     return Tokenizer.from_gguf()
 
 
-def tiny_engine(tokenizer, step_s=0.0, **model):
-    engine = LLMEngine(tiny_llama(vocab_size=49152, max_position_embeddings=1024, **model),
-                       EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
-                                    scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
+def tiny_engine(tokenizer, step_s=0.0, weights="fp32", **model):
+    llama = tiny_llama(vocab_size=49152, max_position_embeddings=1024, **model)
+    if weights == "q4":  # as the GGUF gives them: every decoder Linear in Q4_1 blocks, made by the gguf package
+        from gguf import GGMLQuantizationType, quantize
+
+        from nanoserve.model.layers import Linear
+        from nanoserve.model.quant import quantize_model
+
+        blocks = {name: torch.from_numpy(quantize(m.weight.detach().numpy(), GGMLQuantizationType.Q4_1)
+                                         .reshape(m.weight.shape[0], -1, 20))
+                  for name, m in llama.named_modules() if isinstance(m, Linear) and name != "lm_head"}
+        quantize_model(llama, "q4", blocks)
+    engine = LLMEngine(llama, EngineConfig(cache_config=CacheConfig(num_blocks=48, block_size=16),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
     if step_s:  # pace the steps like a real model's, so requests are in flight across the switch
         execute = engine.executor.execute_model
         engine.executor.execute_model = lambda out, *a: (time.sleep(step_s), execute(out, *a))[1]
@@ -85,7 +96,7 @@ def test_a_reload_under_load_drops_nothing_and_the_old_engine_is_gone(tokenizer)
 
     def loader(weights, model_file):
         loads.append((weights, model_file))
-        return tiny_engine(tokenizer, 0.004)
+        return tiny_engine(tokenizer, 0.004, weights)
 
     blue = tiny_engine(tokenizer, 0.004)
     blue_ref, blue_cache = weakref.ref(blue), weakref.ref(blue.executor.workers[0].model_runner.kv_cache.k_cache[0])
@@ -143,7 +154,30 @@ def test_a_reload_under_load_drops_nothing_and_the_old_engine_is_gone(tokenizer)
         assert blue_ref() is None and blue_cache() is None
         green = server.state.engine.engine
         assert green.block_manager.get_num_free_blocks() == green.block_manager.num_blocks
+        layers = [type(m).__name__ for m in green.executor.workers[0].model_runner.model.modules()]
+        assert "Q4Linear" in layers and "Linear" not in layers  # green really runs q4 (lm_head: int8)
     assert engine_threads() == []
+
+
+def test_an_empty_reload_keeps_the_file_and_format_the_server_runs_now(tokenizer):
+    """`{}` reloads the current version's file and format, not the start-up ones (SIGHUP's handler, Server.reload,
+    calls the same versions.reload() with no field given)."""
+    loads = []
+
+    def loader(weights, model_file):
+        loads.append((weights, model_file))
+        return tiny_engine(tokenizer)
+
+    with serving(tiny_engine(tokenizer), tokenizer, model_name="tiny", admin_key="admin-secret", loader=loader,
+                 warmup_requests=0) as (url, server):
+        with httpx.Client(base_url=url, timeout=120) as http:
+            r = http.post("/admin/reload", headers=ADMIN, json={"weights": "int8", "model_file": "other.gguf"})
+            assert r.status_code == 200 and r.json()["version"] == "nanoserve-int8-2", r.text
+            r = http.post("/admin/reload", headers=ADMIN, json={})
+            assert r.status_code == 200 and r.json()["version"] == "nanoserve-int8-3", r.text
+            assert r.json()["model_file"] == "other.gguf"
+        wait_for(lambda: not server.state.versions.retiring, "the old versions' retirement")
+    assert loads == [("int8", "other.gguf")] * 2
 
 
 def test_a_failed_load_or_warm_up_leaves_the_old_version_serving(tokenizer):

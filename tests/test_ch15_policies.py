@@ -3,7 +3,8 @@ then invariants on random workloads (hypothesis) and the fairness property with 
 
 The scheduler runs on a fake clock (`Clock`): every step advances it by `dt`, and the fake forward pass
 stamps sampled tokens with the clock's time, so deadlines and slack are exact numbers. Graded: 15.1
-(SLOPolicy.order_waiting), 15.2 (SLOPolicy.choose_victim), 15.3 (fair_order), each on its own.
+(next_token_deadline), 15.2 (SLOPolicy.laxity), 15.3 (SLOPolicy.choose_victim), 15.4 (SLOPolicy.reject_reason),
+15.5 (fair_order), 15.6 (FairPolicy's virtual-time accounting), each on its own.
 """
 
 import json
@@ -30,8 +31,9 @@ class Clock:
         return self.t
 
 
-def slo_policy(**kw):
-    return implementation("nanoserve.engine.policies.slo").SLOPolicy(**kw)
+def slo_policy(step_s=0.0, **kw):
+    """The graded SLOPolicy; one step takes `step_s` (0: laxity is slack, the order EDF's), not measured."""
+    return implementation("nanoserve.engine.policies.slo").SLOPolicy(step_s=step_s, **kw)
 
 
 def fair_policy(weights=None):
@@ -83,7 +85,7 @@ def test_the_default_policy_is_priority():
         make_policy("edf")
 
 
-# ---- slo: 15.1 deadline ordering for admission ---------------------------------------------------------------
+# ---- slo: 15.1 deadlines (and the EDF order they give at step_s = 0) ---------------------------------------------------------------
 
 @pytest.mark.exercise("15.1")
 def test_admission_by_earliest_ttft_deadline_not_arrival():
@@ -123,10 +125,70 @@ def test_equal_deadlines_keep_arrival_order():
     assert [q.seq_id for q in s.policy.order_waiting(list(s.waiting), 0.0)] == ["C", "A", "B"]
 
 
-# ---- slo: 15.2 slack-based preemption ------------------------------------------------------------------------
+@pytest.mark.exercise("15.1")
+def test_next_token_deadline_by_hand():
+    next_token_deadline = implementation("nanoserve.engine.policies.slo").next_token_deadline
+    seq = Sequence("a", [1, 2, 3], 8, arrival_time=2.0)
+    assert next_token_deadline(seq, SLOTargets(ttft_ms=500, tpot_ms=100)) == pytest.approx(2.5)  # arrival + TTFT
+    assert next_token_deadline(seq, SLOTargets(tpot_ms=100)) == math.inf  # no TTFT target: best effort
+    seq.append_token(7, now=2.4)  # the first token at 2.4: token k is due at 2.4 + k * TPOT
+    seq.append_token(7, now=2.45)
+    seq.append_token(7, now=2.5)
+    assert next_token_deadline(seq, SLOTargets(ttft_ms=500, tpot_ms=100)) == pytest.approx(2.4 + 3 * 0.1)
+    assert next_token_deadline(seq, SLOTargets(ttft_ms=500)) == math.inf  # no TPOT target
+
+
+# ---- slo: 15.2 least laxity -----------------------------------------------------------------------------------
 
 @pytest.mark.exercise("15.2")
-def test_preemption_takes_the_most_slack_not_the_latest_arrival():
+def test_laxity_takes_the_steps_left_before_the_next_token():
+    # budget 128, one step 20 ms, now 1.0. A decodes (1 token left), due 1.05: 1.05 - 1.0 - 1 * 0.02 = 0.03.
+    # B has 500 of its 510 prompt tokens left, due 1.10: 4 steps, 1.10 - 1.0 - 4 * 0.02 = 0.02.
+    policy = slo_policy(budget=128, step_s=0.02)
+    a = Sequence("A", [1] * 10, 8, arrival_time=0.0, slo=SLOTargets(ttft_ms=1000, tpot_ms=50))
+    a.num_computed_tokens = 10
+    a.append_token(7, now=1.0)  # first token at 1.0: the next one is due at 1.05
+    b = Sequence("B", [1] * 510, 8, arrival_time=0.3, slo=SLOTargets(ttft_ms=800))
+    b.num_computed_tokens = 10
+    c = Sequence("C", [1] * 4, 8, arrival_time=0.0)  # no target
+    assert policy.laxity(a, 1.0) == pytest.approx(0.03) and policy.laxity(b, 1.0) == pytest.approx(0.02)
+    assert policy.laxity(c, 1.0) == math.inf
+    # least laxity first: B, though A's deadline is the earlier one (EDF's order: A, B)
+    assert [q.seq_id for q in policy.order_running([c, a, b], 1.0)] == ["B", "A", "C"]
+    assert [q.seq_id for q in slo_policy(budget=128).order_running([c, a, b], 1.0)] == ["A", "B", "C"]
+    b.num_computed_tokens = 300  # 210 left: 2 steps; 1.10 - 1.0 - 0.04 = 0.06 > A's 0.03
+    assert [q.seq_id for q in policy.order_waiting([b, a], 1.0)] == ["A", "B"]
+
+
+@pytest.mark.exercise("15.2")
+def test_least_laxity_admits_the_long_prompt_that_must_start_first():
+    # budget 4 (one prompt a step), one step 0.1 s, t=0. S: 4 tokens, TTFT 200 ms: 1 step, laxity 0.2 - 0.1 = 0.1.
+    # L: 12 tokens, TTFT 350 ms: 3 steps, laxity 0.35 - 0.3 = 0.05. Least laxity admits L; EDF (step_s 0) S.
+    for step_s, first in ((0.1, "L"), (0.0, "S")):
+        s, clock = make(slo_policy(step_s=step_s, budget=4), budget=4)
+        add(s, "S", 4, arrival=0.0, slo=SLOTargets(ttft_ms=200))
+        add(s, "L", 12, arrival=0.0, slo=SLOTargets(ttft_ms=350))
+        assert order(step(s, clock, dt=0.1)) == [(first, 4)], step_s
+
+
+def test_the_policy_measures_a_step_from_its_clock_while_something_runs():
+    from nanoserve.engine.policies.slo import STEP_S_WEIGHT, SLOPolicy
+
+    policy = SLOPolicy(budget=8)
+    assert policy.step_s == 0.0
+    busy = [Sequence("a", [1], 4, arrival_time=0.0)]
+    policy.order_running(busy, 1.0)
+    policy.order_running(busy, 1.1)  # one step of 0.1 s: 0 -> 0.2 * 0.1
+    assert policy.step_s == pytest.approx(STEP_S_WEIGHT * 0.1)
+    policy.order_running([], 5.0)  # idle: the gap is no step
+    policy.order_running(busy, 5.1)  # 0.02 + 0.2 * (0.1 - 0.02)
+    assert policy.step_s == pytest.approx(0.02 + STEP_S_WEIGHT * 0.08)
+
+
+# ---- slo: 15.3 the preemption victim, by what it costs to recompute ----------------------------------------------
+
+@pytest.mark.exercise("15.3")
+def test_preemption_at_equal_cost_takes_the_most_slack_not_the_latest_arrival():
     # two blocks of 4 tokens; A (first, TPOT 1 s) and B (second, TPOT 10 ms) each fill one with a 4-token
     # prompt and sample at t=0; at t=0.001 both need a second block and only one can have it.
     # priority: A is first, B (latest arrival) is preempted. slo: B is due at 0.01, A at 1.0: A has the
@@ -143,27 +205,43 @@ def test_preemption_takes_the_most_slack_not_the_latest_arrival():
         assert s.seqs[victim].status is SequenceStatus.PREEMPTED
 
 
-@pytest.mark.exercise("15.2")
-def test_victim_slack_counts_from_now_and_no_target_goes_first():
-    policy = slo_policy()
-    a = Sequence("a", [1, 2], 4, arrival_time=0.0, slo=SLOTargets(ttft_ms=300))  # due 0.3
-    b = Sequence("b", [1, 2], 4, arrival_time=0.0, slo=SLOTargets(ttft_ms=100))  # due 0.1
-    c = Sequence("c", [1, 2], 4, arrival_time=0.0)                              # +inf
-    d = Sequence("d", [1, 2], 4, arrival_time=1.0, slo=SLOTargets(ttft_ms=300))  # due 1.3
-    assert policy.choose_victim([a, b], now=0.05) is a
-    assert policy.choose_victim([a, b, c], now=0.05) is c
-    e = Sequence("e", [1, 2], 4, arrival_time=0.0, slo=SLOTargets(ttft_ms=300))  # a's twin, later seq_id
-    assert policy.choose_victim([e, a], now=0.05) is e and policy.choose_victim([a, d], now=0.5) is d
+@pytest.mark.exercise("15.3")
+def test_the_victim_is_the_cheapest_recompute_that_stays_on_time():
+    # budget 4, one step 0.1 s, now 1.0. After preemption a sequence recomputes all its tokens: ceil(n / 4) steps.
+    policy = slo_policy(budget=4, step_s=0.1)
+
+    def running(name, n, computed, tpot_ms=None, first=0.9, arrival=0.0):
+        seq = Sequence(name, [1] * (n - 1), 64, arrival_time=arrival, slo=SLOTargets(ttft_ms=10, tpot_ms=tpot_ms))
+        seq.append_token(7, now=first)  # n tokens, the next one due at first + 1 * tpot
+        seq.num_computed_tokens = computed
+        return seq
+
+    big = running("big", 12, 11, tpot_ms=1000)      # due 1.9; after: 1.9 - 1.0 - 3 * 0.1 = 0.6  on time, 11 computed
+    small = running("small", 8, 7, tpot_ms=1000)     # due 1.9; after: 1.9 - 1.0 - 2 * 0.1 = 0.7  on time, 7 computed
+    tight = running("tight", 4, 3, tpot_ms=250)      # due 1.15; after: 1.15 - 1.0 - 0.1 = 0.05  on time, 3 computed
+    late = running("late", 8, 7, tpot_ms=150)        # due 1.05; after: 1.05 - 1.0 - 0.2 = -0.15 late
+    later = running("later", 12, 11, tpot_ms=150)    # due 1.05; after: 1.05 - 1.0 - 0.3 = -0.25 late
+    free = running("free", 16, 15)                   # no TPOT target: best effort, 15 computed
+    assert policy.choose_victim([big, small], 1.0) is small        # both on time: the cheaper recompute
+    assert policy.choose_victim([big, tight, small], 1.0) is tight  # least slack, but on time and cheapest
+    assert policy.choose_victim([late, big], 1.0) is big           # a late one is never taken while one is on time
+    assert policy.choose_victim([later, late], 1.0) is late        # all late: the least late after recompute
+    assert policy.choose_victim([free, big], 1.0) is big           # best effort on time too, but 15 > 11 computed
+    roomy = running("roomy", 8, 7, tpot_ms=2000)                   # small's cost, due 2.9: after 1.7
+    assert policy.choose_victim([small, roomy], 1.0) is roomy      # equal cost: the most laxity left
+    twin = running("twin", 8, 7, tpot_ms=1000, arrival=0.5)        # small's twin, arrived later
+    assert policy.choose_victim([small, twin], 1.0) is twin
+    # the most slack is not the answer: at step_s = 0 (EDF) big and small both have 0.9 s; the cheaper goes
+    assert slo_policy(budget=4).choose_victim([big, small, free], 1.0) is small
 
 
-# ---- slo: admission control ----------------------------------------------------------------------------------
+# ---- slo: 15.4 admission control -------------------------------------------------------------------------------
 
+@pytest.mark.exercise("15.4")
 def test_slo_reject_refuses_a_request_whose_ttft_is_lost_with_a_reason():
     # budget 4, all arrive at t=0: C (TTFT 5 ms) is the earliest deadline and takes the budget at t=0; at t=0.01
     # B (due 0.015) is still in time and goes before A (due 1.0). Then: two wait 20 ms before any step.
-    from nanoserve.engine.policies.slo import SLOPolicy
-
-    s, clock = make(SLOPolicy(reject=True), budget=4)
+    s, clock = make(slo_policy(reject=True, budget=4), budget=4)
     add(s, "A", 8, arrival=0.0, slo=SLOTargets(ttft_ms=1000))
     add(s, "B", 4, arrival=0.0, slo=SLOTargets(ttft_ms=15))
     add(s, "C", 4, arrival=0.0, slo=SLOTargets(ttft_ms=5))
@@ -171,7 +249,7 @@ def test_slo_reject_refuses_a_request_whose_ttft_is_lost_with_a_reason():
     assert order(out) == [("C", 4)] and not out.rejected_seqs  # t=0: C's deadline is the earliest
     out = step(s, clock)  # t=0.01: B (due 0.015) still in time
     assert order(out) == [("C", 1), ("B", 3)] and not out.rejected_seqs
-    s2, clock2 = make(SLOPolicy(reject=True), budget=4)
+    s2, clock2 = make(slo_policy(reject=True, budget=4), budget=4)
     add(s2, "A", 4, arrival=0.0, slo=SLOTargets(ttft_ms=1000))
     add(s2, "B", 4, arrival=0.0, slo=SLOTargets(ttft_ms=5))
     clock2.t = 0.02  # both waited 20 ms: B's 5 ms is lost, A's 1 s is not
@@ -183,7 +261,24 @@ def test_slo_reject_refuses_a_request_whose_ttft_is_lost_with_a_reason():
     assert s2.block_manager.get_num_free_blocks() == 16 - 1  # B held none; A one
 
 
-# ---- fair: 15.3 weighted fair order --------------------------------------------------------------------------
+@pytest.mark.exercise("15.4")
+def test_reject_looks_at_the_work_left_and_only_at_waiting_requests():
+    # budget 4, one step 0.1 s, now 1.0, TTFT 500 ms from arrival 0.65 (due 1.15): a 4-token prompt needs 1 step
+    # (laxity 0.05: kept), a 12-token one 3 steps (laxity -0.15: refused now, though its deadline has not passed)
+    policy = slo_policy(reject=True, budget=4, step_s=0.1)
+    short = Sequence("s", [1] * 4, 4, arrival_time=0.65, slo=SLOTargets(ttft_ms=500))
+    long = Sequence("l", [1] * 12, 4, arrival_time=0.65, slo=SLOTargets(ttft_ms=500))
+    assert policy.reject_reason(short, 1.0) is None
+    assert "TTFT deadline lost" in policy.reject_reason(long, 1.0) and "3 more step" in policy.reject_reason(long, 1.0)
+    long.num_computed_tokens = 8  # a chunk went in: 1 step left, laxity 0.05
+    assert policy.reject_reason(long, 1.0) is None
+    started = Sequence("f", [1] * 4, 4, arrival_time=0.0, slo=SLOTargets(ttft_ms=5, tpot_ms=5))
+    started.append_token(7, now=0.5)  # it has its first token: its answer is under way, never refused
+    assert policy.reject_reason(started, 9.0) is None
+    assert slo_policy(budget=4, step_s=0.1).reject_reason(long, 9.0) is None  # without --slo-reject: never
+
+
+# ---- fair: 15.5 weighted fair order, 15.6 virtual-time accounting --------------------------------------------------------------------------
 
 def seqs_of(spec):
     """'a1 a2 b1' -> Sequences, tenant = the letter, arrival = position; each a decode (1 token left)."""
@@ -195,7 +290,7 @@ def seqs_of(spec):
     return out
 
 
-@pytest.mark.exercise("15.3")
+@pytest.mark.exercise("15.5")
 def test_fair_order_interleaves_tenants_by_virtual_time():
     fair_order = implementation("nanoserve.engine.policies.fair").fair_order
     names = lambda seqs: [q.seq_id for q in seqs]  # noqa: E731
@@ -210,7 +305,7 @@ def test_fair_order_interleaves_tenants_by_virtual_time():
     assert vt == {"a": 1.0}  # ordering charges nothing
 
 
-@pytest.mark.exercise("15.3")
+@pytest.mark.exercise("15.5")
 def test_fair_cost_is_the_tokens_left_so_a_long_prefill_counts_in_full():
     fair_order = implementation("nanoserve.engine.policies.fair").fair_order
     long = Sequence("a1", list(range(10)), 4, arrival_time=0.0, tenant="a")  # 10 tokens to compute
@@ -220,7 +315,7 @@ def test_fair_cost_is_the_tokens_left_so_a_long_prefill_counts_in_full():
     assert [q.seq_id for q in fair_order([long, a2] + bs, {}, {})] == ["a1", "b0", "b1", "b2", "a2"]
 
 
-@pytest.mark.exercise("15.3")
+@pytest.mark.exercise("15.5")
 def test_two_tenants_at_ten_to_one_load_share_the_tokens_equally():
     """Tenant a sends 10 requests for each of b's; the budget (4 tokens a step) is the bottleneck. Under fair
     sharing, while both have work, the tokens each got differ by at most one step's budget (per weight);
@@ -252,10 +347,30 @@ def test_two_tenants_at_ten_to_one_load_share_the_tokens_equally():
     assert max(b_done) < max(fcfs_b_done)
 
 
-def test_a_tenant_back_from_idle_gets_no_credit_for_it():
-    from nanoserve.engine.policies.fair import FairPolicy
+@pytest.mark.exercise("15.6")
+def test_virtual_time_moves_by_tokens_over_weight_and_idle_is_no_credit():
+    policy = fair_policy({"a": 4.0})
+    a, b, c = (Sequence(t, [1], 4, arrival_time=0.0, tenant=t) for t in "abc")
+    policy.on_scheduled(a, 7)
+    policy.on_scheduled(b, 7)
+    policy.on_scheduled(b, 3)
+    assert policy.virtual_time == {"a": 7 / 4, "b": 10.0}  # tokens / weight, weight 1 by default
+    policy.catch_up({"a", "b"})  # nobody was busy before: nothing to catch up to
+    assert policy.virtual_time == {"a": 7 / 4, "b": 10.0}
+    policy.catch_up({"a", "b", "c"})  # c is new: it starts at the busy tenants' lowest, a's 1.75
+    assert policy.virtual_time["c"] == 7 / 4
+    policy.catch_up({"b"})  # a and c go idle
+    policy.on_scheduled(b, 20)  # b: 30
+    policy.catch_up({"a", "b"})  # a comes back: to b's 30, not its old 1.75
+    assert policy.virtual_time == {"a": 30.0, "b": 30.0, "c": 7 / 4}
+    policy.virtual_time["c"] = 50.0
+    policy.catch_up({"a", "b", "c"})  # never moved back
+    assert policy.virtual_time["c"] == 50.0
 
-    policy = FairPolicy()
+
+@pytest.mark.exercise("15.6")
+def test_a_tenant_back_from_idle_gets_no_credit_for_it():
+    policy = fair_policy()
     s, clock = make(policy, num_blocks=64, budget=4)
     add(s, "a0", 4, max_tokens=8, tenant="a")
     add(s, "b0", 4, max_tokens=1, tenant="b")
@@ -346,10 +461,13 @@ def test_engine_takes_the_policy_from_its_config_and_reports_a_rejection():
 
 def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_503():
     import json
+
+    from prometheus_client.parser import text_string_to_metric_families
     import urllib.error
     import urllib.request
 
-    from nanoserve.engine.llm_engine import EngineConfig, LLMEngine
+    from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.server.runner import serving
     from nanoserve.text.tokenizer import Tokenizer
     from tests.tiny_model import tiny_llama
@@ -363,18 +481,31 @@ def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_50
         req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, json.load(r)
+                return r.status, r.headers, json.load(r) if not body.get("stream") else r.read().decode()
         except urllib.error.HTTPError as e:
-            return e.code, json.load(e)
+            return e.code, e.headers, json.load(e)
+
+    def counted(metrics, name, **labels):
+        return sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     with serving(engine, tokenizer, model_name="tiny") as (url, _):
-        # a TTFT target of 1 microsecond is lost before the first step: refused, with the reason
-        status, body = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001})
+        # a TTFT target of 1 microsecond is lost before the first step: refused, with the reason and a Retry-After
+        status, headers, body = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001})
         assert status == 503 and "TTFT deadline lost" in body["error"]["message"], body
-        status, body = post({"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "ttft_slo_ms": 60_000})
+        assert headers["Retry-After"] == "1"
+        status, _, events = post({"prompt": "Hi", "max_tokens": 2, "ttft_slo_ms": 0.001, "stream": True})
+        assert status == 200 and '"code": 503' in events and events.endswith("data: [DONE]\n\n")
+        status, _, body = post({"prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "ttft_slo_ms": 60_000})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
-        status, body = post({"prompt": "Hi", "ttft_slo_ms": -5})
+        status, _, body = post({"prompt": "Hi", "ttft_slo_ms": -5})
         assert status == 400 and body["error"]["param"] == "ttft_slo_ms"
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+    # its own counter, by the way it was answered; the 503 is in http_responses{5xx}, where the alert subtracts it
+    assert counted(metrics, "nanoserve:slo_rejections_total", stream="false") == 1
+    assert counted(metrics, "nanoserve:slo_rejections_total", stream="true") == 1
+    assert counted(metrics, "nanoserve:http_responses_total", status="5xx") == 1
 
 
 # ---- the tenants file: weights and SLO targets through the HTTP server -----------------------------------------

@@ -23,11 +23,13 @@ from nanoserve.cluster.replica import ReplicaSpec
 from nanoserve.engine.config import engine_config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.runner import serving
+from tests.test_ch15_hostile import listening
 from tests.tiny_model import tiny_llama
 
 TINY = {"vocab_size": 49152, "max_position_embeddings": 1024}
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 4}
 HI = [{"role": "user", "content": "Hi"}]
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")  # the last: an IPv6 socket bound to IPv4's loopback (Ray's gRPC)
 
 
 def without_ids(body: dict) -> str:
@@ -39,9 +41,11 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def spec(**kw) -> ReplicaSpec:
-    return ReplicaSpec(factory="tests.tiny_model:tiny_llama", factory_kwargs=TINY, engine_kwargs=ENGINE,
-                       model_name="tiny", **kw)
+def spec(step_delay_s: float = 0.0, **kw) -> ReplicaSpec:
+    """The tiny model in every replica; with step_delay_s, each step takes at least that long (tests/tiny_model.py)."""
+    factory = ("tests.tiny_model:paced_tiny_llama", {**TINY, "delay_s": step_delay_s}) if step_delay_s else \
+        ("tests.tiny_model:tiny_llama", TINY)
+    return ReplicaSpec(factory=factory[0], factory_kwargs=factory[1], engine_kwargs=ENGINE, model_name="tiny", **kw)
 
 
 def ray_processes() -> list[psutil.Process]:
@@ -113,6 +117,17 @@ def test_two_replicas_answer_like_one_server(ray_session):
             served += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                           if line.startswith("nanoserve:request_success_total"))
         assert served == 5, "every request finished on some replica, counted once"
+        # the ingress's own /metrics: its HTTP responses, and each running replica's series labelled by replica
+        scrape = httpx.get(url + "/metrics", timeout=30)
+        assert scrape.status_code == 200
+        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in scrape.text.splitlines()
+                   if line and not line.startswith("#")}
+        assert samples['nanoserve:http_responses_total{model_name="tiny",status="2xx"}'] == 5
+        running = fleet.infos()
+        for replica in running:
+            assert f'nanoserve:num_requests_running{{model_name="tiny",replica="{replica}"}}' in samples
+            assert f'vllm:kv_cache_usage_perc{{model_name="tiny",replica="{replica}"}}' in samples
+        assert sum(v for k, v in samples.items() if k.startswith("nanoserve:request_success_total{")) == 5
 
 
 def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
@@ -131,12 +146,12 @@ def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
                 client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=messages)
         # a fleet deployed after another in one process must not reuse its cached handle (and router):
         # this module's first test deployed a power-of-two fleet under the same names
-        assert type(fleet.request_router()).__name__ == "PrefixAwareRouter"
+        assert type(fleet.request_router().policy).__name__ == "PrefixAffinity"
         where = [replica for _, replica in fleet.client.routed]
         by_system = [set(where[i::3]) for i in range(3)]
         assert all(len(r) == 1 for r in by_system), f"each system prompt stays on one replica: {by_system}"
         decisions = fleet.request_router().decisions  # per call: a retried call (a slow probe) counts again
-        assert (decisions["new"], decisions["overloaded"]) == (3, 0) and decisions["owner"] >= 6, decisions
+        assert (decisions["new"], decisions.get("overloaded", 0)) == (3, 0) and decisions["owner"] >= 6, decisions
         infos = fleet.infos()
     assert len(infos) == 2
     prompts = [tokenizer.encode_chat(m) for turn in chats for m in turn]
@@ -192,7 +207,8 @@ def test_a_replica_killed_mid_stream_fails_its_request_and_is_replaced(ray_sessi
 
 def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path):
     """The CLI as a user runs it (the real model): a local Ray started and stopped by the command."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NANOSERVE_API_KEY": "sk-fleet"}
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # as a user's shell has it: nanoserve.cluster sets it
     proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--replicas", "2", "--port", "0",
                              "--num-blocks", "64", "--weights", "fp32", "--ray-num-cpus", "2", "--shutdown-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -206,12 +222,22 @@ def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path
         if url is None and "timed out during startup" in "".join(said):
             pytest.skip("Ray could not start its node on this machine")
         assert url, "the server came up:\n" + "".join(said)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-fleet")
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[
             {"role": "user", "content": "What is the capital of France?"}], max_tokens=8, temperature=0)
         assert "Paris" in reply.choices[0].message.content
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(c.cmdline()) for c in children)
+        # nothing of the fleet listens beyond --host (127.0.0.1): the ingress, Ray's GCS, raylet, agents, workers
+        # and the replicas' /metrics, read from the OS's socket table of the server and all its children
+        addresses = listening(psutil.Process(proc.pid))
+        assert len(addresses) >= 4 and all(a in LOOPBACK for a in addresses), addresses
+        # /replicas asks for the key like every other route
+        assert httpx.get(url + "/replicas").status_code == 401
+        replicas = httpx.get(url + "/replicas", headers={"Authorization": "Bearer sk-fleet"}).json()["replicas"]
+        assert len(replicas) == 2 and all(r["metrics_url"].startswith("http://127.0.0.1:") for r in replicas)
+        # chapter 12's live page shows one engine: a fleet has none such (a 404, not a broken stream)
+        assert httpx.get(url + "/engine/events", headers={"Authorization": "Bearer sk-fleet"}).status_code == 404
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0
     finally:

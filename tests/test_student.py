@@ -499,3 +499,100 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
     if choice:  # one mask per trie node the output stood at (each token a new node), one trie per request
         assert calls["choice_mask"] == steps and calls["build_trie"] == 1
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()
+
+
+def test_finished_14_speculates_with_the_learners_code(tiny, exercises):
+    """--student 14 with every rung finished: the learner's n-gram proposer proposes (14.1), the learner's rules
+    accept, greedy (14.2) and sampled (14.3), and the learner's rollback gives the rejected slots back (14.4), in
+    the real engine; greedy and seeded outputs equal the reference run's token for token, the pool ends whole."""
+    from tests.test_ch14_spec_decode import requests
+
+    for module in [m for m, path in STUDENT_FILES.items() if path.startswith("14-")]:
+        exercises(module)
+    reqs = requests(6)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=m, ignore_eos=True)
+              for i, (_, m) in enumerate(reqs)]
+
+    def go(selection):
+        engine = LLMEngine(tiny, engine_config(num_blocks=128, block_size=4, speculative="ngram",
+                                               speculative_disable_by_batch_size=None, student=selection))
+        for i, (prompt, _) in enumerate(reqs):
+            engine.add_request(str(i), prompt, params[i])
+        tokens = {}
+        while engine.has_unfinished_requests():
+            tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+        assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+        return engine, tokens
+
+    _, expected = go(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rung finished: no fallback
+        engine, tokens = go("14")
+    assert tokens == expected
+    calls, s = engine.student.calls, engine.spec_stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # accepted some, rolled back others
+    assert calls["NgramProposer.propose"] >= s.num_drafts
+    assert calls["greedy_accept"] + calls["rejection_sample"] == s.num_drafts
+    assert calls["greedy_accept"] > 0 and calls["rejection_sample"] > 0 and calls["residual"] > 0
+    assert calls["rollback_slots"] > 0
+    described = engine.student.describe()
+    for name in ["NgramProposer", "greedy_accept, residual, rejection_sample", "rollback_slots"]:
+        assert name in described
+
+
+def test_finished_15_slo_orders_preempts_and_rejects(tiny, exercises):
+    """--student 15 with the slo policy: the learner's deadline (15.1), laxity (15.2), victim (15.3) and
+    rejection (15.4) schedule a run that must preempt (5 requests of 17 tokens on 12 blocks of 4, no prefix cache) and refuse
+    one request that arrived a second ago wanting its first token within 10 ms; the others' tokens equal a
+    reference run's, and every block comes back."""
+    import time
+
+    from nanoserve.engine.policies import SLOTargets
+
+    finish("nanoserve.engine.policies.slo", ["next_token_deadline", "SLOPolicy.laxity", "SLOPolicy.choose_victim",
+                                             "SLOPolicy.reject_reason"])
+    config = dict(num_blocks=12, block_size=4, enable_prefix_caching=False, scheduling_policy="slo",
+                  slo_ttft_ms=60_000, slo_tpot_ms=60_000, slo_reject=True)
+    engines = [LLMEngine(tiny, engine_config(**config, student="15")), LLMEngine(tiny, engine_config(**config))]
+    assert type(engines[0].scheduler.policy).__module__ == "student_nanoserve_engine_policies_slo"
+    results = []
+    for engine in engines:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=2), arrival_time=time.perf_counter() - 1.0,
+                           slo=SLOTargets(ttft_ms=10))
+        done, preempted = {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.reject_reason)
+            preempted += len(engine.last_scheduler_output.preempted_seq_ids)
+        assert preempted > 0 and engine.block_manager.get_num_free_blocks() == 12
+        results.append(done)
+    assert results[0] == results[1]
+    assert results[0]["late"][0] == [] and results[0]["late"][1].startswith("TTFT deadline lost")
+    calls = engines[0].student.calls
+    assert calls["next_token_deadline"] > 0 and calls["SLOPolicy.laxity"] > 0
+    assert calls["SLOPolicy.choose_victim"] > 0 and calls["SLOPolicy.reject_reason"] > 0
+    assert "yours      next_token_deadline, SLOPolicy.deadline, SLOPolicy.laxity" in engines[0].student.describe()
+
+
+def test_finished_15_fair_charges_each_tenant_its_tokens_over_its_weight(tiny, exercises):
+    """--student 15 with the fair policy: the learner's fair_order (15.5) orders, its on_scheduled and catch_up
+    (15.6) keep the virtual times. Both tenants busy from the first step, no preemption: each tenant's virtual
+    time is the tokens its requests computed (prompt + outputs - 1 each: the last token is sampled, never fed
+    back; no prefix cache, so no prompt is skipped) over its weight — 3 requests of 11 + 6 - 1 = 16 tokens for a (weight 2): 24; 2 for b: 32."""
+    finish("nanoserve.engine.policies.fair", ["fair_order", "FairPolicy.catch_up", "FairPolicy.on_scheduled"])
+    engine = LLMEngine(tiny, engine_config(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                           enable_prefix_caching=False, scheduling_policy="fair",
+                                           tenant_weights={"a": 2.0}, student="15"))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           tenant="a" if i % 2 == 0 else "b")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out.request_id for out in engine.step() if out.finished]
+    assert sorted(finished) == ["0", "1", "2", "3", "4"]
+    assert engine.scheduler.policy.virtual_time == {"a": 24.0, "b": 32.0}
+    calls = engine.student.calls
+    assert calls["fair_order"] > 0 and calls["FairPolicy.on_scheduled"] > 0 and calls["FairPolicy.catch_up"] > 0

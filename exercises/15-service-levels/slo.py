@@ -1,39 +1,83 @@
-"""Exercises 15.1 and 15.2 — the `slo` scheduling policy: deadlines instead of arrival order.
+"""Exercises 15.1 to 15.4 — the `slo` scheduling policy: deadlines, laxity, the preemption victim, admission control.
 
 This file mirrors nanoserve/engine/policies/slo.py. Your class inherits the reference SLOPolicy, so what you
-do not write is given: `targets(seq)` (the request's SLOTargets over its tenant's over the server's),
-`deadline(seq)` (when its next token is due, on the scheduler's clock; +inf without a target), the budget
-order of the running sequences and the --slo-reject check. The scheduler (chapter 06) calls your methods
-once per step with `now`, its clock's time.
+do not write is given: `targets(seq)` (the request's SLOTargets over its tenant's over the server's), the
+orders (`order_running` / `order_waiting` sort by your `laxity`, then arrival), and the measured step time
+`self.step_s` (seconds; 0 until one step was measured) with the step's token budget `self.budget`. The
+scheduler (chapter 06) calls the policy once per step with `now`, its clock's time in seconds.
 
-    15.1  order_waiting   admission: earliest deadline first
-    15.2  choose_victim   preemption: the sequence that can best afford to lose its blocks
+    15.1  next_token_deadline   when a sequence's next token is due
+    15.2  SLOPolicy.laxity      how long it can still wait: least laxity is served first
+    15.3  SLOPolicy.choose_victim   whom to preempt, counting what recomputing it costs
+    15.4  SLOPolicy.reject_reason   whom to refuse rather than serve late (--slo-reject)
 
-Each rung is graded alone (`make grade CH=15 EX=15.2`). README.md has the questions to answer first.
+Each rung is graded alone (`make grade CH=15 EX=15.3`). README.md has the questions to answer first.
 """
 
-from nanoserve.engine.policies.base import SLOTargets  # noqa: F401
+from nanoserve.engine.policies.base import SLOTargets
+from nanoserve.engine.policies.base import arrival_order  # noqa: F401  (arrival_order(seq): (arrival_time, seq_id))
 from nanoserve.engine.policies.slo import SLOPolicy as ReferenceSLOPolicy
-from nanoserve.engine.policies.slo import next_token_deadline  # noqa: F401
+from nanoserve.engine.policies.slo import steps_for  # noqa: F401  (steps_for(n, budget): ceil(n / budget), >= 1)
 from nanoserve.engine.sequence import Sequence
 
 
-class SLOPolicy(ReferenceSLOPolicy):
-    def order_waiting(self, waiting: list[Sequence], now: float) -> list[Sequence]:
-        """Exercise 15.1: a new list of the `waiting` sequences, the first to admit first.
+def next_token_deadline(seq: Sequence, targets: SLOTargets) -> float:
+    """Exercise 15.1: when `seq`'s next token is due, in seconds on the scheduler's clock.
 
-        Earliest deadline first (`self.deadline(seq)`, seconds on the scheduler's clock, +inf for a request
-        without a target). Equal deadlines — among them every request without targets — keep arrival order
-        (`seq.arrival_time`), and a last tie is broken by `seq.seq_id`, so the order is total and reproducible.
+    Inputs: `seq.arrival_time`, `seq.first_token_time` (None before the first token), `seq.num_output_tokens`
+    (k); `targets.ttft_ms` / `targets.tpot_ms` in milliseconds, either may be None (no target).
+    Before the first token the TTFT target applies, from arrival; after it, token k is due k TPOTs after the
+    first token (a pace, so a token that came early is credit for the next). No applicable target: +inf.
+
+        arrival 2.0, TTFT 500 ms, no token yet                       -> 2.5
+        first token at 2.4, 3 tokens so far, TPOT 100 ms              -> 2.7
+        first token at 2.4, no TPOT target                            -> inf
+    """
+    raise NotImplementedError("Exercise 15.1: write next_token_deadline (see its docstring and README.md)")
+
+
+class SLOPolicy(ReferenceSLOPolicy):
+    def deadline(self, seq: Sequence) -> float:
+        return next_token_deadline(seq, self.targets(seq))  # yours (given: the reference's calls its own)
+
+    def laxity(self, seq: Sequence, now: float) -> float:
+        """Exercise 15.2: how many seconds `seq` can still wait and make its next deadline (`self.deadline(seq)`).
+
+        The work left before its next token is its uncomputed tokens (`seq.num_tokens - seq.num_computed_tokens`),
+        which take `steps_for(tokens, self.budget)` steps of `self.step_s` seconds each. Negative: it cannot
+        make it any more. +inf without a target.
+
+            budget 128, step_s 0.02, now 1.0; a decode due 1.05                      -> 0.03
+            500 prompt tokens left, due 1.10                                          -> 0.02
         """
-        raise NotImplementedError("Exercise 15.1: write SLOPolicy.order_waiting (see its docstring and README.md)")
+        raise NotImplementedError("Exercise 15.2: write SLOPolicy.laxity (see its docstring and README.md)")
 
     def choose_victim(self, candidates: list[Sequence], now: float) -> Sequence:
-        """Exercise 15.2: which of `candidates` (non-empty; running sequences not scheduled yet this step)
-        to preempt when the pool is short.
+        """Exercise 15.3: which of `candidates` (non-empty; running sequences not scheduled yet this step) to
+        preempt when the pool is short. Return one of them; the scheduler frees its blocks.
 
-        The one with the most slack, `self.deadline(seq) - now` (+inf without a target: best effort goes
-        first); among equal slack, the latest arrival, then the largest seq_id. Return the sequence; the
-        scheduler takes it out of the running set.
+        Preemption is by recompute: the victim loses its `num_computed_tokens` and, back in the queue, needs
+        `steps_for(seq.num_tokens, self.budget)` steps before its next token. Call its laxity after that "after".
+        - If some candidates are still on time after preemption (after >= 0; best effort: after = +inf),
+          take among them the one with the fewest computed tokens (the least work thrown away); equal: the
+          largest after; still equal: the latest arrival, then the largest seq_id.
+        - Else (everyone would be late) the largest after, then the latest arrival, then the largest seq_id.
+
+            budget 4, step_s 0.1, now 1.0; X: 12 tokens, 11 computed, due 1.9 (after 0.6)
+                                           Y:  8 tokens,  7 computed, due 1.9 (after 0.7)       -> Y
         """
-        raise NotImplementedError("Exercise 15.2: write SLOPolicy.choose_victim (see its docstring and README.md)")
+        raise NotImplementedError("Exercise 15.3: write SLOPolicy.choose_victim (see its docstring and README.md)")
+
+    def reject_reason(self, seq: Sequence, now: float) -> str | None:
+        """Exercise 15.4: why the waiting `seq` must be refused now (a message), or None to keep it.
+
+        Only with `self.reject` (--slo-reject), only a request that has no first token yet and has a TTFT
+        target, and only when its laxity is below 0: even served from now on, its first token would be late.
+        The message starts "TTFT deadline lost" and says how long it waited (ms), the target (ms), and the
+        steps its prompt still needs.
+
+            reject on, TTFT 500 ms, arrived 0.65, budget 4, step_s 0.1, now 1.0
+            4-token prompt (laxity 0.05)        -> None
+            12-token prompt (laxity -0.15)      -> "TTFT deadline lost: waited 350 ms ..., the target is 500 ms, ...3 more step(s)..."
+        """
+        raise NotImplementedError("Exercise 15.4: write SLOPolicy.reject_reason (see its docstring and README.md)")

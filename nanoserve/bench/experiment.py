@@ -19,8 +19,15 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
-  routing          chapter 16: Ray Serve replicas, its default router vs the prefix-aware one, users with
-                   long system prompts: hit rate, TTFT, throughput (nanoserve/bench/routing.py)
+  prefix-isolation chapter 15: with --api-keys, tenant B's TTFT for a ~1,200-token prefix tenant A sent, against
+                   a cold miss and B's own hit (SmolLM2 over HTTP; nanoserve/bench/isolation.py)
+  routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
+                   and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
+                   each replica's share of the work (nanoserve/bench/routing.py)
+  returning-users  chapter 18: users returning after others, a pool too small for them: no tier, the file
+                   tier, an int8 pool: hits per tier, TTFT p50 / p99 (nanoserve/bench/kv_tiers.py)
+  kv-crossover     chapter 18: recompute vs load from the file tier, measured; the load-or-recompute map
+  kv-dtypes        chapter 18: blocks in 1 GiB and the logit error per KV dtype (fp32, bf16, int8, fp8)
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
 this machine drifts.
@@ -36,7 +43,8 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "routing"]
+               "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "returning-users", "kv-crossover",
+               "kv-dtypes"]
 
 
 def register(sub):
@@ -50,7 +58,7 @@ def register(sub):
                         "concurrency without --url starts nanoserve in this process")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
-    p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
+    p.add_argument("--num-users", type=int, default=8, help="routing, returning-users: users, each with its own system prompt")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -72,7 +80,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
 
     pending = sorted(arrivals, key=lambda a: a[0])
     records, trace, step, t0 = {}, [], 0, time.perf_counter()
-    preemptions = 0
+    preemptions = recomputed = computed = 0
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             step = max(step, pending[0][0])  # idle: jump to the next arrival
@@ -80,6 +88,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
             _, rid, prompt, n, *kwargs = pending.pop(0)
             records[rid] = RequestRecord(start=time.perf_counter() - t0, prompt_tokens=len(prompt))
             engine.add_request(rid, prompt, greedy(n), **(kwargs[0] if kwargs else {}))
+        held = {seq.seq_id: seq.num_computed_tokens for seq in engine.scheduler.running}
         before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - t0
@@ -88,11 +97,16 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
         stamp_outputs(records, outputs, now)
         out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
         preemptions += len(out.preempted_seq_ids)
+        # the computed tokens a preemption threw away: recomputed when the victim is readmitted (less what the
+        # prefix cache still holds, if it is on)
+        recomputed += sum(held.get(seq_id, 0) for seq_id in out.preempted_seq_ids)
+        computed += out.total_num_scheduled_tokens
         used = blocks.num_blocks - blocks.get_num_free_blocks()
         trace.append({"step": step, "t": now, "step_ms": (now - (before - t0)) * 1000,
                       "num_tokens": sum(out.num_scheduled_tokens.values()), "running": len(sched.running),
                       "waiting": len(sched.waiting), "blocks_used": used, "num_blocks": blocks.num_blocks,
-                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions})
+                      "tokens_held": sum(s.num_computed_tokens for s in sched.running), "preemptions": preemptions,
+                      "recomputed_tokens": recomputed, "computed_tokens": computed})
         step += 1
     return records, trace
 
@@ -517,7 +531,11 @@ def scheduling(args, model, tokenizer):
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
-           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a)}
+           "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a),
+           "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a),
+           **{name: lambda *a, fn=fn: getattr(importlib.import_module("nanoserve.bench.kv_tiers"), fn)(*a)
+              for name, fn in (("returning-users", "returning_users"), ("kv-crossover", "kv_crossover"),
+                               ("kv-dtypes", "kv_dtypes"))}}
 
 
 def run(args):

@@ -1,25 +1,38 @@
-"""`python -m nanoserve bench experiment routing` (chapter 16): Ray Serve's default router against the
-prefix-aware one, on a workload where prefixes matter, in one run.
+"""`python -m nanoserve bench experiment routing` (chapter 16): the routers on a workload where prefixes
+matter, and one replica against two on the same cores, in one run.
 
-    users          --num-users users, each with a system prompt of its own (~300 tokens, several
-                   full KV blocks), asking 3 questions each; requests interleaved user by user
-    systems        1 replica (pow2)    the baseline: all prefixes in one KV pool
-                   2 replicas, pow2    Ray Serve's power of two choices: a user's turns land anywhere
-                   2 replicas, prefix  PrefixAwareRouter: a user's turns follow its system prompt's blocks
-    measured       prefix-cache hit rate (the replicas' own counters, nanoserve:prefix_cache_*),
-                   TTFT p50 / p99 and output throughput (`bench serve`'s client and summary)
+    users          --num-users users (chapter 16 runs 9: with an even count round robin's a, b, a, b would pin
+                   each user to one replica by coincidence), each with a system prompt of its own (the whole prompt, chat
+                   template included, is 250 tokens, of which a user's turns share 14 full blocks: 224 tokens),
+                   asking 3 questions each; requests interleaved user by user, 4 in flight
+    systems        1 replica x 2 cores       the baseline: all prefixes in one KV pool, both cores in one engine
+                   2 x 1 core, round-robin   the same two cores in two engines; turns alternate blindly
+                   2 x 1 core, pow2          power of two choices: a user's turns land anywhere
+                   2 x 1 core, prefix        prefix affinity: a user's turns follow its system prompt's blocks
+    rounds         --rounds rounds; each deploys every system afresh (empty prefix caches), warms it up with
+                   4 short requests that share nothing with the users', then measures; the order alternates
+                   (A B C D, D C B A, ...)
+    measured       TTFT mean and p99 (`bench serve`'s client), error rate, the prefix-cache hit rate (the
+                   replicas' own counters, nanoserve:prefix_cache_*, over the measured requests), and each
+                   replica's share of the requests and of the tokens it computed (prefill not served from its
+                   cache, plus decode): how evenly the router spread the work
 
-On a 2-core machine two replicas share the same two cores: they cannot beat one on throughput; what
-the experiment shows is where each router sends the work and what that does to the hit rate and TTFT.
+Both kinds of fleet hold two cores: what the experiment shows is where each router sends the work and what
+that does to the hit rate and TTFT, not the speed-up of more hardware (chapter 16, section 6).
 """
 
 import json
 import os
 import tempfile
 
-SYSTEMS = {"1 replica": (1, "pow2"), "2 replicas, pow2": (2, "pow2"), "2 replicas, prefix": (2, "prefix")}
+from nanoserve.bench.experiment import interleaved
+
+# name -> (replicas, router, cores per replica): every system holds 2 cores
+SYSTEMS = {"1 replica x 2 cores": (1, "pow2", 2), "2 x 1 core, round-robin": (2, "round-robin", 1),
+           "2 x 1 core, pow2": (2, "pow2", 1), "2 x 1 core, prefix": (2, "prefix", 1)}
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "music", "history", "geology", "poetry",
           "cycling", "birds", "trains"]
+COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "generation_tokens_total")
 
 
 def workload(num_users: int, turns: int = 3) -> list[dict]:
@@ -36,20 +49,29 @@ def workload(num_users: int, turns: int = 3) -> list[dict]:
     return items
 
 
-def scrape_prefix_counters() -> tuple[float, float]:
-    """(prefix-cache queried tokens, hit tokens), summed over the replicas' /metrics."""
+def shared_prefix(tokenizer, items: list[dict], num_users: int, block_size: int) -> tuple[int, int]:
+    """(prompt tokens of user 0's first turn, the full blocks' tokens its turns share): the hit rate's ceiling
+    is (turns - 1) x shared / (turns x prompt)."""
+    first, second = (tokenizer.encode_chat(items[i]["messages"]) for i in (0, num_users))
+    common = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), len(first))
+    return len(first), common // block_size * block_size
+
+
+def scrape_counters() -> dict[str, dict[str, float]]:
+    """replica id -> {counter: value} for COUNTERS, from each replica's own /metrics."""
     import httpx
 
     from nanoserve.cluster.replica import replica_metrics_urls
 
-    queried = hits = 0.0
-    for url in replica_metrics_urls().values():
+    out = {}
+    for replica, url in replica_metrics_urls().items():
+        values = dict.fromkeys(COUNTERS, 0.0)
         for line in httpx.get(url, timeout=10).text.splitlines():
-            if line.startswith("nanoserve:prefix_cache_queries_total"):
-                queried += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("nanoserve:prefix_cache_hits_total"):
-                hits += float(line.rsplit(" ", 1)[1])
-    return queried, hits
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("nanoserve:")
+            if name in values:
+                values[name] += float(line.rsplit(" ", 1)[1])
+        out[replica] = values
+    return out
 
 
 def routing(args, model, tokenizer) -> dict:
@@ -61,56 +83,102 @@ def routing(args, model, tokenizer) -> dict:
 
     import ray
 
-    num_users, n_out, concurrency = args.num_users, args.output_len or 16, 4
-    items = workload(num_users)
+    num_users, n_out, concurrency, turns = args.num_users, args.output_len or 16, 4, 3
+    items = workload(num_users, turns)
     spec = ReplicaSpec(engine_kwargs={"num_blocks": 1024, "max_num_seqs": 8})
-    results = {}
+    prompt_len, shared = shared_prefix(tokenizer, items, num_users, block_size=16)
+    ceiling = (turns - 1) * shared / (turns * prompt_len)
+    metrics = importlib.import_module("nanoserve.metrics")
+
+    def run_system(name, system, r):
+        replicas, router, cores = system
+        with serving_fleet(spec, tokenizer, replicas=replicas, router=router, replica_cpus=cores) as (url, fleet):
+            measure(serve_args(url, dataset=warm, num_prompts=4, max_concurrency=4, output_len=4, ignore_eos=True,
+                               no_progress=True, warmup=0), metrics)
+            before, routed_before = scrape_counters(), len(fleet.client.routed)
+            result = measure(serve_args(url, dataset=users, num_prompts=len(items), max_concurrency=concurrency,
+                                        output_len=n_out, ignore_eos=True, no_progress=True, warmup=0), metrics)
+            after = scrape_counters()
+            routed = list(fleet.client.routed)[routed_before:]
+            decisions = dict(getattr(fleet.request_router(), "decisions", {}))
+        delta = {rid: {c: after[rid][c] - before.get(rid, {}).get(c, 0.0) for c in COUNTERS} for rid in after}
+        queried = sum(d["prefix_cache_queries_total"] for d in delta.values())
+        hits = sum(d["prefix_cache_hits_total"] for d in delta.values())
+        work = {rid: d["prefix_cache_queries_total"] - d["prefix_cache_hits_total"] + d["generation_tokens_total"]
+                for rid, d in delta.items()}
+        requests = {rid: sum(1 for _, where in routed if where == rid) for rid in delta}
+        placed = {}  # user (its system prompt's first block) -> the replicas its turns went to
+        for request_id, replica in routed:
+            placed.setdefault(fleet.client.first_block.get(request_id), set()).add(replica)
+        x = {"ttft_ms": result["ttft_ms"], "error_rate": result["failed"] / len(items),
+             "hit_rate": hits / queried if queried else 0.0,
+             "request_share": sorted((n / max(len(routed), 1) for n in requests.values()), reverse=True),
+             "work_share": sorted((w / max(sum(work.values()), 1) for w in work.values()), reverse=True),
+             "replicas_per_user": sum(len(v) for v in placed.values()) / max(len(placed), 1),
+             "output_throughput": result["output_throughput"], "router_decisions": decisions}
+        print(f"  round {r + 1} {name:24s} TTFT mean {x['ttft_ms']['mean']:6.0f} ms  p99 {x['ttft_ms']['p99']:6.0f} ms"
+              f"  errors {x['error_rate']:4.0%}  hit rate {x['hit_rate']:6.1%}  requests "
+              f"{'/'.join(f'{s:.0%}' for s in x['request_share'])}  work "
+              f"{'/'.join(f'{s:.0%}' for s in x['work_share'])}  replicas per user {x['replicas_per_user']:.2f}"
+              f"  {decisions}", flush=True)
+        return x
+
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "users.jsonl")
-        with open(path, "w") as f:
+        users, warm = os.path.join(tmp, "users.jsonl"), os.path.join(tmp, "warm.jsonl")
+        with open(users, "w") as f:
             f.writelines(json.dumps(item) + "\n" for item in items)
-        start_ray(num_cpus=2)
+        with open(warm, "w") as f:
+            f.writelines(json.dumps({"prompt": f"Warm-up {i}: count to ten."}) + "\n" for i in range(4))
+        start_ray(num_cpus=2, tries=6)  # a loaded machine: the raylet may miss Ray's 30 s start-up limit
         try:
-            for name, (replicas, router) in SYSTEMS.items():
-                with serving_fleet(spec, tokenizer, replicas=replicas, router=router) as (url, fleet):
-                    result = measure(serve_args(url, dataset=path, num_prompts=len(items), max_concurrency=concurrency,
-                                                output_len=n_out, ignore_eos=True, no_progress=True, warmup=0),
-                                     importlib.import_module("nanoserve.metrics"))
-                    queried, hits = scrape_prefix_counters()
-                    decisions = getattr(fleet.request_router(), "decisions", None)  # the prefix router's counts
-                    placed = {}  # user (its system prompt's first block) -> the replicas its turns went to
-                    for request_id, replica in fleet.client.routed:
-                        placed.setdefault(fleet.client.first_block[request_id], set()).add(replica)
-                results[name] = {"hit_rate": hits / queried if queried else 0.0, "hit_tokens": hits,
-                                 "queried_tokens": queried, "output_throughput": result["output_throughput"],
-                                 "ttft_ms": result["ttft_ms"], "failed": result["failed"],
-                                 "replicas_per_user": sum(len(v) for v in placed.values()) / max(len(placed), 1),
-                                 "router_decisions": decisions}
-                r = results[name]
-                print(f"  {name:20s} hit rate {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_ms']['median']:7.0f} ms  "
-                      f"p99 {r['ttft_ms']['p99']:7.0f} ms  {r['output_throughput']:6.1f} out tok/s  "
-                      f"replicas per user {r['replicas_per_user']:.2f}  failed {r['failed']}"
-                      + (f"  router calls {decisions}" if decisions else ""), flush=True)
+            runs = interleaved(args.rounds, SYSTEMS, run_system)
         finally:
             from ray import serve
 
             serve.shutdown()
             ray.shutdown()
 
+    def mean(values):
+        return sum(values) / len(values)
+
+    summary = {name: {"ttft_mean_ms": mean([x["ttft_ms"]["mean"] for x in xs]),
+                      "ttft_p99_ms": mean([x["ttft_ms"]["p99"] for x in xs]),
+                      "ttft_mean_ms_rounds": [round(x["ttft_ms"]["mean"]) for x in xs],
+                      "ttft_p99_ms_rounds": [round(x["ttft_ms"]["p99"]) for x in xs],
+                      "error_rate": mean([x["error_rate"] for x in xs]), "hit_rate": mean([x["hit_rate"] for x in xs]),
+                      "busiest_work_share": mean([x["work_share"][0] for x in xs]),
+                      "replicas_per_user": mean([x["replicas_per_user"] for x in xs])}
+               for name, xs in runs.items()}
+    print(f"\nmeans over {args.rounds} rounds (prompt {prompt_len} tokens, {shared} shared per user: hit-rate "
+          f"ceiling {ceiling:.1%})")
+    print(f"{'system':26s}{'TTFT mean':>10s}{'p99':>8s}   per round (mean | p99){'':9s}{'errors':>7s}{'hit rate':>9s}"
+          f"{'busiest':>9s}{'replicas/user':>14s}")
+    for name, s in summary.items():
+        rounds = f"{s['ttft_mean_ms_rounds']} | {s['ttft_p99_ms_rounds']}"
+        print(f"{name:26s}{s['ttft_mean_ms']:8.0f}ms{s['ttft_p99_ms']:6.0f}ms   {rounds:32s}{s['error_rate']:6.0%}"
+              f"{s['hit_rate']:9.1%}{s['busiest_work_share']:9.0%}{s['replicas_per_user']:14.2f}")
+
     def figure(plt):
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-        names = list(results)
-        axes[0].bar(names, [results[n]["hit_rate"] * 100 for n in names]), axes[0].set_ylabel("prefix-cache hit rate (%)")
-        axes[1].bar(names, [results[n]["ttft_ms"]["median"] for n in names], label="p50")
-        axes[1].plot(names, [results[n]["ttft_ms"]["p99"] for n in names], "k_", markersize=30, label="p99")
-        axes[1].set_ylabel("TTFT (ms)"), axes[1].legend()
-        axes[2].bar(names, [results[n]["output_throughput"] for n in names]), axes[2].set_ylabel("output tokens/s")
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        names = list(summary)
+        axes[0].bar(names, [summary[n]["hit_rate"] * 100 for n in names])
+        axes[0].axhline(ceiling * 100, color="k", ls=":", label="ceiling"), axes[0].legend()
+        axes[0].set_ylabel("prefix-cache hit rate (%)")
+        for i, n in enumerate(names):
+            axes[1].plot([i] * args.rounds, summary[n]["ttft_mean_ms_rounds"], "o", color="C0")
+            axes[1].plot([i] * args.rounds, summary[n]["ttft_p99_ms_rounds"], "_", color="k", markersize=20)
+        axes[1].set_xticks(range(len(names)), names), axes[1].set_ylabel("TTFT per round: mean (o), p99 (-) ms")
+        axes[2].bar(names, [summary[n]["busiest_work_share"] * 100 for n in names])
+        axes[2].axhline(50, color="k", ls=":"), axes[2].set_ylabel("busiest replica's share of the work (%)")
         for ax in axes:
-            ax.tick_params(axis="x", labelsize=7)
-        fig.suptitle(f"{num_users} users x 3 turns, own ~300-token system prompt each, {concurrency} concurrent")
+            ax.tick_params(axis="x", labelsize=7, rotation=20)
+        fig.suptitle(f"{num_users} users x {turns} turns, {prompt_len}-token prompts ({shared} shared per user), "
+                     f"{concurrency} in flight, {args.rounds} interleaved rounds; every system holds 2 cores")
         return fig
 
-    return {"num_users": num_users, "output_len": n_out, "max_concurrency": concurrency, "results": results}, figure
+    return {"num_users": num_users, "turns": turns, "output_len": n_out, "max_concurrency": concurrency,
+            "prompt_tokens": prompt_len, "shared_prefix_tokens": shared, "hit_rate_ceiling": ceiling,
+            "rounds": args.rounds, "summary": summary, "runs": runs}, figure
 
 
 def autoscaling_trace(url: str, fleet, autoscaling, model: str, clients: int = 4, max_tokens: int = 40,

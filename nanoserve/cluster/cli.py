@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from nanoserve.cluster.routing import ROUTERS  # Ray (deploy.py) is imported only by run_fleet
+from nanoserve.cluster.policies import ROUTERS  # Ray (deploy.py) is imported only by run_fleet
 
 
 def add_fleet_args(p) -> None:
@@ -23,8 +23,8 @@ def add_fleet_args(p) -> None:
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto' or host:port) instead of starting a local Ray")
     g.add_argument("--router", choices=ROUTERS, default="pow2",
-                   help="pow2: Ray Serve's power of two choices; prefix: to the replica holding the prompt's "
-                        "leading KV blocks, unless it is busy")
+                   help="round-robin: in turn; pow2: the shorter queue of two random replicas; prefix: to the "
+                        "replica holding the prompt's leading KV blocks, unless it is busy")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (= its torch threads)")
     g.add_argument("--ray-num-cpus", type=checks.positive_int, default=None,
                    help="CPUs of the local Ray (default: the machine's)")
@@ -66,8 +66,16 @@ def check_fleet_args(args) -> str | None:
         return f"--replica-cpus must be > 0, got {args.replica_cpus}"
     if is_fleet(args) and args.kv_events_endpoint is not None:
         return "--kv-events-endpoint is for one process; with replicas each would need its own endpoint"
+    if is_fleet(args) and args.kv_tier_path is not None:
+        return ("--kv-tier-path with --replicas would give every replica the same file: leave it out (each replica's "
+                "tier then gets a file of its own)")
     if is_fleet(args) and args.tensor_parallel_size > 1:
         return "--tensor-parallel-size with --replicas is not supported: pick one"
+    if is_fleet(args) and args.max_waiting_requests is not None:
+        # the requests a fleet holds wait in Ray Serve's router (at this ingress) and in each replica's engine: no
+        # one count here is chapter 08's waiting queue, and a bound on requests in flight would be another flag
+        return ("--max-waiting-requests with --replicas is not supported: the requests a fleet holds wait in Ray "
+                "Serve's router and in each replica's queue, which this server cannot count as one")
     return check_kv_events_args(args)
 
 
@@ -116,14 +124,13 @@ def kv_events_warning(args) -> str | None:
 
 
 def spec_from_args(args):
+    """What every replica builds: `LLM(model, **engine_kwargs)` with the keyword arguments one process would get
+    from the same flags (cli/batch.py's engine_kwargs, the tenants' weights and SLO targets included)."""
+    from nanoserve.cli.batch import engine_kwargs
     from nanoserve.cluster.replica import ReplicaSpec
 
-    engine_kwargs = dict(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_mib << 20,
-                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         enable_chunked_prefill=not args.no_chunked_prefill,
-                         enable_prefix_caching=not args.no_prefix_caching, student=args.student,
-                         attention_backend=args.attention_backend, weights=args.weights)
-    return ReplicaSpec(args.model, engine_kwargs, model_name=args.served_model_name, metrics_compat=args.metrics_compat)
+    return ReplicaSpec(args.model, engine_kwargs(args, **getattr(args, "tenant_settings", {})),
+                       model_name=args.served_model_name, metrics_compat=args.metrics_compat)
 
 
 def run_fleet(args, sock, config, ready) -> int:

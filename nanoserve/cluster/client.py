@@ -1,14 +1,19 @@
 """Chapter 16 — the ingress's engine: what chapter 08's server talks to when the engines are Ray Serve replicas.
 
 The HTTP app (nanoserve/server/api_server.py) is not forked: `ServerState(ReplicaClient(handle), ...)`
-gives it an object with AsyncLLMEngine's face, so validation, streaming and error shapes are chapter 08's:
+gives it an object with AsyncLLMEngine's interface, so validation, streaming and error shapes are chapter 08's:
 
     AsyncLLMEngine (one process)              ReplicaClient (a fleet)
     add_request(id, ids, params) -> stream    the same, over `handle.options(stream=True).generate`
     ValueError: prompt too long (-> 400)      the replica answers ("refused", why): the same ValueError
+    EngineUnavailable: stopped (-> 503)       no replica took it in time, or Ray failed before it started
     EngineStepError mid-stream (-> error      the replica died mid-stream (RayActorError): EngineStepError
-      line in the stream, or 500)               naming it; Ray Serve starts a replacement
+      line in the stream, or 500)               naming it, in one line; Ray Serve starts a replacement
+    max_model_len, max_seq_len                one replica's (every replica builds the same engine)
     num_unfinished_requests()                 requests in flight at this ingress
+
+A replica's error reaches the client as one line (`one_line`): Ray's own text of it is the replica's whole
+traceback, with file paths, actor ids and pids.
 
 The ingress also computes each prompt's block hashes (chapter 05's chain over its full blocks) once,
 and sends them with the request: the prefix-aware router reads them, it never tokenizes.
@@ -16,13 +21,11 @@ and sends them with the request: the prefix-aware router reads them, it never to
 
 import asyncio
 from collections import deque
-from types import SimpleNamespace
 
 from ray.exceptions import RayActorError, RayError
 
-from nanoserve.engine.async_engine import EngineStepError
+from nanoserve.engine.async_engine import EngineStepError, EngineUnavailable
 from nanoserve.kv.prefix_cache import block_hashes
-from nanoserve.server.protocol import APIError
 
 MAX_ROUTED_BLOCKS = 64  # the router only needs the start of the chain: system prompts are the shared part
 ROUTED_KEPT = 4096  # the last decisions kept for inspection (bench routing, the notebook): a server runs for months
@@ -40,10 +43,8 @@ class ReplicaClient:
         """handle: the LLMReplica deployment's handle; info: one replica's `info()` (limits, block size)."""
         self.handle = handle.options(stream=True)
         self.block_size = info["block_size"]
-        # the server reads the limits it validates against from engine.engine (as on an LLMEngine)
-        self.engine = SimpleNamespace(max_model_len=info["max_model_len"], max_seq_len=info["max_seq_len"])
+        self.max_model_len, self.max_seq_len = info["max_model_len"], info["max_seq_len"]  # what the server checks
         self.first_output_timeout_s = first_output_timeout_s
-        self.num_requests_running = 0  # unknown at the ingress: every request in flight counts as waiting
         self.in_flight = 0
         # the router's last ROUTED_KEPT decisions, in order: (request id, replica id), and each one's first routing
         # hash (the prefix it keys on). Bounded: a long-running ingress must not grow with every request it routes.
@@ -64,8 +65,8 @@ class ReplicaClient:
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                           **engine_kwargs):
         """Route the request to a replica; returns its output stream once that replica's engine took it.
-        ValueError if the engine refused it (as AsyncLLMEngine.add_request), APIError 503 if no replica
-        answered within first_output_timeout_s. engine_kwargs (tenant, slo, speculative) travel to the
+        ValueError if the engine refused it (as AsyncLLMEngine.add_request), EngineUnavailable if no replica
+        answered within first_output_timeout_s or Ray failed before the request started. engine_kwargs (tenant, slo, speculative) travel to the
         replica's AsyncLLMEngine.add_request as they are."""
         hashes = routing_hashes(prompt_token_ids, self.block_size)
         gen = self.handle.generate.remote(request_id, list(prompt_token_ids), sampling_params, block_hashes=hashes,
@@ -77,11 +78,10 @@ class ReplicaClient:
             self.in_flight -= 1
             gen.cancel()
             if isinstance(e, TimeoutError):
-                raise APIError(503, f"no replica took the request within {self.first_output_timeout_s:g} s",
-                               headers={"Retry-After": "1"}) from None
+                raise EngineUnavailable(f"no replica took the request within {self.first_output_timeout_s:g} s") \
+                    from None
             if isinstance(e, RayError):
-                raise APIError(503, f"the replica failed before the request started: {type(e).__name__}",
-                               headers={"Retry-After": "1"}) from None
+                raise EngineUnavailable(f"the replica failed before the request started: {one_line(e)}") from None
             raise
         if kind == "refused":
             self.in_flight -= 1

@@ -10,8 +10,8 @@
         --upscale-delay-s 2 --downscale-delay-s 10                        # autoscaling
 
 The ingress runs in this process (no Ray Serve HTTP proxy: nanoserve's own server and validation);
-the DeploymentHandle in it routes each request, with Ray Serve's default router (power of two
-choices) or the prefix-aware one (router.py), to a replica actor.
+the DeploymentHandle in it routes each request to a replica actor, with the policy `router` names
+(round robin, power of two choices, prefix affinity: policies.py) on Ray Serve's router interface (router.py).
 
 Autoscaling is Ray Serve's: every replica reports its ongoing requests; when the average over a
 look-back window stays above `target_ongoing_requests` for `upscale_delay_s`, the controller adds
@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve.cluster import ray_private
 from nanoserve.cluster.client import ReplicaClient
 from nanoserve.cluster.replica import LLMReplica, ReplicaSpec
-from nanoserve.cluster.routing import ROUTERS
+from nanoserve.cluster.policies import ROUTERS
 
 APP_NAME = "nanoserve"
 LOOPBACK = "127.0.0.1"
@@ -67,11 +68,9 @@ class Fleet:
         return self.replica_states().get("RUNNING", 0)
 
     def request_router(self):
-        """The RequestRouter object this process's handle routes with (a PrefixAwareRouter, or Ray Serve's
-        default), or None before the first request. Ray Serve has no public accessor: this reads its private
-        attributes (Ray 2.x: handle -> router -> asyncio router -> request router)."""
-        router = getattr(self.handle._router, "_asyncio_router", None)
-        return getattr(router, "_request_router", None)
+        """The RequestRouter object this process's handle routes with (a PolicyRouter), or None before the
+        first request (ray_private.py: Ray Serve has no public accessor)."""
+        return ray_private.request_router(self.handle)
 
     def infos(self, calls: int = 32) -> dict[str, dict]:
         """`info()` of each running replica, by replica id: calls until as many replicas answered as Ray
@@ -88,8 +87,9 @@ class Fleet:
 def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling | None = None,
                router: str = "pow2", num_cpus: float = 1, max_ongoing_requests: int = 16, imbalance: int = 4,
                student: bool | str | list[str] = False):
-    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`. student: the prefix
-    router runs the learner's routing policies (exercise 16) where finished."""
+    """The bound LLMReplica application: a fixed `replicas` count, or `autoscaling`; `router` names the routing
+    policy (policies.ROUTERS). student: the router runs the learner's routing decisions (exercise 16) where
+    finished."""
     from ray.serve.config import RequestRouterConfig
 
     if router not in ROUTERS:
@@ -100,17 +100,19 @@ def deployment(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autosca
         options["autoscaling_config"] = autoscaling.config()
     else:
         options["num_replicas"] = replicas
-    if router == "prefix":
-        from nanoserve.cluster.router import PrefixAwareRouter
+    from nanoserve.cluster.router import PolicyRouter
 
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class=PrefixAwareRouter, request_router_kwargs={"imbalance": imbalance, "student": student},
-            request_routing_stats_period_s=1)
+    policy_kwargs = {"imbalance": imbalance} if router == "prefix" else {}
+    options["request_router_config"] = RequestRouterConfig(
+        request_router_class=PolicyRouter,
+        request_router_kwargs={"policy": router, "policy_kwargs": policy_kwargs, "student": student},
+        request_routing_stats_period_s=1)
     return LLMReplica.options(**options).bind(spec)
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, tries: int = 3) -> None:
-    """ray.init: connect to `address`, or start a local Ray with `num_cpus` logical CPUs. On a loaded
+    """ray.init: connect to `address`, or start a local Ray with `num_cpus` logical CPUs, on loopback (its GCS,
+    raylet and agents; no dashboard; RuntimeError if Ray was set up otherwise before this). On a loaded
     machine the raylet can give up waiting for its agents (Ray's own 15 s limit): the processes that
     attempt started are stopped (by pid) and it tries again."""
     import psutil
@@ -127,7 +129,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
         try:
             ray.init(address=address, num_cpus=num_cpus if address is None else None, include_dashboard=False,
                      log_to_driver=False, logging_level="ERROR")
-            return
+            break
         except Exception as e:  # noqa: BLE001 — Ray raises a bare Exception for "timed out during startup"
             if address is not None or "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
@@ -135,6 +137,11 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, tries: in
                 if p.pid not in before:
                     with contextlib.suppress(psutil.Error):
                         p.kill()
+    node = ray.util.get_node_ip_address()
+    if address is None and node != LOOPBACK:  # nanoserve/cluster/__init__.py: a local Ray listens on loopback only
+        ray.shutdown()
+        raise RuntimeError(f"the local Ray took the address {node}, so it would listen beyond loopback: Ray was "
+                           "imported before nanoserve.cluster, or RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is set to 1")
 
 
 def forget_handles(app_name: str = APP_NAME) -> None:
@@ -143,13 +150,9 @@ def forget_handles(app_name: str = APP_NAME) -> None:
     Ray Serve keeps one handle per (deployment, application) in a process-wide cache, and its router with
     it (request router class and all), and `serve.delete` does not evict it: the next `serve.run` under the
     same names returns the *old* handle. A prefix-router fleet deployed after a power-of-two one in the same
-    process then routed with power of two choices (chapter 16, section 3). Ray has no public call for this:
-    it reads the controller client's `handle_cache` (Ray 2.x)."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    for key in [k for k in getattr(client, "handle_cache", {}) if k[1] == app_name]:
-        client.handle_cache.pop(key).shutdown()
+    process then routed with power of two choices (chapter 16, section 3). Ray has no public call for this
+    (ray_private.py)."""
+    ray_private.forget_cached_handles(app_name)
 
 
 @contextlib.contextmanager
@@ -186,10 +189,18 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
 
 
 def build_state(f: Fleet, tokenizer, **config):
-    """Chapter 08's ServerState around the fleet's client: the same app, validation and errors."""
+    """Chapter 08's ServerState around the fleet's client: the same app, validation and errors; its /metrics
+    the ingress's HTTP counters and every replica's series (metrics.py); no /engine page (404: it shows one
+    engine). A bound on the waiting queue is refused: a fleet's requests wait in Ray Serve's router and in each
+    replica, not in one queue here."""
+    from nanoserve.cluster.metrics import FleetStatLogger
+    from nanoserve.cluster.replica import replica_metrics_urls
     from nanoserve.server.api_server import ServerConfig, ServerState
 
-    return ServerState(f.client, tokenizer, ServerConfig(**config))
+    config = ServerConfig(**{**config, "engine_view": False})  # chapter 12's page shows one engine: a fleet has n
+    if config.max_waiting_requests is not None:
+        raise ValueError("max_waiting_requests: a fleet has no one waiting queue to bound")
+    return ServerState(f.client, tokenizer, config, FleetStatLogger(config.model_name, replica_metrics_urls))
 
 
 def add_fleet_routes(app, f: Fleet) -> None:

@@ -24,7 +24,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ray import serve
 
-KV_NAMESPACE = b"nanoserve"  # Ray's key-value store: where replicas announce their /metrics URL
+from nanoserve.cluster import ray_private
+
+KV_NAMESPACE = b"nanoserve"  # Ray's key-value store (ray_private.py): where replicas announce their /metrics URL
 
 
 @dataclass
@@ -37,7 +39,6 @@ class ReplicaSpec:
     factory_kwargs: dict = field(default_factory=dict)
     model_name: str = "SmolLM2-135M-Instruct"
     metrics_compat: str | None = None
-    step_delay_s: float = 0.0  # tests: pace each step like a real model's, so a stream lasts
     # where the replica's /metrics listens: None = the Ray node's address (a cluster's scraper reaches it there);
     # a local fleet (one machine, its own Ray) keeps it on loopback
     metrics_host: str | None = None
@@ -71,8 +72,6 @@ class LLMReplica:
         self.llm = spec.build_llm()
         self.stat_logger = PrometheusStatLogger(spec.model_name, spec.metrics_compat)
         self.engine = AsyncLLMEngine(self.llm.engine, self.stat_logger)
-        if spec.step_delay_s:
-            _pace(self.llm.engine, spec.step_delay_s)
         self.engine.start()
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.metrics_server = _serve_metrics(self.stat_logger, spec.metrics_host)
@@ -120,18 +119,6 @@ async def replica_stream(engine, replica_id: str, request_id: str, prompt_token_
         yield out
 
 
-def _pace(engine, delay_s: float) -> None:
-    import time
-
-    step = engine.step
-
-    def slow_step():
-        time.sleep(delay_s)
-        return step()
-
-    engine.step = slow_step
-
-
 def _serve_metrics(stat_logger, host: str | None = None) -> ThreadingHTTPServer:
     """GET /metrics of this replica on a free port of `host` (None: the Ray node's address); a thread."""
 
@@ -158,22 +145,15 @@ def _serve_metrics(stat_logger, host: str | None = None) -> ThreadingHTTPServer:
 
 
 def _announce(replica_id: str, url: str) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(f"metrics/{replica_id}", url, overwrite=True, namespace=KV_NAMESPACE)
+    ray_private.kv_put(f"metrics/{replica_id}", url, KV_NAMESPACE)
 
 
 def forget_replicas() -> None:
     """Drop every announced URL (the application is being deleted)."""
-    from ray.experimental.internal_kv import _internal_kv_del
-
-    _internal_kv_del(b"metrics/", del_by_prefix=True, namespace=KV_NAMESPACE)
+    ray_private.kv_delete_prefix(b"metrics/", KV_NAMESPACE)
 
 
 def replica_metrics_urls() -> dict[str, str]:
     """replica id -> its /metrics URL, for every replica of this application that announced one (a replica
     that died stays listed: a scraper skips the URLs that do not answer)."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
-
-    keys = _internal_kv_list(b"metrics/", namespace=KV_NAMESPACE)
-    return {k.decode().split("/", 1)[1]: _internal_kv_get(k, namespace=KV_NAMESPACE).decode() for k in keys}
+    return {k.decode().split("/", 1)[1]: v.decode() for k, v in ray_private.kv_items(b"metrics/", KV_NAMESPACE).items()}

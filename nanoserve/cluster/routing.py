@@ -1,6 +1,6 @@
-"""Chapter 16 — load-balancing policies as plain functions: which replica takes this request?
+"""Chapter 16 — load-balancing decisions as plain functions: which replica takes this request?
 
-A policy sees what a router can know cheaply: each replica's queue length (requests it holds,
+A decision sees what a router can know cheaply: each replica's queue length (requests it holds,
 running or waiting — Ray Serve calls it "ongoing requests") and, for prefix affinity, which
 replica last served which KV block (the chain hashes of chapter 05). Worked example, two replicas
 with queue lengths {"a": 3, "b": 1}:
@@ -8,16 +8,18 @@ with queue lengths {"a": 3, "b": 1}:
     round robin          a, b, a, b, ...                     blind to load
     least loaded         b                                   needs every queue length, every time
     power of two         pick 2 at random, take the shorter  two probes; (here: b, there are only two)
+    hash ring            the replica after the key's point   no state to share: every router agrees
     prefix affinity      the replica holding the prompt's leading blocks, unless it is `imbalance`
                          requests busier than the least loaded one; then least loaded
 
-The Ray Serve router (router.py) calls these with the queue lengths it caches for its replicas.
+policies.py keeps the state these need (a turn counter, an owner map, a ring) behind one interface;
+router.py hands them to Ray Serve.
 """
 
+import bisect
+import hashlib
 import random
-from collections.abc import Mapping, Sequence
-
-ROUTERS = ("pow2", "prefix")  # what `serve --router` and deploy.fleet take (here, not in deploy: no Ray to list them)
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def least_loaded(queue_lens: Mapping[str, int]) -> str:
@@ -29,12 +31,22 @@ def least_loaded(queue_lens: Mapping[str, int]) -> str:
     return min(queue_lens, key=queue_lens.__getitem__)
 
 
-def power_of_two_choices(queue_lens: Mapping[str, int], rng: random.Random) -> str:
-    """Sample two distinct replicas uniformly (`rng.sample(sorted(names), 2)`), return the one with the
-    shorter queue (the first sampled on a tie). One replica: that one.
+def round_robin(queue_lens: Mapping[str, int], turn: int) -> str:
+    """The `turn`-th request's replica: the names in sorted order, one after the other, queues ignored.
 
-    Two random probes get almost all of least-loaded's benefit (the maximum queue drops from
-    log n / log log n to log log n) while touching two replicas, not all of them.
+    >>> [round_robin({"b": 0, "a": 5}, t) for t in range(3)]
+    ['a', 'b', 'a']
+    """
+    names = sorted(queue_lens)
+    return names[turn % len(names)]
+
+
+def power_of_two_choices(queue_lens: Mapping[str, int], rng: random.Random) -> str:
+    """Two distinct replicas drawn uniformly at random; the one with the shorter queue (either on a tie).
+    One replica: that one.
+
+    Two random probes get almost all of least-loaded's benefit: n requests on n replicas leave the fullest
+    with about ln n / ln ln n at random, ln ln n / ln 2 with two choices (chapter 16, section 3).
 
     >>> power_of_two_choices({"a": 3, "b": 1}, random.Random(0))
     'b'
@@ -46,10 +58,62 @@ def power_of_two_choices(queue_lens: Mapping[str, int], rng: random.Random) -> s
     return second if queue_lens[second] < queue_lens[first] else first
 
 
+def ring_point(key: str) -> int:
+    """Where `key` sits on the ring [0, 2**64): the first 8 bytes of its SHA-256, big-endian.
+
+    >>> ring_point("a#0")
+    11569925936381117802
+    """
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+
+
+class HashRing:
+    """Consistent hashing (Karger et al., 1997): each replica owns `vnodes` points on a ring, at
+    ring_point(f"{name}#{i}") for i < vnodes; a key goes to the replica of the first point at or after
+    ring_point(str(key)), wrapping past the top. Adding a replica moves only the keys it takes; removing
+    one moves only its own keys — where `hash % n` would move almost all of them.
+
+    >>> ring = HashRing(["a", "b"], vnodes=8)
+    >>> ring.lookup(12345), sorted(ring.replicas)
+    ('b', ['a', 'b'])
+    """
+
+    def __init__(self, replicas: Iterable[str] = (), vnodes: int = 64):
+        self.vnodes = vnodes
+        self.points: list[int] = []   # sorted vnode points
+        self.owner: dict[int, str] = {}  # point -> replica
+        self.replicas: set[str] = set()
+        for name in replicas:
+            self.add(name)
+
+    def add(self, name: str) -> None:
+        if name in self.replicas:
+            return
+        self.replicas.add(name)
+        for i in range(self.vnodes):
+            point = ring_point(f"{name}#{i}")
+            self.owner[point] = name
+            bisect.insort(self.points, point)
+
+    def remove(self, name: str) -> None:
+        if name not in self.replicas:
+            return
+        self.replicas.discard(name)
+        self.points = [p for p in self.points if self.owner[p] != name]
+        self.owner = {p: self.owner[p] for p in self.points}
+
+    def lookup(self, key) -> str:
+        """The replica that owns `key` (any value; its str() is hashed). The ring must not be empty."""
+        if not self.points:
+            raise LookupError("the ring has no replicas")
+        i = bisect.bisect_left(self.points, ring_point(str(key)))
+        return self.owner[self.points[i % len(self.points)]]
+
+
 def prefix_affinity(block_hashes: Sequence[int], owner_of: Mapping[int, str], queue_lens: Mapping[str, int],
                     imbalance: int) -> tuple[str | None, int]:
     """(the replica to send to, how many leading blocks it holds), or (None, 0) when no live replica
-    holds the first block (the caller then balances by load).
+    holds the first block (the caller then places the new prefix: policies.py uses the hash ring).
 
     The owner is the replica of the longest run of leading hashes that `owner_of` maps to one live
     replica (a name in queue_lens). It wins unless its queue is more than `imbalance` longer than the
@@ -67,6 +131,5 @@ def prefix_affinity(block_hashes: Sequence[int], owner_of: Mapping[int, str], qu
     if owner is None:
         return None, 0
     if queue_lens[owner] - min(queue_lens.values()) > imbalance:
-        fallback = least_loaded(queue_lens)
-        return fallback, 0
+        return least_loaded(queue_lens), 0
     return owner, held

@@ -35,11 +35,12 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError, EngineUnavailable
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server import tool_calls
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
+from nanoserve.server.lora_routes import add_lora_routes
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
@@ -76,6 +77,7 @@ class ServerConfig:
     admin_key: str | None = None
     weights: str = "fp32"
     warmup_requests: int = 4
+    engine_view: bool = True  # chapter 12's GET /engine and /engine/events (a fleet, chapter 16, has no one engine)
 
 
 class ServerState:
@@ -99,8 +101,8 @@ class ServerState:
         self.limiter = self.limits.TokenBucketLimiter(config.rate_limit, config.rate_burst) if config.rate_limit else None
         self.tenants = TenantLimits(config.api_keys or {})
         self.draining = False  # set at shutdown: new requests get 503 while running streams finish
-        self.max_model_len = engine.engine.max_model_len
-        self.max_seq_len = engine.engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
+        self.max_model_len = engine.max_model_len
+        self.max_seq_len = engine.max_seq_len  # prompt + output, bounded by the context and the KV pool
 
     @property
     def engine(self) -> AsyncLLMEngine:
@@ -122,11 +124,12 @@ class ServerState:
         self.count(reservation.tenant, "", tokens)
 
     async def metered(self, request_id: str, outputs, reservation: Reservation, deadline: float | None,
-                      timeout: float | None, engine: AsyncLLMEngine | None = None):
+                      timeout: float | None, engine: AsyncLLMEngine | None = None, stream: bool = False):
         """The engine's outputs, each generated token paid from the tenant's reservation (what is left of it goes
         back when the request ends, chapter 08's quotas); past `deadline` (the event
         loop's clock) a RequestTimeout; a request the scheduling policy refused (chapter 15, --slo-reject)
-        an APIError 503 — in a stream, an error event then [DONE]. Leaving early aborts the request on
+        an APIError 503 with Retry-After, counted in slo_rejections_total{stream} (not a failure: the 5xx alert
+        leaves it out) — in a stream, an error event then [DONE]. Leaving early aborts the request on
         `engine` (the version it runs on; default the current one) — explicitly: closing `outputs` would
         not if it never started (a deadline already past, a client gone before the first token)."""
         engine, tenant = engine or self.engine, reservation.tenant
@@ -146,7 +149,10 @@ class ServerState:
                     self.count(tenant, "timed_out")
                     raise RequestTimeout(timeout) from None
                 if getattr(out, "reject_reason", None):
-                    raise APIError(503, out.reject_reason, "ttft_slo_ms")
+                    if self.stat_logger is not None:
+                        self.stat_logger.slo_rejections.labels(self.config.model_name, str(stream).lower()).inc()
+                    raise APIError(503, out.reject_reason, "ttft_slo_ms",
+                                   headers={"Retry-After": str(self.config.retry_after_s)})
                 self.spend(reservation, len(out.new_token_ids))
                 yield out
         finally:
@@ -220,6 +226,8 @@ def build_app(state: ServerState) -> FastAPI:
         request.state.arrival = asyncio.get_running_loop().time()
 
     def check_queue() -> None:
+        if cfg.max_waiting_requests is None:  # no bound (chapter 16's fleets refuse one: their queues are not here)
+            return
         waiting = state.engine.num_unfinished_requests() - state.engine.num_requests_running
         state.limits.check_queue(waiting, cfg.max_waiting_requests, cfg.retry_after_s)  # exercise 8.4
 
@@ -244,10 +252,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(408, f"the request body did not arrive within {cfg.body_timeout:g} s") from None
         return bytes(body)
 
-    def check_model(name: str | None) -> str:
-        if name is not None and name != cfg.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {cfg.model_name!r}", "model")
-        return cfg.model_name
+    def check_model(name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (chapter 19), None for the base model; 404 for anything else."""
+        if name is None or name == cfg.model_name:
+            return None
+        if name in state.engine.lora_names:
+            return name
+        served = ", ".join(repr(n) for n in (cfg.model_name, *state.engine.lora_names))
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}", "model")
 
     def chat_prompt_ids(req) -> list[int]:
         messages = tool_calls.template_messages(req)  # chapter 13: tools offered, calls and their results
@@ -268,6 +280,7 @@ def build_app(state: ServerState) -> FastAPI:
         tools = tools if tools is not None and tools.offered else None
         if tools is not None and req.stream and params.logprobs is not None:
             raise APIError(400, "logprobs with tools in a stream is not supported by this server", "logprobs")
+        lora_name = check_model(req.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
         # what it may cost, taken from the tenant's quota now (429 if not there), the unused part refunded at the end
@@ -281,7 +294,8 @@ def build_app(state: ServerState) -> FastAPI:
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
                                                           tenant=tenant, slo=req.slo_targets(),
                                                           speculative=req.speculative,
-                                                          cache_salt=prefix_cache_salt(tenant, req.cache_salt))
+                                                          cache_salt=prefix_cache_salt(tenant, req.cache_salt),
+                                                          lora_name=lora_name)
         except BaseException as e:
             reservation.close()  # refused: nothing was spent
             if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
@@ -289,14 +303,16 @@ def build_app(state: ServerState) -> FastAPI:
             if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
                 named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field named
                 raise APIError(400, str(e), named[0] if named else None) from None
+            if isinstance(e, EngineUnavailable):  # stopped, or a fleet whose replicas did not answer: come back
+                raise APIError(503, str(e), headers={"Retry-After": str(cfg.retry_after_s)}) from None
             raise
         state.count(tenant, "admitted")
         state.spend(reservation, len(prompt_ids))
         timeout = min((t for t in (cfg.request_timeout, req.timeout) if t is not None), default=None)
         deadline = None if timeout is None else request.state.arrival + timeout
-        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine)
+        outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine, req.stream)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
+                "created": int(time.time()), "model": lora_name or cfg.model_name, "system_fingerprint": served.name}
         shape = None
         if params.logprobs is not None:  # the choice's `logprobs` in the endpoint's own shape
             shape = functools.partial(chat_logprobs if kind == "chat" else completion_logprobs, state.tokenizer)
@@ -387,19 +403,19 @@ def build_app(state: ServerState) -> FastAPI:
         usage = {k: sum(a["usage"][k] for a in answers) for k in answers[0]["usage"]}
         return answers[0] | {"choices": choices, "usage": usage}
 
-    def model_card() -> dict:
-        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+    def model_card(lora_name: str | None = None) -> dict:
+        card = {"id": lora_name or cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
                 "max_model_len": state.max_model_len, "default_max_tokens": cfg.default_max_tokens,
                 "version": state.versions.current.name}  # chapter 15's reloads
+        return card if lora_name is None else card | {"parent": cfg.model_name}  # chapter 19: an adapter's base
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(n) for n in state.engine.lora_names)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])  # client.models.retrieve(name)
     async def model(model_id: str):
-        check_model(model_id)  # an unknown id: 404 in OpenAI's error format, param "model"
-        return model_card()
+        return model_card(check_model(model_id))  # an unknown id: 404 in OpenAI's error format, param "model"
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(request: Request):
@@ -450,9 +466,11 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(404, "this server was started without metrics")
         return Response(state.stat_logger.scrape(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
+    if cfg.engine_view:
+        add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
+        add_lora_routes(app, state, read_body)  # chapter 19
     return app
 
 

@@ -65,6 +65,7 @@ class ModelVersion:
     name: str
     weights: str
     engine: AsyncLLMEngine
+    model_file: str | None = None  # the GGUF it was loaded from (None: the one the server started with)
     leases: int = 0  # requests that picked this version and are not in its engine yet
 
 
@@ -105,7 +106,8 @@ class EngineVersions:
     async def reload(self, weights: str | None = None, model_file: str | None = None,
                      warmup_requests: int | None = None) -> dict:
         """Load, warm and switch to the next version; returns what happened, or raises APIError (the current
-        version still serving): 501 no loader, 409 a reload under way, 400 a load refused (a bad file or
+        version still serving). A field not given is the current version's: `{}` (and SIGHUP) reloads the
+        file and format the server runs now, not those it started with. 501 no loader, 409 a reload under way, 400 a load refused (a bad file or
         format, another model), 500 a load or warm-up that failed."""
         if self.loader is None:
             raise APIError(501, "this server cannot reload its model (it was started without a loader)")
@@ -113,7 +115,7 @@ class EngineVersions:
             raise APIError(409, f"a reload is already under way; {self.current.name} is serving")
         self.reloading = True
         try:
-            return await self._reload(weights or self.current.weights, model_file,
+            return await self._reload(weights or self.current.weights, model_file or self.current.model_file,
                                       self.warmup_requests if warmup_requests is None else warmup_requests)
         finally:
             self.reloading = False
@@ -133,7 +135,8 @@ class EngineVersions:
             raise APIError(400, f"{name} is not the same model: {mismatch}; {still}", "model_file")
         load_s = time.perf_counter() - t0
         # the shadow records no metrics while it warms up: the server's counters are about its clients
-        shadow = ModelVersion(name, weights, AsyncLLMEngine(engine, None, thread_name=f"nanoserve-engine-{name}"))
+        shadow = ModelVersion(name, weights, AsyncLLMEngine(engine, None, thread_name=f"nanoserve-engine-{name}"),
+                              model_file)
         del engine
         self.shadow = shadow
         shadow.engine.start()
@@ -153,7 +156,8 @@ class EngineVersions:
         task = asyncio.create_task(self._retire(old))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return {"version": name, "previous": old.name, "weights": weights, "load_s": round(load_s, 3),
+        return {"version": name, "previous": old.name, "weights": weights, "model_file": model_file,
+                "load_s": round(load_s, 3),
                 "warmup_requests": warmup_requests, "warmup_s": round(time.perf_counter() - t1, 3)}
 
     @staticmethod
@@ -195,20 +199,23 @@ class ReloadRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     weights: str | None = None  # "fp32", "int8", "q4" (chapter 10): the loader refuses any other
-    model_file: str | None = None  # another GGUF of the same model (default: the one the server started with)
+    model_file: str | None = None  # another GGUF of the same model (default: the one the server runs now)
     warmup_requests: int | None = Field(None, ge=0, le=64)
+
+
+def check_admin_key(request: Request, admin_key: str) -> None:
+    """401 unless the request carries 'Authorization: Bearer <admin key>' (compared in constant time)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if not (hmac.compare_digest(given.encode(), admin_key.encode()) and scheme.lower() == "bearer"):
+        raise APIError(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
 
 
 def add_admin_routes(app: FastAPI, state, read_body) -> None:
     """POST /admin/reload, behind the admin key alone: an API key (a tenant's) never opens it, and the admin
     key opens nothing else. Answers the reload's summary, or an OpenAI-format error (the old version serving)."""
-    admin_key = state.config.admin_key.encode()
-
     @app.post("/admin/reload")
     async def reload(request: Request):
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not (hmac.compare_digest(given.encode(), admin_key) and scheme.lower() == "bearer"):
-            raise APIError(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
+        check_admin_key(request, state.config.admin_key)
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(state.config.retry_after_s)})
         req = parse_body(await read_body(request), ReloadRequest)

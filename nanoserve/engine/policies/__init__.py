@@ -5,7 +5,7 @@ policy three questions (nanoserve/engine/policies/base.py):
     policy          admission order              budget order (running)         preemption victim
     fcfs            arrival                      arrival                        latest arrival
     priority        (priority, arrival)          (priority, arrival)            least urgent   (the default)
-    slo             earliest TTFT deadline       least TPOT slack first         most slack
+    slo             least laxity                 least laxity                   cheapest recompute still on time
     fair            lowest tenant virtual time   lowest tenant virtual time     highest virtual time
 
     policy = make_policy("slo", default_slo=SLOTargets(ttft_ms=500, tpot_ms=100))

@@ -94,8 +94,8 @@ POLICIES = ("fcfs", "priority", "slo", "fair")
 
 def make_policy(name: str, *, default_slo: SLOTargets | None = None, slo_reject: bool = False,
                 tenant_weights: dict[str, float] | None = None, tenant_slos: dict[str, SLOTargets] | None = None,
-                modules=None) -> SchedulingPolicy:
-    """The policy called `name`. `modules(name)` gives the module to take slo/fair from (the learner's with
+                max_num_batched_tokens: int = 2048, modules=None) -> SchedulingPolicy:
+    """The policy called `name` (slo needs the step's token budget, `max_num_batched_tokens`, for its laxity). `modules(name)` gives the module to take slo/fair from (the learner's with
     --student, nanoserve/student.py); by default the reference's."""
     if name not in POLICIES:
         raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {name!r}")
@@ -107,5 +107,6 @@ def make_policy(name: str, *, default_slo: SLOTargets | None = None, slo_reject:
 
     load = modules or importlib.import_module
     if name == "slo":
-        return load("nanoserve.engine.policies.slo").SLOPolicy(default_slo, tenant_slos, reject=slo_reject)
+        return load("nanoserve.engine.policies.slo").SLOPolicy(default_slo, tenant_slos, reject=slo_reject,
+                                                                 budget=max_num_batched_tokens)
     return load("nanoserve.engine.policies.fair").FairPolicy(tenant_weights or {})

@@ -25,7 +25,7 @@ def remaining_tokens(seq: Sequence) -> int:
 
 
 def fair_order(seqs: list[Sequence], virtual_time: dict, weights: dict, cost=remaining_tokens) -> list[Sequence]:
-    """Exercise 15.3's reference: `seqs` in weighted-fair order, the order in which the step's budget is spent.
+    """Exercise 15.5's reference: `seqs` in weighted-fair order, the order in which the step's budget is spent.
 
     Each tenant's sequences keep their arrival order; the next one comes from the tenant whose projected
     virtual time is the lowest (ties by tenant name), which then moves on by cost(seq) / weight.
@@ -68,13 +68,20 @@ class FairPolicy(SchedulingPolicy):
 
     def order_waiting(self, waiting: list[Sequence], now: float) -> list[Sequence]:
         # called once per step, after order_running: the busy tenants are those running or waiting now
-        busy = self._running_tenants | {s.tenant for s in waiting}
-        floor = min((self.virtual_time.get(t, 0.0) for t in busy & self._busy), default=None)
-        if floor is not None:
-            for tenant in busy - self._busy:  # back from idle: no credit for the idle time
-                self.virtual_time[tenant] = max(self.virtual_time.get(tenant, 0.0), floor)
-        self._busy = busy
+        self.catch_up(self._running_tenants | {s.tenant for s in waiting})
         return self.order(waiting)
 
+    def catch_up(self, busy: set) -> None:
+        """Exercise 15.6's reference: `busy` are the tenants with work now. One that was not busy at the last
+        call (back from idle, or new) starts at the lowest virtual time of the tenants busy then and now —
+        never below its own: idle time is not credit. Remembers `busy` for the next call."""
+        floor = min((self.virtual_time.get(t, 0.0) for t in busy & self._busy), default=None)
+        if floor is not None:
+            for tenant in busy - self._busy:
+                self.virtual_time[tenant] = max(self.virtual_time.get(tenant, 0.0), floor)
+        self._busy = set(busy)
+
     def on_scheduled(self, seq: Sequence, num_tokens: int) -> None:
+        """Exercise 15.6's reference: `num_tokens` of `seq` go into this step: its tenant's virtual time moves
+        on by num_tokens / weight (weight 1 when not given)."""
         self.virtual_time[seq.tenant] = self.virtual_time.get(seq.tenant, 0.0) + num_tokens / self.weights.get(seq.tenant, 1.0)
