@@ -147,7 +147,7 @@ def test_mixed_batch_greedy_matches_peft_and_each_alone(adapters):
 
 
 @pytest.mark.parametrize("fmt", [Int8Linear.from_float, BF16Linear])
-def test_lora_adds_the_same_update_to_every_weights_format(adapters, fmt):
+def test_lora_adds_the_same_update_to_int8_and_bf16_weights(adapters, fmt):
     """A LoRA layer around a quantized base: output − base output = the adapter's x·Aᵀ·(scale·B)ᵀ per slice."""
     model = tiny_llama()
     manager = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8))

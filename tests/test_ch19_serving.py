@@ -3,6 +3,7 @@ flight at once each return transformers + PEFT's greedy text; /v1/models lists t
 run time behind the admin key; bad ones get a 4xx naming the parameter, and the server keeps serving."""
 
 import asyncio
+import json
 import shutil
 
 import httpx
@@ -69,8 +70,15 @@ def test_load_and_unload_at_run_time(server, tiny_adapters, tmp_path):
     assert unload({"lora_name": "c"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         complete(client, "c", PROMPTS["a"])
+    too_wide, foreign = (shutil.copytree(tiny_adapters["a"], tmp_path / n) for n in ("r16", "lm-head"))
+    (too_wide / "adapter_config.json").write_text(
+        json.dumps(json.loads((copy / "adapter_config.json").read_text()) | {"r": 16}))  # the server's max rank: 8
+    (foreign / "adapter_config.json").write_text(
+        json.dumps(json.loads((copy / "adapter_config.json").read_text()) | {"target_modules": ["q_proj", "lm_head"]}))
     # the refusals, each naming its parameter
     for body, status, param, words in [
+        ({"lora_name": "d", "lora_path": str(too_wide)}, 400, "lora_path", "above max_lora_rank=8"),
+        ({"lora_name": "d", "lora_path": str(foreign)}, 400, "lora_path", "not projections of this model"),
         ({"lora_name": "d", "lora_path": str(tmp_path / "nowhere")}, 400, "lora_path", "not a PEFT adapter"),
         ({"lora_name": "a", "lora_path": str(copy)}, 400, "lora_name", "already taken"),
         ({"lora_name": MODEL, "lora_path": str(copy)}, 400, "lora_name", "already taken"),
@@ -80,3 +88,12 @@ def test_load_and_unload_at_run_time(server, tiny_adapters, tmp_path):
     r = unload({"lora_name": "nope"})
     assert (r.status_code, r.json()["error"]["param"]) == (404, "lora_name")
     assert complete(client, MODEL, PROMPTS[None]).choices[0].finish_reason == "length"  # still serving
+
+
+def test_no_adapter_routes_with_lora_off(smollm2_tokenizer):
+    """An admin key but no LoRA layers: the adapter routes do not exist (404, as any unknown path)."""
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=16), smollm2_tokenizer)
+    with serving(engine, smollm2_tokenizer, model_name=MODEL, admin_key=ADMIN) as (url, _):
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"},
+                       headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 404

@@ -63,9 +63,27 @@ def test_tiers_slots_memory_and_disk():
     assert layer.lora_a[1, 0, 0] == 2 and torch.equal(m.mapping.token_slots, torch.tensor([1, 1, 0]))
     m.set_step([("a", 1)])  # from disk again (memory had dropped it), into bb's slot
     assert reads[-1] == "a" and m.slots == {"a": 1} and layer.lora_a[1, 0, 0] == 1
-    assert len(m.load_seconds["disk"]) == 4 and len(m.load_seconds["cpu"]) == 2
+    assert len(m.load_seconds["disk"]) == 4 and len(m.load_seconds["slot"]) == 2
     with pytest.raises(RuntimeError, match="max_loras is 1"):
         m.set_step([("a", 1), ("bb", 1)])
+
+
+@pytest.mark.exercise("19.3")
+def test_an_adapter_in_a_slot_stays_in_memory():
+    """max_loras 1, max_cpu_loras 1: a sits in the slot; bb is read and checked but memory keeps a, so a's next
+    step reads nothing; bb's step reads bb again and, a now out of the slot, memory keeps bb."""
+    reads = []
+    loader = lambda *args: reads.append(args[0]) or fake_adapter(*args)  # noqa: E731
+    m = manager_module().LoRAModelManager(tiny_llama(), LoRAConfig(max_loras=1, max_lora_rank=4, max_cpu_loras=1),
+                                          load=loader)
+    m.add_adapter("a", "/adapters/a")
+    m.set_step([("a", 1)])
+    m.add_adapter("bb", "/adapters/bb")
+    assert reads == ["a", "bb"] and list(m.cpu) == ["a"] and m.slots == {"a": 1}
+    m.set_step([("a", 2)])
+    assert reads == ["a", "bb"]  # in the slot and in memory: nothing read
+    m.set_step([("bb", 1)])
+    assert reads == ["a", "bb", "bb"] and list(m.cpu) == ["bb"] and m.slots == {"bb": 1}
 
 
 def seq(seq_id: str, lora: str | None, arrival: float) -> Sequence:
@@ -87,7 +105,8 @@ def test_the_scheduler_admits_no_adapter_beyond_the_slots_and_starves_none():
 
 
 def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny_adapters):
-    """The same 12-token prompt under adapter a, adapter b, a again and the base: only the repeat of a hits."""
+    """The same 12-token prompt under adapter a, adapter b, a again and the base: only the repeat of a hits; a
+    unloaded and loaded again under its name hits none of the old a's blocks."""
     from nanoserve.engine.config import engine_config
     from nanoserve.engine.llm_engine import LLMEngine
 
@@ -96,13 +115,22 @@ def test_prefix_cache_blocks_are_never_shared_across_adapters(tiny_adapters):
     for name, path in tiny_adapters.items():
         engine.add_lora(name, path)
     hits = []
-    for i, lora in enumerate(["a", "b", "a", None]):
+
+    def run(i, lora):
         before = engine.block_manager.stats.hit_blocks
         engine.add_request(str(i), list(range(10, 22)), SamplingParams(max_tokens=1), lora_name=lora)
         while engine.has_unfinished_requests():
             engine.step()
         hits.append(engine.block_manager.stats.hit_blocks - before)
+
+    for i, lora in enumerate(["a", "b", "a", None]):
+        run(i, lora)
     assert hits == [0, 0, 2, 0]  # 12 tokens: 3 full blocks, the last one recomputed to sample (2 hits)
+    engine.remove_lora("a")  # a reloaded under the same name is a new adapter (a new id): a's blocks never hit
+    engine.add_lora("a", tiny_adapters["a"])
+    run(4, "a")
+    run(5, "a")
+    assert hits[4:] == [0, 2]
     with pytest.raises(ValueError, match="unknown LoRA adapter 'c'"):
         engine.add_request("x", [1, 2], SamplingParams(max_tokens=1), lora_name="c")
 

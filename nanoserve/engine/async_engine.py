@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nanoserve.engine import event_feed
-from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
+from nanoserve.engine.llm_engine import LLMEngine, LoRANameTaken, RequestOutput  # noqa: F401 — the server reads LoRANameTaken here
 from nanoserve.sampling import SamplingParams
 
 
@@ -73,6 +73,7 @@ class AsyncLLMEngine:
         self.num_requests_running = 0
         self.num_requests_waiting = 0
         self.lora_names: tuple[str, ...] = tuple(getattr(engine, "lora_ids", ()))  # chapter 19: adapters loaded
+        self.lora_enabled = getattr(getattr(engine, "config", None), "lora_config", None) is not None
         # chapter 12: snapshots for the live page, nearly off while nobody watches (--student 12: the learner's feed)
         student = getattr(engine, "student", None)  # a distributed engine front has none: the reference's
         self.event_feed = (student.module("nanoserve.engine.event_feed") if student else event_feed).EventFeed()

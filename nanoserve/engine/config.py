@@ -14,7 +14,6 @@ and its policy `SchedulerConfig`, the proposer and the verify step `SpeculativeC
 
 from dataclasses import dataclass, field
 
-from nanoserve.lora.modules import LORA_MODULES
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
@@ -104,13 +103,23 @@ class KVTransferConfig:
         return self.kv_role == "kv_producer"
 
 
+# Chapter 19: the fused projections an adapter may touch (nanoserve/model/stacked.py), and the checkpoint's names
+# of the parts each one stacks: an adapter's q_proj lands in the first slice of qkv_proj.
+LORA_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
 @dataclass
 class LoRAConfig:
     """Chapter 19: LoRA adapters (nanoserve/lora/); EngineConfig.lora_config None: off."""
 
     max_loras: int = 4  # adapters one step may hold (slots in the LoRA layers' weights)
     max_lora_rank: int = 16  # every slot is this rank wide; an adapter of a higher rank is refused
-    max_cpu_loras: int | None = None  # adapters kept in memory outside the slots (None: max_loras); the rest: disk
+    max_cpu_loras: int | None = None  # adapters kept in memory, slots included (None: max_loras); the rest: disk
     modules: tuple[str, ...] = tuple(LORA_MODULES)  # the fused projections that get LoRA layers
 
     def __post_init__(self):

@@ -39,6 +39,10 @@ from nanoserve.student import StudentCode
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
 
 
+class LoRANameTaken(ValueError):
+    """Chapter 19: add_lora's name is empty or already loaded (the server's 400 names `lora_name`)."""
+
+
 def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
     """Chapter 19: the salt of a request's prefix-cache chain with its adapter folded in, so that two adapters
     (or one adapter unloaded and loaded again: a new id) never share a block: the same K/V inputs give other
@@ -318,7 +322,7 @@ class LLMEngine:
         if self.config.lora_config is None:
             raise ValueError("LoRA adapters are off in this engine (EngineConfig.lora_config is None)")
         if not name or name in self.lora_ids:
-            raise ValueError(f"adapter name {name!r} is empty or already loaded")
+            raise LoRANameTaken(f"adapter name {name!r} is empty or already loaded")
         self.executor.add_lora(name, path)
         self.lora_ids[name] = self._next_lora_id
         self._next_lora_id += 1

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.lora.modules import LORA_MODULES
+from nanoserve.engine.config import LORA_MODULES
 
 # "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight" -> ("layers.3.self_attn.q_proj", "A")
 _KEY = re.compile(r"^base_model\.model\.model\.(layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_([AB])\.weight$")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nanoserve.lora import punica as reference_punica
-from nanoserve.lora.modules import LORA_MODULES
+from nanoserve.engine.config import LORA_MODULES
 from nanoserve.lora.punica import slice_bounds
 
 
@@ -23,9 +23,10 @@ class LoRAMapping:
         self.punica = punica or reference_punica  # whose bgmv / sgmv (the learner's under --student 19)
         self.clear()
 
-    def set(self, rows: list[tuple[int, int]]) -> None:
-        """rows: (slot, num_tokens) of each sequence of the step, in the batch's order."""
-        self.token_slots = torch.tensor([slot for slot, n in rows for _ in range(n)], dtype=torch.long)
+    def set(self, rows: list[tuple[int, int]], device: torch.device | str = "cpu") -> None:
+        """rows: (slot, num_tokens) of each sequence of the step, in the batch's order; device: the LoRA weights'
+        (token_slots goes there once per step, not once per layer)."""
+        self.token_slots = torch.tensor([slot for slot, n in rows for _ in range(n)], dtype=torch.long, device=device)
         self.segments, start = [], 0
         for slot, n in rows:
             if self.segments and self.segments[-1][2] == slot:  # neighbours of one adapter: one segment
@@ -43,7 +44,7 @@ class LoRAMapping:
         if x.shape[0] != len(self.token_slots):
             raise RuntimeError(f"the LoRA mapping covers {len(self.token_slots)} tokens, the layer got {x.shape[0]}")
         if self.decode:
-            return self.punica.bgmv(x, a, b, self.token_slots.to(x.device), slices)
+            return self.punica.bgmv(x, a, b, self.token_slots, slices)
         return self.punica.sgmv(x, a, b, self.segments, slices)
 
 

@@ -1,7 +1,7 @@
 """Chapter 19 — adapters as a tier: slots in the step, memory, disk; least recently used goes first.
 
     disk  every adapter registered (its directory)                  load: read + check the safetensors file
-    cpu   at most max_cpu_loras adapters, read and checked           load: a copy into the layers' slot
+    cpu   at most max_cpu_loras adapters (slots included), read        load: a copy into the layers' slot
     slot  at most max_loras, in the LoRA layers' weights               a step gathers from these only
 
 A step asks for its adapters (`set_step`); one already in a slot costs nothing, one in memory is copied into
@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 from nanoserve.engine.config import LoRAConfig
 from nanoserve.lora.adapter import LoRAAdapter, load_adapter
-from nanoserve.lora.modules import LORA_MODULES
+from nanoserve.engine.config import LORA_MODULES
 from nanoserve.lora.layers import LoRAMapping, add_lora_layers
 
 
@@ -58,7 +58,7 @@ class LoRAModelManager:
         self.paths: dict[str, str] = {}  # name -> directory: every adapter known (the disk tier)
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slots: OrderedDict[str, int] = OrderedDict()  # name -> slot in 1..max_loras, least recently used first
-        self.load_seconds = {"disk": [], "cpu": []}  # one entry per load from each tier (bench lora reads them)
+        self.load_seconds = {"disk": [], "slot": []}  # seconds of each read from disk, each copy into a slot
 
     # ---- the registry ----------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> LoRAAdapter:
@@ -85,7 +85,8 @@ class LoRAModelManager:
         """rows: (adapter name or None, num_tokens) per sequence, in the batch's order. Puts the adapters into
         slots and points the LoRA layers at them."""
         slots = self.activate({name for name, _ in rows if name is not None})
-        self.mapping.set([(slots.get(name, 0), n) for name, n in rows])
+        device = next(iter(self.layers.values())).lora_a.device
+        self.mapping.set([(slots.get(name, 0), n) for name, n in rows], device)
 
     def end_step(self) -> None:
         self.mapping.clear()
@@ -114,16 +115,18 @@ class LoRAModelManager:
     def _keep_in_memory(self, adapter: LoRAAdapter) -> None:
         self.cpu[adapter.name] = adapter
         self.cpu.move_to_end(adapter.name)
-        while len(self.cpu) > self.config.max_cpu_loras:  # LRU first, one outside the slots if there is one
-            others = [n for n in self.cpu if n != adapter.name]
-            del self.cpu[next((n for n in others if n not in self.slots), others[0])]
+        # LRU first, never one in a slot: it is copied again whenever it is evicted and re-slotted. At most
+        # max_loras <= max_cpu_loras adapters are in slots, so one outside them is always there to drop (it may
+        # be the adapter just read: add_adapter checked it, and a step reads it again from disk).
+        while len(self.cpu) > self.config.max_cpu_loras:
+            del self.cpu[next(n for n in self.cpu if n not in self.slots)]
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         start = time.perf_counter()
         for name, layer in self.layers.items():  # "layers.0.self_attn.qkv_proj"
             prefix, _, fused = name.rpartition(".")
             layer.set_slot(slot, [adapter.weights.get(f"{prefix}.{part}") for part in LORA_MODULES[fused]])
-        self.load_seconds["cpu"].append(time.perf_counter() - start)
+        self.load_seconds["slot"].append(time.perf_counter() - start)
 
     def slot_bytes(self) -> int:
         """Memory the slots take in every LoRA layer: (max_loras + 1) · R · (S·in + out) floats per layer."""

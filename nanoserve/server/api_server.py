@@ -473,7 +473,8 @@ def build_app(state: ServerState) -> FastAPI:
         add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
-        add_lora_routes(app, state, read_body)  # chapter 19
+        if state.engine.lora_enabled:  # chapter 19: only where the engine has LoRA layers to load into
+            add_lora_routes(app, state, read_body)
     return app
 
 

@@ -3,15 +3,17 @@
     POST /v1/load_lora_adapter     {"lora_name": "upper", "lora_path": "adapters/upper"}
     POST /v1/unload_lora_adapter   {"lora_name": "upper"}
 
-Behind the admin key alone (an API key never opens them: an adapter path is a file on the server's disk).
+Registered only with LoRA on (--enable-lora or --lora-modules) and an admin key; the admin key alone opens
+them (an API key never does: an adapter path is a file on the server's disk).
 A request then names the adapter in its `model` field; GET /v1/models lists it beside the base model. A bad
 adapter (no such directory, a rank above --max-lora-rank, a module the model lacks) is a 400 naming
-`lora_path`; an unknown name or one still serving requests, a 404 or 400 naming `lora_name`.
+`lora_path`; an unknown name, a name taken or one still serving requests, a 404 or 400 naming `lora_name`.
 """
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanoserve.engine.async_engine import LoRANameTaken
 from nanoserve.server.protocol import APIError, parse_body
 from nanoserve.server.versions import check_admin_key
 
@@ -36,6 +38,8 @@ def add_lora_routes(app: FastAPI, state, read_body) -> None:
             raise APIError(400, f"the name {req.lora_name!r} is already taken", "lora_name")
         try:
             await state.engine.add_lora(req.lora_name, req.lora_path)
+        except LoRANameTaken as e:  # loaded by a call that raced this one
+            raise APIError(400, str(e), "lora_name") from None
         except ValueError as e:
             raise APIError(400, str(e), "lora_path") from None
         return {"object": "lora_adapter", "id": req.lora_name, "status": "loaded"}
