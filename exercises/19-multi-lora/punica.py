@@ -22,8 +22,8 @@ def bgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.T
 
     x: (N, in) float32; token_slots: (N,) long, the slot of each row; returns (N, out) float32 whose row t, in the
     output columns of slice s, is b[slot, rows_s] · (a[slot, s·R:(s+1)·R] · x[t]) with slot = token_slots[t].
-    A slot-0 row comes out all zeros. Gather per token, no Python loop over tokens (a loop over the S slices is
-    fine). Example: two tokens of slots [1, 0] -> row 0 is adapter 1's update, row 1 is zeros.
+    A slot-0 row comes out all zeros. Example: two tokens of slots [1, 0] -> row 0 is adapter 1's update, row 1
+    is zeros.
     """
     raise NotImplementedError("Exercise 19.2: write bgmv (see its docstring and README.md)")
 
