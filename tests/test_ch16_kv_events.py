@@ -18,7 +18,7 @@ from nanoserve.kv.kv_events import record_kv_events
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.kv_events import KVEventPublisher
 from nanoserve.server.runner import serving
-from tests.tiny_model import tiny_llama
+from tests.tiny_model import paced_tiny_llama, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -89,18 +89,51 @@ def test_kv_events_match_the_block_manager(tiny):
     assert next(e for e in events if e[0] == "BlockStored")[1] == [first]
 
 
-def test_vllm_metric_names(tiny, tokenizer):
-    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
-                                          scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
-    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
-        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3}, timeout=60)
-        text = httpx.get(url + "/metrics").text
+def vllm_values(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
         if line.startswith("vllm:"):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
             assert 'model_name="tiny"' in name
+    return values
+
+
+def test_vllm_gauges_mid_request_match_the_block_manager(tokenizer):
+    """Scraped while a request decodes (a paced model: 0.2 s a step): one running request, holding one block of
+    the 16 (a 4-token prompt plus 8 tokens fit in one block of 16), so kv_cache_usage_perc is 1/16 — the block
+    manager's own usage."""
+    import threading
+
+    model = paced_tiny_llama(0.2, vocab_size=49152)
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=16),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
+    manager = engine.block_manager
+    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        request = threading.Thread(target=httpx.post, args=(url + "/v1/completions",), kwargs={"json": body,
+                                                                                               "timeout": 60})
+        request.start()
+        try:
+            for _ in range(200):
+                values = vllm_values(httpx.get(url + "/metrics").text)
+                if values["vllm:num_requests_running"] >= 1 or not request.is_alive():
+                    break
+                time.sleep(0.02)
+            usage = manager.usage
+        finally:
+            request.join()
+    assert values["vllm:num_requests_running"] == 1 and values["vllm:num_requests_waiting"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == usage == 1 / 16
+
+
+def test_vllm_metric_names(tiny, tokenizer):
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
+    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
+        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3}, timeout=60)
+        text = httpx.get(url + "/metrics").text
+    values = vllm_values(text)
     assert set(values) == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
     assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0  # all done
     nano = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
