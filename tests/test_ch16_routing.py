@@ -304,7 +304,7 @@ def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch
             self.replica = replica
 
         async def __anext__(self):
-            return "accepted", self.replica
+            return "added", self.replica  # replica.py's protocol: ("added", replica id) or ("refused", why)
 
         def __aiter__(self):
             return self
@@ -330,6 +330,33 @@ def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch
     assert list(client.first_block) == [f"q{i}" for i in range(7, 12)]
     expected = client_module.routing_hashes([11] * 4 + [1, 2, 3, 4, 5], 4)[0]
     assert client.first_block["q11"] == expected and len(set(client.first_block.values())) == 5
+
+
+def test_the_ingress_refuses_a_first_message_outside_the_protocol():
+    """A replica's first message is ("added", id) or ("refused", why); anything else (a replica of another
+    version) is an error in one line, not a request recorded as routed to a replica named by chance."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nanoserve.cluster.client import ReplicaClient
+    from nanoserve.engine.async_engine import EngineUnavailable
+
+    cancelled = []
+
+    class Stream:
+        async def __anext__(self):
+            return "accepted", "r0"
+
+        def cancel(self):
+            cancelled.append(True)
+
+    handle = SimpleNamespace(options=lambda **kw: SimpleNamespace(
+        generate=SimpleNamespace(remote=lambda *args, **kwargs: Stream())))
+    client = ReplicaClient(handle, {"block_size": 4, "max_model_len": 64, "max_seq_len": 64})
+    with pytest.raises(EngineUnavailable, match="'accepted'") as error:
+        asyncio.run(client.add_request("q0", [1, 2, 3], None))
+    assert "\n" not in str(error.value)
+    assert cancelled == [True] and client.num_unfinished_requests() == 0 and not client.routed
 
 
 @pytest.fixture
