@@ -219,7 +219,7 @@ def drive_router(**state):
     replicas "a" and "b" whose cached queue lengths are read from the dict `ranks` is given."""
     from types import SimpleNamespace
 
-    pytest.importorskip("ray.serve")
+    pytest.importorskip("ray.serve", reason="Ray Serve's RequestRouter: pip install 'ray[serve]'")
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve.request_router import PendingRequest
 

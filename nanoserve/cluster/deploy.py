@@ -173,7 +173,8 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
     started = not ray.is_initialized()
     if started:
         start_ray(ray_address, num_cpus)
-    if ray_address is None:  # a local fleet: nothing of it listens beyond loopback (start_ray), /metrics included
+    if ray_address is None:  # a local fleet listens on loopback only: Ray's node (start_ray, cluster/__init__.py)
+        # and, here, each replica's /metrics (on a cluster: the node's address, where a scraper reaches it)
         spec = dataclasses.replace(spec, metrics_host=spec.metrics_host or LOOPBACK)
     try:
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
