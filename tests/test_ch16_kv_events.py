@@ -14,7 +14,7 @@ from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.prefix_cache import block_hashes
-from nanoserve.kv.kv_events import record_kv_events
+from nanoserve.kv.kv_events import AllBlocksCleared, record_kv_events
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.kv_events import KVEventPublisher
 from nanoserve.server.runner import serving
@@ -139,3 +139,22 @@ def test_vllm_metric_names(tiny, tokenizer):
     nano = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("nanoserve:kv_cache_usage_perc")}
     assert values["vllm:kv_cache_usage_perc"] == nano["nanoserve:kv_cache_usage_perc"]
+
+
+def test_kv_events_refuse_a_learners_block_manager(tmp_path, monkeypatch):
+    """Exercise 5.4 finished (the reference's code in a copy of exercises/): the learner's allocate_slots and
+    _register_full_blocks change the prefix cache without telling the listeners, so recording is refused (serve
+    prints it as one error: line) rather than publishing a stream that misses events."""
+    import shutil
+
+    from nanoserve import student
+    from nanoserve.kv import block_manager as reference
+
+    root = tmp_path / "exercises"
+    shutil.copytree(student.EXERCISES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(reference.__file__, root / student.STUDENT_FILES["nanoserve.kv.block_manager"])
+    monkeypatch.setattr(student, "EXERCISES", root)
+    learners = student.StudentCode("05").module("nanoserve.kv.block_manager").BlockManager(8, 4)
+    with pytest.raises(ValueError, match="allocate_slots, _register_full_blocks"):
+        record_kv_events(learners)
+    assert record_kv_events(reference.BlockManager(8, 4)).take() == [AllBlocksCleared()]
