@@ -501,6 +501,45 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()
 
 
+def test_finished_14_speculates_with_the_learners_code(tiny, exercises):
+    """--student 14 with every rung finished: the learner's n-gram proposer proposes (14.1), the learner's rules
+    accept, greedy (14.2) and sampled (14.3), and the learner's rollback gives the rejected slots back (14.4), in
+    the real engine; greedy and seeded outputs equal the reference run's token for token, the pool ends whole."""
+    from tests.test_ch14_spec_decode import requests
+
+    for module in [m for m, path in STUDENT_FILES.items() if path.startswith("14-")]:
+        exercises(module)
+    reqs = requests(6)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=m, ignore_eos=True)
+              for i, (_, m) in enumerate(reqs)]
+
+    def go(selection):
+        engine = LLMEngine(tiny, engine_config(num_blocks=128, block_size=4, speculative="ngram",
+                                               speculative_disable_by_batch_size=None, student=selection))
+        for i, (prompt, _) in enumerate(reqs):
+            engine.add_request(str(i), prompt, params[i])
+        tokens = {}
+        while engine.has_unfinished_requests():
+            tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+        assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+        return engine, tokens
+
+    _, expected = go(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rung finished: no fallback
+        engine, tokens = go("14")
+    assert tokens == expected
+    calls, s = engine.student.calls, engine.spec_stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # accepted some, rolled back others
+    assert calls["NgramProposer.propose"] >= s.num_drafts
+    assert calls["greedy_accept"] + calls["rejection_sample"] == s.num_drafts
+    assert calls["greedy_accept"] > 0 and calls["rejection_sample"] > 0 and calls["residual"] > 0
+    assert calls["rollback_slots"] > 0
+    described = engine.student.describe()
+    for name in ["NgramProposer", "greedy_accept, residual, rejection_sample", "rollback_slots"]:
+        assert name in described
+
+
 def test_finished_15_slo_orders_preempts_and_rejects(tiny, exercises):
     """--student 15 with the slo policy: the learner's deadline (15.1), laxity (15.2), victim (15.3) and
     rejection (15.4) schedule a run that must preempt (5 requests of 17 tokens on 12 blocks of 4, no prefix cache) and refuse

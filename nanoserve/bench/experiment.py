@@ -24,6 +24,10 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
                    and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
                    each replica's share of the work (nanoserve/bench/routing.py)
+  returning-users  chapter 18: users returning after others, a pool too small for them: no tier, the file
+                   tier, an int8 pool: hits per tier, TTFT p50 / p99 (nanoserve/bench/kv_tiers.py)
+  kv-crossover     chapter 18: recompute vs load from the file tier, measured; the load-or-recompute map
+  kv-dtypes        chapter 18: blocks in 1 GiB and the logit error per KV dtype (fp32, bf16, int8, fp8)
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
 this machine drifts.
@@ -39,7 +43,8 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "prefix-isolation", "routing"]
+               "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "returning-users", "kv-crossover",
+               "kv-dtypes"]
 
 
 def register(sub):
@@ -53,7 +58,7 @@ def register(sub):
                         "concurrency without --url starts nanoserve in this process")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
-    p.add_argument("--num-users", type=int, default=8, help="routing: users, each with its own system prompt")
+    p.add_argument("--num-users", type=int, default=8, help="routing, returning-users: users, each with its own system prompt")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -527,7 +532,10 @@ RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefil
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
            "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a),
-           "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a)}
+           "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a),
+           **{name: lambda *a, fn=fn: getattr(importlib.import_module("nanoserve.bench.kv_tiers"), fn)(*a)
+              for name, fn in (("returning-users", "returning_users"), ("kv-crossover", "kv_crossover"),
+                               ("kv-dtypes", "kv_dtypes"))}}
 
 
 def run(args):

@@ -13,12 +13,14 @@ and `{"weights": "q4"}` (or `{"model_file": "other.gguf"}`), or SIGHUP (the same
 loads the next version beside the current one, warms it and switches to it (nanoserve/server/versions.py).
 """
 
+import argparse
 import contextlib
 import copy
 import os
 import socket
 import sys
 
+from nanoserve.cli import checks
 from nanoserve.cli.batch import add_engine_args, llm_from_args
 from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, kv_events_warning, run_fleet
 
@@ -61,9 +63,57 @@ def register(sub):
                    help="seconds running streams may take to finish at shutdown before they are aborted")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
+    add_lora_args(p)
     add_fleet_args(p)
     # without --weights / --kv-cache-dtype: the fastest measured path (serving_format), not the reference
     p.set_defaults(func=run, weights=None, kv_cache_dtype=None)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+    return name, path
+
+
+def add_lora_args(p) -> None:
+    """Chapter 19: LoRA adapters, vLLM's flags."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="LoRA layers on the model's projections (implied by --lora-modules); with --admin-key, "
+                        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter load adapters at run time")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                   help="PEFT adapters to serve; a request names one in its `model` field")
+    p.add_argument("--max-loras", type=checks.positive_int, default=None, help="adapters in one step (default 4)")
+    p.add_argument("--max-lora-rank", type=checks.positive_int, default=None,
+                   help="the largest adapter rank served (default 16)")
+    p.add_argument("--max-cpu-loras", type=checks.positive_int, default=None,
+                   help="adapters kept in memory, slots included (default --max-loras); the others are re-read "
+                        "from disk when a request needs them")
+
+
+def lora_settings(args) -> dict:
+    """LLM's LoRA keyword arguments from the flags; {} with LoRA off."""
+    if not (args.enable_lora or args.lora_modules):
+        return {}
+    sizes = {k: v for k, v in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank),
+                                ("max_cpu_loras", args.max_cpu_loras)) if v is not None}
+    return {"enable_lora": True, "lora_modules": dict(args.lora_modules), **sizes}
+
+
+def check_lora_args(args) -> str | None:
+    sizes = [f for f, v in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                            ("--max-cpu-loras", args.max_cpu_loras)) if v is not None]
+    if not (args.enable_lora or args.lora_modules):
+        return f"{sizes[0]} needs --enable-lora or --lora-modules" if sizes else None
+    names = [name for name, _ in args.lora_modules]
+    if len(set(names)) != len(names) or args.served_model_name in names:
+        return "--lora-modules: each adapter needs a name of its own, not the base model's (--served-model-name)"
+    if args.tensor_parallel_size > 1 or is_fleet(args) or args.degrade_under_load is not None \
+            or args.compile_mode != "eager" or args.speculative == "draft":
+        return ("LoRA adapters are served by one eager engine: not with --tensor-parallel-size > 1, --replicas, "
+                "--degrade-under-load, --compile-mode or --speculative draft")
+    return None
 
 
 def serving_format(args) -> str:
@@ -120,7 +170,7 @@ def check_args(args) -> str | None:
         return f"--api-keys: {e}"
     if args.scheduling_policy is None:
         args.scheduling_policy = default_policy(args.api_keys)
-    problem = check_admin_args(args)
+    problem = check_admin_args(args) or check_lora_args(args)
     return problem or check_fleet_args(args)
 
 
@@ -172,7 +222,7 @@ def reloader(args, tokenizer):
     def load(weights: str, model_file: str | None):
         again = copy.copy(args)
         again.weights, again.model = weights, model_file or args.model
-        return llm_from_args(again, tokenizer, **args.tenant_settings).engine
+        return llm_from_args(again, tokenizer, **args.tenant_settings, **lora_settings(args)).engine
 
     return load
 
@@ -221,7 +271,7 @@ def run(args):
     print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'}: {serving} ...",
           flush=True)
     try:
-        llm = llm_from_args(args, **args.tenant_settings)
+        llm = llm_from_args(args, **args.tenant_settings, **lora_settings(args))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

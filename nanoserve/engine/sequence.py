@@ -72,6 +72,7 @@ class Sequence:
     tenant: str | None = None  # chapter 08: the API key's tenant that sent it (None: no tenants); chapter 15's fair policy
     slo: Any = None  # chapter 15: the request's own SLOTargets (nanoserve/engine/policies/base.py), or None
     cache_salt: str | None = None  # chapter 08: whose prefix cache its blocks are in (None: everyone's)
+    lora_name: str | None = None  # chapter 19: the LoRA adapter it runs with (None: the base model)
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
