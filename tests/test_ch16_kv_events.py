@@ -158,3 +158,30 @@ def test_kv_events_refuse_a_learners_block_manager(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="allocate_slots, _register_full_blocks"):
         record_kv_events(learners)
     assert record_kv_events(reference.BlockManager(8, 4)).take() == [AllBlocksCleared()]
+
+
+def test_kv_events_follow_blocks_loaded_from_a_kv_tier(tiny):
+    """Chapter 18's tier: a returning prompt's blocks come back from the tier into the pool and are registered in the
+    prefix cache by TieredBlockManager itself; those loads (and the evictions they make) are events too. Replaying
+    the log gives the prefix cache's own entries; 40 blocks came back from the tier (4 prompts x 10 full blocks)."""
+    from nanoserve.engine.config import engine_config
+    from nanoserve.kv.kv_events import BlockRemoved, BlockStored
+    from tests.test_ch18_tier import serve, users
+
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64))
+    try:
+        log = record_kv_events(engine.block_manager)
+        serve(engine, users(tiny.config.vocab_size))
+        assert engine.kv_tier_stats()["loaded_blocks"] == 40
+        cached = {}
+        for e in log.take()[1:]:
+            if isinstance(e, BlockStored):
+                assert e.block_hashes[0] not in cached
+                cached[e.block_hashes[0]] = (e.parent_block_hash, e.token_ids)
+            else:
+                assert isinstance(e, BlockRemoved)
+                del cached[e.block_hashes[0]]  # KeyError: a block removed that was never stored
+        entries = engine.block_manager.prefix_cache.entries
+        assert cached == {h: (p, list(t)) for h, p, t in entries.values()}
+    finally:
+        engine.close()

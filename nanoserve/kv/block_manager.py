@@ -206,9 +206,13 @@ class BlockManager:
             # holds the parent's hash (a collision), a lookup would match that block and then this one, whose
             # K/V were computed after other tokens.
             if i == 0 or self.prefix_cache.entries.get(table[i - 1], (None,))[0] == parent:
-                if self.prefix_cache.insert(hashes[-1], parent, tokens, table[i]):
-                    for listener in self.kv_listeners:
-                        listener.block_stored(hashes[-1], parent, tokens)
+                self._cache(hashes[-1], parent, tokens, table[i])
+
+    def _cache(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int], block_id: int) -> None:
+        """Register a full block in the prefix cache and, if the cache took it, tell the listeners."""
+        if self.prefix_cache.insert(block_hash, parent_hash, token_ids, block_id):
+            for listener in self.kv_listeners:
+                listener.block_stored(block_hash, parent_hash, token_ids)
 
     def _evict(self, block_id: int) -> None:
         """Drop the block from the prefix cache, if it held it, and tell the listeners which hash left."""
