@@ -31,7 +31,8 @@ tpot_slo_ms = 40
 
 def replica_spec(*flags: str):
     """The ReplicaSpec `serve --replicas 2 FLAGS` deploys: serve's own argument handling (run() does the same),
-    then spec_from_args."""
+    then spec_from_args (ReplicaSpec lives beside the Ray Serve deployment: it needs Ray installed)."""
+    pytest.importorskip("ray.serve", reason="a replica's spec is Ray Serve's deployment argument: pip install 'ray[serve]'")
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--replicas", "2", "--num-blocks", "32", *flags])

@@ -214,12 +214,17 @@ def test_make_policy_refuses_what_it_does_not_know():
 
 # ---- the Ray Serve router (router.py), driven as Ray Serve drives it, without a cluster ------------------------
 
+def needs_ray() -> None:
+    """Skip, naming the remedy, where Ray Serve is not installed (the router and the ingress import it)."""
+    pytest.importorskip("ray.serve", reason="chapter 16's router and ingress run on Ray Serve: pip install 'ray[serve]'")
+
+
 def drive_router(**state):
     """(router, ranks(request), request(n, hashes), routed(request, replica), dep): a PolicyRouter over two
     replicas "a" and "b" whose cached queue lengths are read from the dict `ranks` is given."""
     from types import SimpleNamespace
 
-    pytest.importorskip("ray.serve", reason="Ray Serve's RequestRouter: pip install 'ray[serve]'")
+    needs_ray()
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve.request_router import PendingRequest
 
@@ -294,6 +299,7 @@ def test_policy_router_round_robin_offers_the_rest_after_its_turn():
 def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch):
     """ReplicaClient records (request id, replica) and each request's first block hash for inspection; a server
     that routes forever keeps only the last ROUTED_KEPT of them, in both records (a fake handle, no Ray)."""
+    needs_ray()
     import asyncio
     from types import SimpleNamespace
 
@@ -335,6 +341,7 @@ def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch
 def test_the_ingress_refuses_a_first_message_outside_the_protocol():
     """A replica's first message is ("added", id) or ("refused", why); anything else (a replica of another
     version) is an error in one line, not a request recorded as routed to a replica named by chance."""
+    needs_ray()
     import asyncio
     from types import SimpleNamespace
 
