@@ -163,7 +163,8 @@ def test_kv_events_refuse_a_learners_block_manager(tmp_path, monkeypatch):
 def test_kv_events_follow_blocks_loaded_from_a_kv_tier(tiny):
     """Chapter 18's tier: a returning prompt's blocks come back from the tier into the pool and are registered in the
     prefix cache by TieredBlockManager itself; those loads (and the evictions they make) are events too. Replaying
-    the log gives the prefix cache's own entries; 40 blocks came back from the tier (4 prompts x 10 full blocks)."""
+    the log gives the prefix cache's own entries. The tier starts out measured fast (the engine measures its own
+    rates as it runs, so how many of the 40 returning blocks load depends on this machine): some load."""
     from nanoserve.engine.config import engine_config
     from nanoserve.kv.kv_events import BlockRemoved, BlockStored
     from tests.test_ch18_tier import serve, users
@@ -171,8 +172,10 @@ def test_kv_events_follow_blocks_loaded_from_a_kv_tier(tiny):
     engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64))
     try:
         log = record_kv_events(engine.block_manager)
+        engine.block_manager.rates.loads.add(1 << 20, 1e-6)  # a megabyte a microsecond: loading pays at first
+        engine.block_manager.rates.loads.add(2 << 20, 2e-6)
         serve(engine, users(tiny.config.vocab_size))
-        assert engine.kv_tier_stats()["loaded_blocks"] == 40
+        assert engine.kv_tier_stats()["loaded_blocks"] > 0
         cached = {}
         for e in log.take()[1:]:
             if isinstance(e, BlockStored):
