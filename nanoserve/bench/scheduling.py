@@ -123,7 +123,8 @@ def scheduling(args, model, tokenizer):
 
     def measure(name, config, r):
         engine = engine_for(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
-                            enable_prefix_caching=False, tenant_slos=tenant_slos, **config)
+                            enable_prefix_caching=False, **config,
+                            **({"tenant_slos": tenant_slos} if config["scheduling_policy"] == "slo" else {}))
         records, trace = drive(engine, arrivals)
         assert engine.block_manager.get_num_free_blocks() == NUM_BLOCKS  # every block back
         row = summarize_run(records, trace, tenants, slos)
