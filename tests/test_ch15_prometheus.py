@@ -58,7 +58,8 @@ def test_alert_rules_check_and_their_unit_tests_pass():
 
 @needs_prometheus
 @pytest.mark.parametrize("old, new", [("> 0.3", "> 0.5"), ("> 0.5\n", "> 1.5\n"), ("for: 10m", "for: 30m"),
-                                      ('{status="5xx"}', '{status="4xx"}'), ("== 1", "== 2")])
+                                      ('{status="5xx"}', '{status="4xx"}'), ("== 1", "== 2"),
+                                      ("> 0.1\n", "> 0.5\n"), ("for: 15m", "for: 30m")])
 def test_the_unit_tests_catch_a_broken_rule(tmp_path, old, new):
     rules = (DEPLOY / "alerts.yml").read_text()
     assert old in rules
