@@ -49,7 +49,7 @@ def test_fragmentation_counts_the_empty_slots_of_held_blocks_once():
 @needs_prometheus
 def test_alert_rules_check_and_their_unit_tests_pass():
     check = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "alerts.yml")], capture_output=True, text=True)
-    assert check.returncode == 0 and "5 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "6 rules found" in check.stdout, check.stdout + check.stderr
     test = subprocess.run(["promtool", "test", "rules", str(DEPLOY / "alerts_test.yml")], capture_output=True, text=True)
     assert test.returncode == 0, test.stdout + test.stderr
     config = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True)
