@@ -90,6 +90,8 @@ def test_the_default_policy_is_priority():
 def test_the_slo_policy_counts_steps_in_the_schedulers_own_budget():
     policy = make_policy(SchedulerConfig(max_num_batched_tokens=6, policy="slo", slo_ttft_ms=500))
     assert policy.budget == 6 and policy.default == SLOTargets(ttft_ms=500)
+    with pytest.raises(ValueError, match="steps of 2048 tokens, the scheduler's budget is 6"):
+        Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(4, 4), policy=slo_policy(2048))
 
 
 # ---- slo: 15.1 deadlines (and the EDF order they give at step_s = 0) ---------------------------------------------------------------

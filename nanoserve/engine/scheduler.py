@@ -94,6 +94,10 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager  # chapter 05's BlockManager (or the learner's)
         self.policy = policy or PriorityPolicy()  # chapter 15: the orders (nanoserve/engine/policies/)
+        budget = getattr(self.policy, "budget", config.max_num_batched_tokens)  # slo counts its laxity in steps
+        if budget != config.max_num_batched_tokens:
+            raise ValueError(f"the policy counts steps of {budget} tokens, the scheduler's budget is "
+                             f"{config.max_num_batched_tokens}: build it with make_policy(config)")
         self.clock = clock
         self.now = clock()  # the current step's time, read once per schedule()
         self.waiting: list[Sequence] = []  # WAITING and PREEMPTED sequences; the policy orders them each step
