@@ -18,7 +18,7 @@ input order. The tokenizer lives here, above the engine: the engine sees token i
 import sys
 from pathlib import Path
 
-from nanoserve.engine.config import engine_config
+from nanoserve.engine.config import LoRAConfig, engine_config
 from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import StudentCode
@@ -39,7 +39,10 @@ class LLM:
                  scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
                  slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
                  tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
-                 compile_mode: str = "eager"):
+                 compile_mode: str = "eager", kv_tier_blocks: int = 0, kv_tier_path: str | None = None,
+                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None, lora_modules: dict | None = None,
+                 kv_transfer_config=None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -62,7 +65,16 @@ class LLM:
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
         tenant_weights (tenant -> its fair share) and tenant_slos (tenant -> SLOTargets): the server's tenants file.
         kv_cache_dtype: "auto" (the model's parameters', float32 here), "fp32" or "bf16" (half the bytes per
-        token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16)."""
+        token: twice the blocks, half the bytes a decode step gathers; the attention then runs in bf16), "int8" or
+        "fp8" (chapter 18: 8-bit codes and a bf16 scale per token and kv head, dequantized in the gather).
+        kv_tier_blocks: a second KV tier of that many blocks in a file (kv_tier_path, None: a temporary one) that
+        evicted prefix blocks go to and are loaded back from (chapter 18); call close() after.
+        enable_lora (chapter 19): LoRA layers on the projections, `max_loras` adapters per step of rank up to
+        `max_lora_rank`, `max_cpu_loras` kept in memory; lora_modules: {name: PEFT adapter directory} loaded now
+        (implies enable_lora); generate(..., lora_name=...) picks one per input.
+
+        kv_transfer_config: a KVTransferConfig (chapter 17, nanoserve/engine/config.py): this engine is the
+        prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -113,16 +125,24 @@ class LLM:
             scheduling_policy=scheduling_policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
             slo_reject=slo_reject, tenant_weights=tenant_weights, tenant_slos=tenant_slos, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
-            degrade_under_load=degrade_under_load, compile_mode=compile_mode)
+            degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_tier_blocks=kv_tier_blocks,
+            kv_tier_path=kv_tier_path,
+            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
+            kv_transfer_config=kv_transfer_config)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
+            for name, adapter_path in (lora_modules or {}).items():
+                self.engine.add_lora(name, adapter_path)
         except BaseException:
             self.close()
             raise
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do at TP 1); idempotent."""
+        """Stop the tensor-parallel worker processes, chapter 17's KV connector and chapter 18's tier writer;
+        idempotent."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
         if self.workers is not None:
             self.workers.shutdown()
 
@@ -153,13 +173,13 @@ class LLM:
             f"'messages'; got {type(item).__name__}: {str(item)[:80]}"
         )
 
-    def add_request(self, item, sampling_params: SamplingParams, priority: int = 0) -> str:
+    def add_request(self, item, sampling_params: SamplingParams, priority: int = 0, lora_name: str | None = None) -> str:
         """Tokenize one input and queue it; returns its request id."""
         if sampling_params.n > 1:  # run() keeps one final output per request
             raise ValueError(f"n={sampling_params.n}: LLM returns one output per input; for parallel sampling "
                              "step LLMEngine or ask the server")
         request_id = str(self._next_id)
-        self.engine.add_request(request_id, self.prompt_token_ids(item), sampling_params, priority)
+        self.engine.add_request(request_id, self.prompt_token_ids(item), sampling_params, priority, lora_name=lora_name)
         self._next_id += 1
         return request_id
 
@@ -195,23 +215,27 @@ class LLM:
         return finished
 
     def generate(self, inputs, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """One output per input, in input order (see the module docstring for the input forms)."""
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_name: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """One output per input, in input order (see the module docstring for the input forms). lora_name: the
+        adapter of every input, or one per input (None: the base model), chapter 19."""
         if isinstance(inputs, (str, dict)) or _is_chat(inputs):
             inputs = [inputs]
         inputs = list(inputs)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = params if isinstance(params, list) else [params] * len(inputs)
         priority = priority or [0] * len(inputs)
-        if not len(params) == len(priority) == len(inputs):
-            raise ValueError(f"{len(inputs)} inputs but {len(params)} sampling params and {len(priority)} priorities")
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(inputs)
+        if not len(params) == len(priority) == len(loras) == len(inputs):
+            raise ValueError(f"{len(inputs)} inputs but {len(params)} sampling params, {len(priority)} priorities "
+                             f"and {len(loras)} adapters")
         for i, p in enumerate(params):  # before anything is queued: a bad one must not leave the others behind
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params {i}: expected a SamplingParams, got {type(p).__name__}")
         ids = []
-        for i, (item, p, prio) in enumerate(zip(inputs, params, priority)):
+        for i, (item, p, prio, lora) in enumerate(zip(inputs, params, priority, loras)):
             try:
-                ids.append(self.add_request(item, p, prio))
+                ids.append(self.add_request(item, p, prio, lora))
             except ValueError as e:
                 for request_id in ids:  # leave the engine as we found it
                     self.engine.abort_request(request_id)

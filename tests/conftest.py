@@ -60,3 +60,12 @@ def hf_tokenizer():
 
     path = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory):
+    """Chapter 19: two PEFT adapters trained (a few steps) on the tiny random model, once per session:
+    `a` on every projection (rank 4), `b` on q, v and down (rank 8). {name: directory}."""
+    from tests.lora_reference import ADAPTER_SPECS, hf_twin, tiny_llama, train_tiny_adapters
+
+    return train_tiny_adapters(hf_twin(tiny_llama()), tmp_path_factory.mktemp("lora"), ADAPTER_SPECS)

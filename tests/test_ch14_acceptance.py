@@ -128,9 +128,9 @@ def rollback():
 @pytest.mark.exercise("14.4")
 def test_rollback_shrinks_the_table_and_frees_the_blocks_of_rejected_slots():
     bm = BlockManager(8, block_size=4, allocator=BlockAllocator(8))
-    tokens = [10, 11, 12, 13, 14, 15]  # 6 real tokens
-    bm.allocate_slots("s", tokens, 6)
-    table_before = list(bm.allocate_slots("s", tokens, 6 + 4))  # + 4 proposals to verify: 10 positions, 3 blocks
+    tokens = [10, 11, 12, 13, 14, 15]  # a sequence of 6 tokens, 5 of them computed (the chapter's example)
+    bm.allocate_slots("s", tokens, 5)
+    table_before = list(bm.allocate_slots("s", tokens, 6 + 4))  # the 6th + 4 proposals: positions 5..9, 3 blocks
     assert len(table_before) == 3 and bm.get_num_free_blocks() == 5
     freed = rollback().rollback_slots(bm, "s", 7)  # 1 proposal accepted: positions [0, 7) hold real K/V
     assert freed == table_before[2:] and bm.block_table("s") == table_before[:2]
@@ -154,3 +154,29 @@ def test_rollback_never_uncovers_a_cached_block_and_rejected_tokens_are_never_ca
     assert bm.lookup_prefix([1, 2, 3, 4, 9]) == 4 and bm.lookup_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
     bm.free("s")
     assert bm.get_num_free_blocks() == 8
+
+
+@pytest.mark.exercise("14.4")
+def test_rollback_refuses_to_uncover_a_cached_block():
+    """A registered block must end at or before num_tokens: a cached block holding position num_tokens or later
+    would hold a rejected token. Here block 1 (positions 4..7) is registered and only [0, 7) is real."""
+    bm = BlockManager(8, block_size=4, allocator=BlockAllocator(8))
+    real = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    bm.allocate_slots("s", real, 9)  # blocks 0 and 1 full of real tokens: both registered
+    with pytest.raises(RuntimeError):
+        rollback().rollback_slots(bm, "s", 7)
+    table = list(bm.block_table("s"))
+    assert len(table) == 3 and bm.get_num_free_blocks() == 5  # refused before anything changed
+    assert rollback().rollback_slots(bm, "s", 8) == table[2:] and bm.block_table("s") == table[:2]  # [0, 8): fine
+
+
+def test_block_manager_shrink_frees_the_tail_and_keeps_cached_blocks():
+    """BlockManager.shrink, the one method rollback goes through: the chapter's example, by hand."""
+    bm = BlockManager(8, block_size=4, allocator=BlockAllocator(8))
+    tokens = [10, 11, 12, 13, 14, 15]
+    table = list(bm.allocate_slots("s", tokens, 10))  # 3 blocks, block 0 (10 11 12 13) registered
+    assert bm.shrink("s", 2, 7) == table[2:] and bm.block_table("s") == table[:2] and bm.get_num_free_blocks() == 6
+    assert bm.num_slots["s"] == 7  # the next allocation grows from position 7
+    with pytest.raises(RuntimeError):
+        bm.shrink("s", 0, 0)  # block 0 is in the prefix cache
+    assert bm.block_table("s") == table[:2]

@@ -9,6 +9,7 @@ pool whole and nothing rejected in the prefix cache.
 import random
 
 import pytest
+import torch
 
 from nanoserve.engine.config import engine_config
 from nanoserve.engine.llm_engine import LLMEngine
@@ -117,3 +118,74 @@ def test_seeded_sampling_with_speculation_completes_and_is_reproducible(model):
     a = run(engine(model, "ngram"), reqs, params)
     assert a == run(engine(model, "ngram"), reqs, params)
     assert all(len(a[i]) == reqs[i][1] for i in a)
+
+
+def chi2_quantile(df: int, z: float = 4.75) -> float:
+    """The chi-square quantile with `df` degrees of freedom at the normal quantile z (Wilson-Hilferty; z = 4.75:
+    exceeded with chance ~1e-6, so a correct sampler fails this test about once in a million seeds)."""
+    h = 2 / (9 * df)
+    return df * (1 - h + z * h ** 0.5) ** 3
+
+
+def homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's chi-square statistic that two samples come from one distribution, and its degrees of freedom.
+    Tokens seen fewer than 10 times in both together share one bin (an expected count under 5 per sample
+    would make the statistic's chi-square law a poor fit)."""
+    from collections import Counter
+
+    pooled = Counter(a) + Counter(b)
+    bin_of = lambda t: t if pooled[t] >= 10 else "rare"  # noqa: E731
+    ca, cb = Counter(map(bin_of, a)), Counter(map(bin_of, b))
+    bins = ca.keys() | cb.keys()
+    stat = 0.0
+    for token in bins:
+        share = (ca[token] + cb[token]) / (len(a) + len(b))
+        for counts, n in ((ca, len(a)), (cb, len(b))):
+            stat += (counts[token] - n * share) ** 2 / (n * share)
+    return stat, len(bins) - 1
+
+
+SAMPLES = 600  # requests per engine: each gives one draw of output tokens 1, 2, 3 (token 0 comes from the prefill)
+
+
+def sampled_outputs(model, speculative, seed0: int) -> tuple[list[list[int]], object]:
+    """SAMPLES seeded requests at temperature 0.8 of one prompt: a few tokens and the model's own greedy
+    continuation of them, twice over, so that the n-gram proposer proposes tokens the model finds likely (a
+    proposal with p(d) near 0.5 is where a wrong rule shows most). Their outputs, and the spec stats."""
+    seed = [3, 1, 4, 1, 5]
+    greedy = run(engine(model), [(seed, 12)])[0]
+    prompt = seed + greedy + seed + greedy[:6]
+    e = engine(model, speculative, num_speculative_tokens=2, num_blocks=2048, max_num_seqs=256,
+               max_num_batched_tokens=4096)
+    params = [SamplingParams(temperature=0.8, seed=seed0 + i, max_tokens=4, ignore_eos=True) for i in range(SAMPLES)]
+    out = run(e, [(prompt, 4)] * SAMPLES, params)
+    return [out[i] for i in range(SAMPLES)], e.spec_stats
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """16 tokens, embeddings 5x the usual scale: next-token distributions with a clear favourite (about 0.7),
+    where the tiny model's usual ones are nearly flat and no rule, right or wrong, would show."""
+    model = tiny_llama(vocab_size=16)
+    with torch.no_grad():
+        model.embed_tokens.weight.mul_(5)
+    return model
+
+
+def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypatch):
+    """Exactness in distribution, through the whole engine: output tokens 1, 2, 3 of 600 seeded requests with
+    n-gram speculation (they come out of verification: accepted proposals, residual draws, bonuses) against
+    600 without, a chi-square homogeneity test per position. The same test catches a wrong rule: after a
+    rejection, drawing from p itself instead of the residual (the rejected token gets a second chance)."""
+    plain, _ = sampled_outputs(small_vocab, None, 0)
+    spec, stats = sampled_outputs(small_vocab, "ngram", SAMPLES)
+    assert stats.num_drafts >= SAMPLES and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for pos in (1, 2, 3):
+        stat, df = homogeneity([o[pos] for o in plain], [o[pos] for o in spec])
+        assert stat < chi2_quantile(df), f"token {pos}: chi-square {stat:.1f} over {df} degrees of freedom"
+    from nanoserve.spec_decode import acceptance
+
+    monkeypatch.setattr(acceptance, "residual", lambda p, q: p)  # the wrong rule, through the engine's module
+    wrong, _ = sampled_outputs(small_vocab, "ngram", 2 * SAMPLES)
+    stats = [homogeneity([o[pos] for o in plain], [o[pos] for o in wrong]) for pos in (1, 2, 3)]
+    assert max(stat / chi2_quantile(df) for stat, df in stats) > 1, stats  # rejected at the same 1e-6 level

@@ -114,6 +114,7 @@ def test_serve_defaults_reach_the_replicas_as_in_one_process():
     (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),
     (["--kv-events-endpoint", "tcp://127.0.0.1:5557"], "--kv-events-endpoint"),
     (["--admin-key", "sk-admin"], "--admin-key"),
+    (["--kv-tier-blocks", "64", "--kv-tier-path", "/tmp/kv.tier"], "--kv-tier-path"),
 ])
 def test_a_flag_a_fleet_cannot_honour_is_refused_in_one_line(flags, named, capsys):
     assert main(["serve", "--replicas", "2", "--port", "0", *flags]) == 2

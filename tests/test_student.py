@@ -501,6 +501,45 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()
 
 
+def test_finished_14_speculates_with_the_learners_code(tiny, exercises):
+    """--student 14 with every rung finished: the learner's n-gram proposer proposes (14.1), the learner's rules
+    accept, greedy (14.2) and sampled (14.3), and the learner's rollback gives the rejected slots back (14.4), in
+    the real engine; greedy and seeded outputs equal the reference run's token for token, the pool ends whole."""
+    from tests.test_ch14_spec_decode import requests
+
+    for module in [m for m, path in STUDENT_FILES.items() if path.startswith("14-")]:
+        exercises(module)
+    reqs = requests(6)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_tokens=m, ignore_eos=True)
+              for i, (_, m) in enumerate(reqs)]
+
+    def go(selection):
+        engine = LLMEngine(tiny, engine_config(num_blocks=128, block_size=4, speculative="ngram",
+                                               speculative_disable_by_batch_size=None, student=selection))
+        for i, (prompt, _) in enumerate(reqs):
+            engine.add_request(str(i), prompt, params[i])
+        tokens = {}
+        while engine.has_unfinished_requests():
+            tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+        assert engine.block_manager.get_num_free_blocks() == engine.block_manager.num_blocks, "blocks leaked"
+        return engine, tokens
+
+    _, expected = go(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rung finished: no fallback
+        engine, tokens = go("14")
+    assert tokens == expected
+    calls, s = engine.student.calls, engine.spec_stats
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens  # accepted some, rolled back others
+    assert calls["NgramProposer.propose"] >= s.num_drafts
+    assert calls["greedy_accept"] + calls["rejection_sample"] == s.num_drafts
+    assert calls["greedy_accept"] > 0 and calls["rejection_sample"] > 0 and calls["residual"] > 0
+    assert calls["rollback_slots"] > 0
+    described = engine.student.describe()
+    for name in ["NgramProposer", "greedy_accept, residual, rejection_sample", "rollback_slots"]:
+        assert name in described
+
+
 def test_finished_15_slo_orders_preempts_and_rejects(tiny, exercises):
     """--student 15 with the slo policy: the learner's deadline (15.1), laxity (15.2), victim (15.3) and
     rejection (15.4) schedule a run that must preempt (5 requests of 17 tokens on 12 blocks of 4, no prefix cache) and refuse
@@ -569,3 +608,57 @@ def test_student_15_under_a_policy_that_asks_nothing_says_which_flag_plugs_it_in
     assert any("add --scheduling-policy slo or fair" in line for line in lines), lines
     fair = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, scheduling_policy="fair", student="15"))
     assert "--scheduling-policy" not in fair.student.describe()
+
+
+def test_finished_17_receives_into_its_own_slots(exercises):
+    """--student 17, rung 17.1: the decode engine plans each transferred prompt's load with the learner's
+    num_tokens_to_receive and receive_slots; its greedy tokens are a colocated engine's."""
+    from nanoserve.engine.config import KVTransferConfig
+
+    exercises("nanoserve.disagg.receive")
+    model = tiny_llama(vocab_size=97)
+    config = dict(block_size=4, num_blocks=32, max_num_batched_tokens=8)
+    prefill = LLMEngine(model, engine_config(**config, kv_transfer_config=KVTransferConfig("kv_producer")))
+    decode = LLMEngine(model, engine_config(**config, student="17", kv_transfer_config=KVTransferConfig("kv_consumer")))
+    plain = LLMEngine(model, engine_config(**config))
+    try:
+        for i, prompt in enumerate([list(range(3, 17)), list(range(3, 13)) + [40, 41]]):
+            got = []
+            for engine, extra in ((prefill, {"kv_transfer_params": {"do_remote_decode": True}}), (decode, None),
+                                  (plain, {})):
+                if extra is None:
+                    extra = {"kv_transfer_params": got[0].kv_transfer_params}
+                n = 1 if engine is prefill else 6
+                engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n), **extra)
+                while engine.has_unfinished_requests():
+                    got += [o for o in engine.step() if o.finished]
+            assert got[1].token_ids == got[2].token_ids
+        calls = decode.student.calls
+        assert calls["num_tokens_to_receive"] == 2 and calls["receive_slots"] == 2
+        assert "receive.py" in decode.student.describe()
+    finally:
+        prefill.close(), decode.close()
+
+
+@pytest.mark.parametrize("rung", ["17.2", "17.3"])
+def test_finished_17_routes_by_the_learners_index(exercises, rung):
+    """--student 17 with one rung of kv_index.py finished: the KV-aware router of the kv-routing experiment runs
+    the learner's index (17.2) or score (17.3), the other rung the reference's; every request is placed where
+    the reference router places it (the same hit rate, the same requests per replica)."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench.kv_routing import run_one
+    from nanoserve.student import RUNGS, StudentCode
+
+    finish("nanoserve.disagg.kv_index", RUNGS["nanoserve.disagg.kv_index"][rung])
+    model = tiny_llama(vocab_size=97)
+    systems = [list(range(5 + 9 * u, 5 + 9 * u + 16)) for u in range(4)]
+    prompts = [systems[u] + [60 + t] for t in range(3) for u in range(4)]
+    args = SimpleNamespace(replicas=2, num_blocks=24, num_users=2, output_len=2)
+    student = StudentCode("17")
+    theirs = run_one("kv-aware, fresh", model, None, prompts, args, student)
+    ours = run_one("kv-aware, fresh", model, None, prompts, args)
+    assert theirs["requests_per_replica"] == ours["requests_per_replica"]
+    assert theirs["hit_tokens"] == ours["hit_tokens"] > 0
+    names = RUNGS["nanoserve.disagg.kv_index"][rung]
+    assert all(student.calls[name] > 0 for name in names), student.calls

@@ -1,7 +1,7 @@
 """Exercises 5.3 (slot_mapping) and 5.4 (BlockManager.allocate_slots) — the block manager's integers.
 
 Your version of nanoserve/kv/block_manager.py. Everything else is given: your BlockManager inherits
-the reference's constructor, lookup_prefix / _cached_prefix, fork, free and take_copies, so you write
+the reference's constructor, lookup_prefix / _cached_prefix, fork, free, shrink and take_copies, so you write
 the two rungs only. Grade one with `make grade CH=05 EX=5.3` (or EX=5.4); README.md has the design
 questions to answer first.
 

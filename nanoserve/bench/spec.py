@@ -3,39 +3,53 @@
 Part 1, batch 1: each prompt alone through engines without speculation and with each proposer at each k,
 greedy (so every engine must produce the same tokens: the run checks it). The prompts are the course
 set's "grounded" kind (rewrite / extract / repeat a given text: the answer copies its input) and its open
-"chat" kind. Engines take turns prompt by prompt, so the machine's drift hits all of them alike.
+"chat" kind. Every engine is warmed up on a prompt of its own first; then engines take turns prompt by
+prompt, the order reversed every other prompt, so the machine's drift hits all of them alike.
+
+Per engine: output tokens per second of wall time and the speedup over no speculation; the two numbers the
+chapter's model needs, measured:
+  α       the chance that a proposed token is accepted given the ones before it were (SpecDecodeStats.alpha)
+  r_k     the step-cost ratio: the median wall time of a batch-1 step that verified k proposals (drafting
+          included) over the median of a plain decode step of the "off" engine, in the same run;
+          c = (r_k - 1) / k, the cost of one more verified token as a fraction of a decode step
+and the model's predictions next to what was measured: E = (1 - α^(k+1)) / (1 - α) against the mean
+accepted length, E / r_k the speedup of the decode steps, and the k that maximises E(α, k) / (1 + k·c).
 
 Part 2, load: 1, 4, 16 grounded requests at once through the engine, without speculation and with n-gram
-at --load-k (the batch-size policy switched off, to see where speculation itself stops paying).
-
-Per engine: output tokens per second of wall time, its speedup over no speculation, the acceptance rate
-(accepted / proposed tokens) and the mean accepted length (tokens a verifying step emits: accepted + 1).
+at --load-k (the batch-size policy switched off, to see where speculation itself stops paying), over
+--rounds interleaved rounds (order alternating), each system's best round kept (bench experiment's harness).
 """
 
+import statistics
 import time
+from collections import defaultdict
 
 import torch
 
+from nanoserve.bench.experiment import interleaved
 from nanoserve.cli.checks import positive_int
 
 
 def register(sub):
-    p = sub.add_parser("spec", help="speculative decoding: tok/s and acceptance at batch 1 and under load (chapter 14)")
+    p = sub.add_parser("spec", help="speculative decoding: α, step cost and tok/s at batch 1 and under load (chapter 14)")
     p.add_argument("--prompts", type=positive_int, default=3, help="prompts of each kind (grounded, chat) at batch 1")
     p.add_argument("--max-tokens", type=positive_int, default=48, help="greedy output tokens per request (at most)")
     p.add_argument("-k", type=positive_int, nargs="+", default=[2, 4, 8], help="num_speculative_tokens to try")
     p.add_argument("--proposers", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
     p.add_argument("--draft-layers", type=positive_int, default=None, help="the draft's layers (default: a quarter)")
-    p.add_argument("--load", type=int, nargs="*", default=[1, 4, 16], help="concurrent requests in part 2 (none: skip)")
+    p.add_argument("--load", type=positive_int, nargs="*", default=[1, 4, 16],
+                   help="concurrent requests in part 2 (none: skip)")
     p.add_argument("--load-k", type=positive_int, default=4, help="n-gram's k in part 2")
+    p.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds of part 2 (the best is kept)")
     p.add_argument("--seed", type=int, default=0, help="of the prompts (bench/prompts.py course_prompts)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: the cores; on a busy machine use 1, as bench weights --help says)")
     p.set_defaults(func=run)
 
 
-def generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
-    """Every prompt at once, greedy; (outputs in order, wall seconds)."""
+def generate(engine, prompts: list[list[int]], max_tokens: int, steps: dict | None = None):
+    """Every prompt at once, greedy; (outputs in order, wall seconds). steps: {query tokens: [seconds]} gets the
+    wall time of every step that ran one decoding sequence alone (1 query token, or 1 + k when verifying)."""
     from nanoserve.sampling import SamplingParams
 
     t0 = time.perf_counter()
@@ -43,17 +57,34 @@ def generate(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[li
         engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=max_tokens))
     outputs = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id)] = out.token_ids
+        before = time.perf_counter()
+        step_outputs = engine.step()
+        seconds, out = time.perf_counter() - before, engine.last_scheduler_output
+        for o in step_outputs:
+            if o.finished:
+                outputs[int(o.request_id)] = o.token_ids
+        if steps is not None and len(out.scheduled_seqs) == 1 and out.scheduled_seqs[0].num_output_tokens > 1:
+            steps[out.num_scheduled_tokens[out.scheduled_seqs[0].seq_id]].append(seconds)  # a decode or a verify
     return [outputs[i] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def expected_length(alpha: float, k: int) -> float:
+    """E = 1 + α + α² + … + α^k = (1 - α^(k+1)) / (1 - α): tokens a verifying step emits, if each proposed
+    token is accepted with chance α given the ones before it were."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_k(alpha: float, c: float, k_max: int = 16) -> int:
+    """The k that maximises the modelled speedup E(α, k) / (1 + k·c)."""
+    return max(range(1, k_max + 1), key=lambda k: expected_length(alpha, k) / (1 + k * c))
 
 
 class Measured:
     """One engine's totals over the run."""
 
-    def __init__(self, engine):
-        self.engine, self.tokens, self.seconds = engine, 0, 0.0
+    def __init__(self, engine, k: int = 0):
+        self.engine, self.k, self.tokens, self.seconds = engine, k, 0, 0.0
+        self.steps: dict[int, list[float]] = defaultdict(list)  # query tokens -> step seconds
 
     def add(self, outputs, seconds):
         self.tokens += sum(map(len, outputs))
@@ -63,13 +94,23 @@ class Measured:
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
+    def step_cost(self, base: "Measured") -> float | None:
+        """r_k: the median step that verified all k proposals over the median plain decode step of `base`."""
+        full, plain = self.steps.get(self.k + 1), base.steps.get(1)
+        return statistics.median(full) / statistics.median(plain) if full and plain else None
+
     def row(self, name: str, base: "Measured") -> str:
-        s = self.engine.spec_stats
-        acc = f"{s.acceptance_rate:10.2f} {s.mean_accepted_length:9.2f}" if s.num_drafts else f"{'-':>10} {'-':>9}"
-        return f"  {name:<14} {self.tok_s:8.2f} {self.tok_s / base.tok_s:8.2f}x {acc}"
+        s, r = self.engine.spec_stats, self.step_cost(base)
+        head = f"  {name:<12} {self.tok_s:7.2f} {self.tok_s / base.tok_s:7.2f}x"
+        if not s.num_drafts or r is None:
+            return head
+        c, e_model = (r - 1) / self.k, expected_length(s.alpha, self.k)
+        return (head + f" {s.alpha:6.2f} {s.mean_accepted_length:6.2f} {e_model:7.2f} {r:6.2f} {c:6.2f}"
+                f" {s.mean_accepted_length / r:8.2f}x {best_k(s.alpha, max(c, 1e-3)):6d}")
 
 
-HEADER = f"  {'engine':<14} {'tok/s':>8} {'speedup':>9} {'acceptance':>10} {'mean len':>9}"
+HEADER = (f"  {'engine':<12} {'tok/s':>7} {'speedup':>8} {'α':>6} {'E meas':>6} {'E(α,k)':>7} {'r_k':>6} {'c':>6}"
+          f" {'E/r_k':>9} {'best k':>6}")
 
 
 @torch.inference_mode()
@@ -90,44 +131,58 @@ def run(args):
         config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=256 << 20), speculative_config=spec)
         return LLMEngine(model, config, tokenizer)
 
-    configs = {"off": engine()} | {f"{p} k={k}": engine(p, k) for p in args.proposers for k in args.k}
-    draft = next((e.proposer for e in configs.values() if getattr(e.proposer, "num_layers", None)), None)
+    configs = {"off": (engine(), 0)} | {f"{p} k={k}": (engine(p, k), k) for p in args.proposers for k in args.k}
+    draft = next((e.proposer for e, _ in configs.values() if getattr(e.proposer, "num_layers", None)), None)
     print(f"batch 1, greedy, up to {args.max_tokens} tokens, {torch.get_num_threads()} thread(s)"
           + (f"; the draft: {draft.num_layers} of {model.config.num_hidden_layers} layers" if draft else ""))
-    results = {}
+    warmup = tokenizer.encode_chat(course_prompts(1, args.seed + 100, ["grounded"])[0]["messages"])
+    for e, _ in configs.values():
+        generate(e, [warmup], 8)
     for kind in ("grounded", "chat"):
         prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(args.prompts, args.seed, [kind])]
-        totals = {name: Measured(e) for name, e in configs.items()}
-        for e in configs.values():
+        totals = {name: Measured(e, k) for name, (e, k) in configs.items()}
+        for e, _ in configs.values():
             e.spec_stats.__init__()
         for i, ids in enumerate(prompts):
             names = list(configs) if i % 2 == 0 else list(configs)[::-1]  # alternate who goes first
             outs = {}
             for name in names:
-                outs[name], seconds = generate(configs[name], [ids], args.max_tokens)
+                outs[name], seconds = generate(configs[name][0], [ids], args.max_tokens, totals[name].steps)
                 totals[name].add(outs[name], seconds)
             if any(o != outs["off"] for o in outs.values()):
                 raise RuntimeError(f"{kind} prompt {i}: a speculative engine's greedy output differs from 'off'")
         print(f"\n{kind} prompts ({len(prompts)}), outputs identical with and without speculation:\n{HEADER}")
         for name, m in totals.items():
             print(m.row(name, totals["off"]))
-        results[kind] = totals
     if args.load:
-        load_engines = {"off": engine(), f"ngram k={args.load_k}": engine("ngram", args.load_k)}
-        prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(max(args.load), args.seed + 1, ["grounded"])]
-        print(f"\nload: N grounded requests at once, n-gram k={args.load_k} without the batch-size policy\n"
-              f"  {'N':>3} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} {'acceptance':>10}")
-        for n in args.load:
-            totals = {name: Measured(e) for name, e in load_engines.items()}
-            for e in load_engines.values():
-                e.spec_stats.__init__()
-            for name in (list(load_engines) if n % 2 else list(load_engines)[::-1]):
-                totals[name].add(*generate(load_engines[name], prompts[:n], args.max_tokens))
-            off, spec = totals.values()
-            print(f"  {n:>3} {off.tok_s:10.2f} {spec.tok_s:12.2f} {spec.tok_s / off.tok_s:7.2f}x "
-                  f"{spec.engine.spec_stats.acceptance_rate:10.2f}")
-    print("\nshared machine: compare the ratios of one run, not tok/s across runs. Reproduce:\n"
+        load_table(args, engine, tokenizer, course_prompts)
+    print("\nα: accepted / tested proposals; E meas: tokens a verifying step emitted; E(α,k) = (1 - α^(k+1)) / (1 - α);"
+          "\nr_k: a step verifying k proposals / a plain decode step (medians, this run); c = (r_k - 1) / k;"
+          "\nE/r_k: the modelled speedup of the decode steps; best k: argmax E(α,k) / (1 + k·c)."
+          "\nshared machine: compare the ratios of one run, not tok/s across runs. Reproduce:\n"
           f"  python -m nanoserve bench spec --prompts {args.prompts} --max-tokens {args.max_tokens} "
           f"-k {' '.join(map(str, args.k))} --proposers {' '.join(args.proposers)} "
-          f"--load {' '.join(map(str, args.load))}" + (f" --threads {args.threads}" if args.threads else ""))
+          f"--load {' '.join(map(str, args.load))} --rounds {args.rounds}"
+          + (f" --threads {args.threads}" if args.threads else ""))
     return 0
+
+
+def load_table(args, engine, tokenizer, course_prompts) -> None:
+    """Part 2: N grounded requests at once, off vs n-gram, interleaved rounds, each system's best round."""
+    systems = {"off": engine(), f"ngram k={args.load_k}": engine("ngram", args.load_k)}
+    prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(max(args.load), args.seed + 1, ["grounded"])]
+    print(f"\nload: N grounded requests at once, n-gram k={args.load_k} without the batch-size policy, "
+          f"best of {args.rounds} interleaved round(s)\n"
+          f"  {'N':>3} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} {'α':>6}")
+    for n in args.load:
+        def measure(name, e, r):
+            e.spec_stats.__init__()
+            outputs, seconds = generate(e, prompts[:n], args.max_tokens)
+            return sum(map(len, outputs)) / seconds, e.spec_stats.alpha
+
+        results = {name: [] for name in systems}
+        for r in range(args.rounds):  # one round at a time, the order reversed every other round
+            for name, got in interleaved(1, dict(list(systems.items())[::1 if r % 2 == 0 else -1]), measure).items():
+                results[name] += got
+        (off, _), (spec, alpha) = (max(runs) for runs in results.values())
+        print(f"  {n:>3} {off:10.2f} {spec:12.2f} {spec / off:7.2f}x {alpha:6.2f}")

@@ -74,8 +74,14 @@ def add_engine_args(p):
                    help="the slo policy's default time-per-output-token target")
     p.add_argument("--slo-reject", action="store_true",
                    help="slo policy: refuse a request whose TTFT deadline is already lost instead of serving it late")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="the KV pool's dtype: auto = the model's (float32); bf16 halves the bytes per token (ch 06)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"],
+                   help="the KV pool's dtype: auto = the model's (float32); bf16 halves the bytes per token (ch 06); "
+                        "int8 / fp8: 8-bit codes with a scale per token and kv head, 1.94x bf16's blocks (ch 18)")
+    p.add_argument("--kv-tier-blocks", type=checks.non_negative_int, default=0, metavar="N",
+                   help="a second KV tier (chapter 18): evicted prefix blocks go to a file of N block slots and are "
+                        "loaded back on a hit (0: off)")
+    p.add_argument("--kv-tier-path", default=None, metavar="FILE",
+                   help="with --kv-tier-blocks: the tier's file (default: a temporary file, removed at exit)")
     p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
                    help="eager: op by op (the reference); buckets / dynamic: each step's forward through torch.compile, "
                         "padded up to a few fixed token counts or with a symbolic one (chapter 09; compiled code is "
@@ -96,7 +102,8 @@ def engine_kwargs(args, **extra) -> dict:
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms,
                 slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
-                compile_mode=args.compile_mode, **extra)
+                compile_mode=args.compile_mode, kv_tier_blocks=args.kv_tier_blocks, kv_tier_path=args.kv_tier_path,
+                **extra)
 
 
 def llm_from_args(args, tokenizer=None, **extra):

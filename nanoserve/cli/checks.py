@@ -62,6 +62,10 @@ def positive_int(text: str) -> int:
     return _number(int, text, lambda v: v > 0, "an integer > 0")
 
 
+def non_negative_int(text: str) -> int:
+    return _number(int, text, lambda v: v >= 0, "an integer >= 0")
+
+
 def positive_float(text: str) -> float:
     return _number(float, text, lambda v: v > 0, "a number > 0")
 

@@ -13,12 +13,14 @@ and `{"weights": "q4"}` (or `{"model_file": "other.gguf"}`), or SIGHUP (the same
 loads the next version beside the current one, warms it and switches to it (nanoserve/server/versions.py).
 """
 
+import argparse
 import contextlib
 import copy
 import os
 import socket
 import sys
 
+from nanoserve.cli import checks
 from nanoserve.cli.batch import add_engine_args, llm_from_args
 from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, kv_events_warning, run_fleet
 
@@ -61,9 +63,61 @@ def register(sub):
                    help="seconds running streams may take to finish at shutdown before they are aborted")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     add_engine_args(p)
+    add_lora_args(p)
     add_fleet_args(p)
+    p.add_argument("--kv-role", choices=["prefill", "decode"], default=None,
+                   help="chapter 17: serve one half of a disaggregated pair (`python -m nanoserve proxy` joins them)")
+    p.add_argument("--kv-control-port", type=int, default=0, metavar="PORT",
+                   help="--kv-role prefill: the ZMQ port decode engines release staged KV on (0: a free one)")
     # without --weights / --kv-cache-dtype: the fastest measured path (serving_format), not the reference
     p.set_defaults(func=run, weights=None, kv_cache_dtype=None)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+    return name, path
+
+
+def add_lora_args(p) -> None:
+    """Chapter 19: LoRA adapters, vLLM's flags."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="LoRA layers on the model's projections (implied by --lora-modules); with --admin-key, "
+                        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter load adapters at run time")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                   help="PEFT adapters to serve; a request names one in its `model` field")
+    p.add_argument("--max-loras", type=checks.positive_int, default=None, help="adapters in one step (default 4)")
+    p.add_argument("--max-lora-rank", type=checks.positive_int, default=None,
+                   help="the largest adapter rank served (default 16)")
+    p.add_argument("--max-cpu-loras", type=checks.positive_int, default=None,
+                   help="adapters kept in memory, slots included (default --max-loras); the others are re-read "
+                        "from disk when a request needs them")
+
+
+def lora_settings(args) -> dict:
+    """LLM's LoRA keyword arguments from the flags; {} with LoRA off."""
+    if not (args.enable_lora or args.lora_modules):
+        return {}
+    sizes = {k: v for k, v in (("max_loras", args.max_loras), ("max_lora_rank", args.max_lora_rank),
+                                ("max_cpu_loras", args.max_cpu_loras)) if v is not None}
+    return {"enable_lora": True, "lora_modules": dict(args.lora_modules), **sizes}
+
+
+def check_lora_args(args) -> str | None:
+    sizes = [f for f, v in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                            ("--max-cpu-loras", args.max_cpu_loras)) if v is not None]
+    if not (args.enable_lora or args.lora_modules):
+        return f"{sizes[0]} needs --enable-lora or --lora-modules" if sizes else None
+    names = [name for name, _ in args.lora_modules]
+    if len(set(names)) != len(names) or args.served_model_name in names:
+        return "--lora-modules: each adapter needs a name of its own, not the base model's (--served-model-name)"
+    if args.tensor_parallel_size > 1 or is_fleet(args) or args.degrade_under_load is not None \
+            or args.compile_mode != "eager" or args.speculative == "draft":
+        return ("LoRA adapters are served by one eager engine: not with --tensor-parallel-size > 1, --replicas, "
+                "--degrade-under-load, --compile-mode or --speculative draft")
+    return None
 
 
 def serving_format(args) -> str:
@@ -127,8 +181,34 @@ def check_args(args) -> str | None:
                         slo_reject=args.slo_reject, **args.tenant_settings)
     except ValueError as e:
         return str(e)
-    problem = check_admin_args(args)
+    problem = check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
     return problem or check_fleet_args(args)
+
+
+def check_kv_role_args(args) -> str | None:
+    """Chapter 17: --kv-role serves one engine in this process, eager and whole."""
+    if args.kv_role is None:
+        return "--kv-control-port needs --kv-role prefill" if args.kv_control_port else None
+    if not 0 <= args.kv_control_port <= 65535:
+        return f"--kv-control-port must be in [0, 65535], got {args.kv_control_port}"
+    if args.kv_control_port and args.kv_role != "prefill":
+        return "--kv-control-port is the prefill engine's (--kv-role prefill)"
+    for flag, on in (("--tensor-parallel-size", args.tensor_parallel_size > 1), ("--replicas", is_fleet(args)),
+                     ("--admin-key", args.admin_key is not None), ("--speculative", args.speculative is not None),
+                     ("--degrade-under-load", args.degrade_under_load is not None),
+                     ("--compile-mode", args.compile_mode != "eager")):
+        if on:
+            return f"--kv-role cannot be combined with {flag}"
+    return None
+
+
+def kv_transfer_config(args):
+    """The KVTransferConfig --kv-role asks for, or None."""
+    if args.kv_role is None:
+        return None
+    from nanoserve.engine.config import CLI_ROLES, KVTransferConfig
+
+    return KVTransferConfig(CLI_ROLES[args.kv_role], kv_control_endpoint=f"tcp://127.0.0.1:{args.kv_control_port or '*'}")
 
 
 def default_policy(tenants: dict | None) -> str:
@@ -179,7 +259,7 @@ def reloader(args, tokenizer):
     def load(weights: str, model_file: str | None):
         again = copy.copy(args)
         again.weights, again.model = weights, model_file or args.model
-        return llm_from_args(again, tokenizer, **args.tenant_settings).engine
+        return llm_from_args(again, tokenizer, **args.tenant_settings, **lora_settings(args)).engine
 
     return load
 
@@ -228,7 +308,8 @@ def run(args):
     print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'}: {serving} ...",
           flush=True)
     try:
-        llm = llm_from_args(args, **args.tenant_settings)
+        llm = llm_from_args(args, **args.tenant_settings, **lora_settings(args),
+                            kv_transfer_config=kv_transfer_config(args))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -249,6 +330,9 @@ def run(args):
         warning = kv_events_warning(args)
         if warning is not None:
             print(warning, file=sys.stderr, flush=True)
+    if args.kv_role is not None:  # chapter 17
+        control = llm.engine.kv_connector.control_endpoint
+        print(f"KV transfer: {args.kv_role} engine" + (f", control endpoint {control}" if control else ""), flush=True)
 
     # with --tensor-parallel-size the worker processes stop with the server (chapter 11); with --admin-key (one
     # process: nothing to stop) the server's versions keep the only reference to the engine, so a reload frees it

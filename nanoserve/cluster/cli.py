@@ -66,6 +66,9 @@ def check_fleet_args(args) -> str | None:
         return f"--replica-cpus must be > 0, got {args.replica_cpus}"
     if is_fleet(args) and args.kv_events_endpoint is not None:
         return "--kv-events-endpoint is for one process; with replicas each would need its own endpoint"
+    if is_fleet(args) and args.kv_tier_path is not None:
+        return ("--kv-tier-path with --replicas would give every replica the same file: leave it out (each replica's "
+                "tier then gets a file of its own)")
     if is_fleet(args) and args.tensor_parallel_size > 1:
         return "--tensor-parallel-size with --replicas is not supported: pick one"
     if is_fleet(args) and args.max_waiting_requests is not None:

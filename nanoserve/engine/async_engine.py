@@ -64,6 +64,7 @@ class AsyncLLMEngine:
         # (request_id, prompt ids, params, priority, the engine's other add_request kwargs: tenant, speculative, ...)
         self._inbox_adds: list[tuple[str, list[int], SamplingParams, int, dict]] = []
         self._inbox_aborts: list[str] = []
+        self._inbox_calls: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, str, tuple]] = []  # chapter 19
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
@@ -71,6 +72,7 @@ class AsyncLLMEngine:
         # snapshots the engine thread publishes after every step (read by the server without a lock)
         self.num_requests_running = 0
         self.num_requests_waiting = 0
+        self.lora_names: tuple[str, ...] = tuple(getattr(engine, "lora_ids", ()))  # chapter 19: adapters loaded
         # chapter 12: snapshots for the live page, nearly off while nobody watches (--student 12: the learner's feed)
         student = getattr(engine, "student", None)  # a distributed engine front has none: the reference's
         self.event_feed = (student.module("nanoserve.engine.event_feed") if student else event_feed).EventFeed()
@@ -116,7 +118,9 @@ class AsyncLLMEngine:
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,
-                          speculative: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                          speculative: bool = True, cache_salt: str | None = None,
+                          lora_name: str | None = None, kv_transfer_params: dict | None = None
+                          ) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; returns its output stream once the engine took it (at the next
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
         so a server can answer 400 before it starts streaming."""
@@ -133,7 +137,8 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
             self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
                                      {"tenant": tenant, "slo": slo, "speculative": speculative, "grammar": grammar,
-                                      "cache_salt": cache_salt}))
+                                      "cache_salt": cache_salt, "lora_name": lora_name,
+                                      "kv_transfer_params": kv_transfer_params}))
         self._wakeup.set()
         try:
             await stream.added
@@ -166,6 +171,24 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    # chapter 19: LoRA adapters loaded and unloaded at run time, by the engine thread between two steps
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter (LLMEngine.add_lora; its ValueError raises here)."""
+        await self._call("add_lora", name, path)
+
+    async def remove_lora(self, name: str) -> None:
+        await self._call("remove_lora", name)
+
+    async def _call(self, method: str, *args) -> None:
+        if not self.is_running:
+            raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            self._inbox_calls.append((loop, done, method, args))
+        self._wakeup.set()
+        await done
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread or coroutine; it takes effect at the next step boundary,
@@ -236,6 +259,15 @@ class AsyncLLMEngine:
         with self._lock:
             adds, self._inbox_adds = self._inbox_adds, []
             aborts, self._inbox_aborts = self._inbox_aborts, []
+            calls, self._inbox_calls = self._inbox_calls, []
+        for loop, done, method, args in calls:
+            try:
+                getattr(self.engine, method)(*args)
+                error = None
+            except Exception as e:  # noqa: BLE001 — the caller's mistake (a bad adapter): its await raises it
+                error = e
+            self.lora_names = tuple(self.engine.lora_ids)
+            _post(loop, _resolve, done, error)
         for request_id, prompt_token_ids, params, priority, extra in adds:
             stream = self._streams[request_id]
             try:

@@ -4,6 +4,7 @@
         cache_config=CacheConfig(block_size=16, num_blocks=64),        # chapters 04–05: the KV pool
         scheduler_config=SchedulerConfig(max_num_seqs=8),              # chapters 06, 15: who runs, in what order
         speculative_config=SpeculativeConfig(method="ngram"),          # chapter 14 (None: off)
+        lora_config=LoRAConfig(max_loras=4, max_lora_rank=16),         # chapter 19 (None: off)
     )
 
 `LLM(...)` and the CLI keep one flat list of keyword arguments and flags (vLLM's `EngineArgs`); they build these.
@@ -13,12 +14,13 @@ and its policy `SchedulerConfig`, the proposer and the verify step `SpeculativeC
 
 from dataclasses import dataclass, field
 
+from nanoserve.lora.modules import LORA_MODULES
 from nanoserve.spec_decode.policy import DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
 @dataclass
 class CacheConfig:
-    """The KV pool (chapters 04, 05, 10)."""
+    """The KV pool (chapters 04, 05, 10) and the tier behind it (chapter 18)."""
 
     block_size: int = 16  # tokens per block
     num_blocks: int | None = None  # None: as many as fit in kv_cache_memory
@@ -28,6 +30,12 @@ class CacheConfig:
     # "bf16" — half the bytes per token, so twice the blocks in the same memory and half the bytes each decode
     # step gathers; the attention math then runs in bf16 (torch backend only).
     kv_cache_dtype: str = "auto"
+    # Chapter 18: "int8" / "fp8" store 8-bit codes with a bf16 scale per token and kv head (1.94x bf16's blocks).
+    # A second KV tier: evicted prefix blocks go to a file of kv_tier_blocks block slots (0: off) at kv_tier_path
+    # (None: a temporary file), least recently used dropped first, and come back when a prompt needs them and
+    # loading is measured to beat recomputing (nanoserve/kv/tiered_block_manager.py).
+    kv_tier_blocks: int = 0
+    kv_tier_path: str | None = None
 
 
 @dataclass
@@ -92,6 +100,57 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer")
+KV_CONNECTORS = ("SharedMemoryConnector",)
+CLI_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}  # serve --kv-role's words
+
+
+@dataclass
+class KVTransferConfig:
+    kv_role: str = "kv_producer"
+    kv_connector: str = "SharedMemoryConnector"
+    # producer: where its control socket binds ("tcp://127.0.0.1:*": a free port, see the connector's endpoint)
+    kv_control_endpoint: str = "tcp://127.0.0.1:*"
+    # producer: staged KV nobody asked for within this many seconds is freed (a proxy died between the two halves)
+    kv_release_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"unknown kv_role {self.kv_role!r}; known: {', '.join(KV_ROLES)}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"unknown kv_connector {self.kv_connector!r}; known: {', '.join(KV_CONNECTORS)}")
+        if not self.kv_release_timeout_s > 0:
+            raise ValueError(f"kv_release_timeout_s must be > 0, got {self.kv_release_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role == "kv_producer"
+
+
+@dataclass
+class LoRAConfig:
+    """Chapter 19: LoRA adapters (nanoserve/lora/); EngineConfig.lora_config None: off."""
+
+    max_loras: int = 4  # adapters one step may hold (slots in the LoRA layers' weights)
+    max_lora_rank: int = 16  # every slot is this rank wide; an adapter of a higher rank is refused
+    max_cpu_loras: int | None = None  # adapters kept in memory outside the slots (None: max_loras); the rest: disk
+    modules: tuple[str, ...] = tuple(LORA_MODULES)  # the fused projections that get LoRA layers
+
+    def __post_init__(self):
+        self.modules = tuple(self.modules)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoRAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                             "an adapter in a slot is also kept in memory")
+        unknown = [m for m in self.modules if m not in LORA_MODULES]
+        if unknown:
+            raise ValueError(f"unknown LoRA modules {unknown}; known: {', '.join(LORA_MODULES)}")
+
+
 @dataclass
 class EngineConfig:
     """Everything LLMEngine is built from: one sub-config per idea, and the few settings of the step itself."""
@@ -109,6 +168,10 @@ class EngineConfig:
     # Chapter 09: "eager" (op by op, the reference), "buckets" (torch.compile, the step padded up to a few fixed
     # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
     compile_mode: str = "eager"
+    lora_config: LoRAConfig | None = None  # chapter 19 (None: no adapters)
+    # Chapter 17: this engine's part in disaggregated serving (prefill = kv_producer, decode = kv_consumer), or
+    # None: it serves alone (KVTransferConfig, above)
+    kv_transfer_config: KVTransferConfig | None = None
 
 
 # the flat names LLM(...) and the CLI use, where they differ from the sub-config's field

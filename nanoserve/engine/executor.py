@@ -31,6 +31,14 @@ class Executor:
         for w in self.workers:
             w.init_kv_cache(num_blocks, block_size)
 
+    # chapter 19: LoRA adapters, registered on every worker (one worker: a tensor-parallel engine has no LoRA)
+    def add_lora(self, name: str, path: str):
+        return [w.lora_manager.add_adapter(name, path) for w in self.workers][0]
+
+    def remove_lora(self, name: str) -> None:
+        for w in self.workers:
+            w.lora_manager.remove_adapter(name)
+
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         try:
             results = [w.execute_model(scheduler_output, degraded) for w in self.workers]

@@ -27,6 +27,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
+from nanoserve.kv.tiered_block_manager import TieredBlockManager
 from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
@@ -36,6 +37,15 @@ from nanoserve.student import StudentCode
 
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
+
+
+def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
+    """Chapter 19: the salt of a request's prefix-cache chain with its adapter folded in, so that two adapters
+    (or one adapter unloaded and loaded again: a new id) never share a block: the same K/V inputs give other
+    K/V under another adapter. lora_cache_salt(None, "upper", {"upper": 3}) == "lora:3:upper"."""
+    if lora_name is None:
+        return cache_salt
+    return f"lora:{lora_ids[lora_name]}:{lora_name}" + ("" if cache_salt is None else f"|{cache_salt}")
 
 
 @dataclass
@@ -62,6 +72,9 @@ class RequestOutput:
     # the request failed alone (its draw raised inside a step, or its grammar refused its tokens, chapter 13):
     # why, in one line (finish_reason "abort"); the others in that step went on
     error: str | None = None
+    # chapter 17: on a prefill engine's last output for a request that asked {"do_remote_decode": True}, what a
+    # decode engine needs to load its prompt's KV (the connector's request_finished)
+    kv_transfer_params: dict | None = None
 
 
 class LLMEngine:
@@ -98,14 +111,44 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
+        if cache.kv_tier_blocks < 0:
+            raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {cache.kv_tier_blocks}")
+        if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
+            raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
+        if cache.kv_tier_blocks and not cache.enable_prefix_caching:
+            raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching")
+        if cache.kv_tier_blocks and "05" in student.chapters:
+            raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
+                             "selected in student")
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
+        lora = config.lora_config
+        spec = config.speculative_config
+        if lora is not None and (degraded_model is not None or config.compile_mode != "eager"
+                                 or (spec is not None and spec.method == "draft")
+                                 or getattr(model, "tp_group", None) is not None):
+            raise ValueError("LoRA adapters run on one eager model: degrade_under_load, compile_mode, the draft "
+                             "proposer and tensor parallelism are refused with them")
+        # chapter 19: the adapter slots' LRU and the batched gather (the learner's, exercises/19, where finished)
+        lora_code = {} if lora is None else {"lora_manager_class": student.module("nanoserve.lora.manager").LoRAModelManager,
+                                             "punica": student.module("nanoserve.lora.punica")}
+        transfer = config.kv_transfer_config
+        if transfer is not None and (lora is not None or cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
+            raise ValueError("a disaggregated engine (kv_transfer_config, chapter 17) moves plain KV blocks of the base "
+                             "model: LoRA adapters, the KV tier and int8 / fp8 pools are refused with it")
+        kv_worker = self._kv_connector_worker(model)  # chapter 17 (None unless config.kv_transfer_config)
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[cache.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
                                           model_runner_class=runner, store_kv=store_kv,
-                                          compile_mode=config.compile_mode)])
+                                          compile_mode=config.compile_mode,
+                                          # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
+                                          spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
+                                          kv_quant=student.module("nanoserve.kv.kv_quant"),
+                                          lora_config=lora, kv_connector=kv_worker, **lora_code)])
+        if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
+            raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {cache.block_size} "
@@ -115,6 +158,12 @@ class LLMEngine:
         # detokenizer (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
+        if block_manager is None and cache.kv_tier_blocks:  # chapter 18 (the learner's 18.1 / 18.2 where finished)
+            block_bytes = self.executor.workers[0].init_kv_tier(cache.kv_tier_blocks, cache.kv_tier_path)
+            block_manager = TieredBlockManager(num_blocks, cache.block_size,
+                                               student.module("nanoserve.kv.tier_index").TierIndex(cache.kv_tier_blocks),
+                                               block_bytes / cache.block_size,
+                                               load_policy=student.module("nanoserve.kv.load_policy"))
         if block_manager is None:
             block_manager = student.module("nanoserve.kv.block_manager").BlockManager(
                 num_blocks, cache.block_size, cache.enable_prefix_caching, allocator=allocator,
@@ -126,8 +175,15 @@ class LLMEngine:
         sched = config.scheduler_config
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
         policy = make_policy(sched, modules=student.module)
+        # chapter 19: the scheduler admits no request whose adapter would be one too many for the step's slots
+        lora_slots = {} if lora is None else {"max_loras": lora.max_loras}
+        self.kv_connector = self._kv_connector_scheduler(kv_worker)  # chapter 17: its scheduler side, or None
+        connector = {"connector": self.kv_connector} if self.kv_connector is not None else {}
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(sched, self.block_manager,
-                                                                                 policy=policy)
+                                                                                 policy=policy, **lora_slots,
+                                                                                 **connector)
+        self.lora_ids: dict[str, int] = {}  # chapter 19: adapter name -> its id (a new one per load)
+        self._next_lora_id = 1
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -144,11 +200,9 @@ class LLMEngine:
         self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
         self.num_steps = 0  # steps taken since the engine started (chapter 12's page counts from here)
         self.proposer = self._make_proposer(model)
-        # chapter 14's rollback and acceptance rules (the learner's, exercises 14.2-14.4, where finished)
+        self._tier_seen = (0, 0, 0.0)  # chapter 18: the tier's load counts at the last step
+        # chapter 14's rollback (the learner's, exercise 14.4, where finished)
         self.rollback = partial(student.module("nanoserve.spec_decode.rollback").rollback_slots, self.block_manager)
-        if self.proposer is not None:
-            for worker in self.executor.workers:
-                worker.model_runner.spec_acceptance = student.module("nanoserve.spec_decode.acceptance")
         self.spec_stats = SpecDecodeStats()
         # chapter 13: grammars, matchers and each step's token masks (the learner's 13.1-13.3 where finished)
         self.structured = StructuredOutputManager(tokenizer, self.vocab_size,
@@ -156,18 +210,63 @@ class LLMEngine:
                                                   bitmask_module=student.module("nanoserve.structured.bitmask"),
                                                   choice_module=student.module("nanoserve.structured.choice"))
 
+    # ---- chapter 17: the KV connector ----------------------------------------------------------
+    def _kv_connector_worker(self, model):
+        """The connector's worker side for config.kv_transfer_config (None without one); what it cannot serve
+        with is refused here."""
+        c = self.config
+        if c.kv_transfer_config is None:
+            return None
+        from nanoserve.disagg.connector import SharedMemoryConnectorWorker
+        from nanoserve.distributed.parallel_state import get_tp_group
+
+        refused = [name for name, on in (("compile_mode", c.compile_mode != "eager"),
+                                         ("speculative", c.speculative_config is not None),
+                                         ("degrade_under_load", c.degrade_under_load is not None),
+                                         ("tensor parallelism", get_tp_group(model).size > 1)) if on]
+        if refused:
+            raise ValueError(f"kv_transfer_config (chapter 17) runs the eager single-process step; it cannot be "
+                             f"combined with {refused[0]}")
+        return SharedMemoryConnectorWorker(c.kv_transfer_config)
+
+    def _kv_connector_scheduler(self, kv_worker):
+        if kv_worker is None:
+            return None
+        from nanoserve.disagg.connector import DTYPE_NAMES, KVLayout, SharedMemoryConnectorScheduler
+
+        worker = self.executor.workers[0]
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[worker.dtype]
+        layout = KVLayout(worker.kv_config.num_hidden_layers, worker.kv_config.num_key_value_heads,
+                          worker.kv_config.head_dim, dtype)
+        return SharedMemoryConnectorScheduler(self.config.kv_transfer_config, self.config.cache_config.block_size, layout,
+                                              kv_worker.control_endpoint,
+                                              receive=self.student.module("nanoserve.disagg.receive"))
+
+    def close(self) -> None:
+        """Chapter 17: stop the KV connector's sockets and free its staged segments (nothing to do without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.executor.workers[0].kv_connector.close()
+            self.kv_connector = None
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
                     slo: SLOTargets | None = None, speculative: bool = True, grammar=None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_name: str | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
         this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
         when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here.
         cache_salt: only requests with the same salt share prefix cache blocks (vLLM's; None: the cache everyone
-        without a salt shares)."""
+        without a salt shares). lora_name: the adapter it runs with (chapter 19; None: the base model).
+        kv_transfer_params: chapter 17's, for the KV connector (ValueError on an engine without one, or params it
+        cannot honour)."""
         prompt_token_ids = list(prompt_token_ids)
+        if lora_name is not None and lora_name not in self.lora_ids:
+            raise ValueError(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
+                             f"{', '.join(self.lora_ids) or 'none'}")
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints "
@@ -190,14 +289,22 @@ class LLMEngine:
             field = "ttft_slo_ms" if slo.ttft_ms is not None else "tpot_slo_ms"
             raise ValueError(f"request {request_id!r}: {field} is read by the slo scheduling policy only; this engine "
                              f"schedules by {self.scheduler.policy.name!r} (--scheduling-policy slo)")
+        if kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params: this engine has no KV connector (serve --kv-role)")
+            self.kv_connector.check_params(kv_transfer_params)
+            if sampling_params.n != 1:
+                raise ValueError("kv_transfer_params: a transferred request has one completion (n=1)")
         # chapter 13: compiled here unless the async engine compiled it ahead
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
-                       tenant=tenant, slo=slo, cache_salt=cache_salt)
+                       tenant=tenant, slo=slo, cache_salt=lora_cache_salt(cache_salt, lora_name, self.lora_ids),
+                       lora_name=lora_name)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
+        seq.kv_transfer_params = kv_transfer_params
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
         if grammar is not None:
             self.structured.add_request(request_id, grammar)
@@ -205,6 +312,27 @@ class LLMEngine:
             self.detokenizers[request_id] = self.detokenizer_class(self.tokenizer)
         self.texts[request_id] = ""
         self.num_live[request_id] = sampling_params.n
+
+    # ---- chapter 19: LoRA adapters ----------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter at `path` under `name` (ValueError: it does not fit, or the name is taken)."""
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters are off in this engine (EngineConfig.lora_config is None)")
+        if not name or name in self.lora_ids:
+            raise ValueError(f"adapter name {name!r} is empty or already loaded")
+        self.executor.add_lora(name, path)
+        self.lora_ids[name] = self._next_lora_id
+        self._next_lora_id += 1
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter no live request uses (ValueError otherwise)."""
+        if name not in self.lora_ids:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        users = [s.seq_id for s in self.scheduler.seqs.values() if s.lora_name == name]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} request(s)")
+        self.executor.remove_lora(name)
+        del self.lora_ids[name]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request (every completion of it; a completion's sequence id also
@@ -241,6 +369,10 @@ class LLMEngine:
             self._trim_proposals(scheduler_output)
         # taken here, not in the scheduler, so that the learner's scheduler (exercises/06) copies too
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
+        if self.config.cache_config.kv_tier_blocks:  # chapter 18: the step's offloads and loads, in order
+            scheduler_output.kv_tier_ops = self.block_manager.take_tier_ops()
+        if self.kv_connector is not None:  # chapter 17: this step's KV loads and saves, for the worker side
+            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         self.last_scheduler_output = scheduler_output
         scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
@@ -250,6 +382,8 @@ class LLMEngine:
             self._update_precision()
             sampled = self.executor.execute_model(scheduler_output, self.degraded)
         now = time.perf_counter()
+        if self.config.cache_config.kv_tier_blocks:
+            self._measure_tier(scheduler_output)
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
         # one sequence whose draw raised fails its request alone (before the scheduler advances it: it has no token)
         outputs = rejected + [self._fail(seq_id, e) for seq_id, e in getattr(sampled, "failed", {}).items()]
@@ -260,6 +394,38 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 — its stop check or text failed: its request, not the step
                 outputs.append(self._fail(parent.seq_id, e))
         return self._fail_grammar_violations([out for out in outputs if out is not None])
+
+    # ---- chapter 18: the second KV tier ------------------------------------------------------------
+    def _measure_tier(self, out: SchedulerOutput) -> None:
+        """Feed the step's measured costs to the load-or-recompute decision: (tokens computed, forward seconds),
+        and (bytes, seconds) of its loads."""
+        worker, rates = self.executor.workers[0], self.block_manager.rates
+        if out.total_num_scheduled_tokens:
+            rates.steps.add(out.total_num_scheduled_tokens, worker.step_seconds)
+        stats, seen = worker.kv_tier.stats, self._tier_seen
+        if stats.loads > seen[0]:
+            rates.loads.add(stats.bytes_read - seen[1], stats.load_seconds - seen[2])
+        self._tier_seen = (stats.loads, stats.bytes_read, stats.load_seconds)
+
+    def kv_tier_stats(self) -> dict | None:
+        """Chapter 18: the second tier's counts so far (None without one): tokens found per tier, blocks moved,
+        bytes, stalls, the measured rates."""
+        if not self.config.cache_config.kv_tier_blocks:
+            return None
+        bm, tier = self.block_manager, self.executor.workers[0].kv_tier.stats
+        rates = bm.rates
+        return {"pool_hit_tokens": bm.stats.hit_tokens - bm.tier_stats.hit_tokens,
+                "tier_hit_tokens": bm.tier_stats.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
+                "tier_recomputed_tokens": bm.tier_stats.recomputed_tokens,
+                "offloaded_blocks": tier.offloads, "loaded_blocks": tier.loads, "bytes_written": tier.bytes_written,
+                "bytes_read": tier.bytes_read, "stalls": tier.stalls, "stall_seconds": tier.stall_seconds,
+                "tier_blocks_used": len(bm.tier), "tier_capacity": bm.tier.capacity,
+                "prefill_s_per_token": rates.prefill_s_per_token(), "tier_bytes_per_s": rates.tier_bytes_per_s()}
+
+    def close(self) -> None:
+        """Stop what the engine started beside itself (chapter 18's tier writer and its file); idempotent."""
+        for worker in self.executor.workers:
+            worker.close()
 
     def _fail_grammar_violations(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Chapter 13: a request whose grammar refused its tokens this step (its row had no mask) is aborted,
@@ -334,10 +500,8 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        if spec.method == "ngram":  # the learner's (exercise 14.1) where finished
-            ngram = self.student.module("nanoserve.spec_decode.ngram")
-            return ngram.NgramProposer(min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max)
-        return make_proposer(spec.method, model, num_layers=spec.draft_num_layers)
+        # n-gram: the learner's (exercise 14.1) where finished
+        return make_proposer(spec, model, self.student.module)
 
     def _propose(self) -> None:
         """Proposals for the running sequences about to decode (the policy may say none: policy.py). At most
@@ -377,6 +541,7 @@ class LLMEngine:
             self.spec_stats.num_drafts += 1
             self.spec_stats.num_draft_tokens += k
             self.spec_stats.num_accepted_tokens += len(tokens) - 1
+            self.spec_stats.num_rejections += len(tokens) - 1 < k
             tokens = tokens[:seq.max_tokens - seq.num_output_tokens]
             stop = next((i for i, t in enumerate(tokens) if is_stop_token(t, params, self.eos_token_id)), None)
             tokens = tokens if stop is None else tokens[:stop + 1]
@@ -400,7 +565,7 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:
@@ -467,6 +632,8 @@ class LLMEngine:
         if not self.num_live[seq.request_id]:
             del self.num_live[seq.request_id]
         out = self._output(seq, new_token_ids, new_text)
+        if self.kv_connector is not None:
+            out.kv_transfer_params = self.kv_connector.request_finished(seq)
         self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)

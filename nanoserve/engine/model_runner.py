@@ -42,6 +42,7 @@ from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs
 from nanoserve.sampling import make_generator
+from nanoserve.spec_decode import acceptance
 from nanoserve.spec_decode.verify import verify_and_sample
 
 
@@ -85,14 +86,16 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention, degraded_model=None,
-                 metadata=AttentionMetadata):
+                 metadata=AttentionMetadata, spec_acceptance=acceptance):
         """attention: cls(kv_cache, metadata) -> AttentionFn (nanoserve.kernels.backend.attention_class);
-        metadata: the class whose build() describes a step (chapter 05's, or the learner's)."""
+        metadata: the class whose build() describes a step (chapter 05's, or the learner's); spec_acceptance:
+        chapter 14's acceptance module, whose rules verify proposals (the learner's, exercises 14.2-14.3)."""
         self.model = model
         self.degraded_model = degraded_model  # chapter 10: the quantized copy, for steps under overload
         self.kv_cache = kv_cache
         self.attention = attention
         self.metadata = metadata
+        self.spec_acceptance = spec_acceptance
         self.device = kv_cache.k_cache[0].device
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request

@@ -70,9 +70,15 @@ class SchedulerOutput:
     # (src, dst) whole-block copies the worker does before the forward pass: copy-on-write of a shared
     # last block after a fork (BlockManager.take_copies; vLLM v0's blocks_to_copy)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # chapter 18: ("offload", block, slot) / ("load", slot, block), in order, for the second tier (set by the
+    # engine from TieredBlockManager.take_tier_ops, like blocks_to_copy)
+    kv_tier_ops: list[tuple[str, int, int]] = field(default_factory=list)
     # chapter 13: the token masks of the constrained sequences that sample (a GrammarBitmask, set by the
     # engine like blocks_to_copy; the scheduler never looks at it), applied by ModelRunner.sample
     grammar_bitmask: object = None
+    # chapter 17: the KV connector's loads and saves for this step (a KVConnectorMetadata, set by the engine
+    # like blocks_to_copy from the connector's scheduler side; the worker side carries them out)
+    kv_connector_metadata: object = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -90,8 +96,14 @@ def _urgency(seq: Sequence) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager, policy=None, clock=time.perf_counter):
+    def __init__(self, config: SchedulerConfig, block_manager, policy=None, clock=time.perf_counter,
+                 max_loras: int | None = None, connector=None):
+        """max_loras (chapter 19): distinct LoRA adapters the running set may hold (None: adapters are off).
+        connector: chapter 17's KV connector, its scheduler side (nanoserve/disagg/connector.py): at admission it
+        says how many prompt tokens another engine computed, and learns where they land."""
         self.config = config
+        self.max_loras = max_loras
+        self.connector = connector
         self.block_manager = block_manager  # chapter 05's BlockManager (or the learner's)
         self.policy = policy or PriorityPolicy()  # chapter 15: the orders (nanoserve/engine/policies/)
         budget = getattr(self.policy, "budget", config.max_num_batched_tokens)  # slo counts its laxity in steps
@@ -192,12 +204,17 @@ class Scheduler:
         while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
             seq = self.waiting[0]
             computed = self.num_cached_tokens(seq)
-            n = self.num_new_tokens(seq, computed, budget)
-            if n == 0 or self._allocate(seq, computed + n) is None:
-                break  # the head waits for budget or blocks
+            # chapter 17: prompt tokens a prefill engine computed are loaded, not computed (and cost no budget)
+            external = self.connector.get_num_new_matched_tokens(seq, computed) if self.connector else 0
+            n = self.num_new_tokens(seq, computed + external, budget)
+            if n == 0 or not self.lora_fits(seq) or self._allocate(seq, computed + external + n) is None:
+                break  # the head waits for budget, an adapter slot or blocks
+            if external:
+                self.connector.update_state_after_alloc(seq, self.block_manager.block_table(seq.seq_id), computed,
+                                                        external)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = computed
+            seq.num_computed_tokens = computed + external
             if seq.scheduled_time is None:
                 seq.scheduled_time = self.clock()
             self.running.append(seq)  # the policy re-orders the running set next step
@@ -205,6 +222,18 @@ class Scheduler:
             budget -= n
             seats += seq.num_seats
         return budget
+
+    def lora_fits(self, seq: Sequence) -> bool:
+        """Chapter 19: can `seq` run beside the running set without more than max_loras distinct adapters? The
+        base model takes no slot. A head that does not fit waits, and (strict FCFS) so does everyone behind it, so
+        it is not starved by a stream of requests for the adapters already running: those drain, a slot frees.
+
+            max_loras = 2, running adapters {a, b}:   a request for a, b or the base fits; one for c waits
+        """
+        if self.max_loras is None or seq.lora_name is None:
+            return True
+        running = {s.lora_name for s in self.running} - {None}
+        return seq.lora_name in running or len(running) < self.max_loras
 
     def num_new_tokens(self, seq: Sequence, num_computed_tokens: int, budget: int) -> int:
         """How many tokens `seq` computes this step, from `num_computed_tokens` on, with `budget` tokens left

@@ -9,6 +9,8 @@ rank 0 here, the others in their own processes, reached over torch.distributed.
 
 import ctypes
 import ctypes.util
+import time
+from contextlib import ExitStack
 from dataclasses import replace
 
 import torch
@@ -16,8 +18,12 @@ import torch
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.kernels.backend import attention_class
+from nanoserve.kv.file_tier import FileKVTier, block_nbytes
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache, num_blocks_for_budget
+from nanoserve.kv.quantized_pool import (KV_QUANT_DTYPES, QuantizedKVCache, QuantizedPagedAttention,
+                                         quantized_block_bytes)
 from nanoserve.model.compiled import CompiledModel
+from nanoserve.spec_decode import acceptance
 
 
 def keep_freed_host_memory() -> bool:
@@ -38,21 +44,35 @@ def keep_freed_host_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
-KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}  # None: the model's
+# None: the model's; int8 / fp8: 8-bit codes with a scale per token and kv head (chapter 18)
+KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, **KV_QUANT_DTYPES}
 
 
 class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
-                 store_kv=None, compile_mode: str = "eager"):
+                 store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance, kv_quant=None,
+                 lora_config=None, lora_manager_class=None, punica=None, kv_connector=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
         the learner's under --student 05 (None: the reference); model_runner_class: the reference
         ModelRunner, or the learner's (exercise 6.5); compile_mode: "eager", or how the runner's steps run
-        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic")."""
+        compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic"); spec_acceptance: chapter 14's
+        acceptance module for the runner's verifications (the learner's under --student 14); kv_quant: chapter 18's
+        quantize_kv / dequantize_kv module for an int8 / fp8 pool (the learner's under --student 18);
+        lora_config: chapter 19's LoRAConfig — the model's projections get LoRA layers and each step sets which
+        token uses which adapter;
+        lora_manager_class, punica: the LoRAModelManager class and the module of its bgmv / sgmv (the learner's
+        under --student 19; None: the reference's); kv_connector: chapter 17's KV connector, its worker side
+        (nanoserve/disagg/connector.py), or None."""
         keep_freed_host_memory()
         self.model = model.eval()
+        self.lora_manager = None
+        if lora_config is not None:
+            from nanoserve.lora.manager import LoRAModelManager
+
+            self.lora_manager = (lora_manager_class or LoRAModelManager)(self.model, lora_config, punica=punica)
         self.degraded_model = degraded_model  # chapter 10: a second, quantized copy of the weights (or None)
         self.dtype = dtype or next(model.parameters()).dtype  # the KV pool's; by default the model's (chapter 09: bf16)
         self.device = next(model.parameters()).device  # the pool lives where the weights do
@@ -60,24 +80,66 @@ class Worker:
         if paged_kv is not None and attention_backend == "torch":
             self.attention = paged_kv.PagedAttention
         self.metadata = AttentionMetadata if paged_kv is None else paged_kv.AttentionMetadata
+        self.model_dtype = next(model.parameters()).dtype
+        self.kv_quant = kv_quant
+        self.quantized = self.dtype in KV_QUANT_DTYPES.values()
+        if self.quantized:  # chapter 18: quantize on store, dequantize in the gather
+            self.attention = QuantizedPagedAttention
+        self.kv_tier: FileKVTier | None = None  # chapter 18's second tier (init_kv_tier)
+        self.step_seconds = 0.0  # the last step's forward pass (the engine's measured prefill rate)
         # A tensor-parallel shard (chapter 11) holds only its KV heads: its pool is that of a model with fewer.
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner_class = model_runner_class
+        self.spec_acceptance = spec_acceptance
         # what the runner calls: the model itself, or its compiled forward (the same weights)
         self.step_model = self.model if compile_mode == "eager" else CompiledModel(self.model, compile_mode)
         self.step_degraded = (degraded_model if compile_mode == "eager" or degraded_model is None
                               else CompiledModel(degraded_model, compile_mode))
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
+        self.kv_connector = kv_connector
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
+        if self.quantized:
+            return int(kv_cache_bytes // quantized_block_bytes(self.kv_config, block_size))
         return num_blocks_for_budget(self.kv_config, kv_cache_bytes, block_size, self.dtype)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.kv_config
-        cache = PagedKVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
-                             self.device)
+        shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        cache = (QuantizedKVCache(*shape, self.dtype, self.model_dtype, self.device, self.kv_quant) if self.quantized
+                 else PagedKVCache(*shape, self.dtype, self.device))
         self.model_runner = self.model_runner_class(self.step_model, cache, self.attention, self.step_degraded,
-                                                    self.metadata)
+                                                    self.metadata, self.spec_acceptance)
+        if self.kv_connector is not None:  # it loads before and saves after each decoder layer
+            self.kv_connector.register_kv_caches(cache, self.model.layers)
+
+    def init_kv_tier(self, capacity: int, path: str | None = None) -> int:
+        """Chapter 18: a file of `capacity` block slots behind the pool; returns a block's bytes."""
+        self.kv_tier = FileKVTier(capacity, block_nbytes(self.model_runner.kv_cache), path)
+        return self.kv_tier.block_nbytes
 
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
-        return self.model_runner.execute_model(scheduler_output, degraded)
+        if scheduler_output.kv_tier_ops:  # before anything writes into the pool (copy-on-write copies included)
+            self.kv_tier.apply(self.model_runner.kv_cache, scheduler_output.kv_tier_ops)
+        start = time.perf_counter()
+        with ExitStack() as after_step:  # what runs once the forward pass is over, last registered first
+            if self.lora_manager is not None:
+                # chapter 19: the step's rows in the runner's order (each sequence's scheduled tokens end to end)
+                self.lora_manager.set_step([(seq.lora_name, scheduler_output.num_scheduled_tokens[seq.seq_id])
+                                            for seq in scheduler_output.scheduled_seqs])
+                after_step.callback(self.lora_manager.end_step)
+            if self.kv_connector is not None:
+                # chapter 17, vLLM's order: bind the step's loads and saves, start the loads; the layers' hooks wait
+                # for each layer's load and save each layer; then wait for the saves, then unbind
+                connector = self.kv_connector
+                connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+                after_step.callback(connector.clear_connector_metadata)
+                after_step.callback(connector.wait_for_save)
+                connector.start_load_kv()
+            sampled = self.model_runner.execute_model(scheduler_output, degraded)
+        self.step_seconds = time.perf_counter() - start
+        return sampled
+
+    def close(self) -> None:
+        if self.kv_tier is not None:
+            self.kv_tier.close()

@@ -228,6 +228,23 @@ class BlockManager:
         for block_id in reversed(table):
             self.allocator.free(block_id)
 
+    def shrink(self, seq_id: int, num_blocks: int, num_slots: int) -> list[int]:
+        """Keep the first `num_blocks` of `seq_id`'s table and give the rest back to the pool (last first, as
+        free does); the table then covers at most `num_slots` positions. Chapter 14's rollback: the slots of
+        rejected proposals. Refuses (RuntimeError) to drop a block registered in the prefix cache.
+
+            block_size 4, table [3, 8, 5], shrink(seq, 2, 7) -> [5]; table [3, 8], 7 positions covered
+        """
+        table = self.block_tables[seq_id]
+        if len(self.block_hashes[seq_id]) > num_blocks:
+            raise RuntimeError(f"{seq_id!r}: block {num_blocks} onwards holds a prefix-cached block")
+        freed = table[num_blocks:]
+        del table[num_blocks:]
+        for block_id in reversed(freed):
+            self.allocator.free(block_id)
+        self.num_slots[seq_id] = min(self.num_slots[seq_id], num_slots)
+        return freed
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies to do before this step's attention (PagedKVCache.copy_blocks)."""
         copies, self.pending_copies = self.pending_copies, []

@@ -40,6 +40,7 @@ from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server import tool_calls
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
+from nanoserve.server.lora_routes import add_lora_routes
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
@@ -251,10 +252,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(408, f"the request body did not arrive within {cfg.body_timeout:g} s") from None
         return bytes(body)
 
-    def check_model(name: str | None) -> str:
-        if name is not None and name != cfg.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {cfg.model_name!r}", "model")
-        return cfg.model_name
+    def check_model(name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (chapter 19), None for the base model; 404 for anything else."""
+        if name is None or name == cfg.model_name:
+            return None
+        if name in state.engine.lora_names:
+            return name
+        served = ", ".join(repr(n) for n in (cfg.model_name, *state.engine.lora_names))
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}", "model")
 
     def chat_prompt_ids(req) -> list[int]:
         messages = tool_calls.template_messages(req)  # chapter 13: tools offered, calls and their results
@@ -278,6 +283,7 @@ def build_app(state: ServerState) -> FastAPI:
         if tools is not None and tools.mode in ("required", "named") and params.stop:  # it would cut the call's JSON
             raise APIError(400, "stop strings with a tool_choice that forces a call are not supported by this server: "
                                 "a stop string could cut the call's arguments", "stop")
+        lora_name = check_model(req.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
         # what it may cost, taken from the tenant's quota now (429 if not there), the unused part refunded at the end
@@ -291,13 +297,16 @@ def build_app(state: ServerState) -> FastAPI:
                 outputs = await served.engine.add_request(request_id, prompt_ids, params, request.state.priority,
                                                           tenant=tenant, slo=req.slo_targets(),
                                                           speculative=req.speculative,
-                                                          cache_salt=prefix_cache_salt(tenant, req.cache_salt))
+                                                          cache_salt=prefix_cache_salt(tenant, req.cache_salt),
+                                                          lora_name=lora_name,
+                                                          kv_transfer_params=req.kv_transfer_params)
         except BaseException as e:
             reservation.close()  # refused: nothing was spent
             if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
                 raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
             if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
-                named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens", "ttft_slo_ms", "tpot_slo_ms")
+                named = [f for f in ("kv_transfer_params", "logit_bias", "stop_token_ids", "max_tokens", "ttft_slo_ms",
+                                     "tpot_slo_ms")
                          if f in str(e)]  # the field named
                 raise APIError(400, str(e), named[0] if named else None) from None
             if isinstance(e, EngineUnavailable):  # stopped, or a fleet whose replicas did not answer: come back
@@ -309,7 +318,7 @@ def build_app(state: ServerState) -> FastAPI:
         deadline = None if timeout is None else request.state.arrival + timeout
         outputs = state.metered(request_id, outputs, reservation, deadline, timeout, served.engine, req.stream)
         base = {"id": request_id, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": cfg.model_name, "system_fingerprint": served.name}
+                "created": int(time.time()), "model": lora_name or cfg.model_name, "system_fingerprint": served.name}
         shape = None
         if params.logprobs is not None:  # the choice's `logprobs` in the endpoint's own shape
             shape = functools.partial(chat_logprobs if kind == "chat" else completion_logprobs, state.tokenizer)
@@ -336,8 +345,9 @@ def build_app(state: ServerState) -> FastAPI:
         usage = state.streaming.usage(*finals)
         if kind == "completion" and req.echo:
             usage = echo_choices(req, prompt_ids, finals, choices, usage)
+        transfer = {"kv_transfer_params": finals[0].kv_transfer_params} if finals[0].kv_transfer_params else {}
         return {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": usage} | transfer  # chapter 17: a prefill engine's answer to the proxy
 
     def echo_choices(req, prompt_ids: list[int], finals: list, choices: list, usage: dict) -> dict:
         """Completions with echo (chapter 08): each choice's text starts with the prompt's, its logprobs with
@@ -400,19 +410,19 @@ def build_app(state: ServerState) -> FastAPI:
         usage = {k: sum(a["usage"][k] for a in answers) for k in answers[0]["usage"]}
         return answers[0] | {"choices": choices, "usage": usage}
 
-    def model_card() -> dict:
-        return {"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
+    def model_card(lora_name: str | None = None) -> dict:
+        card = {"id": lora_name or cfg.model_name, "object": "model", "created": 0, "owned_by": "nanoserve",
                 "max_model_len": state.max_model_len, "default_max_tokens": cfg.default_max_tokens,
                 "version": state.versions.current.name}  # chapter 15's reloads
+        return card if lora_name is None else card | {"parent": cfg.model_name}  # chapter 19: an adapter's base
 
     @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *(model_card(n) for n in state.engine.lora_names)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(guard)])  # client.models.retrieve(name)
     async def model(model_id: str):
-        check_model(model_id)  # an unknown id: 404 in OpenAI's error format, param "model"
-        return model_card()
+        return model_card(check_model(model_id))  # an unknown id: 404 in OpenAI's error format, param "model"
 
     @app.post("/tokenize", dependencies=[Depends(guard)])
     async def tokenize(request: Request):
@@ -467,6 +477,7 @@ def build_app(state: ServerState) -> FastAPI:
         add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
+        add_lora_routes(app, state, read_body)  # chapter 19
     return app
 
 

@@ -7,6 +7,8 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
     nanoserve:kv_cache_fragmentation                           gauge: slots of held blocks that hold no token,
                                                                over all slots of held blocks (0..1; chapter 15)
     nanoserve:prefix_cache_queries_total / _hits_total         counters, in prompt tokens
+    nanoserve:kv_tier_*_total                                  counters: chapter 18's second KV tier (hits in
+                                                               tokens, blocks offloaded / loaded, bytes, stalls)
     nanoserve:num_preemptions_total                            counter: recompute preemptions
     nanoserve:prompt_tokens_total / generation_tokens_total    counters
     nanoserve:request_success_total{finished_reason=...}       counter: stop, length, abort
@@ -28,7 +30,10 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
 
 With `compat="vllm"` (`serve --metrics-compat vllm`, chapter 16) the three gauges a fleet's endpoint
 picker reads (Kubernetes' Gateway API Inference Extension, llm-d) are also exported under vLLM's own
-names: vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc.
+names: vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc. With LoRA adapters
+(chapter 19) also vllm:lora_requests_info, whose labels name the adapters of the running and the waiting
+requests (comma-separated) and max_lora, its value the time of the step: the picker routes a request to a
+server that already runs its adapter.
 
 The share of tokens served degraded over the last 5 minutes, in PromQL (the degraded copy is always q4,
 and a server that degrades never serves q4 otherwise):
@@ -40,6 +45,7 @@ and a server that degrades never serves q4 otherwise):
 server owns its registry, so two servers in one process (tests, the notebook) do not mix.
 """
 
+import time
 import weakref
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -119,6 +125,14 @@ class PrometheusStatLogger:
             ("num_drafts", "Speculative proposals verified (one per sequence and step)."),
             ("num_draft_tokens", "Tokens proposed and verified."),
             ("num_accepted_tokens", "Proposed tokens the target accepted."))}
+        # chapter 18: the second KV tier (LLMEngine.kv_tier_stats; absent without one)
+        self.tier_counters = {name: counter(f"kv_tier_{name}", doc) for name, doc in (
+            ("tier_hit_tokens", "Prompt tokens found in the second KV tier and loaded instead of computed."),
+            ("offloaded_blocks", "Evicted prefix-cache blocks written to the second KV tier."),
+            ("loaded_blocks", "Blocks loaded from the second KV tier into the pool."),
+            ("bytes_written", "Bytes written to the second KV tier."),
+            ("bytes_read", "Bytes read from the second KV tier."),
+            ("stalls", "Loads that waited for their block's write to the tier to finish."))}
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
                                       ["model_name", "status"], registry=self.registry)
         # chapter 15: requests --slo-reject refused: a 503 with Retry-After (stream="false", also in
@@ -135,6 +149,9 @@ class PrometheusStatLogger:
             for name, doc in (("num_requests_running", "Requests in the running set."),
                               ("num_requests_waiting", "Requests waiting to be scheduled."),
                               ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."))}
+        self.lora_info = None if compat is None else Gauge(
+            f"{compat}:lora_requests_info", "Running and waiting requests' LoRA adapters (value: time of the step).",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
         # per engine, its cumulative counts at the last step (the counters get the deltas): during a blue-green
         # update (chapter 15) two engines record, and the new one's counts start at 0
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,6 +167,11 @@ class PrometheusStatLogger:
                             ("num_requests_waiting", len(scheduler.waiting)), ("kv_cache_usage_perc", blocks.usage)):
             if name in self.compat:
                 self.compat[name].set(value)
+        lora = getattr(engine.config, "lora_config", None)
+        if self.lora_info is not None and lora is not None:  # chapter 19: one sample, the current adapters
+            names = [",".join(sorted({s.lora_name for s in seqs} - {None})) for seqs in (scheduler.waiting, scheduler.running)]
+            self.lora_info.clear()
+            self.lora_info.labels(str(lora.max_loras), *names).set(time.time())
         seen = self._seen.setdefault(engine, {"queried": 0, "hit": 0, **{name: 0 for name in self.spec_counters}})
         queried, hit = blocks.stats.queried_tokens, blocks.stats.hit_tokens
         self.prefix_cache_queries.inc(queried - seen["queried"])
@@ -161,6 +183,10 @@ class PrometheusStatLogger:
             value = getattr(engine.spec_stats, name)
             metric.inc(value - seen[name])
             seen[name] = value
+        tier = engine.kv_tier_stats()
+        for name, metric in self.tier_counters.items() if tier else ():  # chapter 18: deltas, like chapter 14's
+            metric.inc(tier[name] - seen.get("tier_" + name, 0))
+            seen["tier_" + name] = tier[name]
         self.degraded.set(engine.degraded)  # chapter 10: the mode of the step just run
         by_precision = self.tokens_by_precision.labels(self.model_name, engine.precision)
         for out in outputs:

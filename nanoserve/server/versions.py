@@ -203,16 +203,19 @@ class ReloadRequest(BaseModel):
     warmup_requests: int | None = Field(None, ge=0, le=64)
 
 
+def check_admin_key(request: Request, admin_key: str) -> None:
+    """401 unless the request carries 'Authorization: Bearer <admin key>' (compared in constant time)."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if not (hmac.compare_digest(given.encode(), admin_key.encode()) and scheme.lower() == "bearer"):
+        raise APIError(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
+
+
 def add_admin_routes(app: FastAPI, state, read_body) -> None:
     """POST /admin/reload, behind the admin key alone: an API key (a tenant's) never opens it, and the admin
     key opens nothing else. Answers the reload's summary, or an OpenAI-format error (the old version serving)."""
-    admin_key = state.config.admin_key.encode()
-
     @app.post("/admin/reload")
     async def reload(request: Request):
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if not (hmac.compare_digest(given.encode(), admin_key) and scheme.lower() == "bearer"):
-            raise APIError(401, "missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
+        check_admin_key(request, state.config.admin_key)
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": str(state.config.retry_after_s)})
         req = parse_body(await read_body(request), ReloadRequest)

@@ -1,31 +1,42 @@
 """Chapter 14 — when to speculate.
 
-At batch 1 a decode step reads every weight for one token: verifying k more tokens is nearly free, so
-any accepted proposal is profit. As the batch grows the step turns compute-bound (chapter 09's roofline):
-the k rejected tokens of every sequence become real work that delays everyone. So speculation turns off
-once the running batch reaches `disable_by_batch_size` (vLLM's `speculative_disable_by_batch_size`);
-the default is the crossover `bench spec` measured on the course machine (chapter 14). A request can opt
-out alone (add_request(..., speculative=False)).
+A step that verifies k proposals costs 1 + k·c plain decode steps and emits E = (1 - α^(k+1)) / (1 - α) tokens
+(chapter 14, section 5): speculation pays only while α > c. At batch 1 on a GPU a decode step reads every
+weight for one token, c is near 0 and any accepted proposal is profit. As the batch grows the step turns
+compute-bound (chapter 09's roofline) and c grows: the k rows of every sequence become real work that delays
+everyone. So speculation turns off once the running batch reaches `disable_by_batch_size` (vLLM's
+`speculative_disable_by_batch_size`). A request can opt out alone (add_request(..., speculative=False)).
 """
 
 from dataclasses import dataclass
 
-# bench spec on the shared 2-core CPU: n-gram k=4 gained at batch 1 on grounded prompts (up to 1.34x) and lost at
-# 4 requests at once (0.65x): speculate only while a sequence runs alone (chapter 14, section 6)
+# `python -m nanoserve bench spec --prompts 1 --max-tokens 24 -k 2 4 --proposers ngram draft --load 1 4 --rounds 1
+# --threads 1` (shared 2-core CPU, provisional): n-gram broke even at batch 1 on a grounded prompt (0.96x-0.98x,
+# α 0.31 vs c 0.10-0.25) and lost with 4 requests at once (0.85x): speculate only while a sequence runs alone
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
 @dataclass
 class SpecDecodeStats:
-    """Counters in vLLM's names: proposals verified, proposed tokens, of them accepted."""
+    """Counters in vLLM's names: proposals verified, proposed tokens, of them accepted; and the proposals
+    cut short by a rejection (the rest had every token accepted)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """The chance that a proposed token is accepted, given every one before it was: each token the rule
+        tested was accepted or was the one rejection of its proposal (tokens after a rejection are never
+        tested, so accepted / proposed underestimates it). The α of E = (1 - α^(k+1)) / (1 - α)."""
+        tested = self.num_accepted_tokens + self.num_rejections
+        return self.num_accepted_tokens / tested if tested else 0.0
 
     @property
     def mean_accepted_length(self) -> float:

@@ -11,6 +11,7 @@ the draft because it proposes its argmax. acceptance.rejection_sample takes any 
 would plug in without changing the verifier.
 """
 
+import importlib
 from typing import Protocol
 
 PROPOSERS = ("ngram", "draft")
@@ -22,14 +23,14 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(method: str, model=None, **options) -> Proposer:
-    """The proposer of `--speculative METHOD`: "ngram" (no model) or "draft" (the target's first layers)."""
-    if method == "ngram":
-        from nanoserve.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(**options)
-    if method == "draft":
+def make_proposer(spec, model=None, modules=importlib.import_module) -> Proposer:
+    """The proposer of a SpeculativeConfig (`--speculative METHOD`): "ngram" (no model; prompt_lookup_min/max,
+    vLLM's names) or "draft" (the target's first draft_num_layers layers). modules(name) loads a module: the
+    engine passes StudentCode.module, so the learner's ngram.py (exercise 14.1) serves where finished."""
+    if spec.method == "ngram":
+        return modules("nanoserve.spec_decode.ngram").NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft":
         from nanoserve.spec_decode.draft import DraftProposer
 
-        return DraftProposer(model, **options)
-    raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {method!r}")
+        return DraftProposer(model, spec.draft_num_layers)
+    raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {spec.method!r}")

@@ -18,15 +18,14 @@ top-k, top-p) plain sampling draws from, so the accepted tokens follow the distr
 import torch
 
 from nanoserve.sampling import apply_penalties, make_generator, probabilities
-from nanoserve.spec_decode import acceptance as reference_acceptance
 
 
 def verify_and_sample(runner, seqs, logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int | list[int]]:
     """{seq_id: token} for the sequences without proposals (runner.sample), {seq_id: [tokens]} for the
     ones with (accepted proposals + the correction or bonus). logits: (sum of 1 + k per seq, vocab).
-    runner.spec_acceptance, if set: the acceptance module to use (the learner's, exercises 14.2 and 14.3).
+    runner.spec_acceptance: the acceptance module whose rules decide (the learner's, exercises 14.2 and 14.3).
     grammar_bitmask: chapter 13's masks, for the plain rows (a constrained request never speculates)."""
-    acceptance = getattr(runner, "spec_acceptance", reference_acceptance)
+    acceptance = runner.spec_acceptance
     plain_rows, plain_seqs, spec = [], [], []
     row = 0
     for seq in seqs:
