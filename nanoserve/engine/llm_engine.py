@@ -634,7 +634,8 @@ class LLMEngine:
         out = self._output(seq, new_token_ids, new_text)
         if self.kv_connector is not None:
             out.kv_transfer_params = self.kv_connector.request_finished(seq)
-        self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
+        self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live,
+                                seq.output_token_ids if new_token_ids else None)  # chapter 13: its last token checked
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)
         self.prompt_logprobs.pop(seq.seq_id, None)  # aborted before its prompt was done

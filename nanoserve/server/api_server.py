@@ -280,9 +280,6 @@ def build_app(state: ServerState) -> FastAPI:
         tools = tools if tools is not None and tools.offered else None
         if tools is not None and req.stream and params.logprobs is not None:
             raise APIError(400, "logprobs with tools in a stream is not supported by this server", "logprobs")
-        if tools is not None and tools.mode in ("required", "named") and params.stop:  # it would cut the call's JSON
-            raise APIError(400, "stop strings with a tool_choice that forces a call are not supported by this server: "
-                                "a stop string could cut the call's arguments", "stop")
         lora_name = check_model(req.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
