@@ -18,10 +18,18 @@ from nanoserve.cluster.cli import spec_from_args
 from nanoserve.engine.policies import SLOTargets
 
 TINY = {"vocab_size": 49152, "max_position_embeddings": 1024}
-TENANTS = """
+# a tenant's weight is read by the fair policy only, its SLO targets by slo only (a setting the policy would not
+# read is refused, chapter 15): one file for each
+TENANT_WEIGHTS = """
 [keys."sk-big"]
 tenant = "big"
 weight = 4
+[keys."sk-small"]
+tenant = "small"
+"""
+TENANT_SLOS = """
+[keys."sk-big"]
+tenant = "big"
 [keys."sk-strict"]
 tenant = "strict"
 ttft_slo_ms = 250
@@ -75,13 +83,17 @@ def test_the_kv_cache_dtype_reaches_the_replicas(replica_engine):
 
 def test_the_tenants_weights_and_slos_reach_the_replicas(tmp_path, replica_engine):
     keys = tmp_path / "keys.toml"
-    keys.write_text(TENANTS)
+    keys.write_text(TENANT_WEIGHTS)
     engine = replica_engine("--api-keys", str(keys))
     config = engine.config.scheduler_config
     assert config.policy == "fair"  # serve's default with tenants (chapter 15)
-    assert config.tenant_weights == {"big": 4, "strict": 1.0}
+    assert config.tenant_weights == {"big": 4, "small": 1.0}
+    assert engine.scheduler.policy.weights == {"big": 4, "small": 1.0}
+    keys.write_text(TENANT_SLOS)
+    engine = replica_engine("--api-keys", str(keys), "--scheduling-policy", "slo")
+    config = engine.config.scheduler_config
     assert config.tenant_slos == {"strict": SLOTargets(ttft_ms=250, tpot_ms=40)}
-    assert engine.scheduler.policy.weights == {"big": 4, "strict": 1.0}
+    assert engine.scheduler.policy.tenant_slos == {"strict": SLOTargets(ttft_ms=250, tpot_ms=40)}
 
 
 def test_degrade_under_load_reaches_the_replicas():
