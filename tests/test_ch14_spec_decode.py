@@ -98,11 +98,13 @@ def test_stop_token_inside_an_accepted_run(model, plain):
 
 def test_opt_out_and_the_batch_size_policy(model):
     reqs = requests(3)
-    e = engine(model, "ngram")
-    e.add_request("no", reqs[0][0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), speculative=False)
-    while e.has_unfinished_requests():
-        e.step()
-    assert e.spec_stats.num_drafts == 0
+    for n in (1, 2):  # n = 2: the opt-out reaches the forked completion too
+        e = engine(model, "ngram")
+        e.add_request("no", reqs[0][0], SamplingParams(n=n, temperature=0, max_tokens=20, ignore_eos=True),
+                      speculative=False)
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.spec_stats.num_drafts == 0, n
     e = engine(model, "ngram", speculative_disable_by_batch_size=2)
     drafts_while_two_run = []
     run(e, reqs, on_step=lambda so: drafts_while_two_run.append(
@@ -110,6 +112,27 @@ def test_opt_out_and_the_batch_size_policy(model):
                                             for s in so.scheduled_seqs)))
     assert not any(drafts_while_two_run)
     assert e.spec_stats.num_drafts > 0  # the last one alone speculated
+
+
+def test_a_draft_under_tensor_parallelism_is_refused(model):
+    """The draft runs the model's first layers on rank 0 alone: ranks 1 .. n-1 would wait for a collective that
+    never comes. Refused before any process starts, by LLM and on the command line (one error: line, exit 2)."""
+    from nanoserve.llm import LLM
+
+    with pytest.raises(ValueError, match="speculative='draft'"):
+        LLM(model, tensor_parallel_size=2, speculative="draft")
+
+
+@pytest.mark.parametrize("flags, named", [(["--speculative", "draft", "--tensor-parallel-size", "3"], "speculative"),
+                                          (["--num-speculative-tokens", "3"], "--num-speculative-tokens")])
+def test_a_speculative_flag_the_engine_cannot_honour_is_refused_in_one_line(flags, named, tmp_path, capsys):
+    from nanoserve.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Hi", "max_tokens": 2}\n')
+    assert main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--no-progress", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
 
 
 def test_seeded_sampling_with_speculation_completes_and_is_reproducible(model):
