@@ -57,6 +57,21 @@ def test_greedy_is_token_identical_alone_and_in_a_mixed_batch(model, plain, meth
     assert any(mixed_steps)
 
 
+def test_greedy_parity_with_penalties_and_logit_bias(model, plain):
+    """Penalties read the tokens before each row: row i of a verify must see the prompt, the output and
+    d_1..d_i, as plain decoding would have. A penalty applied to the wrong row (the same counts for all k + 1
+    rows, say) changes a greedy token somewhere in these 8 requests."""
+    reqs = requests(8)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, repetition_penalty=1.05,
+                             frequency_penalty=0.1, presence_penalty=0.05, logit_bias={5: 1.0, 7: -2.0})
+              for _, m in reqs]
+    expected = run(engine(model), reqs, params)
+    assert expected != {i: plain[i] for i in range(len(reqs))}  # the penalties change what is generated
+    e = engine(model, "ngram", num_speculative_tokens=3)
+    assert run(e, reqs, params) == expected
+    assert 0 < e.spec_stats.num_accepted_tokens < e.spec_stats.num_draft_tokens
+
+
 def mixed(so) -> bool:
     """Did the step verify proposals beside a prefill chunk?"""
     return any(n > 1 and s.num_output_tokens > 2 for s, n in ((s, so.num_scheduled_tokens[s.seq_id])
