@@ -218,6 +218,8 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     plain, _ = sampled_outputs(small_vocab, None, 0)
     spec, stats = sampled_outputs(small_vocab, "ngram", SAMPLES)
     assert stats.num_drafts >= SAMPLES and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    print(f"\nα = {stats.alpha:.2f} ({stats.num_accepted_tokens} of {stats.num_accepted_tokens + stats.num_rejections}"
+          " tested proposals accepted)")
     for pos in (1, 2, 3):
         stat, df = homogeneity([o[pos] for o in plain], [o[pos] for o in spec])
         assert stat < chi2_quantile(df), f"token {pos}: chi-square {stat:.1f} over {df} degrees of freedom"
@@ -226,4 +228,6 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     monkeypatch.setattr(acceptance, "residual", lambda p, q: p)  # the wrong rule, through the engine's module
     wrong, _ = sampled_outputs(small_vocab, "ngram", 2 * SAMPLES)
     stats = [homogeneity([o[pos] for o in plain], [o[pos] for o in wrong]) for pos in (1, 2, 3)]
+    print("the wrong rule, chi-square over the threshold at tokens 1, 2, 3:",
+          " ".join(f"{stat / chi2_quantile(df):.2f}x" for stat, df in stats))
     assert max(stat / chi2_quantile(df) for stat, df in stats) > 1, stats  # rejected at the same 1e-6 level
