@@ -41,7 +41,8 @@ class LLM:
                  tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
                  compile_mode: str = "eager", kv_tier_blocks: int = 0, kv_tier_path: str | None = None,
                  enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None, lora_modules: dict | None = None):
+                 max_cpu_loras: int | None = None, lora_modules: dict | None = None,
+                 kv_transfer_config=None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -70,7 +71,10 @@ class LLM:
         evicted prefix blocks go to and are loaded back from (chapter 18); call close() after.
         enable_lora (chapter 19): LoRA layers on the projections, `max_loras` adapters per step of rank up to
         `max_lora_rank`, `max_cpu_loras` kept in memory; lora_modules: {name: PEFT adapter directory} loaded now
-        (implies enable_lora); generate(..., lora_name=...) picks one per input."""
+        (implies enable_lora); generate(..., lora_name=...) picks one per input.
+
+        kv_transfer_config: a KVTransferConfig (chapter 17, nanoserve/engine/config.py): this engine is the
+        prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import check_weight_format
@@ -123,7 +127,8 @@ class LLM:
             num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
             degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_tier_blocks=kv_tier_blocks,
             kv_tier_path=kv_tier_path,
-            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None)
+            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
+            kv_transfer_config=kv_transfer_config)
         try:
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
             for name, adapter_path in (lora_modules or {}).items():
@@ -134,7 +139,8 @@ class LLM:
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes and chapter 18's tier writer; idempotent."""
+        """Stop the tensor-parallel worker processes, chapter 17's KV connector and chapter 18's tier writer;
+        idempotent."""
         if getattr(self, "engine", None) is not None:
             self.engine.close()
         if self.workers is not None:

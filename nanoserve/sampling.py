@@ -111,6 +111,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutputsParams):
             raise ValueError(f"structured must be a StructuredOutputsParams or None, got {self.structured!r}")
+        for name in ("stop", "stop_token_ids"):  # chapter 13: the grammar alone decides where its output ends
+            if self.structured is not None and getattr(self, name):
+                raise ValueError(f"{name} cannot be combined with structured outputs (response_format, "
+                                 "structured_outputs, tools): it would cut the output before its grammar is complete")
 
     @property
     def penalized(self) -> bool:

@@ -90,6 +90,8 @@ STUDENT_FILES = {
     "nanoserve.engine.policies.slo": "15-service-levels/slo.py",
     "nanoserve.engine.policies.fair": "15-service-levels/fair.py",
     "nanoserve.cluster.routing": "16-beyond-one-server/routing.py",
+    "nanoserve.disagg.receive": "17-disaggregated-serving/receive.py",
+    "nanoserve.disagg.kv_index": "17-disaggregated-serving/kv_index.py",
     "nanoserve.kv.tier_index": "18-kv-tiers/tier_index.py",
     "nanoserve.kv.load_policy": "18-kv-tiers/load_policy.py",
     "nanoserve.kv.kv_quant": "18-kv-tiers/kv_quant.py",
@@ -167,6 +169,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "16.1": ["power_of_two_choices"],
         "16.2": ["HashRing.__init__", "HashRing.add", "HashRing.remove", "HashRing.lookup"],
         "16.3": ["prefix_affinity"],
+    },
+    "nanoserve.disagg.kv_index": {
+        "17.2": ["KVIndex.apply", "KVIndex.longest_prefix"],
+        "17.3": ["choose_replica"],
     },
     "nanoserve.lora.punica": {
         "19.1": ["sgmv"],

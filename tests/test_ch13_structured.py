@@ -208,8 +208,9 @@ def test_a_choice_list_served_by_its_trie_samples_what_xgrammar_samples(tiny, sm
         assert got[f"trie{seed}", 0] == got[f"xgrammar{seed}", 0]
         assert got[f"trie{seed}", 0][1] in choices and got[f"trie{seed}", 0][2] == "stop"
     grammar = eng.structured.cache.compile(StructuredOutputsParams(choice=choices))
-    assert type(grammar).__name__ == "ChoiceGrammar" and set(grammar.masks) <= {c.encode()[:i] for c in choices
-                                                                                for i in range(len(c.encode()) + 1)}
+    nodes = {c.encode()[:i] for c in choices for i in range(len(c.encode()) + 1)}  # every path from the root
+    assert type(grammar).__name__ == "ChoiceGrammar" and b"" in nodes and len(nodes) == 19  # b"", 3 r.., 5 g.., 8 n.., n\xc3 n\xc3\xa9
+    assert set(grammar.masks) == nodes  # every node's mask computed when it compiled, none other
 
 
 def test_the_choice_matcher_reads_bytes_and_refuses_what_leaves_the_trie(cache, smollm2_tokenizer):
@@ -222,12 +223,12 @@ def test_the_choice_matcher_reads_bytes_and_refuses_what_leaves_the_trie(cache, 
     tok, eos = smollm2_tokenizer, smollm2_tokenizer.eos_token_id
     n, o, t, ot, x = (tok.id_to_bytes.index(p) for p in [b"n", b"o", b"t", b"ot", b"x"])
     matcher = ChoiceMatcher(grammar)
-    for spelling in ([n, o, t], [n, ot]):  # two spellings, one trie node, one mask computed
+    for spelling in ([n, o, t], [n, ot]):  # two spellings, one trie node, one mask
         matcher.sync(spelling)
         assert matcher.prefix == b"not" and not matcher.is_terminated
     bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
     matcher.fill(bitmask, 0)
-    assert allowed(bitmask).tolist() == [eos] and list(grammar.masks) == [b"not"]
+    assert allowed(bitmask).tolist() == [eos] and set(grammar.masks) == {b"", b"n", b"no", b"not"}
     matcher.sync([n, o, eos])
     assert matcher.is_terminated
     special = next(i for i in tok.special_ids if i != eos)
@@ -375,12 +376,21 @@ def test_the_matcher_survives_preemption(tiny, smollm2_tokenizer):
 
 
 def test_compilation_runs_off_the_engine_thread_and_never_stalls_steps(tiny, smollm2_tokenizer, monkeypatch):
-    """A compilation that blocks (until released) while an unconstrained request runs to its end."""
+    """A compilation that blocks (until released) while an unconstrained request runs to its end; a choice list's
+    node masks (a Python walk over the vocabulary each) are all computed in the compile pool, none on the engine
+    thread while it steps."""
     from nanoserve.engine.async_engine import AsyncLLMEngine
 
     eng = engine(tiny, smollm2_tokenizer)
-    release, threads = threading.Event(), []
+    release, threads, mask_threads = threading.Event(), [], []
     original = GrammarCache._compile
+    choice_mask = eng.structured.choice_module.choice_mask
+
+    def counted_choice_mask(*args):
+        mask_threads.append(threading.current_thread().name)
+        return choice_mask(*args)
+
+    monkeypatch.setattr(eng.structured.choice_module, "choice_mask", counted_choice_mask)
 
     def slow_compile(self, params):
         threads.append(threading.current_thread().name)
@@ -406,6 +416,8 @@ def test_compilation_runs_off_the_engine_thread_and_never_stalls_steps(tiny, smo
         async_engine.shutdown()
     assert out.text in ("slow", "schema")
     assert threads and all(name.startswith("nanoserve-grammar") for name in threads)
+    assert len(mask_threads) == 10  # one walk per trie node: b"", s, sl, slo, slow, sc, sch, sche, schem, schema
+    assert all(name.startswith("nanoserve-grammar") for name in mask_threads)
 
 
 async def _collect(stream):
@@ -422,6 +434,9 @@ def test_refusals_at_the_engines_door(tiny, smollm2_tokenizer):
     with pytest.raises(StructuredOutputError, match="cannot be compiled"):
         eng.add_request("b", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="(")))
     assert not eng.has_unfinished_requests() and eng.structured.grammars == {}
+    for field, value in [("stop", ["}"]), ("stop_token_ids", [2])]:  # either would end the output before its grammar
+        with pytest.raises(ValueError, match=f"^{field} cannot be combined with structured outputs"):
+            SamplingParams(structured=StructuredOutputsParams(json_object=True), **{field: value})
     no_tokenizer = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16)))
     with pytest.raises(StructuredOutputError, match="need an engine with a tokenizer"):
         no_tokenizer.add_request("c", [1, 2], SamplingParams(structured=StructuredOutputsParams(regex="a")))
@@ -502,6 +517,25 @@ def test_a_grammar_violation_fails_that_request_alone(tiny, smollm2_tokenizer, m
         async_engine.shutdown()
     assert free.token_ids == again.token_ids == alone
     assert eng.block_manager.get_num_free_blocks() == free_blocks and eng.structured.grammars == {}
+
+
+def test_a_violation_in_the_last_token_fails_the_request_too(tiny, smollm2_tokenizer, monkeypatch):
+    """max_tokens 1 with a mask that masks nothing: the one token is sampled after the only sync and the
+    sequence finishes at once, so no later step's sync would see it; the final sync at release does: the request
+    ends with the reason in `error`, and its matcher and grammar are gone."""
+    import types
+
+    eng = engine(tiny, smollm2_tokenizer)
+    monkeypatch.setattr(eng.structured, "bitmask_module", types.SimpleNamespace(apply_token_bitmask=lambda *a: None))
+    eng.add_request("bad", [7, 8, 9], SamplingParams(temperature=0, max_tokens=1,
+                                                     structured=StructuredOutputsParams(regex="[0-9]{6}")))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    (token,) = outs[-1].token_ids
+    assert not smollm2_tokenizer.decode([token]).isdigit()  # the random model left the grammar at its first token
+    assert outs[-1].finish_reason is not None and "left its grammar" in (outs[-1].error or ""), outs[-1]
+    assert eng.structured.matchers == {} and eng.structured.grammars == {}
 
 
 def test_mask_times_count_the_constrained_steps_and_only_those(tiny, smollm2_tokenizer):

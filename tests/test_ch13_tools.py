@@ -73,10 +73,8 @@ async def ask(url, stream: bool, **kw) -> tuple[list[dict], str | None, str]:
         for part in delta.tool_calls or []:
             if part.id is not None:  # a call begins: its id, type and name come first, its arguments after
                 assert part.index not in calls and part.function.arguments == ""
-                calls[part.index] = {"id": part.id, "type": part.type, "name": part.function.name, "arguments": "",
-                                     "fragments": 0}
+                calls[part.index] = {"id": part.id, "type": part.type, "name": part.function.name, "arguments": ""}
             calls[part.index]["arguments"] += part.function.arguments or ""
-            calls[part.index]["fragments"] += bool(part.function.arguments)
         finish = chunk.choices[0].finish_reason or finish
     return [calls[i] for i in sorted(calls)], content or None, finish
 
@@ -105,13 +103,13 @@ def test_required_returns_calls_that_validate_streamed_or_not(tiny_url, sampling
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
-def test_a_named_function_is_called_with_arguments_that_validate_streamed_live(tiny_url, name):
+def test_a_named_function_is_called_with_arguments_that_validate_streamed_and_not(tiny_url, name):
     choice = {"type": "function", "function": {"name": name}}
     (calls, content, finish), (streamed, _, streamed_finish) = asyncio.run(_both(
         tiny_url, tool_choice=choice, temperature=1.0, seed=5))
     check_calls(calls, names=(name,))
     assert len(calls) == 1 and content is None and finish == streamed_finish == "tool_calls"
-    assert same_calls(streamed, calls) and streamed[0]["fragments"] > 1  # the arguments came as they were written
+    assert same_calls(streamed, calls)  # sent once complete: a cut call would be no call, streamed or not
 
 
 def test_parallel_tool_calls_false_makes_one_call(tiny_url):
@@ -181,21 +179,30 @@ def test_the_prompt_offers_the_tools_and_writes_calls_and_results_in_the_models_
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
 
 
-@pytest.mark.parametrize("choice, text, content, calls", [
-    ("auto", f"Let me look. <tool_call>[{WEATHER}]</tool_call>", "Let me look. ", [("get_weather", 0)]),
-    ("auto", f"<tool_call>{WEATHER}</tool_call>", None, [("get_weather", 0)]),  # one object, no array
-    ("auto", "It is sunny. <tool", "It is sunny. <tool", []),  # held back, then given back
-    ("auto", '<tool_call>[{"name": "no_such_tool", "arguments": {}}]</tool_call>',
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CUT = '{"name": "get_weather", "arguments": {"city": "Os'  # a call cut by max_tokens
+
+
+@pytest.mark.parametrize("choice, text, finish_reason, content, calls", [
+    ("auto", f"Let me look. <tool_call>[{WEATHER}]</tool_call>", "stop", "Let me look. ", [("get_weather", 0)]),
+    ("auto", f"<tool_call>{WEATHER}</tool_call>", "stop", None, [("get_weather", 0)]),  # one object, no array
+    ("auto", "It is sunny. <tool", "stop", "It is sunny. <tool", []),  # held back, then given back
+    ("auto", '<tool_call>[{"name": "no_such_tool", "arguments": {}}]</tool_call>', "stop",
      '<tool_call>[{"name": "no_such_tool", "arguments": {}}]</tool_call>', []),  # not a call of these tools: text
-    ("required", f"[{WEATHER}, {WEATHER}]", None, [("get_weather", 0), ("get_weather", 1)]),
-    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo", "unit": "celsius"}', None,
-     [("get_weather", 0)]),
+    ("required", f"[{WEATHER}, {WEATHER}]", "stop", None, [("get_weather", 0), ("get_weather", 1)]),
+    (NAMED, '{"city": "Oslo", "unit": "celsius"}', "stop", None, [("get_weather", 0)]),
+    # cut by max_tokens: the cut call is no call, its text is content, finish_reason "length"
+    ("required", f"[{CUT}", "length", f"[{CUT}", []),
+    ("required", f"[{WEATHER}, {CUT}", "length", CUT, [("get_weather", 0)]),  # the complete call stays a call
+    ("auto", f"Let me look. <tool_call>[{CUT}", "length", f"Let me look. <tool_call>[{CUT}", []),
+    (NAMED, '{"city": "Os', "length", '{"city": "Os', []),
 ])
-def test_the_parser_reads_content_and_calls_the_same_at_once_and_character_by_character(choice, text, content, calls):
+def test_the_parser_reads_content_and_calls_the_same_at_once_and_character_by_character(
+        choice, text, finish_reason, content, calls):
     tools = [Tool(name, schema) for name, schema in SCHEMAS.items()]
     the_plan = plan(tools, choice)
-    msg, finish = message(the_plan, text, "stop")
-    assert msg["content"] == content and finish == ("tool_calls" if calls else "stop")
+    msg, finish = message(the_plan, text, finish_reason)
+    assert msg["content"] == content and finish == ("tool_calls" if calls and finish_reason == "stop" else finish_reason)
     assert [(c["function"]["name"], i) for i, c in enumerate(msg.get("tool_calls", []))] == calls
     for call in msg.get("tool_calls", []):
         assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
@@ -255,6 +262,11 @@ FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "obje
     ({"tools": [FN], "stream": True, "logprobs": True}, "logprobs"),
     ({"tools": [FN], "tool_choice": "required", "stop": "}"}, "stop"),  # a stop would cut the forced call's JSON
     ({"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["\n"]}, "stop"),
+    # any grammar: a stop string or stop token would end the output before the grammar does
+    ({"tools": [{"type": "function", "function": {**FN["function"], "strict": True}}], "stop": "}"}, "stop"),  # auto
+    ({"response_format": {"type": "json_object"}, "stop": "\n"}, "stop"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}, "stop_token_ids": [2]}, "stop_token_ids"),
+    ({"structured_outputs": {"choice": ["x" * 300]}}, "structured_outputs"),  # over MAX_CHOICE_NODES trie nodes
 ])
 def test_bad_tools_are_a_400_naming_the_param(tiny_url, body, param):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}

@@ -601,3 +601,57 @@ def test_finished_15_fair_charges_each_tenant_its_tokens_over_its_weight(tiny, e
     assert engine.scheduler.policy.virtual_time == {"a": 24.0, "b": 32.0}
     calls = engine.student.calls
     assert calls["fair_order"] > 0 and calls["FairPolicy.on_scheduled"] > 0 and calls["FairPolicy.catch_up"] > 0
+
+
+def test_finished_17_receives_into_its_own_slots(exercises):
+    """--student 17, rung 17.1: the decode engine plans each transferred prompt's load with the learner's
+    num_tokens_to_receive and receive_slots; its greedy tokens are a colocated engine's."""
+    from nanoserve.engine.config import KVTransferConfig
+
+    exercises("nanoserve.disagg.receive")
+    model = tiny_llama(vocab_size=97)
+    config = dict(block_size=4, num_blocks=32, max_num_batched_tokens=8)
+    prefill = LLMEngine(model, engine_config(**config, kv_transfer_config=KVTransferConfig("kv_producer")))
+    decode = LLMEngine(model, engine_config(**config, student="17", kv_transfer_config=KVTransferConfig("kv_consumer")))
+    plain = LLMEngine(model, engine_config(**config))
+    try:
+        for i, prompt in enumerate([list(range(3, 17)), list(range(3, 13)) + [40, 41]]):
+            got = []
+            for engine, extra in ((prefill, {"kv_transfer_params": {"do_remote_decode": True}}), (decode, None),
+                                  (plain, {})):
+                if extra is None:
+                    extra = {"kv_transfer_params": got[0].kv_transfer_params}
+                n = 1 if engine is prefill else 6
+                engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n), **extra)
+                while engine.has_unfinished_requests():
+                    got += [o for o in engine.step() if o.finished]
+            assert got[1].token_ids == got[2].token_ids
+        calls = decode.student.calls
+        assert calls["num_tokens_to_receive"] == 2 and calls["receive_slots"] == 2
+        assert "receive.py" in decode.student.describe()
+    finally:
+        prefill.close(), decode.close()
+
+
+@pytest.mark.parametrize("rung", ["17.2", "17.3"])
+def test_finished_17_routes_by_the_learners_index(exercises, rung):
+    """--student 17 with one rung of kv_index.py finished: the KV-aware router of the kv-routing experiment runs
+    the learner's index (17.2) or score (17.3), the other rung the reference's; every request is placed where
+    the reference router places it (the same hit rate, the same requests per replica)."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench.kv_routing import run_one
+    from nanoserve.student import RUNGS, StudentCode
+
+    finish("nanoserve.disagg.kv_index", RUNGS["nanoserve.disagg.kv_index"][rung])
+    model = tiny_llama(vocab_size=97)
+    systems = [list(range(5 + 9 * u, 5 + 9 * u + 16)) for u in range(4)]
+    prompts = [systems[u] + [60 + t] for t in range(3) for u in range(4)]
+    args = SimpleNamespace(replicas=2, num_blocks=24, num_users=2, output_len=2)
+    student = StudentCode("17")
+    theirs = run_one("kv-aware, fresh", model, None, prompts, args, student)
+    ours = run_one("kv-aware, fresh", model, None, prompts, args)
+    assert theirs["requests_per_replica"] == ours["requests_per_replica"]
+    assert theirs["hit_tokens"] == ours["hit_tokens"] > 0
+    names = RUNGS["nanoserve.disagg.kv_index"][rung]
+    assert all(student.calls[name] > 0 for name in names), student.calls

@@ -25,17 +25,14 @@ class SequenceMatcher:
     def sync(self, output_token_ids: list[int]) -> None:
         """Bring the matcher to the state after exactly `output_token_ids` (the sequence's output tokens now).
 
-        The sequence may have grown (a decode step: accept the new tokens), be unchanged (it was preempted and
-        recomputed: its outputs are kept), or have lost or replaced its last tokens (what rejected speculative
-        tokens would do; the engine keeps constrained requests from speculating today, the grader still hands
-        you such histories): keep the longest common prefix of self.tokens and output_token_ids, roll back what
-        the matcher holds past it, accept the rest. Keep self.tokens equal to what the matcher has accepted.
-        A token the grammar refuses raises GrammarViolation.
+        Contract: after sync(ids), this matcher is indistinguishable from a fresh SequenceMatcher fed `ids` —
+        the same self.tokens (== ids), the same mask from fill, the same is_terminated — whatever it held before
+        (a longer, shorter or different history). If the grammar refuses one of `ids`, raise GrammarViolation.
 
-            self.tokens [A, B, C]     output_token_ids [A, B, C, D]   -> accept D;            self.tokens [A, B, C, D]
-            self.tokens [A, B, C, D]  output_token_ids [A, B, E]      -> roll back 2, accept E; self.tokens [A, B, E]
+            fresh = SequenceMatcher(grammar); fresh.sync([A, B, E])
+            m.sync([A, B, C, D]); m.sync([A, B, E])   ->  m.tokens == fresh.tokens == [A, B, E], same fill
         """
-        raise NotImplementedError("Exercise 13.3: SequenceMatcher.sync — roll back to the common prefix, then accept")
+        raise NotImplementedError("Exercise 13.3: SequenceMatcher.sync")
 
     def fill(self, bitmask, row: int) -> None:
         """Write the next-token mask into bitmask[row] (given)."""

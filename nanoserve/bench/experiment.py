@@ -24,6 +24,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
                    and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
                    each replica's share of the work (nanoserve/bench/routing.py)
+  kv-routing       chapter 17: replicas in this process publishing KV events; round-robin, pow2, chapter 16's
+                   prefix router and the KV-aware router on their events: hit rate, TTFT (bench/kv_routing.py)
   returning-users  chapter 18: users returning after others, a pool too small for them: no tier, the file
                    tier, an int8 pool: hits per tier, TTFT p50 / p99 (nanoserve/bench/kv_tiers.py)
   kv-crossover     chapter 18: recompute vs load from the file tier, measured; the load-or-recompute map
@@ -43,8 +45,8 @@ import time
 import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "returning-users", "kv-crossover",
-               "kv-dtypes"]
+               "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "kv-routing", "returning-users",
+               "kv-crossover", "kv-dtypes"]
 
 
 def register(sub):
@@ -59,6 +61,10 @@ def register(sub):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
     p.add_argument("--num-users", type=int, default=8, help="routing, returning-users: users, each with its own system prompt")
+    p.add_argument("--replicas", type=int, default=3, help="kv-routing: replicas (engines in this process)")
+    p.add_argument("--num-blocks", type=int, default=96, help="kv-routing: KV blocks per replica")
+    p.add_argument("--student", default=None, metavar="CHAPTERS",
+                   help="kv-routing: your finished exercises route (\"17\": the KV index and score, exercise 17)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.set_defaults(func=run)
 
@@ -531,6 +537,7 @@ def scheduling(args, model, tokenizer):
 RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefill-budget": prefill_budget, "overload": overload, "prefix-caching": prefix_caching,
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
+           "kv-routing": lambda *a: importlib.import_module("nanoserve.bench.kv_routing").kv_routing(*a),
            "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a),
            "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a),
            **{name: lambda *a, fn=fn: getattr(importlib.import_module("nanoserve.bench.kv_tiers"), fn)(*a)
@@ -549,6 +556,12 @@ def run(args):
 
     if args.rounds < 1:
         print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
+        print("error: kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1", file=sys.stderr)
+        return 2
+    if args.student is not None and args.name != "kv-routing":
+        print("error: --student applies to kv-routing only", file=sys.stderr)
         return 2
     if args.name == "servers" and (not args.url or len(args.url) < 2):
         print("error: servers needs two or more --url NAME=URL", file=sys.stderr)

@@ -12,8 +12,9 @@ alternating (C U, U C, C U, ...: this machine drifts, and neither system always 
 Reported: TPOT p50 (chapter 09's definition, the engine's own clock) and output tokens/s; the compile time of
 each schema cold (a fresh cache) and cached; the constrained TPOT's extra time split by measurement (the engine's
 MaskTimes, per step of the best constrained round): advancing the matchers, filling the mask rows, applying the
-masks to the logits, and the rest (the TPOT difference minus those three); and the apply time of a 16-row bitmask
-alone, ours (bitmask.py) beside xgrammar's C++ kernel.
+masks to the logits, and the rest (the TPOT difference minus those three, not split further); the apply time of
+a 16-row bitmask alone, ours (bitmask.py) beside xgrammar's C++ kernel (a micro-benchmark on random logits,
+not the engine's MaskTimes.apply); and one choice-list mask, choice_mask's Python walk beside xgrammar's fill.
 """
 
 import time
@@ -63,6 +64,30 @@ def apply_times(vocab_size: int, rows: int = 16, repeat: int = 20) -> tuple[floa
     for fn in (lambda: apply_token_bitmask(logits, mask, index),
                lambda: xgr.apply_token_bitmask_inplace(logits, mask, indices=index)):
         fn()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        results.append((time.perf_counter() - t0) / repeat)
+    return results[0], results[1]
+
+
+def choice_mask_times(tokenizer, vocab_size: int, repeat: int = 3) -> tuple[float, float]:
+    """Seconds for one next-token mask of the choice list ["red", "green", "blue"] at its root: our Python walk
+    over the vocabulary (choice.choice_mask, what a choice list's compile does once per trie node), and xgrammar's
+    fill_next_token_bitmask for the same choices as an EBNF grammar (what a step does per constrained row)."""
+    import xgrammar as xgr
+
+    from nanoserve.structured.choice import build_trie, choice_mask
+    from nanoserve.structured.compiler import GrammarCache
+    from nanoserve.structured.params import StructuredOutputsParams
+
+    choices = ["red", "green", "blue"]
+    cache = GrammarCache(tokenizer, vocab_size)
+    matcher = xgr.GrammarMatcher(cache.compile(StructuredOutputsParams(grammar='root ::= "red" | "green" | "blue"')))
+    bitmask, trie = xgr.allocate_token_bitmask(1, vocab_size), build_trie(choices)
+    results = []
+    for fn in (lambda: choice_mask(trie, b"", cache.vocab, cache.stop_token_ids),
+               lambda: matcher.fill_next_token_bitmask(bitmask)):
         t0 = time.perf_counter()
         for _ in range(repeat):
             fn()
@@ -145,6 +170,9 @@ def run(args):
     ours, theirs = apply_times(vocab)
     print(f"\napplying a 16-row bitmask to (16, {vocab}) logits: ours (bitmask.py) {ours * 1e3:.2f} ms, "
           f"xgrammar's CPU kernel {theirs * 1e3:.2f} ms")
+    walk, fill = choice_mask_times(tokenizer, vocab)
+    print(f"one next-token mask of a choice list at its root: choice_mask's Python walk over {vocab} tokens "
+          f"{walk * 1e3:.1f} ms (once per trie node, at compile), xgrammar's fill {fill * 1e3:.3f} ms")
     cmd = (f"python -m nanoserve bench structured --concurrency {' '.join(map(str, args.concurrency))} --rounds "
            f"{args.rounds} --max-tokens {args.max_tokens}" + (f" --threads {args.threads}" if args.threads else ""))
     print(f"\nreproduce: {cmd}")

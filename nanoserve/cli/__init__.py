@@ -11,7 +11,7 @@ import warnings
 
 from nanoserve.cli.checks import Parser, UsageError
 
-COMMANDS = ["info", "bench", "serve", "chat", "memory", "batch", "generate", "lora_train"]
+COMMANDS = ["info", "bench", "serve", "proxy", "chat", "memory", "batch", "generate", "lora_train"]
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -65,6 +65,10 @@ def register(sub):
     add_engine_args(p)
     add_lora_args(p)
     add_fleet_args(p)
+    p.add_argument("--kv-role", choices=["prefill", "decode"], default=None,
+                   help="chapter 17: serve one half of a disaggregated pair (`python -m nanoserve proxy` joins them)")
+    p.add_argument("--kv-control-port", type=int, default=0, metavar="PORT",
+                   help="--kv-role prefill: the ZMQ port decode engines release staged KV on (0: a free one)")
     # without --weights / --kv-cache-dtype: the fastest measured path (serving_format), not the reference
     p.set_defaults(func=run, weights=None, kv_cache_dtype=None)
 
@@ -170,8 +174,34 @@ def check_args(args) -> str | None:
         return f"--api-keys: {e}"
     if args.scheduling_policy is None:
         args.scheduling_policy = default_policy(args.api_keys)
-    problem = check_engine_args(args) or check_admin_args(args) or check_lora_args(args)
+    problem = check_engine_args(args) or check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
     return problem or check_fleet_args(args)
+
+
+def check_kv_role_args(args) -> str | None:
+    """Chapter 17: --kv-role serves one engine in this process, eager and whole."""
+    if args.kv_role is None:
+        return "--kv-control-port needs --kv-role prefill" if args.kv_control_port else None
+    if not 0 <= args.kv_control_port <= 65535:
+        return f"--kv-control-port must be in [0, 65535], got {args.kv_control_port}"
+    if args.kv_control_port and args.kv_role != "prefill":
+        return "--kv-control-port is the prefill engine's (--kv-role prefill)"
+    for flag, on in (("--tensor-parallel-size", args.tensor_parallel_size > 1), ("--replicas", is_fleet(args)),
+                     ("--admin-key", args.admin_key is not None), ("--speculative", args.speculative is not None),
+                     ("--degrade-under-load", args.degrade_under_load is not None),
+                     ("--compile-mode", args.compile_mode != "eager")):
+        if on:
+            return f"--kv-role cannot be combined with {flag}"
+    return None
+
+
+def kv_transfer_config(args):
+    """The KVTransferConfig --kv-role asks for, or None."""
+    if args.kv_role is None:
+        return None
+    from nanoserve.engine.config import CLI_ROLES, KVTransferConfig
+
+    return KVTransferConfig(CLI_ROLES[args.kv_role], kv_control_endpoint=f"tcp://127.0.0.1:{args.kv_control_port or '*'}")
 
 
 def default_policy(tenants: dict | None) -> str:
@@ -271,7 +301,8 @@ def run(args):
     print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'}: {serving} ...",
           flush=True)
     try:
-        llm = llm_from_args(args, **args.tenant_settings, **lora_settings(args))
+        llm = llm_from_args(args, **args.tenant_settings, **lora_settings(args),
+                            kv_transfer_config=kv_transfer_config(args))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -292,6 +323,9 @@ def run(args):
         warning = kv_events_warning(args)
         if warning is not None:
             print(warning, file=sys.stderr, flush=True)
+    if args.kv_role is not None:  # chapter 17
+        control = llm.engine.kv_connector.control_endpoint
+        print(f"KV transfer: {args.kv_role} engine" + (f", control endpoint {control}" if control else ""), flush=True)
 
     # with --tensor-parallel-size the worker processes stop with the server (chapter 11); with --admin-key (one
     # process: nothing to stop) the server's versions keep the only reference to the engine, so a reload frees it

@@ -109,7 +109,8 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,
                           speculative: bool = True, cache_salt: str | None = None,
-                          lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+                          lora_name: str | None = None, kv_transfer_params: dict | None = None
+                          ) -> AsyncIterator[RequestOutput]:
         """Hand a request to the engine; returns its output stream once the engine took it (at the next
         step boundary). Raises what LLMEngine.add_request raises (ValueError: prompt too long, ...),
         so a server can answer 400 before it starts streaming."""
@@ -126,7 +127,8 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
             self._inbox_adds.append((request_id, list(prompt_token_ids), sampling_params, priority,
                                      {"tenant": tenant, "slo": slo, "speculative": speculative, "grammar": grammar,
-                                      "cache_salt": cache_salt, "lora_name": lora_name}))
+                                      "cache_salt": cache_salt, "lora_name": lora_name,
+                                      "kv_transfer_params": kv_transfer_params}))
         self._wakeup.set()
         try:
             await stream.added

@@ -77,6 +77,33 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
 
 
+KV_ROLES = ("kv_producer", "kv_consumer")
+KV_CONNECTORS = ("SharedMemoryConnector",)
+CLI_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}  # serve --kv-role's words
+
+
+@dataclass
+class KVTransferConfig:
+    kv_role: str = "kv_producer"
+    kv_connector: str = "SharedMemoryConnector"
+    # producer: where its control socket binds ("tcp://127.0.0.1:*": a free port, see the connector's endpoint)
+    kv_control_endpoint: str = "tcp://127.0.0.1:*"
+    # producer: staged KV nobody asked for within this many seconds is freed (a proxy died between the two halves)
+    kv_release_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"unknown kv_role {self.kv_role!r}; known: {', '.join(KV_ROLES)}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"unknown kv_connector {self.kv_connector!r}; known: {', '.join(KV_CONNECTORS)}")
+        if not self.kv_release_timeout_s > 0:
+            raise ValueError(f"kv_release_timeout_s must be > 0, got {self.kv_release_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role == "kv_producer"
+
+
 @dataclass
 class LoRAConfig:
     """Chapter 19: LoRA adapters (nanoserve/lora/); EngineConfig.lora_config None: off."""
@@ -119,6 +146,9 @@ class EngineConfig:
     # token counts) or "dynamic" (torch.compile with a symbolic token count); see nanoserve/model/compiled.py.
     compile_mode: str = "eager"
     lora_config: LoRAConfig | None = None  # chapter 19 (None: no adapters)
+    # Chapter 17: this engine's part in disaggregated serving (prefill = kv_producer, decode = kv_consumer), or
+    # None: it serves alone (KVTransferConfig, above)
+    kv_transfer_config: KVTransferConfig | None = None
 
 
 # the flat names LLM(...) and the CLI use, where they differ from the sub-config's field

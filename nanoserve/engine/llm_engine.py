@@ -72,6 +72,9 @@ class RequestOutput:
     # the request failed alone (its draw raised inside a step, or its grammar refused its tokens, chapter 13):
     # why, in one line (finish_reason "abort"); the others in that step went on
     error: str | None = None
+    # chapter 17: on a prefill engine's last output for a request that asked {"do_remote_decode": True}, what a
+    # decode engine needs to load its prompt's KV (the connector's request_finished)
+    kv_transfer_params: dict | None = None
 
 
 class LLMEngine:
@@ -130,6 +133,11 @@ class LLMEngine:
         # chapter 19: the adapter slots' LRU and the batched gather (the learner's, exercises/19, where finished)
         lora_code = {} if lora is None else {"lora_manager_class": student.module("nanoserve.lora.manager").LoRAModelManager,
                                              "punica": student.module("nanoserve.lora.punica")}
+        transfer = config.kv_transfer_config
+        if transfer is not None and (lora is not None or cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
+            raise ValueError("a disaggregated engine (kv_transfer_config, chapter 17) moves plain KV blocks of the base "
+                             "model: LoRA adapters, the KV tier and int8 / fp8 pools are refused with it")
+        kv_worker = self._kv_connector_worker(model)  # chapter 17 (None unless config.kv_transfer_config)
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[cache.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
@@ -138,7 +146,7 @@ class LLMEngine:
                                           # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
                                           spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
                                           kv_quant=student.module("nanoserve.kv.kv_quant"),
-                                          lora_config=lora, **lora_code)])
+                                          lora_config=lora, kv_connector=kv_worker, **lora_code)])
         if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
             raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
@@ -172,8 +180,11 @@ class LLMEngine:
                              modules=student.module)
         # chapter 19: the scheduler admits no request whose adapter would be one too many for the step's slots
         lora_slots = {} if lora is None else {"max_loras": lora.max_loras}
+        self.kv_connector = self._kv_connector_scheduler(kv_worker)  # chapter 17: its scheduler side, or None
+        connector = {"connector": self.kv_connector} if self.kv_connector is not None else {}
         self.scheduler = student.module("nanoserve.engine.scheduler").Scheduler(sched, self.block_manager,
-                                                                                 policy=policy, **lora_slots)
+                                                                                 policy=policy, **lora_slots,
+                                                                                 **connector)
         self.lora_ids: dict[str, int] = {}  # chapter 19: adapter name -> its id (a new one per load)
         self._next_lora_id = 1
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
@@ -202,17 +213,59 @@ class LLMEngine:
                                                   bitmask_module=student.module("nanoserve.structured.bitmask"),
                                                   choice_module=student.module("nanoserve.structured.choice"))
 
+    # ---- chapter 17: the KV connector ----------------------------------------------------------
+    def _kv_connector_worker(self, model):
+        """The connector's worker side for config.kv_transfer_config (None without one); what it cannot serve
+        with is refused here."""
+        c = self.config
+        if c.kv_transfer_config is None:
+            return None
+        from nanoserve.disagg.connector import SharedMemoryConnectorWorker
+        from nanoserve.distributed.parallel_state import get_tp_group
+
+        refused = [name for name, on in (("compile_mode", c.compile_mode != "eager"),
+                                         ("speculative", c.speculative_config is not None),
+                                         ("degrade_under_load", c.degrade_under_load is not None),
+                                         ("tensor parallelism", get_tp_group(model).size > 1)) if on]
+        if refused:
+            raise ValueError(f"kv_transfer_config (chapter 17) runs the eager single-process step; it cannot be "
+                             f"combined with {refused[0]}")
+        return SharedMemoryConnectorWorker(c.kv_transfer_config)
+
+    def _kv_connector_scheduler(self, kv_worker):
+        if kv_worker is None:
+            return None
+        from nanoserve.disagg.connector import DTYPE_NAMES, KVLayout, SharedMemoryConnectorScheduler
+
+        worker = self.executor.workers[0]
+        dtype = {v: k for k, v in DTYPE_NAMES.items()}[worker.dtype]
+        layout = KVLayout(worker.kv_config.num_hidden_layers, worker.kv_config.num_key_value_heads,
+                          worker.kv_config.head_dim, dtype)
+        return SharedMemoryConnectorScheduler(self.config.kv_transfer_config, self.config.cache_config.block_size, layout,
+                                              kv_worker.control_endpoint,
+                                              receive=self.student.module("nanoserve.disagg.receive"))
+
+    def close(self) -> None:
+        """Chapter 17: stop the KV connector's sockets and free its staged segments (nothing to do without one)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.executor.workers[0].kv_connector.close()
+            self.kv_connector = None
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
                     arrival_time: float | None = None, tenant: str | None = None,
                     slo: SLOTargets | None = None, speculative: bool = True, grammar=None,
-                    cache_salt: str | None = None, lora_name: str | None = None) -> None:
+                    cache_salt: str | None = None, lora_name: str | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
         """tenant: who sent it (chapter 08's --api-keys), stored as Sequence.tenant for the scheduler's and the
         metrics' use; None: nobody in particular. slo: its own SLOTargets (chapter 15). speculative: False opts
         this request out of chapter 14's speculation. grammar: the CompiledGrammar of sampling_params.structured
         when the caller compiled it ahead (chapter 13's async engine, off this thread); None: compiled here.
         cache_salt: only requests with the same salt share prefix cache blocks (vLLM's; None: the cache everyone
-        without a salt shares). lora_name: the adapter it runs with (chapter 19; None: the base model)."""
+        without a salt shares). lora_name: the adapter it runs with (chapter 19; None: the base model).
+        kv_transfer_params: chapter 17's, for the KV connector (ValueError on an engine without one, or params it
+        cannot honour)."""
         prompt_token_ids = list(prompt_token_ids)
         if lora_name is not None and lora_name not in self.lora_ids:
             raise ValueError(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
@@ -235,6 +288,12 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        if kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params: this engine has no KV connector (serve --kv-role)")
+            self.kv_connector.check_params(kv_transfer_params)
+            if sampling_params.n != 1:
+                raise ValueError("kv_transfer_params: a transferred request has one completion (n=1)")
         # chapter 13: compiled here unless the async engine compiled it ahead
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
@@ -244,6 +303,7 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
+        seq.kv_transfer_params = kv_transfer_params
         self.scheduler.add_seq(seq)  # raises if it could never fit (blocks, seats): no request loops forever
         if grammar is not None:
             self.structured.add_request(request_id, grammar)
@@ -310,6 +370,8 @@ class LLMEngine:
         scheduler_output.blocks_to_copy = self.block_manager.take_copies()
         if self.config.cache_config.kv_tier_blocks:  # chapter 18: the step's offloads and loads, in order
             scheduler_output.kv_tier_ops = self.block_manager.take_tier_ops()
+        if self.kv_connector is not None:  # chapter 17: this step's KV loads and saves, for the worker side
+            scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
         self.last_scheduler_output = scheduler_output
         scheduler_output.grammar_bitmask = self.structured.grammar_bitmask(scheduler_output)
         rejected = [self._finish(seq, [], "") for seq in scheduler_output.rejected_seqs]  # chapter 15 (--slo-reject)
@@ -570,7 +632,10 @@ class LLMEngine:
         if not self.num_live[seq.request_id]:
             del self.num_live[seq.request_id]
         out = self._output(seq, new_token_ids, new_text)
-        self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live)
+        if self.kv_connector is not None:
+            out.kv_transfer_params = self.kv_connector.request_finished(seq)
+        self.structured.release(seq.seq_id, seq.request_id, seq.request_id not in self.num_live,
+                                seq.output_token_ids if new_token_ids else None)  # chapter 13: its last token checked
         self.detokenizers.pop(seq.seq_id, None)
         self.token_precisions.pop(seq.seq_id, None)
         self.prompt_logprobs.pop(seq.seq_id, None)  # aborted before its prompt was done

@@ -76,6 +76,9 @@ class SchedulerOutput:
     # chapter 13: the token masks of the constrained sequences that sample (a GrammarBitmask, set by the
     # engine like blocks_to_copy; the scheduler never looks at it), applied by ModelRunner.sample
     grammar_bitmask: object = None
+    # chapter 17: the KV connector's loads and saves for this step (a KVConnectorMetadata, set by the engine
+    # like blocks_to_copy from the connector's scheduler side; the worker side carries them out)
+    kv_connector_metadata: object = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -94,10 +97,13 @@ def _urgency(seq: Sequence) -> tuple[int, float]:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager, policy=None, clock=time.perf_counter,
-                 max_loras: int | None = None):
-        """max_loras (chapter 19): distinct LoRA adapters the running set may hold (None: adapters are off)."""
+                 max_loras: int | None = None, connector=None):
+        """max_loras (chapter 19): distinct LoRA adapters the running set may hold (None: adapters are off).
+        connector: chapter 17's KV connector, its scheduler side (nanoserve/disagg/connector.py): at admission it
+        says how many prompt tokens another engine computed, and learns where they land."""
         self.config = config
         self.max_loras = max_loras
+        self.connector = connector
         self.block_manager = block_manager  # chapter 05's BlockManager (or the learner's)
         self.policy = policy or PriorityPolicy()  # chapter 15: the orders (nanoserve/engine/policies/)
         self.clock = clock
@@ -193,12 +199,17 @@ class Scheduler:
         while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
             seq = self.waiting[0]
             computed = self.num_cached_tokens(seq)
-            n = self.num_new_tokens(seq, computed, budget)
-            if n == 0 or not self.lora_fits(seq) or self._allocate(seq, computed + n) is None:
+            # chapter 17: prompt tokens a prefill engine computed are loaded, not computed (and cost no budget)
+            external = self.connector.get_num_new_matched_tokens(seq, computed) if self.connector else 0
+            n = self.num_new_tokens(seq, computed + external, budget)
+            if n == 0 or not self.lora_fits(seq) or self._allocate(seq, computed + external + n) is None:
                 break  # the head waits for budget, an adapter slot or blocks
+            if external:
+                self.connector.update_state_after_alloc(seq, self.block_manager.block_table(seq.seq_id), computed,
+                                                        external)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = computed
+            seq.num_computed_tokens = computed + external
             if seq.scheduled_time is None:
                 seq.scheduled_time = self.clock()
             bisect.insort(self.running, seq, key=_urgency)

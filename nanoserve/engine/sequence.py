@@ -82,6 +82,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     speculative: bool = True  # add_request(..., speculative=False): this request never speculates
     reject_reason: str | None = None  # chapter 15: why the scheduling policy refused it (--slo-reject)
+    # chapter 17: what the KV connector reads (nanoserve/disagg/connector.py): {"do_remote_decode": True} on a
+    # prefill engine, the prefill engine's answer on a decode engine; None: an ordinary request
+    kv_transfer_params: dict | None = None
     # metrics (perf_counter seconds)
     scheduled_time: float | None = None  # first time the scheduler admitted it
     first_token_time: float | None = None

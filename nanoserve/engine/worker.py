@@ -10,6 +10,7 @@ rank 0 here, the others in their own processes, reached over torch.distributed.
 import ctypes
 import ctypes.util
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 
 import torch
@@ -51,7 +52,7 @@ class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
                  store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance, kv_quant=None,
-                 lora_config=None, lora_manager_class=None, punica=None):
+                 lora_config=None, lora_manager_class=None, punica=None, kv_connector=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
@@ -60,9 +61,11 @@ class Worker:
         compiled (chapter 09, nanoserve/model/compiled.py: "buckets" or "dynamic"); spec_acceptance: chapter 14's
         acceptance module for the runner's verifications (the learner's under --student 14); kv_quant: chapter 18's
         quantize_kv / dequantize_kv module for an int8 / fp8 pool (the learner's under --student 18);
-        lora_config: chapter 19's LoRAConfig — the model's projections get LoRA layers and each step sets which token uses which adapter;
+        lora_config: chapter 19's LoRAConfig — the model's projections get LoRA layers and each step sets which
+        token uses which adapter;
         lora_manager_class, punica: the LoRAModelManager class and the module of its bgmv / sgmv (the learner's
-        under --student 19; None: the reference's)."""
+        under --student 19; None: the reference's); kv_connector: chapter 17's KV connector, its worker side
+        (nanoserve/disagg/connector.py), or None."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.lora_manager = None
@@ -93,6 +96,7 @@ class Worker:
         self.step_degraded = (degraded_model if compile_mode == "eager" or degraded_model is None
                               else CompiledModel(degraded_model, compile_mode))
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
+        self.kv_connector = kv_connector
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
         if self.quantized:
@@ -106,6 +110,8 @@ class Worker:
                  else PagedKVCache(*shape, self.dtype, self.device))
         self.model_runner = self.model_runner_class(self.step_model, cache, self.attention, self.step_degraded,
                                                     self.metadata, self.spec_acceptance)
+        if self.kv_connector is not None:  # it loads before and saves after each decoder layer
+            self.kv_connector.register_kv_caches(cache, self.model.layers)
 
     def init_kv_tier(self, capacity: int, path: str | None = None) -> int:
         """Chapter 18: a file of `capacity` block slots behind the pool; returns a block's bytes."""
@@ -116,16 +122,21 @@ class Worker:
         if scheduler_output.kv_tier_ops:  # before anything writes into the pool (copy-on-write copies included)
             self.kv_tier.apply(self.model_runner.kv_cache, scheduler_output.kv_tier_ops)
         start = time.perf_counter()
-        if self.lora_manager is None:
+        with ExitStack() as after_step:  # what runs once the forward pass is over, last registered first
+            if self.lora_manager is not None:
+                # chapter 19: the step's rows in the runner's order (each sequence's scheduled tokens end to end)
+                self.lora_manager.set_step([(seq.lora_name, scheduler_output.num_scheduled_tokens[seq.seq_id])
+                                            for seq in scheduler_output.scheduled_seqs])
+                after_step.callback(self.lora_manager.end_step)
+            if self.kv_connector is not None:
+                # chapter 17, vLLM's order: bind the step's loads and saves, start the loads; the layers' hooks wait
+                # for each layer's load and save each layer; then wait for the saves, then unbind
+                connector = self.kv_connector
+                connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+                after_step.callback(connector.clear_connector_metadata)
+                after_step.callback(connector.wait_for_save)
+                connector.start_load_kv()
             sampled = self.model_runner.execute_model(scheduler_output, degraded)
-        else:
-            # chapter 19: the step's rows in the runner's order (each sequence's scheduled tokens end to end)
-            self.lora_manager.set_step([(seq.lora_name, scheduler_output.num_scheduled_tokens[seq.seq_id])
-                                        for seq in scheduler_output.scheduled_seqs])
-            try:
-                sampled = self.model_runner.execute_model(scheduler_output, degraded)
-            finally:
-                self.lora_manager.end_step()
         self.step_seconds = time.perf_counter() - start
         return sampled
 

@@ -280,9 +280,6 @@ def build_app(state: ServerState) -> FastAPI:
         tools = tools if tools is not None and tools.offered else None
         if tools is not None and req.stream and params.logprobs is not None:
             raise APIError(400, "logprobs with tools in a stream is not supported by this server", "logprobs")
-        if tools is not None and tools.mode in ("required", "named") and params.stop:  # it would cut the call's JSON
-            raise APIError(400, "stop strings with a tool_choice that forces a call are not supported by this server: "
-                                "a stop string could cut the call's arguments", "stop")
         lora_name = check_model(req.model)
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         tenant = request.state.tenant
@@ -298,13 +295,15 @@ def build_app(state: ServerState) -> FastAPI:
                                                           tenant=tenant, slo=req.slo_targets(),
                                                           speculative=req.speculative,
                                                           cache_salt=prefix_cache_salt(tenant, req.cache_salt),
-                                                          lora_name=lora_name)
+                                                          lora_name=lora_name,
+                                                          kv_transfer_params=req.kv_transfer_params)
         except BaseException as e:
             reservation.close()  # refused: nothing was spent
             if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
                 raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
             if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
-                named = [f for f in ("logit_bias", "stop_token_ids", "max_tokens") if f in str(e)]  # the field named
+                named = [f for f in ("kv_transfer_params", "logit_bias", "stop_token_ids", "max_tokens")
+                         if f in str(e)]  # the field named
                 raise APIError(400, str(e), named[0] if named else None) from None
             if isinstance(e, EngineUnavailable):  # stopped, or a fleet whose replicas did not answer: come back
                 raise APIError(503, str(e), headers={"Retry-After": str(cfg.retry_after_s)}) from None
@@ -342,8 +341,9 @@ def build_app(state: ServerState) -> FastAPI:
         usage = state.streaming.usage(*finals)
         if kind == "completion" and req.echo:
             usage = echo_choices(req, prompt_ids, finals, choices, usage)
+        transfer = {"kv_transfer_params": finals[0].kv_transfer_params} if finals[0].kv_transfer_params else {}
         return {**base, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "choices": choices, "usage": usage}
+                "choices": choices, "usage": usage} | transfer  # chapter 17: a prefill engine's answer to the proxy
 
     def echo_choices(req, prompt_ids: list[int], finals: list, choices: list, usage: dict) -> dict:
         """Completions with echo (chapter 08): each choice's text starts with the prompt's, its logprobs with

@@ -252,6 +252,9 @@ class _SamplingFields(BaseModel):
     # nanoserve's extension: seconds from arrival to the last token (the server's --request-timeout caps it)
     timeout: float | None = Field(None, gt=0)
     speculative: bool = True  # nanoserve's extension (chapter 14): false = never speculate for this request
+    # vLLM's extension (chapter 17): {"do_remote_decode": true} to a prefill engine; its answer's
+    # kv_transfer_params to a decode engine (the proxy, nanoserve/disagg/proxy.py, passes them on)
+    kv_transfer_params: dict | None = None
     response_format: ResponseFormat | None = None  # chapter 13
     structured_outputs: StructuredOutputsFields | None = None  # chapter 13, vLLM's extension
 

@@ -19,8 +19,10 @@ before its calls) and finish_reason "tool_calls"; a stream sends, per call,
     ...
     data: {... "delta": {}, "finish_reason": "tool_calls"}
 
-A named function's arguments stream as the model writes them; a call of "required" or "auto" is sent once its
-JSON object is complete (the name must be known before its first chunk).
+A call is sent once its JSON is complete (a call of "required" or "auto" needs its name before its first chunk; a
+named function's arguments are held until they parse). A call cut by max_tokens is no call, the same streamed or
+not: the completion ends with finish_reason "length", the calls completed before the cut as tool_calls, and the
+cut text (from the call's "{", or the array's "[" when no call completed) as content.
 """
 
 import json
@@ -83,11 +85,13 @@ class ToolCallParser:
         ("call", index, name)        call `index` begins
         ("arguments", index, text)   a fragment of its arguments (JSON text; the fragments concatenate)
 
-    "named": the whole text is the named function's arguments, passed on as it comes. "required": the whole
+    "named": the whole text is the named function's arguments, passed on at finish() if it is one complete JSON
+    object, else handed back as content (cut by max_tokens). "required": the whole
     text is the calls array; a call is passed on once its JSON object is complete. "auto": content, until
     <tool_call> (held back while the text could still become it), then the array as in "required". In "auto"
     without a strict tool nothing guarantees the form: a section that does not parse as calls of these tools
-    (or holds more than max_calls) is handed back as content, from where the parsing stopped.
+    (or holds more than max_calls) is handed back as content, from where the parsing stopped; so is a call cut
+    by max_tokens in any mode (the whole section when no call completed before it).
     """
 
     def __init__(self, plan: ToolPlan):
@@ -103,11 +107,8 @@ class ToolCallParser:
 
     def feed(self, delta: str) -> list[tuple]:
         self.buffer += delta
-        if self.plan.mode == "named":
-            events = [("call", 0, self.plan.named)] if self.num_calls == 0 else []
-            self.num_calls = 1
-            text, self.buffer = self.buffer, ""
-            return events + ([("arguments", 0, text)] if text else [])
+        if self.plan.mode == "named":  # held: only finish() knows whether the arguments are complete
+            return []
         events = []
         if not self.in_calls:
             at = self.buffer.find(BEGIN)
@@ -123,12 +124,20 @@ class ToolCallParser:
     def finish(self) -> list[tuple]:
         """The events left at the end of the text: held-back text, or a section that never became calls."""
         if self.plan.mode == "named":
-            return self.feed("")
+            text, self.buffer = self.buffer, ""
+            try:
+                complete = isinstance(json.loads(text), dict)
+            except json.JSONDecodeError:  # cut by max_tokens
+                complete = False
+            if complete:
+                self.num_calls = 1
+                return [("call", 0, self.plan.named), ("arguments", 0, text)]
+            return [("content", text)] if text else []
         rest = self.buffer
         if self.in_calls:
             rest = self.buffer[self.pos:].strip()
-            if self.plan.mode == "auto" and not self.num_calls:
-                rest = BEGIN + self.buffer  # nothing became a call: the whole section is the reply's text
+            if not self.num_calls:  # nothing became a call (cut, or no calls of these tools): the section is text
+                rest = (BEGIN if self.plan.mode == "auto" else "") + self.buffer
             elif self.closed and rest.startswith(END):
                 rest = rest[len(END):]
             elif self.plan.mode == "required" and self.closed:

@@ -5,7 +5,7 @@ and one step's bitmask (vLLM's StructuredOutputManager, in small).
     before each forward    for every constrained sequence that samples this step:
                              sync its matcher to seq.output_token_ids, fill its row of the bitmask
     ModelRunner.sample     GrammarBitmask.apply: -inf on the disallowed tokens of those rows only
-    a sequence finishes    release its matcher
+    a sequence finishes    sync its matcher to the final tokens (the last one is checked nowhere else), release it
 
 The engine thread fills the masks (xgrammar: tens of microseconds a row) while the scheduler never sees
 them: the bitmask rides in SchedulerOutput to the model runner like the block tables do.
@@ -143,8 +143,19 @@ class StructuredOutputManager:
         failures, self.failures = self.failures, {}
         return failures
 
-    def release(self, seq_id: str, request_id: str, request_done: bool) -> None:
-        """A completion finished: drop its matcher; the request's grammar goes with its last completion."""
-        self.matchers.pop(seq_id, None)
+    def release(self, seq_id: str, request_id: str, request_done: bool, output_token_ids: list[int] | None = None) -> None:
+        """A completion finished: drop its matcher; the request's grammar goes with its last completion.
+
+        output_token_ids: its final tokens when it finished by sampling (not by an abort). Its last token was
+        sampled after the last sync, and no later step will check it: the matcher (a fresh one if it never had
+        one: a fork finishing at its first token) is synced to them here, and a refusal fails the request
+        (take_failures) like a refusal at a step's sync does."""
+        matcher = self.matchers.pop(seq_id, None)
+        grammar = self.grammars.get(request_id)
+        if output_token_ids is not None and grammar is not None:
+            try:
+                (matcher or self._matcher(grammar)).sync(output_token_ids)
+            except reference_matcher.GrammarViolation as e:
+                self.failures[request_id] = f"the output left its grammar: {e}"
         if request_done:
             self.grammars.pop(request_id, None)

@@ -21,6 +21,8 @@ their order everywhere.
 import json as _json
 from dataclasses import dataclass, field
 
+from nanoserve.structured.trie_grammar import MAX_CHOICE_NODES, trie_nodes
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 _LITERALS = ("enum", "const", "default", "examples")  # values the grammar writes verbatim: never reordered
 
@@ -71,6 +73,10 @@ class StructuredOutputsParams:
             if not isinstance(self.choice, list) or not self.choice or \
                     not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            nodes = len(trie_nodes(self.choice))
+            if nodes > MAX_CHOICE_NODES:  # each node's mask is a walk over the vocabulary at compile time
+                raise ValueError(f"choice has {nodes} trie nodes (distinct prefixes of its choices' bytes), over "
+                                 f"this server's limit of {MAX_CHOICE_NODES}")
             text = _json.dumps(self.choice, separators=(",", ":"), ensure_ascii=False)
         elif kind == "json_object":
             text = "object"

@@ -1,13 +1,15 @@
 """Chapter 13 — a choice list needs no grammar compiler: its trie (exercise 13.1's choice.py) is the automaton.
 
 `"structured_outputs": {"choice": ["red", "green", "blue"]}` compiles here, not in xgrammar: the trie of the
-choices' bytes is built once, and the mask of a trie node — which of the 49,152 tokens walk on down from it —
-is computed by `choice_mask` the first time a sequence stands there, then kept, packed to int32 words like
-xgrammar's rows (xgrammar's adaptive mask cache is the same idea for a pushdown automaton):
+choices' bytes is built, and the mask of every trie node — which of the 49,152 tokens walk on down from it, by
+`choice_mask` — is computed then, packed to int32 words like xgrammar's rows. Compiling runs in the grammar
+cache's pool (compiler.py), so the engine thread only looks masks up; a Python walk over the whole vocabulary per
+node is slow (`bench structured` times one beside xgrammar's fill of the same choices), which is why a choice list may have
+at most MAX_CHOICE_NODES trie nodes (params.py refuses more: a 400 naming structured_outputs):
 
-    choices "red", "green", "blue"       trie nodes: 1 root + 12 below      masks cached: at most 13 x 6 KiB
-    output b""     -> mask(root)         computed (~30 ms of Python), kept
-    output b"gr"   -> mask(node g-r)     computed, kept; the next request asking for these choices finds both
+    choices "red", "green", "blue"       trie nodes: 1 root + 12 below      masks: 13 x 6 KiB, all at compile time
+    output b""     -> mask(root)         looked up
+    output b"gr"   -> mask(node g-r)     looked up; the next request asking for these choices finds the same grammar
 
 Keyed by the output's *bytes*, not its tokens: [g][reen] and [gre][en] stand at the same node. The matcher has the
 SequenceMatcher's interface (sync / fill / is_terminated), so the engine drives both kinds alike, and its state is
@@ -20,7 +22,17 @@ import torch
 
 from nanoserve.structured.matcher import GrammarViolation
 
+MAX_CHOICE_NODES = 256  # a choice list's trie nodes (params.py refuses more): each one's mask is computed at compile
 _BYTE_WEIGHTS = 1 << torch.arange(8)  # bit j of a byte is worth 2 ** j: token 8k + j is bit j of byte k
+
+
+def trie_nodes(choices: list[str]) -> list[bytes]:
+    """Every node of the choices' trie as its path from the root, b"" first.
+
+        >>> trie_nodes(["no", "not"])
+        [b'', b'n', b'no', b'not']
+    """
+    return sorted({c.encode()[:i] for c in choices for i in range(len(c.encode()) + 1)}, key=lambda p: (len(p), p))
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
@@ -37,24 +49,21 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 
 class ChoiceGrammar:
-    """One choice list, compiled: its trie, and the packed mask of every node a sequence has stood at."""
+    """One choice list, compiled: its trie, and the packed mask of every node of it."""
 
     def __init__(self, choices: list[str], vocab: list[bytes], stop_token_ids: list[int], choice_module: ModuleType):
         self.choices, self.vocab, self.stop_token_ids = choices, vocab, stop_token_ids
         self.choice_module = choice_module  # the learner's exercises/13 choice.py under --student 13
         self.trie = choice_module.build_trie(choices)
-        self.masks: dict[bytes, torch.Tensor] = {}  # the output so far -> its packed next-token mask
-        nodes = 1 + sum(len(c.encode()) for c in choices)  # at most: shared prefixes make fewer
-        # the cache's bound (the LRU counts this when it stores the grammar): every node's mask, at most
-        self.memory_size_bytes = nodes * 4 * ((len(vocab) + 31) // 32)
+        # the output so far -> its packed next-token mask, for every node (path from the root) of the trie
+        self.masks: dict[bytes, torch.Tensor] = {
+            prefix: pack_bitmask(choice_module.choice_mask(self.trie, prefix, vocab, stop_token_ids))
+            for prefix in trie_nodes(choices)}
+        self.memory_size_bytes = len(self.masks) * 4 * ((len(vocab) + 31) // 32)  # what the cache's LRU counts
 
     def mask(self, prefix: bytes) -> torch.Tensor:
-        """The packed mask of what may follow the output `prefix`, computed once per node."""
-        packed = self.masks.get(prefix)
-        if packed is None:
-            allowed = self.choice_module.choice_mask(self.trie, prefix, self.vocab, self.stop_token_ids)
-            packed = self.masks[prefix] = pack_bitmask(allowed)
-        return packed
+        """The packed mask of what may follow the output `prefix` (a node of the trie: the matcher checked)."""
+        return self.masks[prefix]
 
     def leads_on(self, prefix: bytes) -> bool:
         """`prefix` is a path from the trie's root: some choice starts with it."""
