@@ -148,6 +148,9 @@ def test_a_speculative_flag_the_engine_cannot_honour_is_refused_in_one_line(flag
     assert main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--no-progress", *flags]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
+    if named == "--num-speculative-tokens":  # serve refuses it too, before it binds its port
+        assert main(["serve", "--port", "0", *flags]) == 2
+        assert named in capsys.readouterr().err
 
 
 def test_seeded_sampling_with_speculation_completes_and_is_reproducible(model):
