@@ -21,7 +21,7 @@ import socket
 import sys
 
 from nanoserve.cli import checks
-from nanoserve.cli.batch import add_engine_args, llm_from_args
+from nanoserve.cli.batch import add_engine_args, check_engine_args, llm_from_args
 from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, kv_events_warning, run_fleet
 
 
@@ -181,7 +181,7 @@ def check_args(args) -> str | None:
                         slo_reject=args.slo_reject, **args.tenant_settings)
     except ValueError as e:
         return str(e)
-    problem = check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
+    problem = check_engine_args(args) or check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
     return problem or check_fleet_args(args)
 
 

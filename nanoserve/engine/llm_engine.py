@@ -565,7 +565,8 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name,
+                             speculative=seq.speculative)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:
