@@ -122,6 +122,32 @@ def test_a_load_waits_for_its_slot_s_write():
     assert not os.path.exists(path)  # its own temporary file is removed
 
 
+def test_an_existing_file_is_never_taken_over(tmp_path):
+    """--kv-tier-path names a new file: an existing one (the user's data) is refused, untouched and not removed."""
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    with pytest.raises(ValueError, match="exists"):
+        FileKVTier(4, 64, str(precious))
+    assert precious.read_text() == "keep me"
+
+
+def test_a_failed_write_fails_the_next_load_and_flush_instead_of_hanging():
+    """The writer thread's error is recorded, its write still counts as finished (nobody waits forever), and the
+    next load and flush raise it. A file too narrow for the block makes the write raise."""
+    pool = PagedKVCache(1, 3, 2, 1, 4)
+    tier = FileKVTier(2, block_nbytes(pool))
+    tier.slots = torch.zeros(2, 1, dtype=torch.uint8)  # copy_ of a whole block into 1 byte raises in the writer
+    tier.offload(pool, 0, 1)
+    with pytest.raises(RuntimeError, match="writer failed") as failure:
+        tier.load(pool, 1, 2)
+    assert isinstance(failure.value.__cause__, RuntimeError) and not tier.pending
+    with pytest.raises(RuntimeError, match="writer failed"):
+        tier.flush()
+    assert tier.stats.bytes_written == 0
+    tier.close()
+    assert not tier.writer.is_alive()
+
+
 # --- the engine ---------------------------------------------------------------------------------------------------
 
 def serve(engine, prompts, max_tokens=4, abort=()):
@@ -218,15 +244,38 @@ def test_stress_of_evictions_hits_and_aborts_leaves_no_block_or_slot(tiny):
     assert not tier.writer.is_alive() and not os.path.exists(tier.path)
 
 
-def test_tier_settings_are_checked(tiny):
-    with pytest.raises(ValueError, match="kv_tier_blocks must be >= 0"):
-        LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=-1))
+def test_tier_settings_are_checked(tiny, tmp_path):
+    for blocks in (-1, 1):  # one slot could never be loaded from: a load takes at most half the tier
+        with pytest.raises(ValueError, match="kv_tier_blocks must be 0"):
+            LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=blocks))
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, enable_prefix_caching=False))
     with pytest.raises(ValueError, match="needs kv_tier_blocks > 0"):
         LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_path="/tmp/kv.bin"))
     with pytest.raises(ValueError, match="chapter 05"):
         LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, student="05"))
+    for dtype in ("int8", "fp8"):  # chapter 05's attention would be dropped for the quantized one: refused
+        with pytest.raises(ValueError, match="chapter 05's paged attention"):
+            LLMEngine(tiny, engine_config(num_blocks=8, kv_cache_dtype=dtype, student="05"))
+    precious = tmp_path / "kv.bin"
+    precious.write_bytes(b"user data")
+    with pytest.raises(ValueError, match="exists"):
+        LLMEngine(tiny, engine_config(num_blocks=8, kv_tier_blocks=8, kv_tier_path=str(precious)))
+    assert precious.read_bytes() == b"user data"
+
+
+@pytest.mark.parametrize("flags, named", [(["--kv-tier-blocks", "1"], "0 or an integer >= 2"),
+                                          (["--kv-tier-blocks", "8", "--kv-tier-path", "EXISTING"], "exists")])
+def test_tier_flags_are_refused_in_one_line(flags, named, tmp_path, capsys):
+    from nanoserve.cli import main
+
+    (tmp_path / "kv.bin").write_bytes(b"user data")
+    argv = ["batch"] + [str(tmp_path / "kv.bin") if f == "EXISTING" else f for f in flags]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+    assert (tmp_path / "kv.bin").read_bytes() == b"user data"
 
 
 def test_student_18_serves_the_learners_tier_policy_and_quantizer(tiny, exercises):

@@ -111,8 +111,9 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
-        if cache.kv_tier_blocks < 0:
-            raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {cache.kv_tier_blocks}")
+        if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
+            raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
+                             f"tier's slots), got {cache.kv_tier_blocks}")
         if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
             raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
         if cache.kv_tier_blocks and not cache.enable_prefix_caching:
@@ -120,6 +121,9 @@ class LLMEngine:
         if cache.kv_tier_blocks and "05" in student.chapters:
             raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
                              "selected in student")
+        if cache.kv_cache_dtype in ("int8", "fp8") and "05" in student.chapters:
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype} runs chapter 18's quantized attention, not "
+                             "chapter 05's paged attention selected in student: drop one of them")
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
