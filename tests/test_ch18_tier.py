@@ -5,6 +5,7 @@ bit for bit; greedy text with the tier against the same requests recomputed with
 
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,6 +69,26 @@ def test_should_load_by_hand():
     assert should_load(1, 46_080, 5e-4, 1e9)  # no latency: only the rates matter
     assert not should_load(1, 1000, 1e-3, 1e6)  # equal cost: recompute
     assert should_load(4, 46_080, None, 1e9) and should_load(4, 46_080, 5e-4, None)  # not measured yet: load
+
+
+@pytest.mark.exercise("18.1")
+def test_the_tiered_block_manager_s_worked_example():
+    """nanoserve/kv/tiered_block_manager.py's docstring, step by step (loading always pays here)."""
+    from nanoserve.kv.tiered_block_manager import TieredBlockManager
+
+    always = SimpleNamespace(should_load=lambda *costs: True)
+    bm = TieredBlockManager(3, 4, tier_index(8), bytes_per_token=1.0, load_policy=always)
+    a, b = list(range(100, 112)), list(range(200, 212))
+    assert bm.allocate_slots(1, a, 12) == [0, 1, 2] and bm.take_tier_ops() == []
+    bm.free(1)
+    assert bm.allocate_slots(2, b, 12) == [2, 1, 0]
+    assert bm.take_tier_ops() == [("offload", 2, 0), ("offload", 1, 1), ("offload", 0, 2)]
+    bm.free(2)
+    assert bm.lookup_prefix(a) == 8
+    assert bm.allocate_slots(3, a, 12) == [0, 1, 2]
+    assert bm.take_tier_ops() == [("offload", 0, 3), ("load", 2, 0), ("offload", 1, 4), ("load", 1, 1),
+                                  ("offload", 2, 5)]
+    assert bm.tier_stats.hit_tokens == 8 and bm.tier_stats.loaded_blocks == 2
 
 
 def test_line_fit_by_hand():
