@@ -186,6 +186,15 @@ def serve(engine, prompts, max_tokens=4, abort=()):
     return outs
 
 
+def always_load(engine):
+    """The engine's load-or-recompute decision still runs (and is counted) but loading is taken: on the tiny model a
+    prefill and a load both cost microseconds, and which one measures cheaper on a busy machine is chance. The
+    decision itself is tested by hand (test_should_load_by_hand) and by rates (test_recompute_is_chosen_...)."""
+    decide = engine.block_manager.should_load
+    engine.block_manager.should_load = lambda *costs: decide(*costs) or True
+    return engine
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_llama()
@@ -205,7 +214,7 @@ def test_a_second_tier_hit_gives_the_recomputed_text(tiny, kv_cache_dtype):
     prompts = users(tiny.config.vocab_size)
     config = dict(num_blocks=16, block_size=4, kv_cache_dtype=kv_cache_dtype)
     expected = serve(LLMEngine(tiny, engine_config(**config, enable_prefix_caching=False)), prompts)
-    engine = LLMEngine(tiny, engine_config(**config, kv_tier_blocks=64))
+    engine = always_load(LLMEngine(tiny, engine_config(**config, kv_tier_blocks=64)))
     try:
         assert serve(engine, prompts) == expected
         stats = engine.kv_tier_stats()
@@ -306,8 +315,8 @@ def test_student_18_serves_the_learners_tier_policy_and_quantizer(tiny, exercise
         exercises(module)
     prompts = users(tiny.config.vocab_size)
     config = dict(num_blocks=16, block_size=4, kv_tier_blocks=64, kv_cache_dtype="int8")
-    expected_engine = LLMEngine(tiny, engine_config(**config))
-    engine = LLMEngine(tiny, engine_config(**config, student="18"))
+    expected_engine = always_load(LLMEngine(tiny, engine_config(**config)))
+    engine = always_load(LLMEngine(tiny, engine_config(**config, student="18")))
     try:
         assert type(engine.block_manager.tier).__module__ == "student_nanoserve_kv_tier_index"
         assert serve(engine, prompts) == serve(expected_engine, prompts)
@@ -326,7 +335,7 @@ def test_metrics_count_the_tier(tiny):
     from nanoserve.server.metrics import PrometheusStatLogger
 
     logger = PrometheusStatLogger("m")
-    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64))
+    engine = always_load(LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64)))
     try:
         for i, prompt in enumerate(users(tiny.config.vocab_size)):
             engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
