@@ -6,8 +6,8 @@
 The file is mapped into memory (torch.from_file(shared=True) is an mmap): slot s is bytes
 [s · block_nbytes, (s + 1) · block_nbytes), one block of every layer's K and V (and, for an int8 / fp8
 pool, their scales), laid out tensor after tensor. Here the pool lives in host memory already, so the
-"device to host" copy is a memcpy and the file is the slower, larger tier; on a GPU machine the same two
-stages are the GPU pool -> pinned host memory (the second tier, as in SGLang's HiCache) -> the file (a third).
+"device to host" copy is a memcpy and the file is the one slower, larger tier. There is no host-memory tier:
+a GPU build would add one (pinned host slots between the GPU pool and the file, as in SGLang's HiCache).
 
 Why a staging copy: an evicted block is handed out for new contents in the very step that evicts it, so its
 bytes must be copied out before that step's forward pass writes into it. The copy is quick; the write to the
