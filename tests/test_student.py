@@ -598,6 +598,18 @@ def test_finished_15_fair_charges_each_tenant_its_tokens_over_its_weight(tiny, e
     assert calls["fair_order"] > 0 and calls["FairPolicy.on_scheduled"] > 0 and calls["FairPolicy.catch_up"] > 0
 
 
+def test_student_15_under_a_policy_that_asks_nothing_says_which_flag_plugs_it_in(tiny, exercises):
+    """--student 15 with the default policy (priority): none of chapter 15's code runs, and the notice names the
+    flag that would make it run."""
+    finish("nanoserve.engine.policies.fair", ["fair_order", "FairPolicy.catch_up", "FairPolicy.on_scheduled"])
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="15"))
+    lines = engine.student.describe().splitlines()
+    assert "  (no exercise of chapter 15 plugs into this run: grade them with make grade CH=NN)" in lines
+    assert any("add --scheduling-policy slo or fair" in line for line in lines), lines
+    fair = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, scheduling_policy="fair", student="15"))
+    assert "--scheduling-policy" not in fair.student.describe()
+
+
 def test_finished_17_receives_into_its_own_slots(exercises):
     """--student 17, rung 17.1: the decode engine plans each transferred prompt's load with the learner's
     num_tokens_to_receive and receive_slots; its greedy tokens are a colocated engine's."""

@@ -174,6 +174,13 @@ def check_args(args) -> str | None:
         return f"--api-keys: {e}"
     if args.scheduling_policy is None:
         args.scheduling_policy = default_policy(args.api_keys)
+    from nanoserve.engine.config import SchedulerConfig
+
+    try:  # a scheduling flag or tenant setting the chosen policy would not read is refused, not dropped
+        SchedulerConfig(policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                        slo_reject=args.slo_reject, **args.tenant_settings)
+    except ValueError as e:
+        return str(e)
     problem = check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
     return problem or check_fleet_args(args)
 

@@ -178,10 +178,7 @@ class LLMEngine:
         self.block_manager = block_manager
         sched = config.scheduler_config
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
-        policy = make_policy(sched.policy, default_slo=SLOTargets(sched.slo_ttft_ms, sched.slo_tpot_ms),
-                             slo_reject=sched.slo_reject, tenant_weights=sched.tenant_weights,
-                             tenant_slos=sched.tenant_slos, max_num_batched_tokens=sched.max_num_batched_tokens,
-                             modules=student.module)
+        policy = make_policy(sched, modules=student.module)
         # chapter 19: the scheduler admits no request whose adapter would be one too many for the step's slots
         lora_slots = {} if lora is None else {"max_loras": lora.max_loras}
         self.kv_connector = self._kv_connector_scheduler(kv_worker)  # chapter 17: its scheduler side, or None
@@ -292,6 +289,10 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        if slo is not None and self.scheduler.policy.name != "slo":  # chapter 15: refused, not silently ignored
+            field = "ttft_slo_ms" if slo.ttft_ms is not None else "tpot_slo_ms"
+            raise ValueError(f"request {request_id!r}: {field} is read by the slo scheduling policy only; this engine "
+                             f"schedules by {self.scheduler.policy.name!r} (--scheduling-policy slo)")
         if kv_transfer_params is not None:
             if self.kv_connector is None:
                 raise ValueError("kv_transfer_params: this engine has no KV connector (serve --kv-role)")

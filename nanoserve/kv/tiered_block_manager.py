@@ -127,8 +127,8 @@ class TieredBlockManager(BlockManager):
             self.tier.mark_used(slot)
         blocks = self.allocator.allocate(len(run))
         for block_id, (slot, h, parent, tokens) in zip(blocks, run):
-            self.stats.evicted_blocks += self.prefix_cache.evict(block_id)  # queues its offload first
-            self.prefix_cache.insert(h, parent, tokens, block_id)
+            self._evict(block_id)  # queues its offload first; both tell the KV-event listeners (chapter 16)
+            self._cache(h, parent, tokens, block_id)
             self.tier_ops.append(("load", slot, block_id))
         self.tier_stats.hit_tokens += len(run) * self.block_size
         self.tier_stats.loaded_blocks += len(run)
