@@ -127,7 +127,7 @@ def test_a_block_written_out_and_read_back_is_bit_exact(pool, tmp_path):
     assert (s.offloads, s.loads, s.bytes_written, s.bytes_read) == (2, 2, 2 * tier.block_nbytes, 2 * tier.block_nbytes)
     assert os.path.getsize(tmp_path / "kv.bin") == 4 * tier.block_nbytes
     tier.close()
-    assert not tier.writer.is_alive() and not os.path.exists(tmp_path / "kv.bin")  # it created the file: removed
+    assert not tier.writer.is_alive() and not os.path.exists(tmp_path / "kv.bin")  # the tier's own file: removed
 
 
 def test_a_load_waits_for_its_slot_s_write():
