@@ -77,11 +77,12 @@ def add_engine_args(p):
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"],
                    help="the KV pool's dtype: auto = the model's (float32); bf16 halves the bytes per token (ch 06); "
                         "int8 / fp8: 8-bit codes with a scale per token and kv head, 1.94x bf16's blocks (ch 18)")
-    p.add_argument("--kv-tier-blocks", type=checks.non_negative_int, default=0, metavar="N",
-                   help="a second KV tier (chapter 18): evicted prefix blocks go to a file of N block slots and are "
-                        "loaded back on a hit (0: off)")
-    p.add_argument("--kv-tier-path", default=None, metavar="FILE",
-                   help="with --kv-tier-blocks: the tier's file (default: a temporary file, removed at exit)")
+    p.add_argument("--kv-tier-blocks", type=checks.tier_blocks, default=0, metavar="N",
+                   help="a second KV tier (chapter 18): evicted prefix blocks go to a file of N >= 2 block slots and "
+                        "are loaded back on a hit, at most N/2 blocks per new sequence (0: off)")
+    p.add_argument("--kv-tier-path", default=None, metavar="FILE", type=checks.new_file,
+                   help="with --kv-tier-blocks: the tier's file, which must not exist yet (default: a temporary file; "
+                        "either is removed at exit)")
     p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
                    help="eager: op by op (the reference); buckets / dynamic: each step's forward through torch.compile, "
                         "padded up to a few fixed token counts or with a symbolic one (chapter 09; compiled code is "

@@ -111,8 +111,9 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
-        if cache.kv_tier_blocks < 0:
-            raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {cache.kv_tier_blocks}")
+        if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
+            raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
+                             f"tier's slots), got {cache.kv_tier_blocks}")
         if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
             raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
         if cache.kv_tier_blocks and not cache.enable_prefix_caching:
@@ -120,6 +121,9 @@ class LLMEngine:
         if cache.kv_tier_blocks and "05" in student.chapters:
             raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
                              "selected in student")
+        if cache.kv_cache_dtype in ("int8", "fp8") and "05" in student.chapters:
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype} runs chapter 18's quantized attention, not "
+                             "chapter 05's paged attention selected in student: drop one of them")
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
@@ -159,7 +163,7 @@ class LLMEngine:
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
         if block_manager is None and cache.kv_tier_blocks:  # chapter 18 (the learner's 18.1 / 18.2 where finished)
-            block_bytes = self.executor.workers[0].init_kv_tier(cache.kv_tier_blocks, cache.kv_tier_path)
+            block_bytes = self.executor.init_kv_tier(cache.kv_tier_blocks, cache.kv_tier_path)
             block_manager = TieredBlockManager(num_blocks, cache.block_size,
                                                student.module("nanoserve.kv.tier_index").TierIndex(cache.kv_tier_blocks),
                                                block_bytes / cache.block_size,
@@ -399,10 +403,11 @@ class LLMEngine:
     def _measure_tier(self, out: SchedulerOutput) -> None:
         """Feed the step's measured costs to the load-or-recompute decision: (tokens computed, forward seconds),
         and (bytes, seconds) of its loads."""
-        worker, rates = self.executor.workers[0], self.block_manager.rates
+        rates = self.block_manager.rates
+        stats, step_seconds = self.executor.kv_tier_stats()
         if out.total_num_scheduled_tokens:
-            rates.steps.add(out.total_num_scheduled_tokens, worker.step_seconds)
-        stats, seen = worker.kv_tier.stats, self._tier_seen
+            rates.steps.add(out.total_num_scheduled_tokens, step_seconds)
+        seen = self._tier_seen
         if stats.loads > seen[0]:
             rates.loads.add(stats.bytes_read - seen[1], stats.load_seconds - seen[2])
         self._tier_seen = (stats.loads, stats.bytes_read, stats.load_seconds)
@@ -412,7 +417,7 @@ class LLMEngine:
         bytes, stalls, the measured rates."""
         if not self.config.cache_config.kv_tier_blocks:
             return None
-        bm, tier = self.block_manager, self.executor.workers[0].kv_tier.stats
+        bm, (tier, _) = self.block_manager, self.executor.kv_tier_stats()
         rates = bm.rates
         return {"pool_hit_tokens": bm.stats.hit_tokens - bm.tier_stats.hit_tokens,
                 "tier_hit_tokens": bm.tier_stats.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
