@@ -85,10 +85,10 @@ class LLM:
             check_weight_format(weights)  # before the model loads
         if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
                                          or attention_backend == "triton" or kv_cache_dtype != "auto"
-                                         or compile_mode != "eager"):
+                                         or compile_mode != "eager" or speculative == "draft"):
             raise ValueError("tensor_parallel_size > 1 runs float32 weights with the torch attention backend: "
-                             "weights, degrade_under_load, kv_cache_dtype, compile_mode and attention_backend='triton' "
-                             "are single-process only")
+                             "weights, degrade_under_load, kv_cache_dtype, compile_mode, attention_backend='triton' "
+                             "and speculative='draft' (its layers would run on rank 0 alone) are single-process only")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
         if tensor_parallel_size > 1:

@@ -181,6 +181,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
 }
 
 
+# chapters whose exercises a run uses only under a flag: what --student NN's notice tells the learner to add
+PLUG_IN = {"15": "under a policy that asks it: add --scheduling-policy slo or fair"}
+
+
 def use_student() -> bool:
     return os.environ.get("NANOSERVE_IMPL", "reference") == "student"
 
@@ -414,6 +418,7 @@ class StudentCode:
         if idle:
             lines.append(f"  (no exercise of chapter {', '.join(idle)} plugs into this run: grade them with "
                          f"make grade CH=NN)")
+        lines += [f"  (chapter {ch}'s code runs only {PLUG_IN[ch]})" for ch in idle if ch in PLUG_IN]
         return "\n".join(lines)
 
     def proof(self, served: str = "") -> str:

@@ -144,13 +144,15 @@ def test_rollback_shrinks_the_table_and_frees_the_blocks_of_rejected_slots():
 
 @pytest.mark.exercise("14.4")
 def test_rollback_never_uncovers_a_cached_block_and_rejected_tokens_are_never_cached():
-    bm = BlockManager(8, block_size=4, allocator=BlockAllocator(8))
+    allocator = BlockAllocator(8)
+    bm = BlockManager(8, block_size=4, allocator=allocator)
     real = [1, 2, 3, 4, 5]
     bm.allocate_slots("s", real, 5)
-    bm.allocate_slots("s", real, 5 + 6)  # 6 proposals: positions [5, 11), blocks 1 and 2
-    assert len(bm.block_hashes["s"]) == 1  # only block 0 (real tokens 1 2 3 4) is in the cache
-    rollback().rollback_slots(bm, "s", 5)
-    assert bm.block_table("s") == bm.block_tables["s"][:2] and len(bm.block_table("s")) == 2
+    table_before = list(bm.allocate_slots("s", real, 5 + 6))  # 6 proposals: positions [5, 11), blocks 1 and 2
+    assert len(table_before) == 3 and len(bm.block_hashes["s"]) == 1  # only block 0 (tokens 1 2 3 4) is cached
+    assert rollback().rollback_slots(bm, "s", 5) == table_before[2:]  # none accepted: [0, 5) real, 2 blocks
+    assert bm.block_table("s") == table_before[:2]
+    assert table_before[2] in allocator.free_list and allocator.get_num_free_blocks() == 6  # back in the pool
     assert bm.lookup_prefix([1, 2, 3, 4, 9]) == 4 and bm.lookup_prefix([1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
     bm.free("s")
     assert bm.get_num_free_blocks() == 8
@@ -180,3 +182,29 @@ def test_block_manager_shrink_frees_the_tail_and_keeps_cached_blocks():
     with pytest.raises(RuntimeError):
         bm.shrink("s", 0, 0)  # block 0 is in the prefix cache
     assert bm.block_table("s") == table[:2]
+
+
+def test_the_counters_and_the_model_of_section_5_by_hand():
+    """4 verified proposals of k = 4: three kept all four tokens, one kept 1 and was cut short by a rejection.
+    Tested tokens: 13 accepted + 1 rejected (the 2 after the rejection were never tested), so α = 13/14;
+    tokens emitted per verifying step: (13 accepted + 4 corrections/bonuses) / 4 = 4.25."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench.spec import Measured, best_k, expected_length
+    from nanoserve.spec_decode.policy import SpecDecodeStats
+
+    s = SpecDecodeStats(num_drafts=4, num_draft_tokens=16, num_accepted_tokens=13, num_rejections=1)
+    assert s.alpha == 13 / 14 and s.mean_accepted_length == 4.25 and s.acceptance_rate == 13 / 16
+    assert SpecDecodeStats().alpha == 0.0 and SpecDecodeStats().mean_accepted_length == 0.0
+    assert expected_length(0.5, 2) == 1 + 0.5 + 0.25 and expected_length(0.0, 4) == 1 and expected_length(1.0, 4) == 5
+    assert expected_length(13 / 14, 4) == pytest.approx(sum((13 / 14) ** j for j in range(5)))
+    # section 5's worked examples: α = 0.5, c = 0.25 -> S(1) = 1.20 > S(2) = 1.17; α = 0.8, c = 0.05 -> k = 8
+    assert best_k(0.5, 0.25) == 1 and best_k(0.8, 0.05) == 8
+    assert best_k(0.0, 0.39) == 0  # nothing accepted: every k loses to no speculation
+    # and bench spec's row says so: "off" in the best-k column (α = 0, a verify of 2 costing 1.78 decode steps)
+    stats = SpecDecodeStats(num_drafts=3, num_draft_tokens=6, num_accepted_tokens=0, num_rejections=3)
+    base, spec = Measured(None), Measured(SimpleNamespace(spec_stats=stats), k=2)
+    for m, steps in ((base, {1: [1.0]}), (spec, {3: [1.78]})):
+        m.add([[0] * 10], 1.0)
+        m.steps.update(steps)
+    assert spec.row("ngram k=2", base).split()[-1] == "off"

@@ -57,6 +57,21 @@ def test_greedy_is_token_identical_alone_and_in_a_mixed_batch(model, plain, meth
     assert any(mixed_steps)
 
 
+def test_greedy_parity_with_penalties_and_logit_bias(model, plain):
+    """Penalties read the tokens before each row: row i of a verify must see the prompt, the output and
+    d_1..d_i, as plain decoding would have. A penalty applied to the wrong row (the same counts for all k + 1
+    rows, say) changes a greedy token somewhere in these 8 requests."""
+    reqs = requests(8)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, repetition_penalty=1.05,
+                             frequency_penalty=0.1, presence_penalty=0.05, logit_bias={5: 1.0, 7: -2.0})
+              for _, m in reqs]
+    expected = run(engine(model), reqs, params)
+    assert expected != {i: plain[i] for i in range(len(reqs))}  # the penalties change what is generated
+    e = engine(model, "ngram", num_speculative_tokens=3)
+    assert run(e, reqs, params) == expected
+    assert 0 < e.spec_stats.num_accepted_tokens < e.spec_stats.num_draft_tokens
+
+
 def mixed(so) -> bool:
     """Did the step verify proposals beside a prefill chunk?"""
     return any(n > 1 and s.num_output_tokens > 2 for s, n in ((s, so.num_scheduled_tokens[s.seq_id])
@@ -98,11 +113,13 @@ def test_stop_token_inside_an_accepted_run(model, plain):
 
 def test_opt_out_and_the_batch_size_policy(model):
     reqs = requests(3)
-    e = engine(model, "ngram")
-    e.add_request("no", reqs[0][0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), speculative=False)
-    while e.has_unfinished_requests():
-        e.step()
-    assert e.spec_stats.num_drafts == 0
+    for n in (1, 2):  # n = 2: the opt-out reaches the forked completion too
+        e = engine(model, "ngram")
+        e.add_request("no", reqs[0][0], SamplingParams(n=n, temperature=0, max_tokens=20, ignore_eos=True),
+                      speculative=False)
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.spec_stats.num_drafts == 0, n
     e = engine(model, "ngram", speculative_disable_by_batch_size=2)
     drafts_while_two_run = []
     run(e, reqs, on_step=lambda so: drafts_while_two_run.append(
@@ -110,6 +127,30 @@ def test_opt_out_and_the_batch_size_policy(model):
                                             for s in so.scheduled_seqs)))
     assert not any(drafts_while_two_run)
     assert e.spec_stats.num_drafts > 0  # the last one alone speculated
+
+
+def test_a_draft_under_tensor_parallelism_is_refused(model):
+    """The draft runs the model's first layers on rank 0 alone: ranks 1 .. n-1 would wait for a collective that
+    never comes. Refused before any process starts, by LLM and on the command line (one error: line, exit 2)."""
+    from nanoserve.llm import LLM
+
+    with pytest.raises(ValueError, match="speculative='draft'"):
+        LLM(model, tensor_parallel_size=2, speculative="draft")
+
+
+@pytest.mark.parametrize("flags, named", [(["--speculative", "draft", "--tensor-parallel-size", "3"], "speculative"),
+                                          (["--num-speculative-tokens", "3"], "--num-speculative-tokens")])
+def test_a_speculative_flag_the_engine_cannot_honour_is_refused_in_one_line(flags, named, tmp_path, capsys):
+    from nanoserve.cli import main
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Hi", "max_tokens": 2}\n')
+    assert main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--no-progress", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], lines
+    if named == "--num-speculative-tokens":  # serve refuses it too, before it binds its port
+        assert main(["serve", "--port", "0", *flags]) == 2
+        assert named in capsys.readouterr().err
 
 
 def test_seeded_sampling_with_speculation_completes_and_is_reproducible(model):
@@ -180,6 +221,8 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     plain, _ = sampled_outputs(small_vocab, None, 0)
     spec, stats = sampled_outputs(small_vocab, "ngram", SAMPLES)
     assert stats.num_drafts >= SAMPLES and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    print(f"\nα = {stats.alpha:.2f} ({stats.num_accepted_tokens} of {stats.num_accepted_tokens + stats.num_rejections}"
+          " tested proposals accepted)")
     for pos in (1, 2, 3):
         stat, df = homogeneity([o[pos] for o in plain], [o[pos] for o in spec])
         assert stat < chi2_quantile(df), f"token {pos}: chi-square {stat:.1f} over {df} degrees of freedom"
@@ -188,4 +231,6 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     monkeypatch.setattr(acceptance, "residual", lambda p, q: p)  # the wrong rule, through the engine's module
     wrong, _ = sampled_outputs(small_vocab, "ngram", 2 * SAMPLES)
     stats = [homogeneity([o[pos] for o in plain], [o[pos] for o in wrong]) for pos in (1, 2, 3)]
+    print("the wrong rule, chi-square over the threshold at tokens 1, 2, 3:",
+          " ".join(f"{stat / chi2_quantile(df):.2f}x" for stat, df in stats))
     assert max(stat / chi2_quantile(df) for stat, df in stats) > 1, stats  # rejected at the same 1e-6 level

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from nanoserve.engine.policies import POLICIES, SLOTargets, make_policy
 from nanoserve.engine.policies.base import FCFSPolicy, PriorityPolicy
+from nanoserve.engine.policies.fair import FairPolicy
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.kv.block_manager import BlockManager
@@ -31,9 +32,10 @@ class Clock:
         return self.t
 
 
-def slo_policy(step_s=0.0, **kw):
-    """The graded SLOPolicy; one step takes `step_s` (0: laxity is slack, the order EDF's), not measured."""
-    return implementation("nanoserve.engine.policies.slo").SLOPolicy(step_s=step_s, **kw)
+def slo_policy(budget, step_s=0.0, **kw):
+    """The graded SLOPolicy for a scheduler of token budget `budget`; one step takes `step_s` (0: laxity is
+    slack, the order EDF's), not measured."""
+    return implementation("nanoserve.engine.policies.slo").SLOPolicy(budget, step_s=step_s, **kw)
 
 
 def fair_policy(weights=None):
@@ -82,7 +84,14 @@ def test_the_default_policy_is_priority():
     s = Scheduler(SchedulerConfig(), BlockManager(4, 4))
     assert isinstance(s.policy, PriorityPolicy)
     with pytest.raises(ValueError, match="fcfs, priority, slo, fair"):
-        make_policy("edf")
+        make_policy(SchedulerConfig(policy="edf"))
+
+
+def test_the_slo_policy_counts_steps_in_the_schedulers_own_budget():
+    policy = make_policy(SchedulerConfig(max_num_batched_tokens=6, policy="slo", slo_ttft_ms=500))
+    assert policy.budget == 6 and policy.default == SLOTargets(ttft_ms=500)
+    with pytest.raises(ValueError, match="steps of 2048 tokens, the scheduler's budget is 6"):
+        Scheduler(SchedulerConfig(max_num_batched_tokens=6), BlockManager(4, 4), policy=slo_policy(2048))
 
 
 # ---- slo: 15.1 deadlines (and the EDF order they give at step_s = 0) ---------------------------------------------------------------
@@ -95,7 +104,7 @@ def test_admission_by_earliest_ttft_deadline_not_arrival():
     add(s, "A", 12, arrival=0.0)
     add(s, "B", 2, arrival=0.0, slo=SLOTargets(ttft_ms=100, tpot_ms=50))
     assert order(step(s, clock)) == [("A", 4)]
-    s, clock = make(slo_policy(), budget=4)
+    s, clock = make(slo_policy(4), budget=4)
     add(s, "A", 12, arrival=0.0)
     add(s, "B", 2, arrival=0.0, slo=SLOTargets(ttft_ms=100, tpot_ms=50))
     assert order(step(s, clock)) == [("B", 2), ("A", 2)]
@@ -107,7 +116,7 @@ def test_admission_by_earliest_ttft_deadline_not_arrival():
 def test_deadlines_mix_server_default_tenant_override_and_request_field():
     # server default TTFT 500 ms; tenant "chat" 200 ms; request C asks 50 ms. Arrivals 0, 0.1, 0.2:
     # deadlines A 0.5 (default), B 0.1 + 0.2 = 0.3 (tenant), C 0.2 + 0.05 = 0.25 (its own) -> C, B, A
-    policy = slo_policy(default=SLOTargets(ttft_ms=500), tenant_slos={"chat": SLOTargets(ttft_ms=200)})
+    policy = slo_policy(4, default=SLOTargets(ttft_ms=500), tenant_slos={"chat": SLOTargets(ttft_ms=200)})
     s, clock = make(policy, budget=4, max_num_seqs=8)
     add(s, "A", 4, arrival=0.0)
     add(s, "B", 4, arrival=0.1, tenant="chat")
@@ -119,7 +128,7 @@ def test_deadlines_mix_server_default_tenant_override_and_request_field():
 
 @pytest.mark.exercise("15.1")
 def test_equal_deadlines_keep_arrival_order():
-    s, clock = make(slo_policy(), budget=4)
+    s, clock = make(slo_policy(4), budget=4)
     for i, name in enumerate("CAB"):
         add(s, name, 4, arrival=float(i))  # no targets: all +inf
     assert [q.seq_id for q in s.policy.order_waiting(list(s.waiting), 0.0)] == ["C", "A", "B"]
@@ -161,28 +170,42 @@ def test_laxity_takes_the_steps_left_before_the_next_token():
 
 
 @pytest.mark.exercise("15.2")
-def test_least_laxity_admits_the_long_prompt_that_must_start_first():
-    # budget 4 (one prompt a step), one step 0.1 s, t=0. S: 4 tokens, TTFT 200 ms: 1 step, laxity 0.2 - 0.1 = 0.1.
-    # L: 12 tokens, TTFT 350 ms: 3 steps, laxity 0.35 - 0.3 = 0.05. Least laxity admits L; EDF (step_s 0) S.
-    for step_s, first in ((0.1, "L"), (0.0, "S")):
-        s, clock = make(slo_policy(step_s=step_s, budget=4), budget=4)
-        add(s, "S", 4, arrival=0.0, slo=SLOTargets(ttft_ms=200))
-        add(s, "L", 12, arrival=0.0, slo=SLOTargets(ttft_ms=350))
-        assert order(step(s, clock, dt=0.1)) == [(first, 4)], step_s
+def test_least_laxity_meets_every_deadline_where_edf_misses_one():
+    # budget 3, one step 0.1 s, running sequences served before admissions; each request wants one token.
+    # t=0: B (2 tokens, TTFT 200 ms, due 0.2) and C (5 tokens, TTFT 250 ms, due 0.25); t=0.1: A (1 token, due 0.15).
+    # EDF:  t=0 B 2, C 1 | t=0.1 C 3 (running first: A waits) | t=0.2 C 1, A 1: A's token at 0.2 > 0.15, late.
+    # LLF:  t=0 C 3 (laxity 0.25 - 0.2 = 0.05 < B's 0.2 - 0.1 = 0.1) | t=0.1 C 2, A 1 (A -0.05 < B 0) | t=0.2 B 2.
+    def run(step_s):
+        s, clock = make(slo_policy(3, step_s=step_s), budget=3)
+        add(s, "B", 2, max_tokens=1, slo=SLOTargets(ttft_ms=200))
+        add(s, "C", 5, max_tokens=1, slo=SLOTargets(ttft_ms=250))
+        seqs = dict(s.seqs)
+        plan = [order(step(s, clock, dt=0.1))]
+        add(s, "A", 1, max_tokens=1, slo=SLOTargets(ttft_ms=50))
+        seqs["A"] = s.seqs["A"]
+        while s.has_unfinished_seqs():
+            plan.append(order(step(s, clock, dt=0.1)))
+        late = sorted(n for n, q in seqs.items() if q.first_token_time > q.arrival_time + q.slo.ttft_ms / 1000 + 1e-9)
+        return plan, late
+
+    plan, late = run(0.1)
+    assert plan == [[("C", 3)], [("C", 2), ("A", 1)], [("B", 2)]] and late == []
+    plan, late = run(0.0)  # step_s 0: laxity is slack, the order EDF's
+    assert plan == [[("B", 2), ("C", 1)], [("C", 3)], [("C", 1), ("A", 1)]] and late == ["A"]
 
 
 def test_the_policy_measures_a_step_from_its_clock_while_something_runs():
     from nanoserve.engine.policies.slo import STEP_S_WEIGHT, SLOPolicy
 
-    policy = SLOPolicy(budget=8)
-    assert policy.step_s == 0.0
+    policy = SLOPolicy(8)
+    assert policy.step_s == 0.0  # nothing measured: pure EDF
     busy = [Sequence("a", [1], 4, arrival_time=0.0)]
     policy.order_running(busy, 1.0)
-    policy.order_running(busy, 1.1)  # one step of 0.1 s: 0 -> 0.2 * 0.1
-    assert policy.step_s == pytest.approx(STEP_S_WEIGHT * 0.1)
+    policy.order_running(busy, 1.1)  # the first step measured seeds the average: 0.1 s, not 0 + 0.2 * 0.1
+    assert policy.step_s == pytest.approx(0.1)
     policy.order_running([], 5.0)  # idle: the gap is no step
-    policy.order_running(busy, 5.1)  # 0.02 + 0.2 * (0.1 - 0.02)
-    assert policy.step_s == pytest.approx(0.02 + STEP_S_WEIGHT * 0.08)
+    policy.order_running(busy, 5.3)  # 0.1 + 0.2 * (0.3 - 0.1)
+    assert policy.step_s == pytest.approx(0.1 + STEP_S_WEIGHT * 0.2)
 
 
 # ---- slo: 15.3 the preemption victim, by what it costs to recompute ----------------------------------------------
@@ -194,7 +217,7 @@ def test_preemption_at_equal_cost_takes_the_most_slack_not_the_latest_arrival():
     # priority: A is first, B (latest arrival) is preempted. slo: B is due at 0.01, A at 1.0: A has the
     # slack, A is preempted and B decodes.
     expected = {"priority": ("A", "B"), "slo": ("B", "A")}
-    for name, policy in (("priority", PriorityPolicy()), ("slo", slo_policy())):
+    for name, policy in (("priority", PriorityPolicy()), ("slo", slo_policy(8))):
         s, clock = make(policy, num_blocks=2, budget=8)
         add(s, "A", 4, arrival=0.0, slo=SLOTargets(tpot_ms=1000))
         add(s, "B", 4, arrival=0.0, slo=SLOTargets(tpot_ms=10))
@@ -232,7 +255,7 @@ def test_the_victim_is_the_cheapest_recompute_that_stays_on_time():
     twin = running("twin", 8, 7, tpot_ms=1000, arrival=0.5)        # small's twin, arrived later
     assert policy.choose_victim([small, twin], 1.0) is twin
     # the most slack is not the answer: at step_s = 0 (EDF) big and small both have 0.9 s; the cheaper goes
-    assert slo_policy(budget=4).choose_victim([big, small, free], 1.0) is small
+    assert slo_policy(4).choose_victim([big, small, free], 1.0) is small
 
 
 # ---- slo: 15.4 admission control -------------------------------------------------------------------------------
@@ -370,26 +393,38 @@ def test_virtual_time_moves_by_tokens_over_weight_and_idle_is_no_credit():
 
 @pytest.mark.exercise("15.6")
 def test_a_tenant_back_from_idle_gets_no_credit_for_it():
+    # a stays busy (a long decode) while b finishes and goes idle; when b comes back, it starts at a's virtual
+    # time (a was charged first this step: running before admissions), then pays for its own chunk
     policy = fair_policy()
     s, clock = make(policy, num_blocks=64, budget=4)
-    add(s, "a0", 4, max_tokens=8, tenant="a")
+    add(s, "a0", 4, max_tokens=20, tenant="a")
     add(s, "b0", 4, max_tokens=1, tenant="b")
     for _ in range(8):
         step(s, clock)
-    assert "b0" not in s.seqs and policy.virtual_time["a"] > policy.virtual_time["b"] + 4
+    assert "b0" not in s.seqs and "a0" in s.seqs and policy.virtual_time["a"] > policy.virtual_time["b"] + 4
     add(s, "b1", 4, max_tokens=1, tenant="b")
-    step(s, clock)
-    assert policy.virtual_time["b"] >= policy.virtual_time["a"] - 4  # caught up to a's, then charged
+    out = step(s, clock)
+    assert order(out) == [("a0", 1), ("b1", 3)]
+    assert policy.virtual_time["b"] == policy.virtual_time["a"] + 3
+
+
+def test_fair_preempts_from_the_tenant_served_most_for_its_weight():
+    policy = FairPolicy({"a": 2.0})  # the reference's: choose_victim is no exercise
+    policy.virtual_time = {"a": 5.0, "b": 2.0}  # a served 10 tokens at weight 2, b 2 tokens
+    a1, b1, a2, b2 = seqs_of("a1 b1 a2 b2")
+    assert policy.choose_victim([a1, b1, a2, b2], 0.0) is a2  # a's latest arrival (the base policy's: b2, the last)
+    policy.virtual_time["b"] = 6.0
+    assert policy.choose_victim([a1, b1, a2], 0.0) is b1  # b now the higher; its only candidate
 
 
 # ---- every policy: invariants on random workloads --------------------------------------------------------------
 
-def build(name):
+def build(name, budget):
     if name == "slo":
-        return slo_policy(default=SLOTargets(ttft_ms=30, tpot_ms=20), reject=True)
+        return slo_policy(budget, default=SLOTargets(ttft_ms=30, tpot_ms=20), reject=True)
     if name == "fair":
         return fair_policy({"a": 2.0})
-    return make_policy(name)
+    return make_policy(SchedulerConfig(max_num_batched_tokens=budget, policy=name))
 
 
 workloads = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled_from("abc"), st.integers(0, 2),
@@ -400,16 +435,17 @@ workloads = st.lists(st.tuples(st.integers(1, 12), st.integers(1, 6), st.sampled
 @settings(max_examples=40, deadline=None)
 @given(requests=workloads, num_blocks=st.integers(4, 12), budget=st.integers(1, 10))
 def test_every_request_finishes_or_is_rejected_no_block_leaks(name, requests, num_blocks, budget):
-    policy = build(name)
+    policy = build(name, budget)
     s, clock = make(policy, num_blocks=num_blocks, block_size=4, max_num_seqs=4, budget=budget)
     pending = sorted(enumerate(requests), key=lambda r: r[1][4])  # by arrival step
-    done, rejected, steps = set(), {}, 0
+    admitted, done, rejected, steps = set(), set(), {}, 0
     while pending or s.has_unfinished_seqs():
         while pending and pending[0][1][4] <= steps:
             i, (plen, max_tokens, tenant, prio, _, ttft) = pending.pop(0)
             if -(-(plen + max_tokens) // 4) > num_blocks:
                 continue  # check_fits_alone would refuse it (chapter 06's test covers that)
             add(s, f"r{i}", plen, max_tokens, priority=prio, tenant=tenant, slo=SLOTargets(ttft_ms=ttft))
+            admitted.add(f"r{i}")
         out = step(s, clock)
         for q in out.rejected_seqs:
             assert q.reject_reason and q.first_token_time is None
@@ -424,7 +460,8 @@ def test_every_request_finishes_or_is_rejected_no_block_leaks(name, requests, nu
     assert not s.seqs
     if name != "slo":
         assert not rejected
-    assert math.isfinite(clock())
+    # every request added either finished with all its tokens or was refused, and never both
+    assert done | set(rejected) == admitted and not done & set(rejected)
 
 
 # ---- through the engine ------------------------------------------------------------------------------------
@@ -510,10 +547,14 @@ def test_the_server_takes_per_request_slo_fields_and_answers_a_rejection_with_50
 
 # ---- the tenants file: weights and SLO targets through the HTTP server -----------------------------------------
 
-TENANTS = """
+TENANTS_FAIR = """
 [keys."sk-big"]
 tenant = "big"
 weight = 4
+[keys."sk-small"]
+tenant = "small"
+"""
+TENANTS_SLO = """
 [keys."sk-small"]
 tenant = "small"
 [keys."sk-strict"]
@@ -523,27 +564,73 @@ tpot_slo_ms = 50
 """
 
 
-def tenants_server(tmp_path, *flags):
-    """What `serve --api-keys FILE ...` builds, on the tiny model: the CLI's own argument checks, then LLM with
-    the tenant settings they derived (serve.py passes the same keyword arguments to llm_from_args)."""
+def serve_args(tmp_path, tenants, *flags):
+    """`serve --api-keys FILE ...` parsed and checked as serve's run does it: (args, check_args' problem)."""
     import argparse
 
     from nanoserve.cli import serve
+
+    path = tmp_path / "keys.toml"
+    path.write_text(tenants)
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--api-keys", str(path), "--weights", "fp32", "--kv-cache-dtype", "auto",
+                              "--num-blocks", "32", *flags])
+    return args, serve.check_args(args)
+
+
+def tenants_server(tmp_path, tenants, *flags):
+    """What `serve --api-keys FILE ...` builds, on the tiny model: check_args (which picks the default policy),
+    then the engine from the very keyword arguments serve's llm_from_args passes (engine_kwargs)."""
+    from nanoserve.cli.batch import engine_kwargs
     from nanoserve.llm import LLM
     from nanoserve.text.tokenizer import Tokenizer
     from tests.tiny_model import tiny_llama
 
-    path = tmp_path / "keys.toml"
-    path.write_text(TENANTS)
-    parser = argparse.ArgumentParser()
-    serve.register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--api-keys", str(path), *flags])
-    assert serve.check_args(args) is None
+    args, problem = serve_args(tmp_path, tenants, *flags)
+    assert problem is None, problem
     tokenizer = Tokenizer.from_gguf()
-    llm = LLM(tiny_llama(vocab_size=49152, max_position_embeddings=1024), tokenizer=tokenizer, num_blocks=32,
-              scheduling_policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_reject=args.slo_reject,
-              **args.tenant_settings)
+    llm = LLM(tiny_llama(vocab_size=49152, max_position_embeddings=1024), tokenizer=tokenizer,
+              **engine_kwargs(args, **args.tenant_settings))
     return llm.engine, tokenizer, args.api_keys
+
+
+@pytest.mark.parametrize("tenants, flags, message", [
+    (TENANTS_FAIR, ["--scheduling-policy", "slo"], "tenant weights (big: a tenant's weight) are read by the fair"),
+    (TENANTS_SLO, [], "tenant_slos (a tenant's ttft_slo_ms / tpot_slo_ms) is read by the slo scheduling policy only"
+                      ", and the policy is 'fair'"),
+    (TENANTS_FAIR, ["--slo-reject"], "slo_reject (--slo-reject) is read by the slo scheduling policy only"),
+    (TENANTS_FAIR, ["--scheduling-policy", "priority", "--slo-tpot-ms", "50"], "slo_tpot_ms (--slo-tpot-ms)"),
+    (TENANTS_FAIR, ["--scheduling-policy", "fair", "--slo-ttft-ms", "500"], "slo_ttft_ms (--slo-ttft-ms)"),
+])
+def test_serve_refuses_a_scheduling_setting_the_policy_would_not_read(tmp_path, tenants, flags, message):
+    args, problem = serve_args(tmp_path, tenants, *flags)
+    assert problem is not None and message in problem, problem
+    from nanoserve.engine.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="read by the slo scheduling policy only"):
+        SchedulerConfig(policy="priority", slo_reject=True)
+    SchedulerConfig(policy="slo", tenant_weights={"a": 1.0})  # weight 1 everywhere is what every policy assumes
+
+
+def test_a_request_slo_field_under_another_policy_is_a_400_naming_it():
+    from nanoserve.engine.config import CacheConfig, EngineConfig
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.server.runner import serving
+    from nanoserve.text.tokenizer import Tokenizer
+    from tests.tiny_model import tiny_llama
+    import httpx
+
+    tokenizer = Tokenizer.from_gguf()
+    engine = LLMEngine(tiny_llama(vocab_size=49152, max_position_embeddings=1024),
+                       EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=16)), tokenizer)
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        for field in ("ttft_slo_ms", "tpot_slo_ms"):
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, field: 500}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            assert "'priority'" in r.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60).status_code == 200
+    assert engine.block_manager.get_num_free_blocks() == 16
 
 
 def test_the_tenants_file_gives_the_fair_policy_its_weights(tmp_path):
@@ -551,9 +638,9 @@ def test_the_tenants_file_gives_the_fair_policy_its_weights(tmp_path):
 
     from nanoserve.server.runner import serving
 
-    engine, tokenizer, keys = tenants_server(tmp_path, "--scheduling-policy", "fair")
+    engine, tokenizer, keys = tenants_server(tmp_path, TENANTS_FAIR)  # no --scheduling-policy: fair, with tenants
     policy = engine.scheduler.policy
-    assert policy.weights == {"big": 4, "small": 1.0, "strict": 1.0}
+    assert policy.name == "fair" and policy.weights == {"big": 4, "small": 1.0}
     with serving(engine, tokenizer, model_name="tiny", api_keys=keys) as (url, _):
         for key, prompt in (("sk-big", [10, 11, 12, 13, 14]), ("sk-small", [20, 21, 22, 23, 24])):
             r = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
@@ -568,7 +655,7 @@ def test_the_tenants_file_gives_the_slo_policy_its_targets_and_a_stream_gets_the
 
     from nanoserve.server.runner import serving
 
-    engine, tokenizer, keys = tenants_server(tmp_path, "--scheduling-policy", "slo", "--slo-reject",
+    engine, tokenizer, keys = tenants_server(tmp_path, TENANTS_SLO, "--scheduling-policy", "slo", "--slo-reject",
                                              "--slo-ttft-ms", "60000")
     policy = engine.scheduler.policy
     assert policy.tenant_slos == {"strict": SLOTargets(ttft_ms=0.001, tpot_ms=50)}

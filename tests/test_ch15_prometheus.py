@@ -49,7 +49,7 @@ def test_fragmentation_counts_the_empty_slots_of_held_blocks_once():
 @needs_prometheus
 def test_alert_rules_check_and_their_unit_tests_pass():
     check = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "alerts.yml")], capture_output=True, text=True)
-    assert check.returncode == 0 and "5 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "6 rules found" in check.stdout, check.stdout + check.stderr
     test = subprocess.run(["promtool", "test", "rules", str(DEPLOY / "alerts_test.yml")], capture_output=True, text=True)
     assert test.returncode == 0, test.stdout + test.stderr
     config = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True)
@@ -58,7 +58,8 @@ def test_alert_rules_check_and_their_unit_tests_pass():
 
 @needs_prometheus
 @pytest.mark.parametrize("old, new", [("> 0.3", "> 0.5"), ("> 0.5\n", "> 1.5\n"), ("for: 10m", "for: 30m"),
-                                      ('{status="5xx"}', '{status="4xx"}'), ("== 1", "== 2")])
+                                      ('{status="5xx"}', '{status="4xx"}'), ("== 1", "== 2"),
+                                      ("> 0.1\n", "> 0.5\n"), ("for: 15m", "for: 30m")])
 def test_the_unit_tests_catch_a_broken_rule(tmp_path, old, new):
     rules = (DEPLOY / "alerts.yml").read_text()
     assert old in rules

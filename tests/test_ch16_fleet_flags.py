@@ -18,10 +18,18 @@ from nanoserve.cluster.cli import spec_from_args
 from nanoserve.engine.policies import SLOTargets
 
 TINY = {"vocab_size": 49152, "max_position_embeddings": 1024}
-TENANTS = """
+# a tenant's weight is read by the fair policy only, its SLO targets by slo only (a setting the policy would not
+# read is refused, chapter 15): one file for each
+TENANT_WEIGHTS = """
 [keys."sk-big"]
 tenant = "big"
 weight = 4
+[keys."sk-small"]
+tenant = "small"
+"""
+TENANT_SLOS = """
+[keys."sk-big"]
+tenant = "big"
 [keys."sk-strict"]
 tenant = "strict"
 ttft_slo_ms = 250
@@ -31,7 +39,8 @@ tpot_slo_ms = 40
 
 def replica_spec(*flags: str):
     """The ReplicaSpec `serve --replicas 2 FLAGS` deploys: serve's own argument handling (run() does the same),
-    then spec_from_args."""
+    then spec_from_args (ReplicaSpec lives beside the Ray Serve deployment: it needs Ray installed)."""
+    pytest.importorskip("ray.serve", reason="a replica's spec is Ray Serve's deployment argument: pip install 'ray[serve]'")
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--replicas", "2", "--num-blocks", "32", *flags])
@@ -74,13 +83,17 @@ def test_the_kv_cache_dtype_reaches_the_replicas(replica_engine):
 
 def test_the_tenants_weights_and_slos_reach_the_replicas(tmp_path, replica_engine):
     keys = tmp_path / "keys.toml"
-    keys.write_text(TENANTS)
+    keys.write_text(TENANT_WEIGHTS)
     engine = replica_engine("--api-keys", str(keys))
     config = engine.config.scheduler_config
     assert config.policy == "fair"  # serve's default with tenants (chapter 15)
-    assert config.tenant_weights == {"big": 4, "strict": 1.0}
+    assert config.tenant_weights == {"big": 4, "small": 1.0}
+    assert engine.scheduler.policy.weights == {"big": 4, "small": 1.0}
+    keys.write_text(TENANT_SLOS)
+    engine = replica_engine("--api-keys", str(keys), "--scheduling-policy", "slo")
+    config = engine.config.scheduler_config
     assert config.tenant_slos == {"strict": SLOTargets(ttft_ms=250, tpot_ms=40)}
-    assert engine.scheduler.policy.weights == {"big": 4, "strict": 1.0}
+    assert engine.scheduler.policy.tenant_slos == {"strict": SLOTargets(ttft_ms=250, tpot_ms=40)}
 
 
 def test_degrade_under_load_reaches_the_replicas():
@@ -111,3 +124,48 @@ def test_a_flag_a_fleet_cannot_honour_is_refused_in_one_line(flags, named, capsy
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], err
     assert "starting" not in out  # refused before Ray: no raylet among this process's children
     assert not any("raylet" in p.name() for p in psutil.Process().children(recursive=True))
+
+
+def serve_args(*flags: str):
+    """`serve FLAGS` as serve's own argument handling reads it (run() does the same), without starting anything."""
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--port", "0", *flags])
+    serve.serving_format(args)
+    return args
+
+
+@pytest.mark.parametrize("flags, named", [
+    # a fleet flag without a fleet would be ignored: refused
+    (["--router", "prefix"], "--router"),
+    (["--replica-cpus", "2"], "--replica-cpus"),
+    (["--ray-num-cpus", "4"], "--ray-num-cpus"),
+    # an autoscaling setting without autoscaling, even with a fixed fleet
+    (["--target-ongoing-requests", "3"], "--target-ongoing-requests"),
+    (["--replicas", "2", "--upscale-delay-s", "5"], "--upscale-delay-s"),
+    (["--replicas", "2", "--downscale-delay-s", "5"], "--downscale-delay-s"),
+    # a joined cluster has its own CPUs
+    (["--ray-address", "auto", "--ray-num-cpus", "4"], "--ray-num-cpus"),
+    # the autoscaling range
+    (["--replicas", "2", "--max-replicas", "3"], "--replicas"),
+    (["--min-replicas", "2"], "--max-replicas"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
+    (["--max-replicas", "2", "--target-ongoing-requests", "0"], "--target-ongoing-requests must be > 0"),
+    (["--max-replicas", "2", "--upscale-delay-s", "-1"], "--upscale-delay-s"),
+    (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus must be > 0"),
+    (["--kv-events-allow-remote"], "--kv-events-allow-remote needs --kv-events-endpoint"),
+])
+def test_fleet_flags_that_cannot_be_honoured_are_refused(flags, named):
+    problem = serve.check_args(serve_args(*flags))
+    assert problem is not None and named in problem, problem
+
+
+@pytest.mark.parametrize("flags", [
+    ["--replicas", "2", "--router", "prefix", "--replica-cpus", "2", "--ray-num-cpus", "4"],
+    ["--ray-address", "auto", "--router", "round-robin"],
+    ["--min-replicas", "1", "--max-replicas", "3", "--target-ongoing-requests", "1", "--upscale-delay-s", "2",
+     "--downscale-delay-s", "10"],
+    [],
+])
+def test_fleet_flags_in_their_mode_are_accepted(flags):
+    assert serve.check_args(serve_args(*flags)) is None

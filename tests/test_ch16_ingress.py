@@ -10,7 +10,9 @@ import re
 import httpx
 import openai
 import pytest
-from ray.exceptions import ActorDiedError, RayTaskError
+
+pytest.importorskip("ray.serve", reason="chapter 16's ingress speaks Ray's errors: pip install 'ray[serve]'")
+from ray.exceptions import ActorDiedError, RayTaskError  # noqa: E402
 
 from nanoserve.cluster.client import ReplicaClient, routing_hashes
 from nanoserve.cluster.deploy import Fleet

@@ -14,11 +14,11 @@ from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.prefix_cache import block_hashes
-from nanoserve.kv.kv_events import record_kv_events
+from nanoserve.kv.kv_events import AllBlocksCleared, record_kv_events
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.kv_events import KVEventPublisher
 from nanoserve.server.runner import serving
-from tests.tiny_model import tiny_llama
+from tests.tiny_model import paced_tiny_llama, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +89,102 @@ def test_kv_events_match_the_block_manager(tiny):
     assert next(e for e in events if e[0] == "BlockStored")[1] == [first]
 
 
-def test_vllm_metric_names(tiny, tokenizer):
-    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
-                                          scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
-    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
-        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3}, timeout=60)
-        text = httpx.get(url + "/metrics").text
+def vllm_values(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
         if line.startswith("vllm:"):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
             assert 'model_name="tiny"' in name
+    return values
+
+
+def test_vllm_gauges_mid_request_match_the_block_manager(tokenizer):
+    """Scraped while a request decodes (a paced model: 0.2 s a step): one running request, holding one block of
+    the 16 (a 4-token prompt plus 8 tokens fit in one block of 16), so kv_cache_usage_perc is 1/16 — the block
+    manager's own usage."""
+    import threading
+
+    model = paced_tiny_llama(0.2, vocab_size=49152)
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=16),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
+    manager = engine.block_manager
+    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        request = threading.Thread(target=httpx.post, args=(url + "/v1/completions",), kwargs={"json": body,
+                                                                                               "timeout": 60})
+        request.start()
+        try:
+            for _ in range(200):
+                values = vllm_values(httpx.get(url + "/metrics").text)
+                if values["vllm:num_requests_running"] >= 1 or not request.is_alive():
+                    break
+                time.sleep(0.02)
+            usage = manager.usage
+        finally:
+            request.join()
+    assert values["vllm:num_requests_running"] == 1 and values["vllm:num_requests_waiting"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == usage == 1 / 16
+
+
+def test_vllm_metric_names(tiny, tokenizer):
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
+    with serving(engine, tokenizer, model_name="tiny", metrics_compat="vllm") as (url, _):
+        httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3}, timeout=60)
+        text = httpx.get(url + "/metrics").text
+    values = vllm_values(text)
     assert set(values) == {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"}
     assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0  # all done
     nano = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("nanoserve:kv_cache_usage_perc")}
     assert values["vllm:kv_cache_usage_perc"] == nano["nanoserve:kv_cache_usage_perc"]
+
+
+def test_kv_events_refuse_a_learners_block_manager(tmp_path, monkeypatch):
+    """Exercise 5.4 finished (the reference's code in a copy of exercises/): the learner's allocate_slots and
+    _register_full_blocks change the prefix cache without telling the listeners, so recording is refused (serve
+    prints it as one error: line) rather than publishing a stream that misses events."""
+    import shutil
+
+    from nanoserve import student
+    from nanoserve.kv import block_manager as reference
+
+    root = tmp_path / "exercises"
+    shutil.copytree(student.EXERCISES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(reference.__file__, root / student.STUDENT_FILES["nanoserve.kv.block_manager"])
+    monkeypatch.setattr(student, "EXERCISES", root)
+    learners = student.StudentCode("05").module("nanoserve.kv.block_manager").BlockManager(8, 4)
+    with pytest.raises(ValueError, match="allocate_slots, _register_full_blocks"):
+        record_kv_events(learners)
+    assert record_kv_events(reference.BlockManager(8, 4)).take() == [AllBlocksCleared()]
+
+
+def test_kv_events_follow_blocks_loaded_from_a_kv_tier(tiny):
+    """Chapter 18's tier: a returning prompt's blocks come back from the tier into the pool and are registered in the
+    prefix cache by TieredBlockManager itself; those loads (and the evictions they make) are events too. Replaying
+    the log gives the prefix cache's own entries. The tier starts out measured fast (the engine measures its own
+    rates as it runs, so how many of the 40 returning blocks load depends on this machine): some load."""
+    from nanoserve.engine.config import engine_config
+    from nanoserve.kv.kv_events import BlockRemoved, BlockStored
+    from tests.test_ch18_tier import serve, users
+
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64))
+    try:
+        log = record_kv_events(engine.block_manager)
+        engine.block_manager.rates.loads.add(1 << 20, 1e-6)  # a megabyte a microsecond: loading pays at first
+        engine.block_manager.rates.loads.add(2 << 20, 2e-6)
+        serve(engine, users(tiny.config.vocab_size))
+        assert engine.kv_tier_stats()["loaded_blocks"] > 0
+        cached = {}
+        for e in log.take()[1:]:
+            if isinstance(e, BlockStored):
+                assert e.block_hashes[0] not in cached
+                cached[e.block_hashes[0]] = (e.parent_block_hash, e.token_ids)
+            else:
+                assert isinstance(e, BlockRemoved)
+                del cached[e.block_hashes[0]]  # KeyError: a block removed that was never stored
+        entries = engine.block_manager.prefix_cache.entries
+        assert cached == {h: (p, list(t)) for h, p, t in entries.values()}
+    finally:
+        engine.close()

@@ -17,18 +17,23 @@ import openai
 import psutil
 import pytest
 
-from nanoserve.bench.routing import autoscaling_trace
+pytest.importorskip("ray.serve", reason="chapter 16's fleet runs on Ray Serve: pip install 'ray[serve]'")
+from nanoserve.bench.routing import autoscaling_trace  # noqa: E402
 from nanoserve.cluster.deploy import Autoscaling, serving_fleet, start_ray, wait_for
 from nanoserve.cluster.replica import ReplicaSpec
 from nanoserve.engine.config import engine_config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.runner import serving
 from tests.test_ch15_hostile import listening
+from tests.test_ch16_routing import solved_16  # noqa: F401  (a fixture: exercise 16 finished, in a copy)
 from tests.tiny_model import tiny_llama
 
 TINY = {"vocab_size": 49152, "max_position_embeddings": 1024}
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 4}
 HI = [{"role": "user", "content": "Hi"}]
+# what a skip for "Ray could not start" tells the reader to do
+RAY_REMEDY = ("its agents started too slowly on a loaded machine (Ray's own 15 s limit): rerun when the machine "
+              "is idle, or where it has more free cores")
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")  # the last: an IPv6 socket bound to IPv4's loopback (Ray's gRPC)
 
 
@@ -69,7 +74,7 @@ def ray_session(smollm2_tokenizer):
     except Exception as e:  # noqa: BLE001 — Ray's own bare Exception when its node agents start too slowly
         if "timed out during startup" not in str(e):
             raise
-        pytest.skip(f"Ray could not start its node on this machine (3 tries): {e}")
+        pytest.skip(f"Ray could not start its node on this machine (3 tries: {e}); {RAY_REMEDY}")
     try:
         yield smollm2_tokenizer
     finally:
@@ -128,6 +133,41 @@ def test_two_replicas_answer_like_one_server(ray_session):
             assert f'nanoserve:num_requests_running{{model_name="tiny",replica="{replica}"}}' in samples
             assert f'vllm:kv_cache_usage_perc{{model_name="tiny",replica="{replica}"}}' in samples
         assert sum(v for k, v in samples.items() if k.startswith("nanoserve:request_success_total{")) == 5
+
+
+def replica_successes(fleet) -> dict[str, float]:
+    """Each running replica's own count of finished requests (its /metrics), by replica id."""
+    from nanoserve.cluster.replica import replica_metrics_urls
+
+    running, counts = fleet.infos(), {}
+    for replica, url in replica_metrics_urls().items():
+        if replica in running:
+            text = httpx.get(url, timeout=5).text
+            counts[replica] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                  if line.startswith("nanoserve:request_success_total"))
+    return counts
+
+
+def test_student_16_routes_a_fleet_and_both_replicas_serve(ray_session, solved_16):
+    """`serve --replicas 2 --student 16`: the router of this process's handle runs the learner's
+    power_of_two_choices (exercise 16 finished, in a copy) for every request. Requests go one at a time until
+    both replicas have served (idle queues tie, so each draw picks either: at most 20 requests, all on one
+    replica with probability 2**-19); each replica's own success counter equals the requests the ingress
+    recorded as routed to it."""
+    tokenizer = ray_session
+    with serving_fleet(spec(), tokenizer, replicas=2, student="16") as (url, fleet):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        sent = 0
+        while sent < 20 and len({replica for _, replica in fleet.client.routed}) < 2:
+            client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=2, temperature=0)
+            sent += 1
+        router = fleet.request_router()
+        assert router.policy.routing.__name__ == "student_nanoserve_cluster_routing"
+        assert router.student.calls["power_of_two_choices"] >= sent  # a retried call (a slow probe) counts again
+        routed = [replica for _, replica in fleet.client.routed]
+        successes = replica_successes(fleet)
+    assert len(successes) == 2 and all(n >= 1 for n in successes.values()), successes
+    assert successes == {replica: routed.count(replica) for replica in successes}, (successes, routed)
 
 
 def test_prefix_router_keeps_each_system_prompt_on_one_replica(ray_session):
@@ -220,7 +260,7 @@ def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path
                 url = line.split(" at ")[1].split(" ")[0]
                 break
         if url is None and "timed out during startup" in "".join(said):
-            pytest.skip("Ray could not start its node on this machine")
+            pytest.skip(f"Ray could not start its node on this machine; {RAY_REMEDY}")
         assert url, "the server came up:\n" + "".join(said)
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-fleet")
         reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[

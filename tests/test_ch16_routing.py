@@ -214,12 +214,17 @@ def test_make_policy_refuses_what_it_does_not_know():
 
 # ---- the Ray Serve router (router.py), driven as Ray Serve drives it, without a cluster ------------------------
 
+def needs_ray() -> None:
+    """Skip, naming the remedy, where Ray Serve is not installed (the router and the ingress import it)."""
+    pytest.importorskip("ray.serve", reason="chapter 16's router and ingress run on Ray Serve: pip install 'ray[serve]'")
+
+
 def drive_router(**state):
     """(router, ranks(request), request(n, hashes), routed(request, replica), dep): a PolicyRouter over two
     replicas "a" and "b" whose cached queue lengths are read from the dict `ranks` is given."""
     from types import SimpleNamespace
 
-    pytest.importorskip("ray.serve")
+    needs_ray()
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve.request_router import PendingRequest
 
@@ -294,6 +299,7 @@ def test_policy_router_round_robin_offers_the_rest_after_its_turn():
 def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch):
     """ReplicaClient records (request id, replica) and each request's first block hash for inspection; a server
     that routes forever keeps only the last ROUTED_KEPT of them, in both records (a fake handle, no Ray)."""
+    needs_ray()
     import asyncio
     from types import SimpleNamespace
 
@@ -304,7 +310,7 @@ def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch
             self.replica = replica
 
         async def __anext__(self):
-            return "accepted", self.replica
+            return "added", self.replica  # replica.py's protocol: ("added", replica id) or ("refused", why)
 
         def __aiter__(self):
             return self
@@ -330,6 +336,34 @@ def test_the_ingress_keeps_a_bounded_record_of_its_routing_decisions(monkeypatch
     assert list(client.first_block) == [f"q{i}" for i in range(7, 12)]
     expected = client_module.routing_hashes([11] * 4 + [1, 2, 3, 4, 5], 4)[0]
     assert client.first_block["q11"] == expected and len(set(client.first_block.values())) == 5
+
+
+def test_the_ingress_refuses_a_first_message_outside_the_protocol():
+    """A replica's first message is ("added", id) or ("refused", why); anything else (a replica of another
+    version) is an error in one line, not a request recorded as routed to a replica named by chance."""
+    needs_ray()
+    import asyncio
+    from types import SimpleNamespace
+
+    from nanoserve.cluster.client import ReplicaClient
+    from nanoserve.engine.async_engine import EngineUnavailable
+
+    cancelled = []
+
+    class Stream:
+        async def __anext__(self):
+            return "accepted", "r0"
+
+        def cancel(self):
+            cancelled.append(True)
+
+    handle = SimpleNamespace(options=lambda **kw: SimpleNamespace(
+        generate=SimpleNamespace(remote=lambda *args, **kwargs: Stream())))
+    client = ReplicaClient(handle, {"block_size": 4, "max_model_len": 64, "max_seq_len": 64})
+    with pytest.raises(EngineUnavailable, match="'accepted'") as error:
+        asyncio.run(client.add_request("q0", [1, 2, 3], None))
+    assert "\n" not in str(error.value)
+    assert cancelled == [True] and client.num_unfinished_requests() == 0 and not client.routed
 
 
 @pytest.fixture

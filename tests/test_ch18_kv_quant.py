@@ -29,7 +29,9 @@ def test_int8_worked_example():
     codes, scale = quant().quantize_kv(torch.tensor([[0.5, -1.27, 0.01, 1.0]]))
     assert codes.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (1,)
     assert codes.tolist() == [[50, -127, 1, 100]]
-    assert scale.item() == torch.tensor(1.27 / 127).to(torch.bfloat16).item()
+    assert scale.item() == torch.tensor(1.27 / 127).to(torch.bfloat16).item() == 0.010009765625
+    back = quant().dequantize_kv(codes, scale)  # the docstring's row: the bf16 scale's rounding shows
+    assert [round(v, 4) for v in back[0].tolist()] == [0.5005, -1.2712, 0.0100, 1.0010]
 
 
 @pytest.mark.exercise("18.3")
@@ -128,9 +130,12 @@ def test_capacity_per_dtype_against_chapter_04():
 # --- the engine --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_an_8bit_pool_holds_194x_the_blocks_of_bf16(kv_cache_dtype):
+def test_an_8bit_engine_pool_is_sized_by_the_quantized_formula(kv_cache_dtype):
+    """The engine sizes its pool with quantized_block_bytes: on the tiny model (head_dim 8) that is
+    2·8 / (8 + 2) = 1.6x bf16's blocks; on SmolLM2's config (head_dim 64) the same formula gives 1.94x."""
     from nanoserve.engine.config import engine_config
     from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.kv.paged_attention import num_blocks_for_budget
     from tests.tiny_model import tiny_llama
 
     model = tiny_llama()
@@ -139,7 +144,11 @@ def test_an_8bit_pool_holds_194x_the_blocks_of_bf16(kv_cache_dtype):
     c = model.config
     per_block = 2 * c.num_hidden_layers * c.num_key_value_heads * 16 * (c.head_dim + 2)
     assert blocks[kv_cache_dtype] == (1 << 20) // per_block
+    assert blocks["bf16"] == num_blocks_for_budget(c, 1 << 20, 16, torch.bfloat16)
     assert blocks[kv_cache_dtype] / blocks["bf16"] == pytest.approx(2 * c.head_dim / (c.head_dim + 2), rel=0.01)
+    smol = LlamaConfig()  # the two formulas the engine calls, on SmolLM2's shape (no model load)
+    ratio = (GiB // quantized_block_bytes(smol, 16)) / num_blocks_for_budget(smol, GiB, 16, torch.bfloat16)
+    assert round(ratio, 2) == 1.94
 
 
 @pytest.mark.slow

@@ -22,14 +22,16 @@ from nanoserve.engine.sequence import Sequence
 def fair_order(seqs: list[Sequence], virtual_time: dict, weights: dict, cost=remaining_tokens) -> list[Sequence]:
     """Exercise 15.5: `seqs` in weighted-fair order (a new list holding each of them once).
 
-    Group the sequences by `seq.tenant` (None is a tenant too), each group in arrival order (`arrival_time`,
-    then `seq_id`). Repeatedly take the next sequence of the tenant whose projected virtual time is the
-    lowest (ties: the smaller `str(tenant)`); that tenant's projected time then grows by
-    `cost(seq) / weights.get(tenant, 1.0)`. Projected times start at `virtual_time.get(tenant, 0.0)`.
-    Do not modify `virtual_time`: the policy charges what is actually scheduled.
+    Contract: the order in which a weighted-fair server would serve them, if each one served cost(seq) tokens.
+    - Within a tenant (`seq.tenant`; None is a tenant too), arrival order (`arrival_order`).
+    - Each pick goes to the tenant that, counting what the picks before it in this list would serve, has
+      been served least for its weight: its virtual time (`virtual_time`, missing: 0) plus its picked costs
+      over its weight (`weights`, missing: 1). Ties: the smaller `str(tenant)`.
+    - `virtual_time` is not modified: the policy charges what is actually scheduled (15.6).
 
-        a1 a2 a3 b1 (decodes), virtual_time {}, weights {}           -> a1 b1 a2 a3
-        a1 a2 b1 b2 b3, virtual_time {"a": 2.0}                      -> b1 b2 a1 b3 a2
+        decodes a1 a2 a3 b1, virtual_time {}, weights {}                  -> a1 b1 a2 a3
+        decodes a1 a2 b1 b2 b3, virtual_time {"a": 2.0}                   -> b1 b2 a1 b3 a2
+        decodes a1 a2 a3 b1 b2, weights {"a": 2.0}                        -> a1 b1 a2 a3 b2
     """
     raise NotImplementedError("Exercise 15.5: write fair_order (see its docstring and README.md)")
 
@@ -52,9 +54,13 @@ class FairPolicy(ReferenceFairPolicy):
         raise NotImplementedError("Exercise 15.6: write FairPolicy.catch_up (see its docstring and README.md)")
 
     def on_scheduled(self, seq: Sequence, num_tokens: int) -> None:
-        """Exercise 15.6: `num_tokens` of `seq` go into this step: charge its tenant in `self.virtual_time`
-        by tokens / weight (`self.weights`, 1.0 when a tenant has none).
+        """Exercise 15.6: `num_tokens` of `seq` go into this step: charge its tenant for them.
 
-            weights {a: 4}: a scheduled 7 tokens from 0   -> a: 1.75;   b scheduled 7, then 3 -> b: 10
+        Contract: a tenant's virtual time (`self.virtual_time`, missing: 0) is the tokens it was served over
+        its weight (`self.weights`, missing: 1), so after the call its tenant's entry has grown by exactly
+        that charge and no other tenant's has changed.
+
+            weights {a: 4}: a charged 7 tokens from nothing   -> a: 1.75
+            no weight for b: b charged 7, then 3               -> b: 10.0
         """
         raise NotImplementedError("Exercise 15.6: write FairPolicy.on_scheduled (see its docstring and README.md)")

@@ -41,14 +41,19 @@ class SLOPolicy(ReferenceSLOPolicy):
         return next_token_deadline(seq, self.targets(seq))  # yours (given: the reference's calls its own)
 
     def laxity(self, seq: Sequence, now: float) -> float:
-        """Exercise 15.2: how many seconds `seq` can still wait and make its next deadline (`self.deadline(seq)`).
+        """Exercise 15.2: how many seconds `seq` can still wait, at `now`, and make its next deadline
+        (`self.deadline(seq)`), given the work it has left before that token.
 
-        The work left before its next token is its uncomputed tokens (`seq.num_tokens - seq.num_computed_tokens`),
-        which take `steps_for(tokens, self.budget)` steps of `self.step_s` seconds each. Negative: it cannot
-        make it any more. +inf without a target.
+        Contract: the work left is counted in whole steps of the scheduler (a step computes at most
+        `self.budget` tokens and takes `self.step_s` seconds; a decode is one step). Returns deadline - now
+        when no work were left, less the time of those steps. Negative: it cannot make it any more.
+        +inf without a target. Depends on `now`, `seq`'s tokens computed so far, and nothing else.
 
-            budget 128, step_s 0.02, now 1.0; a decode due 1.05                      -> 0.03
-            500 prompt tokens left, due 1.10                                          -> 0.02
+            budget 128, step_s 0.02, now 1.0
+            a decode due 1.05                                   -> 0.03
+            510-token prompt, 10 computed, due 1.10             -> 0.02   (needs 4 steps)
+            the same with 300 computed                          -> 0.06   (2 steps)
+            step_s 0 (nothing measured yet)                     -> deadline - now: the order is EDF's
         """
         raise NotImplementedError("Exercise 15.2: write SLOPolicy.laxity (see its docstring and README.md)")
 
@@ -56,15 +61,19 @@ class SLOPolicy(ReferenceSLOPolicy):
         """Exercise 15.3: which of `candidates` (non-empty; running sequences not scheduled yet this step) to
         preempt when the pool is short. Return one of them; the scheduler frees its blocks.
 
-        Preemption is by recompute: the victim loses its `num_computed_tokens` and, back in the queue, needs
-        `steps_for(seq.num_tokens, self.budget)` steps before its next token. Call its laxity after that "after".
-        - If some candidates are still on time after preemption (after >= 0; best effort: after = +inf),
-          take among them the one with the fewest computed tokens (the least work thrown away); equal: the
-          largest after; still equal: the latest arrival, then the largest seq_id.
-        - Else (everyone would be late) the largest after, then the latest arrival, then the largest seq_id.
+        Contract: preemption is by recompute, so a victim loses every token it had computed and must compute
+        them all again before its next token. Take the candidate whose preemption costs least:
+        1. one still on time for its next deadline after that loss (best effort always is) over one that
+           would be late;
+        2. among the on-time ones, the one that loses the least computed work; then the one with the most
+           laxity left after the loss;
+        3. if all would be late, the one the least late after the loss;
+        4. last ties: the latest arrival, then the largest seq_id.
 
-            budget 4, step_s 0.1, now 1.0; X: 12 tokens, 11 computed, due 1.9 (after 0.6)
-                                           Y:  8 tokens,  7 computed, due 1.9 (after 0.7)       -> Y
+            budget 4, step_s 0.1, now 1.0
+            X: 12 tokens, 11 computed, due 1.9;  Y: 8 tokens, 7 computed, due 1.9     -> Y (both on time; Y loses less)
+            X as above;  Z: 8 tokens, 7 computed, due 1.05 (late once it recomputes)   -> X
+            Z;  W: 12 tokens, 11 computed, due 1.05 (both late; W later still)          -> Z
         """
         raise NotImplementedError("Exercise 15.3: write SLOPolicy.choose_victim (see its docstring and README.md)")
 

@@ -5,7 +5,6 @@ integer half: block hash -> slot, with the prefix cache's (hash, parent hash, to
 when every slot is taken. The block manager calls it; the worker moves the bytes.
 """
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 
@@ -13,22 +12,22 @@ class TierIndex:
     def __init__(self, capacity: int):
         """Exercise 18.1. An empty tier of `capacity` slots (ValueError if capacity < 1).
 
-        Keep (the tests and the block manager read them):
-          capacity     int
-          free_slots   list[int]: the slots no entry holds; slot 0 is handed out first, then 1, 2, ...
-          slot_of      OrderedDict[int, int]: block hash -> slot, least recently used first
-          entries      dict[int, tuple]: slot -> (hash, parent hash, tuple of token ids)
-          num_evicted  int: entries dropped to make room
-        Invariant, always: len(entries) + len(free_slots) == capacity.
+        The block manager and the stats read two attributes: `capacity` (int) and `num_evicted` (int: entries
+        dropped to make room so far). How you keep the free slots, the hash -> slot map and its LRU order is
+        yours; the tests see them only through len(), num_free_slots, lookup, mark_used and store.
+        Free slots are handed out lowest first: 0, then 1, 2, ...
+        Invariant, always: len(self) + self.num_free_slots == capacity.
         """
         raise NotImplementedError("Exercise 18.1: TierIndex.__init__")
 
     def __len__(self) -> int:
-        return len(self.entries)
+        """Exercise 18.1. The number of slots that hold an entry."""
+        raise NotImplementedError("Exercise 18.1: TierIndex.__len__")
 
     @property
     def num_free_slots(self) -> int:
-        return len(self.free_slots)
+        """Exercise 18.1. The number of slots no entry holds."""
+        raise NotImplementedError("Exercise 18.1: TierIndex.num_free_slots")
 
     def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
         """Exercise 18.1. The slot holding this block, or None: absent, or the slot's entry has another parent

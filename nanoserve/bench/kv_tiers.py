@@ -31,7 +31,7 @@ def returning_users(args, model, tokenizer) -> dict:
     arrivals = [((v * users + u) * (n_out + 1), f"u{u}v{v}", systems[u] + random_prompt(rng, 8, vocab), n_out)
                 for v in range(visits) for u in range(users)]
     block_bytes = 16 * kv_bytes_per_token(model.config, "fp32")
-    pool_bytes = int(block_bytes * (prompt_len // 16 + 1) * max(users // 3, 1))  # a third of the users' prompts
+    pool_bytes = int(block_bytes * (prompt_len // 16 + 1) * max(users // 3, 1))  # users // 3 users' prompts (at least 1)
     systems_ = {"no tier": dict(), "file tier": dict(kv_tier_blocks=users * (prompt_len // 16 + 2)),
                 "int8 pool": dict(kv_cache_dtype="int8")}
 

@@ -98,6 +98,15 @@ def median_and_range(runs: list[dict]) -> dict:
     return out
 
 
+def print_summary(summary: dict, cols: list[tuple[str, str]], rounds: int) -> None:
+    """The table of median [min-max] per policy and column (`summary`: median_and_range's, by policy)."""
+    print(f"median [min-max] over {rounds} interleaved rounds")
+    print(f"{'policy':14s}" + "".join(f"{label:>21s}" for _, label in cols))
+    for name, row in summary.items():
+        print(f"{name:14s}" + "".join(f"{'-' if row[k] is None else '{:.1f} [{:.1f}-{:.1f}]'.format(*row[k]):>21s}"
+                                      for k, _ in cols))
+
+
 def tiny_model():
     import torch
 
@@ -123,7 +132,8 @@ def scheduling(args, model, tokenizer):
 
     def measure(name, config, r):
         engine = engine_for(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
-                            enable_prefix_caching=False, tenant_slos=tenant_slos, **config)
+                            enable_prefix_caching=False, **config,
+                            **({"tenant_slos": tenant_slos} if config["scheduling_policy"] == "slo" else {}))
         records, trace = drive(engine, arrivals)
         assert engine.block_manager.get_num_free_blocks() == NUM_BLOCKS  # every block back
         row = summarize_run(records, trace, tenants, slos)
@@ -139,11 +149,7 @@ def scheduling(args, model, tokenizer):
             ("interactive_met_pct", "chat met %"), ("batch_met_pct", "batch met %"), ("goodput", "goodput/s"),
             ("rejected_pct", "rejected %"), ("preemptions", "preempt"), ("recomputed_pct", "recomp. %"),
             ("throughput", "tok/s"), ("seconds", "run s")]
-    print(f"median [min-max] over {rounds} interleaved rounds")
-    print(f"{'policy':14s}" + "".join(f"{label:>21s}" for _, label in cols))
-    for name, row in summary.items():
-        print(f"{name:14s}" + "".join(f"{'-' if row[k] is None else '{:.1f} [{:.1f}-{:.1f}]'.format(*row[k]):>21s}"
-                                      for k, _ in cols))
+    print_summary(summary, cols, rounds)
 
     def figure(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -203,21 +209,24 @@ def noisy_neighbour(args, model, tokenizer):
                 "victim_ttft_p50_steps": percentile(victim, 50) / step_ms, "seconds": trace[-1]["t"]}
 
     results = interleaved(args.rounds, policies, measure)
-    best = {name: min(runs, key=lambda x: x["victim_ttft_p50_ms"]) for name, runs in results.items()}
+    summary = {name: median_and_range(runs) for name, runs in results.items()}
+    # "steps": the victim's TTFT p50 over the run's median step time, an estimate, not a count of steps
     cols = [("victim_ttft_p50_ms", "victim TTFT p50"), ("victim_ttft_p99_ms", "p99"),
-            ("victim_ttft_p50_steps", "p50 in steps"), ("flood_ttft_p50_ms", "flood TTFT p50"),
+            ("victim_ttft_p50_steps", "p50 / median step"), ("flood_ttft_p50_ms", "flood TTFT p50"),
             ("seconds", "run s")]
-    print(f"{'policy':10s}" + "".join(f"{label:>17s}" for _, label in cols))
-    for name, row in best.items():
-        print(f"{name:10s}" + "".join(f"{row[k]:>17.1f}" for k, _ in cols))
+    print_summary(summary, cols, args.rounds)
 
     def figure(plt):
         fig, ax = plt.subplots(figsize=(6, 4))
-        names = list(best)
-        ax.bar(names, [best[n]["victim_ttft_p50_ms"] for n in names], color="tab:blue")
-        ax.set(ylabel="ms", title="the victim's TTFT p50 while another tenant floods (tiny Llama)")
+        names = list(summary)
+        med = [summary[n]["victim_ttft_p50_ms"][0] for n in names]
+        err = [[m - summary[n]["victim_ttft_p50_ms"][1] for n, m in zip(names, med)],
+               [summary[n]["victim_ttft_p50_ms"][2] - m for n, m in zip(names, med)]]
+        ax.bar(names, med, yerr=err, capsize=4, color="tab:blue")
+        ax.set(ylabel="ms", title=f"the victim's TTFT p50 while another tenant floods (tiny Llama), "
+                                  f"median and range of {args.rounds} rounds")
         return fig
 
     return {"workload": {"flood": "128 x (32 prompt, 64 out) at step 0", "victim": "8 x (4 prompt, 2 out), every 10 steps",
                          "max_num_seqs": NOISY_SEATS, "max_num_batched_tokens": NOISY_BUDGET},
-            "results": results, "best": best}, figure
+            "results": results, "summary": summary}, figure

@@ -4,7 +4,8 @@ Part 1, batch 1: each prompt alone through engines without speculation and with 
 greedy (so every engine must produce the same tokens: the run checks it). The prompts are the course
 set's "grounded" kind (rewrite / extract / repeat a given text: the answer copies its input) and its open
 "chat" kind. Every engine is warmed up on a prompt of its own first; then engines take turns prompt by
-prompt, the order reversed every other prompt, so the machine's drift hits all of them alike.
+prompt, the order reversed every other prompt (counted over both kinds, so that with --prompts 1 the grounded
+prompt runs in one order and the chat prompt in the other), so the machine's drift hits all of them alike.
 
 Per engine: output tokens per second of wall time and the speedup over no speculation; the two numbers the
 chapter's model needs, measured:
@@ -13,11 +14,13 @@ chapter's model needs, measured:
           included) over the median of a plain decode step of the "off" engine, in the same run;
           c = (r_k - 1) / k, the cost of one more verified token as a fraction of a decode step
 and the model's predictions next to what was measured: E = (1 - α^(k+1)) / (1 - α) against the mean
-accepted length, E / r_k the speedup of the decode steps, and the k that maximises E(α, k) / (1 + k·c).
+accepted length, E / r_k the speedup of the decode steps, and the k that maximises E(α, k) / (1 + k·c) ("off":
+k = 0, no speculation, S = 1, beats every k).
 
 Part 2, load: 1, 4, 16 grounded requests at once through the engine, without speculation and with n-gram
-at --load-k (the batch-size policy switched off, to see where speculation itself stops paying), over
---rounds interleaved rounds (order alternating), each system's best round kept (bench experiment's harness).
+at --load-k (the batch-size policy switched off, to see where speculation itself stops paying), both warmed
+up first, over --rounds interleaved rounds (the order reversed from one round or N to the next), each system's
+best round kept (bench experiment's harness).
 """
 
 import statistics
@@ -68,6 +71,16 @@ def generate(engine, prompts: list[list[int]], max_tokens: int, steps: dict | No
     return [outputs[i] for i in range(len(prompts))], time.perf_counter() - t0
 
 
+def warm_up(engines, tokenizer, seed: int) -> None:
+    """8 tokens of a prompt of its own through each engine: its first steps pay one-time costs (allocations,
+    first touches of the weights) that are not what the run measures."""
+    from nanoserve.bench.prompts import course_prompts
+
+    warmup = tokenizer.encode_chat(course_prompts(1, seed + 100, ["grounded"])[0]["messages"])
+    for e in engines:
+        generate(e, [warmup], 8)
+
+
 def expected_length(alpha: float, k: int) -> float:
     """E = 1 + α + α² + … + α^k = (1 - α^(k+1)) / (1 - α): tokens a verifying step emits, if each proposed
     token is accepted with chance α given the ones before it were."""
@@ -75,8 +88,9 @@ def expected_length(alpha: float, k: int) -> float:
 
 
 def best_k(alpha: float, c: float, k_max: int = 16) -> int:
-    """The k that maximises the modelled speedup E(α, k) / (1 + k·c)."""
-    return max(range(1, k_max + 1), key=lambda k: expected_length(alpha, k) / (1 + k * c))
+    """The k that maximises the modelled speedup E(α, k) / (1 + k·c); 0 (no speculation: S = 1) when no k
+    beats it, e.g. best_k(0.0, 0.39) = 0: nothing is ever accepted, every verified row is pure cost."""
+    return max(range(k_max + 1), key=lambda k: expected_length(alpha, k) / (1 + k * c))
 
 
 class Measured:
@@ -105,8 +119,9 @@ class Measured:
         if not s.num_drafts or r is None:
             return head
         c, e_model = (r - 1) / self.k, expected_length(s.alpha, self.k)
+        best = best_k(s.alpha, max(c, 1e-3)) or "off"
         return (head + f" {s.alpha:6.2f} {s.mean_accepted_length:6.2f} {e_model:7.2f} {r:6.2f} {c:6.2f}"
-                f" {s.mean_accepted_length / r:8.2f}x {best_k(s.alpha, max(c, 1e-3)):6d}")
+                f" {s.mean_accepted_length / r:8.2f}x {best:>6}")
 
 
 HEADER = (f"  {'engine':<12} {'tok/s':>7} {'speedup':>8} {'α':>6} {'E meas':>6} {'E(α,k)':>7} {'r_k':>6} {'c':>6}"
@@ -135,16 +150,16 @@ def run(args):
     draft = next((e.proposer for e, _ in configs.values() if getattr(e.proposer, "num_layers", None)), None)
     print(f"batch 1, greedy, up to {args.max_tokens} tokens, {torch.get_num_threads()} thread(s)"
           + (f"; the draft: {draft.num_layers} of {model.config.num_hidden_layers} layers" if draft else ""))
-    warmup = tokenizer.encode_chat(course_prompts(1, args.seed + 100, ["grounded"])[0]["messages"])
-    for e, _ in configs.values():
-        generate(e, [warmup], 8)
+    warm_up([e for e, _ in configs.values()], tokenizer, args.seed)
+    turn = 0
     for kind in ("grounded", "chat"):
         prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(args.prompts, args.seed, [kind])]
         totals = {name: Measured(e, k) for name, (e, k) in configs.items()}
         for e, _ in configs.values():
             e.spec_stats.__init__()
         for i, ids in enumerate(prompts):
-            names = list(configs) if i % 2 == 0 else list(configs)[::-1]  # alternate who goes first
+            turn += 1  # alternate who goes first, counting over both kinds
+            names = list(configs) if turn % 2 else list(configs)[::-1]
             outs = {}
             for name in names:
                 outs[name], seconds = generate(configs[name][0], [ids], args.max_tokens, totals[name].steps)
@@ -158,7 +173,7 @@ def run(args):
         load_table(args, engine, tokenizer, course_prompts)
     print("\nα: accepted / tested proposals; E meas: tokens a verifying step emitted; E(α,k) = (1 - α^(k+1)) / (1 - α);"
           "\nr_k: a step verifying k proposals / a plain decode step (medians, this run); c = (r_k - 1) / k;"
-          "\nE/r_k: the modelled speedup of the decode steps; best k: argmax E(α,k) / (1 + k·c)."
+          "\nE/r_k: the modelled speedup of the decode steps; best k: argmax E(α,k) / (1 + k·c), off: k = 0."
           "\nshared machine: compare the ratios of one run, not tok/s across runs. Reproduce:\n"
           f"  python -m nanoserve bench spec --prompts {args.prompts} --max-tokens {args.max_tokens} "
           f"-k {' '.join(map(str, args.k))} --proposers {' '.join(args.proposers)} "
@@ -171,18 +186,19 @@ def load_table(args, engine, tokenizer, course_prompts) -> None:
     """Part 2: N grounded requests at once, off vs n-gram, interleaved rounds, each system's best round."""
     systems = {"off": engine(), f"ngram k={args.load_k}": engine("ngram", args.load_k)}
     prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(max(args.load), args.seed + 1, ["grounded"])]
+    warm_up(list(systems.values()), tokenizer, args.seed)
     print(f"\nload: N grounded requests at once, n-gram k={args.load_k} without the batch-size policy, "
           f"best of {args.rounds} interleaved round(s)\n"
           f"  {'N':>3} {'off tok/s':>10} {'ngram tok/s':>12} {'speedup':>8} {'α':>6}")
-    for n in args.load:
+    for j, n in enumerate(args.load):
         def measure(name, e, r):
             e.spec_stats.__init__()
             outputs, seconds = generate(e, prompts[:n], args.max_tokens)
             return sum(map(len, outputs)) / seconds, e.spec_stats.alpha
 
         results = {name: [] for name in systems}
-        for r in range(args.rounds):  # one round at a time, the order reversed every other round
-            for name, got in interleaved(1, dict(list(systems.items())[::1 if r % 2 == 0 else -1]), measure).items():
+        for r in range(args.rounds):  # one round at a time, the order reversed from one round (or N) to the next
+            for name, got in interleaved(1, dict(list(systems.items())[::1 if (j + r) % 2 == 0 else -1]), measure).items():
                 results[name] += got
         (off, _), (spec, alpha) = (max(runs) for runs in results.values())
         print(f"  {n:>3} {off:10.2f} {spec:12.2f} {spec / off:7.2f}x {alpha:6.2f}")

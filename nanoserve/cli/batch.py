@@ -63,8 +63,8 @@ def add_engine_args(p):
                    help="with N requests waiting, run steps on a q4 copy of the weights until N/2 wait (chapter 10)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding (chapter 14): n-gram prompt lookup, or the model's first layers as a draft")
-    p.add_argument("--num-speculative-tokens", type=checks.positive_int, default=4, metavar="K",
-                   help="with --speculative: tokens proposed and verified per step")
+    p.add_argument("--num-speculative-tokens", type=checks.positive_int, default=None, metavar="K",
+                   help="with --speculative: tokens proposed and verified per step (default 4)")
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority", "slo", "fair"],
                    help="who is admitted, served and preempted first (chapter 15; default: priority, then arrival; "
                         "serve with --api-keys: fair)")
@@ -77,11 +77,12 @@ def add_engine_args(p):
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"],
                    help="the KV pool's dtype: auto = the model's (float32); bf16 halves the bytes per token (ch 06); "
                         "int8 / fp8: 8-bit codes with a scale per token and kv head, 1.94x bf16's blocks (ch 18)")
-    p.add_argument("--kv-tier-blocks", type=checks.non_negative_int, default=0, metavar="N",
-                   help="a second KV tier (chapter 18): evicted prefix blocks go to a file of N block slots and are "
-                        "loaded back on a hit (0: off)")
-    p.add_argument("--kv-tier-path", default=None, metavar="FILE",
-                   help="with --kv-tier-blocks: the tier's file (default: a temporary file, removed at exit)")
+    p.add_argument("--kv-tier-blocks", type=checks.tier_blocks, default=0, metavar="N",
+                   help="a second KV tier (chapter 18): evicted prefix blocks go to a file of N >= 2 block slots and "
+                        "are loaded back on a hit, at most N/2 blocks per new sequence (0: off)")
+    p.add_argument("--kv-tier-path", default=None, metavar="FILE", type=checks.new_file,
+                   help="with --kv-tier-blocks: the tier's file, which must not exist yet (default: a temporary file; "
+                        "either is removed at exit)")
     p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
                    help="eager: op by op (the reference); buckets / dynamic: each step's forward through torch.compile, "
                         "padded up to a few fixed token counts or with a symbolic one (chapter 09; compiled code is "
@@ -99,11 +100,18 @@ def engine_kwargs(args, **extra) -> dict:
                 enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching,
                 student=args.student, attention_backend=args.attention_backend, weights=args.weights,
                 degrade_under_load=args.degrade_under_load, tensor_parallel_size=args.tensor_parallel_size,
-                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens or 4,
                 scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms,
                 slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
                 compile_mode=args.compile_mode, kv_tier_blocks=args.kv_tier_blocks, kv_tier_path=args.kv_tier_path,
                 **extra)
+
+
+def check_engine_args(args) -> str | None:
+    """The engine flags that argparse cannot refuse one at a time, in words, or None."""
+    if args.num_speculative_tokens is not None and args.speculative is None:
+        return "--num-speculative-tokens needs --speculative ngram or draft"
+    return None
 
 
 def llm_from_args(args, tokenizer=None, **extra):
@@ -176,6 +184,9 @@ class InOrderWriter:
 
 
 def run(args):
+    problem = check_engine_args(args)
+    if problem is not None:
+        raise checks.UsageError(problem)
     try:
         # utf-8-sig: a leading byte-order mark (Windows editors write one) is skipped, not read as JSON
         with open(args.input, encoding="utf-8-sig") as f:

@@ -99,6 +99,18 @@ def output_file(text: str) -> str:
     return text
 
 
+def new_file(text: str) -> str:
+    """An output_file that does not exist yet: nothing of the user's is taken over (chapter 18's tier file)."""
+    if Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text}: exists; name a new file (it is removed at exit)")
+    return output_file(text)
+
+
+def tier_blocks(text: str) -> int:
+    """0 (no tier) or at least 2 slots: a load takes at most half the tier (tiered_block_manager._tier_run)."""
+    return _number(int, text, lambda v: v == 0 or v >= 2, "0 or an integer >= 2")
+
+
 def chapters(text: str) -> str:
     """--student's chapter list ("05,06"), checked against the chapters that have exercises."""
     from nanoserve.student import parse_selection

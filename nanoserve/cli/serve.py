@@ -21,7 +21,7 @@ import socket
 import sys
 
 from nanoserve.cli import checks
-from nanoserve.cli.batch import add_engine_args, llm_from_args
+from nanoserve.cli.batch import add_engine_args, check_engine_args, llm_from_args
 from nanoserve.cluster.cli import add_fleet_args, check_fleet_args, is_fleet, kv_events_warning, run_fleet
 
 
@@ -174,7 +174,14 @@ def check_args(args) -> str | None:
         return f"--api-keys: {e}"
     if args.scheduling_policy is None:
         args.scheduling_policy = default_policy(args.api_keys)
-    problem = check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
+    from nanoserve.engine.config import SchedulerConfig
+
+    try:  # a scheduling flag or tenant setting the chosen policy would not read is refused, not dropped
+        SchedulerConfig(policy=args.scheduling_policy, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                        slo_reject=args.slo_reject, **args.tenant_settings)
+    except ValueError as e:
+        return str(e)
+    problem = check_engine_args(args) or check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
     return problem or check_fleet_args(args)
 
 

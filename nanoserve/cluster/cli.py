@@ -22,19 +22,22 @@ def add_fleet_args(p) -> None:
                         "in this process)")
     g.add_argument("--ray-address", default=None,
                    help="join this Ray cluster ('auto' or host:port) instead of starting a local Ray")
-    g.add_argument("--router", choices=ROUTERS, default="pow2",
-                   help="round-robin: in turn; pow2: the shorter queue of two random replicas; prefix: to the "
-                        "replica holding the prompt's leading KV blocks, unless it is busy")
-    g.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (= its torch threads)")
+    g.add_argument("--router", choices=ROUTERS, default=None,
+                   help="round-robin: in turn; pow2 (default): the shorter queue of two random replicas; prefix: to "
+                        "the replica holding the prompt's leading KV blocks, unless it is busy")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per replica (= its torch threads; default 1)")
     g.add_argument("--ray-num-cpus", type=checks.positive_int, default=None,
-                   help="CPUs of the local Ray (default: the machine's)")
+                   help="CPUs of the local Ray (default: the machine's; not with --ray-address)")
     g.add_argument("--min-replicas", type=checks.positive_int, default=None,
                    help="autoscale from this many replicas (with --max-replicas)")
     g.add_argument("--max-replicas", type=checks.positive_int, default=None, help="autoscale up to this many replicas")
-    g.add_argument("--target-ongoing-requests", type=float, default=2.0,
-                   help="autoscaling target: requests in flight per replica")
-    g.add_argument("--upscale-delay-s", type=float, default=30.0, help="load must stay above target this long to add")
-    g.add_argument("--downscale-delay-s", type=float, default=600.0, help="and below it this long to remove")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling target: requests in flight per replica (default 2)")
+    g.add_argument("--upscale-delay-s", type=float, default=None,
+                   help="load must stay above target this long to add (default 30)")
+    g.add_argument("--downscale-delay-s", type=float, default=None,
+                   help="and below it this long to remove (default 600)")
     g.add_argument("--metrics-compat", choices=["vllm"], default=None,
                    help="also export vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc")
     g.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ENDPOINT",
@@ -50,19 +53,37 @@ def is_fleet(args) -> bool:
     return args.replicas is not None or args.max_replicas is not None or args.ray_address is not None
 
 
+FLEET_ONLY = ["router", "replica_cpus", "ray_num_cpus"]  # flags that mean something only to a fleet
+AUTOSCALING_ONLY = ["target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"]  # ... to an autoscaled one
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def check_fleet_args(args) -> str | None:
+    """None if the fleet flags make sense together, else the one-line reason: a flag the mode cannot honour (a
+    fleet flag without a fleet, an autoscaling flag without --max-replicas) is refused, not ignored."""
     autoscale = args.min_replicas is not None or args.max_replicas is not None
+    given = [flag(d) for d in FLEET_ONLY if getattr(args, d) is not None]
+    if given and not is_fleet(args):
+        return f"{given[0]} is for a fleet: give --replicas (or --min-replicas/--max-replicas)"
+    given = [flag(d) for d in AUTOSCALING_ONLY if getattr(args, d) is not None]
+    if given and args.max_replicas is None:
+        return f"{given[0]} is an autoscaling setting: give --min-replicas/--max-replicas"
+    if args.ray_num_cpus is not None and args.ray_address is not None:
+        return "--ray-num-cpus sizes a local Ray: with --ray-address the cluster has its own CPUs"
     if autoscale and args.replicas is not None:
         return "give --replicas or --min-replicas/--max-replicas (autoscaling), not both"
     if args.min_replicas is not None and args.max_replicas is None:
         return "--min-replicas needs --max-replicas"
     if autoscale and (args.min_replicas or 1) > args.max_replicas:
         return f"--min-replicas {args.min_replicas} is above --max-replicas {args.max_replicas}"
-    if args.target_ongoing_requests <= 0:
+    if args.target_ongoing_requests is not None and args.target_ongoing_requests <= 0:
         return f"--target-ongoing-requests must be > 0, got {args.target_ongoing_requests}"
-    if args.upscale_delay_s < 0 or args.downscale_delay_s < 0:
+    if min(args.upscale_delay_s or 0, args.downscale_delay_s or 0) < 0:
         return "--upscale-delay-s and --downscale-delay-s must be >= 0"
-    if args.replica_cpus <= 0:
+    if args.replica_cpus is not None and args.replica_cpus <= 0:
         return f"--replica-cpus must be > 0, got {args.replica_cpus}"
     if is_fleet(args) and args.kv_events_endpoint is not None:
         return "--kv-events-endpoint is for one process; with replicas each would need its own endpoint"
@@ -140,15 +161,16 @@ def run_fleet(args, sock, config, ready) -> int:
     from nanoserve.text.tokenizer import Tokenizer
 
     autoscaling = None
-    if args.max_replicas is not None:
-        autoscaling = Autoscaling(args.min_replicas or 1, args.max_replicas, args.target_ongoing_requests,
-                                  args.upscale_delay_s, args.downscale_delay_s)
+    if args.max_replicas is not None:  # Autoscaling's own defaults for the settings not given
+        given = {d: getattr(args, d) for d in AUTOSCALING_ONLY if getattr(args, d) is not None}
+        autoscaling = Autoscaling(args.min_replicas or 1, args.max_replicas, **given)
+    router = args.router or "pow2"
     tokenizer = Tokenizer.from_gguf(args.model)
     print(f"starting {args.replicas or f'{args.min_replicas or 1}..{args.max_replicas}'} replicas on Ray Serve "
-          f"(router: {args.router}) ...", flush=True)
+          f"(router: {router}) ...", flush=True)
     try:
-        with fleet(spec_from_args(args), args.replicas, autoscaling, args.router, args.ray_address, args.ray_num_cpus,
-                   args.replica_cpus, student=args.student) as f:
+        with fleet(spec_from_args(args), args.replicas, autoscaling, router, args.ray_address, args.ray_num_cpus,
+                   args.replica_cpus or 1.0, student=args.student) as f:
             server = Server(build_state(f, tokenizer, **vars(config)), args.host, args.port, args.shutdown_timeout,
                             args.log_level, on_ready=ready)
             add_fleet_routes(server.config.app, f)

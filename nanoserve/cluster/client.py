@@ -83,9 +83,12 @@ class ReplicaClient:
             if isinstance(e, RayError):
                 raise EngineUnavailable(f"the replica failed before the request started: {one_line(e)}") from None
             raise
-        if kind == "refused":
+        if kind != "added":
             self.in_flight -= 1
-            raise ValueError(detail)
+            if kind == "refused":
+                raise ValueError(detail)
+            gen.cancel()  # not replica.py's protocol (another version of it?): nothing was routed
+            raise EngineUnavailable(f"the replica answered {kind!r}, not 'added' or 'refused'")
         if len(self.routed) == ROUTED_KEPT:  # the oldest decision leaves both records
             self.first_block.pop(self.routed[0][0], None)
         self.routed.append((request_id, detail))

@@ -41,14 +41,21 @@ class Autoscaling:
     target_ongoing_requests: float = 2.0
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
-    metrics_interval_s: float = 10.0  # how often replicas report (Ray Serve's default 10 s; tests: shorter)
     look_back_period_s: float = 30.0
+    # How often replicas and handles report their ongoing requests; None: Ray Serve's default, 10 s. Ray 2.60
+    # deprecates the field (a DeprecationWarning when set) for RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
+    # and RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S "in a future release", but 2.60 itself still pushes
+    # at this field's interval and reads neither variable: only the tests' second-long autoscaler sets it.
+    metrics_interval_s: float | None = None
 
     def config(self) -> dict:
-        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "initial_replicas": self.min_replicas, "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
-                "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": self.look_back_period_s}
+        config = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                  "initial_replicas": self.min_replicas, "target_ongoing_requests": self.target_ongoing_requests,
+                  "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                  "look_back_period_s": self.look_back_period_s}
+        if self.metrics_interval_s is not None:
+            config["metrics_interval_s"] = self.metrics_interval_s
+        return config
 
 
 @dataclass
@@ -166,7 +173,8 @@ def fleet(spec: ReplicaSpec, replicas: int | None = 2, autoscaling: Autoscaling 
     started = not ray.is_initialized()
     if started:
         start_ray(ray_address, num_cpus)
-    if ray_address is None:  # a local fleet: nothing of it listens beyond loopback (start_ray), /metrics included
+    if ray_address is None:  # a local fleet listens on loopback only: Ray's node (start_ray, cluster/__init__.py)
+        # and, here, each replica's /metrics (on a cluster: the node's address, where a scraper reaches it)
         spec = dataclasses.replace(spec, metrics_host=spec.metrics_host or LOOPBACK)
     try:
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})

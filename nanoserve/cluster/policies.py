@@ -11,7 +11,8 @@ A policy answers one question per request and hears two kinds of news; it knows 
     forget(replica)                 the replica is gone
 
 router.py adapts any policy to Ray Serve's RequestRouter; `--router NAME` picks one from POLICIES. A new
-policy (chapter 17's KV-aware router) is a class with these three methods and a line in POLICIES.
+policy is a class with these three methods and a line in POLICIES; one that scores replicas by the KV blocks they
+report needs more than these arguments: a fleet here publishes no KV events (chapter 16, section 3).
 """
 
 import importlib

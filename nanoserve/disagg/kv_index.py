@@ -94,7 +94,8 @@ class KVEventSubscriber:
 
     def __init__(self, index: KVIndex, endpoints: dict[str, str]):
         self.index = index
-        self.context = zmq.Context()
+        self.context = zmq.Context.instance()  # shared, never terminated: a context of its own, garbage-collected
+        # while one of its sockets is still open, would block this process for ever in its term()
         self.socket = self.context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         for name, endpoint in endpoints.items():
@@ -120,4 +121,3 @@ class KVEventSubscriber:
 
     def close(self) -> None:
         self.socket.close()
-        self.context.term()

@@ -48,14 +48,14 @@ class StagingArea:
         self.release_timeout_s = release_timeout_s
         self.segments: dict[str, tuple[shared_memory.SharedMemory, float]] = {}  # name -> (segment, created at)
         self.lock = threading.Lock()  # the engine thread creates, the control thread frees
-        self.context = zmq.Context()
+        self.context = zmq.Context.instance()  # shared, never terminated: a context of its own, garbage-collected
+        # while one of its sockets is still open, would block this process for ever in its term()
         self.socket = self.context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         try:
             self.socket.bind(endpoint)
         except zmq.ZMQError as e:
             self.socket.close()
-            self.context.term()
             raise ValueError(f"cannot bind the KV control endpoint {endpoint}: {e}") from None
         self.endpoint = self.socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.stopped = threading.Event()
@@ -98,7 +98,6 @@ class StagingArea:
         for name in list(self.segments):
             self.release(name)
         self.socket.close()
-        self.context.term()
 
 
 def open_staged(name: str) -> shared_memory.SharedMemory:
@@ -115,7 +114,8 @@ class ReleaseSender:
     """The consumer's side of the control channel: one PUSH socket per producer endpoint."""
 
     def __init__(self):
-        self.context = zmq.Context()
+        self.context = zmq.Context.instance()  # shared, never terminated: a context of its own, garbage-collected
+        # while one of its sockets is still open, would block this process for ever in its term()
         self.sockets: dict[str, zmq.Socket] = {}
 
     def release(self, endpoint: str, name: str) -> None:
@@ -129,4 +129,3 @@ class ReleaseSender:
     def close(self) -> None:
         for socket in self.sockets.values():
             socket.close()
-        self.context.term()

@@ -106,6 +106,16 @@ class AsyncLLMEngine:
         """The longest sequence this engine can hold (its context, or less if the KV pool is smaller)."""
         return self.engine.max_seq_len
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: token ids are in [0, vocab_size)."""
+        return self.engine.vocab_size
+
+    def set_stat_logger(self, stat_logger) -> None:
+        """Record the steps from now on to `stat_logger` (None: to nobody); chapter 15's blue-green switch hands
+        the server's logger to the version that takes over. One assignment: the engine thread reads it per step."""
+        self.stat_logger = stat_logger
+
     # ---- the event loop's side -----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,

@@ -58,6 +58,29 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        unused = self.unused_policy_setting()
+        if unused:
+            raise ValueError(unused)
+
+    def unused_policy_setting(self) -> str | None:
+        """The first setting the chosen policy would not read, in words (None: all are read): refused, not
+        dropped. The SLO settings are slo's; weights other than 1 are fair's.
+
+            SchedulerConfig(policy="priority", slo_reject=True)   ValueError: slo_reject (--slo-reject) is ...
+        """
+        slo = {"slo_ttft_ms": self.slo_ttft_ms is not None, "slo_tpot_ms": self.slo_tpot_ms is not None,
+               "slo_reject": self.slo_reject, "tenant_slos": bool(self.tenant_slos)}
+        for name, given in slo.items():
+            if given and self.policy != "slo":
+                flag = "a tenant's ttft_slo_ms / tpot_slo_ms" if name == "tenant_slos" else "--" + name.replace("_", "-")
+                return (f"{name} ({flag}) is read by the slo scheduling policy only, and the policy is "
+                        f"{self.policy!r}: add --scheduling-policy slo or drop it")
+        weighted = sorted(t for t, w in (self.tenant_weights or {}).items() if w != 1)
+        if weighted and self.policy != "fair":
+            return (f"tenant weights ({', '.join(map(str, weighted))}: a tenant's weight) are read by the fair "
+                    f"scheduling policy only, and the policy is {self.policy!r}: add --scheduling-policy fair or "
+                    f"drop them")
+        return None
 
 
 @dataclass

@@ -39,6 +39,14 @@ class Executor:
         for w in self.workers:
             w.lora_manager.remove_adapter(name)
 
+    # chapter 18: the second KV tier lives beside the one worker's pool (single process only)
+    def init_kv_tier(self, capacity: int, path: str | None = None) -> int:
+        return self.workers[0].init_kv_tier(capacity, path)
+
+    def kv_tier_stats(self):
+        """The tier's FileTierStats and the last step's forward seconds (the engine's measured rates)."""
+        return self.workers[0].kv_tier.stats, self.workers[0].step_seconds
+
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         try:
             results = [w.execute_model(scheduler_output, degraded) for w in self.workers]

@@ -115,8 +115,9 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
-        if cache.kv_tier_blocks < 0:
-            raise ValueError(f"kv_tier_blocks must be >= 0 (0: no second tier), got {cache.kv_tier_blocks}")
+        if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
+            raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
+                             f"tier's slots), got {cache.kv_tier_blocks}")
         if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
             raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
         if cache.kv_tier_blocks and not cache.enable_prefix_caching:
@@ -124,6 +125,9 @@ class LLMEngine:
         if cache.kv_tier_blocks and "05" in student.chapters:
             raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
                              "selected in student")
+        if cache.kv_cache_dtype in ("int8", "fp8") and "05" in student.chapters:
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype} runs chapter 18's quantized attention, not "
+                             "chapter 05's paged attention selected in student: drop one of them")
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
@@ -163,7 +167,7 @@ class LLMEngine:
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
         if block_manager is None and cache.kv_tier_blocks:  # chapter 18 (the learner's 18.1 / 18.2 where finished)
-            block_bytes = self.executor.workers[0].init_kv_tier(cache.kv_tier_blocks, cache.kv_tier_path)
+            block_bytes = self.executor.init_kv_tier(cache.kv_tier_blocks, cache.kv_tier_path)
             block_manager = TieredBlockManager(num_blocks, cache.block_size,
                                                student.module("nanoserve.kv.tier_index").TierIndex(cache.kv_tier_blocks),
                                                block_bytes / cache.block_size,
@@ -178,10 +182,7 @@ class LLMEngine:
         self.block_manager = block_manager
         sched = config.scheduler_config
         # chapter 15's policy (the learner's slo/fair policies from exercises/15 where finished)
-        policy = make_policy(sched.policy, default_slo=SLOTargets(sched.slo_ttft_ms, sched.slo_tpot_ms),
-                             slo_reject=sched.slo_reject, tenant_weights=sched.tenant_weights,
-                             tenant_slos=sched.tenant_slos, max_num_batched_tokens=sched.max_num_batched_tokens,
-                             modules=student.module)
+        policy = make_policy(sched, modules=student.module)
         # chapter 19: the scheduler admits no request whose adapter would be one too many for the step's slots
         lora_slots = {} if lora is None else {"max_loras": lora.max_loras}
         self.kv_connector = self._kv_connector_scheduler(kv_worker)  # chapter 17: its scheduler side, or None
@@ -292,6 +293,10 @@ class LLMEngine:
                                  f"[0, {self.vocab_size})")
         if sampling_params.stop and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need an engine with a tokenizer")
+        if slo is not None and self.scheduler.policy.name != "slo":  # chapter 15: refused, not silently ignored
+            field = "ttft_slo_ms" if slo.ttft_ms is not None else "tpot_slo_ms"
+            raise ValueError(f"request {request_id!r}: {field} is read by the slo scheduling policy only; this engine "
+                             f"schedules by {self.scheduler.policy.name!r} (--scheduling-policy slo)")
         if kv_transfer_params is not None:
             if self.kv_connector is None:
                 raise ValueError("kv_transfer_params: this engine has no KV connector (serve --kv-role)")
@@ -402,10 +407,11 @@ class LLMEngine:
     def _measure_tier(self, out: SchedulerOutput) -> None:
         """Feed the step's measured costs to the load-or-recompute decision: (tokens computed, forward seconds),
         and (bytes, seconds) of its loads."""
-        worker, rates = self.executor.workers[0], self.block_manager.rates
+        rates = self.block_manager.rates
+        stats, step_seconds = self.executor.kv_tier_stats()
         if out.total_num_scheduled_tokens:
-            rates.steps.add(out.total_num_scheduled_tokens, worker.step_seconds)
-        stats, seen = worker.kv_tier.stats, self._tier_seen
+            rates.steps.add(out.total_num_scheduled_tokens, step_seconds)
+        seen = self._tier_seen
         if stats.loads > seen[0]:
             rates.loads.add(stats.bytes_read - seen[1], stats.load_seconds - seen[2])
         self._tier_seen = (stats.loads, stats.bytes_read, stats.load_seconds)
@@ -415,7 +421,7 @@ class LLMEngine:
         bytes, stalls, the measured rates."""
         if not self.config.cache_config.kv_tier_blocks:
             return None
-        bm, tier = self.block_manager, self.executor.workers[0].kv_tier.stats
+        bm, (tier, _) = self.block_manager, self.executor.kv_tier_stats()
         rates = bm.rates
         return {"pool_hit_tokens": bm.stats.hit_tokens - bm.tier_stats.hit_tokens,
                 "tier_hit_tokens": bm.tier_stats.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
@@ -568,7 +574,8 @@ class LLMEngine:
         for i in range(1, params.n):
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
-                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name)
+                             tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name,
+                             speculative=seq.speculative)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

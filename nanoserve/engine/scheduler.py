@@ -106,10 +106,14 @@ class Scheduler:
         self.connector = connector
         self.block_manager = block_manager  # chapter 05's BlockManager (or the learner's)
         self.policy = policy or PriorityPolicy()  # chapter 15: the orders (nanoserve/engine/policies/)
+        budget = getattr(self.policy, "budget", config.max_num_batched_tokens)  # slo counts its laxity in steps
+        if budget != config.max_num_batched_tokens:
+            raise ValueError(f"the policy counts steps of {budget} tokens, the scheduler's budget is "
+                             f"{config.max_num_batched_tokens}: build it with make_policy(config)")
         self.clock = clock
         self.now = clock()  # the current step's time, read once per schedule()
-        self.waiting: list[Sequence] = []  # sorted by urgency: WAITING and PREEMPTED sequences
-        self.running: list[Sequence] = []  # sorted by urgency: they hold blocks
+        self.waiting: list[Sequence] = []  # WAITING and PREEMPTED sequences; the policy orders them each step
+        self.running: list[Sequence] = []  # they hold blocks; the policy orders them each step
         self.seqs: dict[str, Sequence] = {}  # every live sequence by id
         self._finished_seq_ids: list[str] = []
 
@@ -149,9 +153,10 @@ class Scheduler:
         out = SchedulerOutput(finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
         self.now = now = self.clock()
-        for seq in [s for s in self.waiting if self.policy.reject_reason(s, now)]:
+        for seq in list(self.waiting):
             seq.reject_reason = self.policy.reject_reason(seq, now)
-            out.rejected_seqs.append(self.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED))
+            if seq.reject_reason:
+                out.rejected_seqs.append(self.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED))
         self.running = self.policy.order_running(self.running, now)
         budget = self.schedule_running(out, self.config.max_num_batched_tokens)
         self.waiting = self.policy.order_waiting(self.waiting, now)  # after the running ones were charged (fair)
@@ -212,7 +217,7 @@ class Scheduler:
             seq.num_computed_tokens = computed + external
             if seq.scheduled_time is None:
                 seq.scheduled_time = self.clock()
-            bisect.insort(self.running, seq, key=_urgency)
+            self.running.append(seq)  # the policy re-orders the running set next step
             self._schedule(out, seq, n)
             budget -= n
             seats += seq.num_seats

@@ -92,6 +92,9 @@ class BlockManager:
         self.num_slots: dict[int, int] = {}  # positions each sequence's table has been asked to cover so far
         # (src, dst) block copies the model runner must do before the next step (copy-on-write after fork)
         self.pending_copies: list[tuple[int, int]] = []
+        # told of every change to the prefix cache, in order (chapter 16's KV events): objects with
+        # block_stored(block_hash, parent_hash, token_ids) and block_removed(block_hash)
+        self.kv_listeners: list = []
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free ones, including cached blocks no one uses (evictable)."""
@@ -174,7 +177,7 @@ class BlockManager:
         new_blocks = self.allocator.allocate(num_new + cow)
         for block_id in new_blocks:
             # The block gets new contents: the cache must forget what it held.
-            self.stats.evicted_blocks += self.prefix_cache.evict(block_id)
+            self._evict(block_id)
         if cow:
             shared = table[covered // self.block_size]
             table[covered // self.block_size] = new_blocks.pop()
@@ -203,7 +206,21 @@ class BlockManager:
             # holds the parent's hash (a collision), a lookup would match that block and then this one, whose
             # K/V were computed after other tokens.
             if i == 0 or self.prefix_cache.entries.get(table[i - 1], (None,))[0] == parent:
-                self.prefix_cache.insert(hashes[-1], parent, tokens, table[i])
+                self._cache(hashes[-1], parent, tokens, table[i])
+
+    def _cache(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int], block_id: int) -> None:
+        """Register a full block in the prefix cache and, if the cache took it, tell the listeners."""
+        if self.prefix_cache.insert(block_hash, parent_hash, token_ids, block_id):
+            for listener in self.kv_listeners:
+                listener.block_stored(block_hash, parent_hash, token_ids)
+
+    def _evict(self, block_id: int) -> None:
+        """Drop the block from the prefix cache, if it held it, and tell the listeners which hash left."""
+        entry = self.prefix_cache.entries.get(block_id)  # (hash, parent, tokens) or None
+        if self.prefix_cache.evict(block_id):
+            self.stats.evicted_blocks += 1
+            for listener in self.kv_listeners:
+                listener.block_removed(entry[0])
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares all of the parent's blocks (ref count +1 each): no KV is copied until

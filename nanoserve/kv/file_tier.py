@@ -6,8 +6,8 @@
 The file is mapped into memory (torch.from_file(shared=True) is an mmap): slot s is bytes
 [s · block_nbytes, (s + 1) · block_nbytes), one block of every layer's K and V (and, for an int8 / fp8
 pool, their scales), laid out tensor after tensor. Here the pool lives in host memory already, so the
-"device to host" copy is a memcpy and the file is the slower, larger tier; on a GPU machine the same two
-stages are the GPU pool -> pinned host memory (the second tier, as in SGLang's HiCache) -> the file (a third).
+"device to host" copy is a memcpy and the file is the one slower, larger tier. There is no host-memory tier:
+a GPU build would add one (pinned host slots between the GPU pool and the file, as in SGLang's HiCache).
 
 Why a staging copy: an evicted block is handed out for new contents in the very step that evicts it, so its
 bytes must be copied out before that step's forward pass writes into it. The copy is quick; the write to the
@@ -60,30 +60,31 @@ class FileTierStats:
     bytes_read: int = 0
     stalls: int = 0  # loads that waited for their slot's write to finish
     stall_seconds: float = 0.0
-    load_seconds: float = 0.0  # reading the file into the pool (stalls included)
+    load_seconds: float = 0.0  # reading the file into the pool (stall_seconds not included)
 
 
 class FileKVTier:
     def __init__(self, capacity: int, block_nbytes: int, path: str | None = None):
-        """`capacity` slots of `block_nbytes` bytes in the file at `path` (None: a temporary file, removed by
-        close()). The file is sized at once; its pages are only backed once written."""
+        """`capacity` slots of `block_nbytes` bytes in a new file at `path` (None: a temporary file); close()
+        removes it. An existing file is refused: the tier would overwrite it and then delete it. The file is sized
+        at once; its pages are only backed once written."""
         if path is None:
             fd, path = tempfile.mkstemp(prefix="nanoserve-kv-", suffix=".bin")
             os.close(fd)
-            self.owns_file = True
-        else:
-            self.owns_file = not os.path.exists(path)
+        elif os.path.exists(path):
+            raise ValueError(f"kv_tier_path {path!r} exists: the tier needs a new file (it removes it at exit)")
         self.path, self.capacity, self.block_nbytes = path, capacity, block_nbytes
         self.slots = torch.from_file(path, shared=True, size=capacity * block_nbytes,
                                      dtype=torch.uint8).view(capacity, block_nbytes)
         self.stats = FileTierStats()
         self.pending: dict[int, int] = {}  # slot -> writes queued and not done
+        self.error: BaseException | None = None  # the writer's first failure, raised by the next load or flush
         self.done = threading.Condition()
         self.queue: queue.Queue = queue.Queue()
         self.writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self.writer.start()
-        # a temporary file is removed at exit even if close() never runs (a server whose engine is replaced)
-        self._remove = weakref.finalize(self, os.remove, path) if self.owns_file else None
+        # the file is removed at exit even if close() never runs (a server whose engine is replaced)
+        self._remove = weakref.finalize(self, os.remove, path)
 
     def apply(self, pool, ops: list[tuple[str, int, int]]) -> None:
         """Run one step's tier operations in order: ("offload", block, slot) or ("load", slot, block)."""
@@ -107,6 +108,8 @@ class FileKVTier:
                 self.stats.stalls += 1
                 self.done.wait_for(lambda: not self.pending.get(slot))
                 self.stats.stall_seconds += time.perf_counter() - start
+            self._raise_writer_error()
+        start = time.perf_counter()  # the tier's own read: waiting for our writer is not its bandwidth
         write_block(pool, block_id, self.slots[slot])
         self.stats.loads += 1
         self.stats.bytes_read += self.block_nbytes
@@ -115,9 +118,14 @@ class FileKVTier:
     def _write_loop(self) -> None:
         while (item := self.queue.get()) is not None:
             slot, data = item
-            self.slots[slot].copy_(data)
+            written = 0
+            try:
+                self.slots[slot].copy_(data)
+                written = self.block_nbytes
+            except Exception as e:  # recorded, and the write still counts as done: nobody waits for it forever
+                self.error = self.error or e
             with self.done:
-                self.stats.bytes_written += self.block_nbytes
+                self.stats.bytes_written += written
                 self.pending[slot] -= 1
                 if not self.pending[slot]:
                     del self.pending[slot]
@@ -127,13 +135,18 @@ class FileKVTier:
         """Wait until every queued write is in the file."""
         with self.done:
             self.done.wait_for(lambda: not self.pending)
+            self._raise_writer_error()
+
+    def _raise_writer_error(self) -> None:
+        """A failed write fails the step that needs the file (a load) or waits for it (flush), not a later hang."""
+        if self.error is not None:
+            raise RuntimeError(f"the KV tier's writer failed on {self.path}: {self.error!r}") from self.error
 
     def close(self) -> None:
-        """Finish the queued writes, stop the writer, remove a temporary file."""
+        """Finish the queued writes, stop the writer, remove the file."""
         if not self.writer.is_alive():
             return
         self.queue.put(None)
         self.writer.join()
         del self.slots
-        if self._remove is not None:
-            self._remove()
+        self._remove()

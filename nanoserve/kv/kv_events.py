@@ -11,7 +11,7 @@ an event per change, and nanoserve records the same three kinds, named as vLLM n
 They are recorded here, in kv/, as plain objects; sending them (msgpack over ZMQ, vLLM's wire format)
 is the server's business (nanoserve/server/kv_events.py), so the KV code imports no network library.
 
-    log = record_kv_events(engine.block_manager)    # wraps its prefix cache, before the first request
+    log = record_kv_events(engine.block_manager)    # listens to its prefix cache, before the first request
     ...                                             # requests run
     log.take()                                      # [BlockStored(...), BlockRemoved(...), ...], drained
 """
@@ -43,7 +43,9 @@ class AllBlocksCleared:
 
 @dataclass
 class KVEventLog:
-    """Events in the order they happened; the engine thread appends, a publisher thread takes."""
+    """Events in the order they happened; the engine thread appends (the block manager calls block_stored and
+    block_removed as its prefix cache changes), a publisher thread takes."""
+    block_size: int
     events: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -56,45 +58,24 @@ class KVEventLog:
             events, self.events = self.events, []
         return events
 
+    def block_stored(self, block_hash: int, parent_hash: int | None, token_ids) -> None:
+        self.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
 
-class RecordingPrefixCache:
-    """A prefix cache (the reference's or the learner's) that also logs every insert and eviction.
-
-    Only what really changes the cache is an event: an insert the cache refused (hash already taken)
-    and an eviction of a block that was not cached are not.
-    """
-
-    def __init__(self, inner, block_size: int, log: KVEventLog):
-        self.inner, self.block_size, self.log = inner, block_size, log
-        self.hash_block = inner.hash_block
-
-    def get(self, block_hash, parent_hash, token_ids):
-        return self.inner.get(block_hash, parent_hash, token_ids)
-
-    def insert(self, block_hash, parent_hash, token_ids, block_id) -> bool:
-        stored = self.inner.insert(block_hash, parent_hash, token_ids, block_id)
-        if stored:
-            self.log.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
-        return stored
-
-    def evict(self, block_id) -> bool:
-        entry = self.inner.entries.get(block_id)
-        evicted = self.inner.evict(block_id)
-        if evicted and entry is not None:
-            self.log.append(BlockRemoved([entry[0]]))
-        return evicted
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name):  # entries, block_of_hash: read by the engine view (chapter 12) and tests
-        return getattr(self.inner, name)
+    def block_removed(self, block_hash: int) -> None:
+        self.append(BlockRemoved([block_hash]))
 
 
 def record_kv_events(block_manager) -> KVEventLog:
-    """Wrap the block manager's prefix cache so that it logs events; returns the log. Call it before the
-    first request: blocks cached earlier were never announced. The first event says so: AllBlocksCleared."""
-    log = KVEventLog()
+    """Listen to the block manager's prefix cache (BlockManager.kv_listeners); returns the log. Call it before the
+    first request: blocks cached earlier were never announced. The first event says so: AllBlocksCleared.
+    Only what really changes the cache is an event: an insert the cache refused (hash already taken) and an
+    eviction of a block that was not cached are not."""
+    learner = [name for name in ("allocate_slots", "_register_full_blocks")
+               if getattr(type(block_manager), name).__module__.startswith("student_")]
+    if learner:  # exercise 5.4's code calls the prefix cache itself: its changes would reach no listener
+        raise ValueError(f"KV events need the reference block manager: with --student 05, {', '.join(learner)} "
+                         "change the prefix cache without telling BlockManager.kv_listeners; leave 05 out of --student")
+    log = KVEventLog(block_manager.block_size)
     log.append(AllBlocksCleared())
-    block_manager.prefix_cache = RecordingPrefixCache(block_manager.prefix_cache, block_manager.block_size, log)
+    block_manager.kv_listeners.append(log)
     return log

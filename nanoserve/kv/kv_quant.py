@@ -7,8 +7,8 @@ one bf16 scale, x ≈ code · scale, with the scale chosen so the row's largest 
     fp8:   scale = max|x| / 448,  code = float8_e4m3fn(x / scale)         (448: e4m3's largest; relative steps)
 
 Worked example, one row of D = 4, int8:
-    x = [0.50, -1.27, 0.01, 1.00]        max|x| = 1.27, scale = 0.01
-    code = [50, -127, 1, 100]            dequantized: [0.50, -1.27, 0.01, 1.00]
+    x = [0.50, -1.27, 0.01, 1.00]        max|x| = 1.27, scale = 1.27 / 127 = 0.01, stored in bf16 as 0.0100098
+    code = [50, -127, 1, 100]            dequantized: code · 0.0100098 = [0.5005, -1.2712, 0.0100, 1.0010]
 
 Why per token and kv head: K rows differ in size from token to token and head to head (the RoPE'd keys of a
 few heads are much larger), and a token's row is written once, when the token is computed — a scale per

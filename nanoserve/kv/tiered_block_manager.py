@@ -11,12 +11,14 @@ Chapter 05's manager forgets a cached block when the allocator hands it out for 
              ("load", slot, block) is queued: the worker reads the bytes in before the step's forward pass,
              so the sequence's prefill goes on from the end of the loaded run
 
-Worked example, block_size 4, a pool of 4 blocks, a tier of 8 slots:
-    A = 12 tokens: blocks a0 a1 a2 (a2 computed last)           pool [a0 a1 a2 -]
-    A finishes; B (12 other tokens) needs 3 blocks: a2 a1 a0 are evicted (last block first, chapter 05),
-    each offloaded to a slot                                    ops [(offload 2 0) (offload 1 1) (offload 0 2)]
-    B finishes; A returns: the pool has none of A's blocks, the tier has all three; 2 full blocks are looked
-    up (the last token is always computed) and loaded          ops [.. (load 2 b) (load 1 b')], A computes 4
+Worked example, block_size 4, a pool of 3 blocks, a tier of 8 slots (tests/test_ch18_tier.py runs it):
+    A = 12 tokens: blocks a0 a1 a2 in pool blocks 0 1 2          pool [a0 a1 a2]
+    A finishes; B (12 other tokens) is handed blocks 2 1 0 (last freed first, chapter 05): a2 a1 a0 are
+    evicted, each offloaded to a slot                            ops [(offload 2 0) (offload 1 1) (offload 0 2)]
+    B finishes; A returns: lookup_prefix(A) = 8. The pool has none of A's blocks, the tier all three, but only
+    2 full blocks are taken (the last token is always computed, so a2 is too). Each load gets a free block,
+    whose B contents are offloaded first:
+        ops [(offload 0 3) (load 2 0) (offload 1 4) (load 1 1) (offload 2 5)]     A's table [0 1 2], computes 4
 
 Everything here is integers; the tensors move in the worker (file_tier.FileKVTier.apply), in queue order — an
 offload of a block must read it before a later load in the same step writes into it.
@@ -125,8 +127,8 @@ class TieredBlockManager(BlockManager):
             self.tier.mark_used(slot)
         blocks = self.allocator.allocate(len(run))
         for block_id, (slot, h, parent, tokens) in zip(blocks, run):
-            self.stats.evicted_blocks += self.prefix_cache.evict(block_id)  # queues its offload first
-            self.prefix_cache.insert(h, parent, tokens, block_id)
+            self._evict(block_id)  # queues its offload first; both tell the KV-event listeners (chapter 16)
+            self._cache(h, parent, tokens, block_id)
             self.tier_ops.append(("load", slot, block_id))
         self.tier_stats.hit_tokens += len(run) * self.block_size
         self.tier_stats.loaded_blocks += len(run)

@@ -302,7 +302,8 @@ def build_app(state: ServerState) -> FastAPI:
             if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
                 raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
             if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
-                named = [f for f in ("kv_transfer_params", "logit_bias", "stop_token_ids", "max_tokens")
+                named = [f for f in ("kv_transfer_params", "logit_bias", "stop_token_ids", "max_tokens", "ttft_slo_ms",
+                                     "tpot_slo_ms")
                          if f in str(e)]  # the field named
                 raise APIError(400, str(e), named[0] if named else None) from None
             if isinstance(e, EngineUnavailable):  # stopped, or a fleet whose replicas did not answer: come back

@@ -50,14 +50,14 @@ class KVEventPublisher:
         """endpoint: where the PUB socket binds, e.g. "tcp://127.0.0.1:5557" (vLLM's default port) or
         "tcp://127.0.0.1:*" for a free one (then see `self.endpoint`)."""
         self.log, self.topic, self.interval_s = log, topic.encode(), interval_s
-        self.context = zmq.Context()
+        self.context = zmq.Context.instance()  # shared, never terminated: a context of its own, garbage-collected
+        # while one of its sockets is still open, would block this process for ever in its term()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         try:
             self.socket.bind(endpoint)
         except zmq.ZMQError as e:
             self.socket.close()
-            self.context.term()
             raise ValueError(f"cannot bind the KV-events socket to {endpoint!r}: {e}") from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.seq = 0
@@ -83,4 +83,3 @@ class KVEventPublisher:
         self._thread.join()
         self.flush()
         self.socket.close()
-        self.context.term()

@@ -130,7 +130,7 @@ class EngineVersions:
             raise APIError(400, f"loading {name} failed: {e}; {still}", "weights") from None
         except Exception as e:  # noqa: BLE001 — whatever went wrong, the old version must keep serving
             raise APIError(500, f"loading {name} failed: {e!r}; {still}") from None
-        mismatch = self._mismatch(old.engine.engine, engine)
+        mismatch = self._mismatch(old.engine, engine)
         if mismatch:
             raise APIError(400, f"{name} is not the same model: {mismatch}; {still}", "model_file")
         load_s = time.perf_counter() - t0
@@ -149,7 +149,7 @@ class EngineVersions:
             raise APIError(500, f"warming up {name} failed: {why}; {still}") from None
         finally:
             self.shadow = None
-        shadow.engine.stat_logger = old.engine.stat_logger
+        shadow.engine.set_stat_logger(old.engine.stat_logger)
         # the switch: one assignment on the event loop, between two requests; the next lease() is green's
         self.current, self.served = shadow, self.served + 1
         self.retiring.append(old)
@@ -162,8 +162,8 @@ class EngineVersions:
 
     @staticmethod
     def _mismatch(old, new) -> str | None:
-        """Why `new` cannot take over from `old` (None: it can): the tokenizer and the server's length checks
-        were made for the old one's vocabulary and limits."""
+        """Why `new` (an LLMEngine) cannot take over from `old` (the serving AsyncLLMEngine; None: it can): the
+        tokenizer and the server's length checks were made for the old one's vocabulary and limits."""
         for what in ("vocab_size", "max_model_len", "max_seq_len"):
             a, b = getattr(old, what), getattr(new, what)
             if a != b:

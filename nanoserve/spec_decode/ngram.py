@@ -7,7 +7,7 @@ the earliest occurrence wins, as in Hugging Face's prompt lookup: it is usually 
 being copied, and it has the longest continuation (the latest one may be only a token from the end).
 
     tokens = [the cat sat on the mat . the cat]      min_n = 1, max_n = 3, k = 3
-    n = 3: "mat . the"? no, the last 3 are ". the cat" — not seen before
+    n = 3: ". the cat" — not seen before
     n = 2: "the cat" at positions 0-1 -> propose what followed: [sat on the]
 
 It costs a scan of the token list and no model at all, which is why it is the first thing to try.

@@ -10,9 +10,11 @@ everyone. So speculation turns off once the running batch reaches `disable_by_ba
 
 from dataclasses import dataclass
 
-# `python -m nanoserve bench spec --prompts 1 --max-tokens 24 -k 2 4 --proposers ngram draft --load 1 4 --rounds 1
-# --threads 1` (shared 2-core CPU, provisional): n-gram broke even at batch 1 on a grounded prompt (0.96x-0.98x,
-# α 0.31 vs c 0.10-0.25) and lost with 4 requests at once (0.85x): speculate only while a sequence runs alone
+# Speculate only while a sequence runs alone. Provisional, and not backed by a measured win: in chapter 14's
+# section 7 (`python -m nanoserve bench spec --prompts 1 --max-tokens 24 -k 2 4 --proposers ngram draft --load 1 4
+# --rounds 1 --threads 1`: one prompt of each kind, one round, a 2-core CPU at load ~25) n-gram won nowhere:
+# 0.96x-0.98x on a grounded prompt and 0.82x on a chat prompt at batch 1, 0.59x with 1 and 0.85x with 4 grounded
+# requests at once. Batch 1 is where the extra rows cost least, so where a win would show first.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 

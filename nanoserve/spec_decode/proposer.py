@@ -7,8 +7,10 @@ produced itself, so a bad proposer costs speed, never correctness. It may return
 or none (nothing to propose: the sequence takes a plain decode step).
 
 Both proposers here are deterministic (q is one-hot at the proposed token): n-gram lookup by nature,
-the draft because it proposes its argmax. acceptance.rejection_sample takes any q, so a sampling draft
-would plug in without changing the verifier.
+the draft because it proposes its argmax. The engine relies on it: a proposer returns token ids only, and
+verify.verify_one calls acceptance.rejection_sample with draft_probs=None (q one-hot). The rule itself takes
+any q, but a sampling draft would not plug in as it is: its q would have to travel from propose() to the
+verifier, and accepting its samples against a one-hot q would not keep the target's distribution.
 """
 
 import importlib

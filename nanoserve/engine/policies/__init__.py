@@ -6,10 +6,10 @@ policy three questions (nanoserve/engine/policies/base.py):
     fcfs            arrival                      arrival                        latest arrival
     priority        (priority, arrival)          (priority, arrival)            least urgent   (the default)
     slo             least laxity                 least laxity                   cheapest recompute still on time
-    fair            lowest tenant virtual time   lowest tenant virtual time     highest virtual time
+    fair            lowest tenant virtual time   lowest tenant virtual time     from the highest-virtual-time tenant
 
-    policy = make_policy("slo", default_slo=SLOTargets(ttft_ms=500, tpot_ms=100))
-    Scheduler(config, block_manager, policy=policy)
+    config = SchedulerConfig(policy="slo", slo_ttft_ms=500, slo_tpot_ms=100)
+    Scheduler(config, block_manager, policy=make_policy(config))  # slo counts steps in the config's budget
 """
 
 from nanoserve.engine.policies.base import POLICIES, SchedulingPolicy, SLOTargets, make_policy

@@ -8,8 +8,12 @@ The scheduler calls, once per step, with `now` from its clock (injectable, so te
     waiting  = policy.order_waiting(waiting, now)    # admission: the head first, nobody overtakes it
     policy.on_scheduled(seq, n)                      # n tokens of seq go into this step (fair: charge it)
 
-A policy only orders and chooses: it never touches blocks, seats or the budget, so the chapter 06
-guarantees (no deadlock, no leaked block, the head of the queue never skipped) hold for every policy.
+A policy only orders and chooses: it never touches blocks, seats or the budget, so two of chapter 06's
+guarantees (no deadlock, no leaked block) hold for every policy. The third, "nothing starves", holds for fcfs,
+and for priority within a class: the head of the queue, in the policy's order, is never skipped, but the order
+is re-computed every step, so under slo a best-effort request (no target) stays behind every request that has
+one for as long as such requests keep coming, and under fair a tenant's request waits while other tenants with
+lower virtual times have work. That is what a deadline or a share means; nanoserve does not age requests.
 """
 
 from dataclasses import dataclass, replace
@@ -92,11 +96,15 @@ class PriorityPolicy(SchedulingPolicy):
 POLICIES = ("fcfs", "priority", "slo", "fair")
 
 
-def make_policy(name: str, *, default_slo: SLOTargets | None = None, slo_reject: bool = False,
-                tenant_weights: dict[str, float] | None = None, tenant_slos: dict[str, SLOTargets] | None = None,
-                max_num_batched_tokens: int = 2048, modules=None) -> SchedulingPolicy:
-    """The policy called `name` (slo needs the step's token budget, `max_num_batched_tokens`, for its laxity). `modules(name)` gives the module to take slo/fair from (the learner's with
-    --student, nanoserve/student.py); by default the reference's."""
+def make_policy(config, modules=None) -> SchedulingPolicy:
+    """The policy a SchedulerConfig names (config.policy), with its settings: the SLO targets and --slo-reject
+    (slo), the tenant weights (fair), and the step's token budget slo's laxity counts steps in — the scheduler's
+    own max_num_batched_tokens, so the two cannot disagree. `modules(name)` gives the module to take slo/fair
+    from (the learner's with --student, nanoserve/student.py); by default the reference's.
+
+        make_policy(SchedulerConfig(policy="slo", slo_ttft_ms=500, max_num_batched_tokens=256))  # budget 256
+    """
+    name = config.policy
     if name not in POLICIES:
         raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}; got {name!r}")
     if name == "fcfs":
@@ -107,6 +115,7 @@ def make_policy(name: str, *, default_slo: SLOTargets | None = None, slo_reject:
 
     load = modules or importlib.import_module
     if name == "slo":
-        return load("nanoserve.engine.policies.slo").SLOPolicy(default_slo, tenant_slos, reject=slo_reject,
-                                                                 budget=max_num_batched_tokens)
-    return load("nanoserve.engine.policies.fair").FairPolicy(tenant_weights or {})
+        return load("nanoserve.engine.policies.slo").SLOPolicy(
+            config.max_num_batched_tokens, SLOTargets(config.slo_ttft_ms, config.slo_tpot_ms), config.tenant_slos,
+            reject=config.slo_reject)
+    return load("nanoserve.engine.policies.fair").FairPolicy(config.tenant_weights or {})

@@ -11,6 +11,8 @@ This is weighted fair queueing (Demers, Keshav, Shenker 1989), with tokens for b
 
 A tenant that comes back after being idle starts at the lowest virtual time of the tenants that were busy
 (not at its old, low one): idle time is not credit to flood with later. Within a tenant, arrival order.
+When the pool is short, the victim comes from the tenant with the highest virtual time (the one served most
+for its weight), its latest arrival.
 """
 
 import heapq
@@ -70,6 +72,15 @@ class FairPolicy(SchedulingPolicy):
         # called once per step, after order_running: the busy tenants are those running or waiting now
         self.catch_up(self._running_tenants | {s.tenant for s in waiting})
         return self.order(waiting)
+
+    def choose_victim(self, candidates: list[Sequence], now: float) -> Sequence:
+        """The latest arrival of the candidate tenant with the highest virtual time (ties: the larger tenant
+        name): the tenant that was served most for its weight gives the blocks back.
+
+            virtual times a 5, b 2; candidates a1, b1, a2 (arrival order)  ->  a2
+        """
+        tenant = max({s.tenant for s in candidates}, key=lambda t: (self.virtual_time.get(t, 0.0), str(t)))
+        return max((s for s in candidates if s.tenant == tenant), key=arrival_order)
 
     def catch_up(self, busy: set) -> None:
         """Exercise 15.6's reference: `busy` are the tenants with work now. One that was not busy at the last

@@ -10,17 +10,25 @@ that of its next token, on the scheduler's clock (15.1, `next_token_deadline`):
 Its **laxity** (15.2) is the deadline less now less the time the work left before that token still takes:
 the steps it needs (its uncomputed tokens over the step's token budget, rounded up; 1 for a decode) times
 the time of one step, which the policy measures as it goes (`step_s`, a moving average of the scheduler's
-clock between two steps while something ran):
+clock between two steps while something ran, seeded with the first gap it measures):
 
     laxity = deadline - now - ceil(remaining tokens / budget) * step_s
 
-    budget 128, step_s 0.02 s, now 1.0; A: decode due at 1.05;  B: 300 prompt tokens left, due at 1.10
+    budget 128, step_s 0.02 s, now 1.0; A: decode due at 1.05;  B: 500 prompt tokens left, due at 1.10
     EDF (deadline first):  A (1.05) then B (1.10)
-    laxity:  A 1.05 - 1.0 - 1 * 0.02 = 0.03;  B 1.10 - 1.0 - 3 * 0.02 = 0.04     (same order here; give B
-             500 tokens left and its laxity is 1.10 - 1.0 - 4 * 0.02 = 0.02: B first, or it cannot make it)
+    laxity:  A 1.05 - 1.0 - 1 * 0.02 = 0.03;  B 1.10 - 1.0 - 4 * 0.02 = 0.02     B first, though due later
+
+The order only matters when the budget is contended (tests/test_ch15_policies.py plays this one out):
+
+    budget 3, one step 0.1 s. t=0: B (2-token prompt, due 0.2) and C (5 tokens, due 0.25) arrive;
+    t=0.1: A (1 token, due 0.15) arrives. Running sequences get the budget before admissions.
+    EDF:  t=0  B 2, C 1     t=0.1  C 3 (running first; A waits)     t=0.2  C 1, A 1: A's token at 0.2, late
+    LLF:  t=0  C 3 (laxity 0.05 < B's 0.1)   t=0.1  C 2, A 1 (A -0.05 < B 0)   t=0.2  B 2: all on time
 
 Both queues are served least laxity first (LLF; with step_s = 0, before anything was measured, that is
-earliest deadline first). Preemption (15.3) takes the sequence that loses least by it: recompute
+earliest deadline first). LLF is optimal on one processor that can be preempted at any time; here running
+sequences are served before admissions, so a request admitted early keeps the budget it needs, and no order
+is optimal in every case: LLF is the better guess when the work left differs. Preemption (15.3) takes the sequence that loses least by it: recompute
 preemption drops its computed tokens, so after it its laxity shrinks by the steps of recomputing them;
 among those still on time after that (best effort always is), the one with the fewest computed tokens (the
 cheapest to recompute; equal costs: the most laxity left); if nobody is, the one the least late. With
@@ -60,16 +68,18 @@ def steps_for(num_tokens: int, budget: int) -> int:
 class SLOPolicy(SchedulingPolicy):
     name = "slo"
 
-    def __init__(self, default: SLOTargets | None = None, tenant_slos: dict[str, SLOTargets] | None = None,
-                 reject: bool = False, budget: int = 2048, step_s: float | None = None):
-        """budget: the scheduler's max_num_batched_tokens; step_s: the time of one step in seconds, or None to
-        measure it from the clock as the steps go (0 until a step was measured: pure EDF)."""
+    def __init__(self, budget: int, default: SLOTargets | None = None,
+                 tenant_slos: dict[str, SLOTargets] | None = None, reject: bool = False, step_s: float | None = None):
+        """budget: the scheduler's max_num_batched_tokens (make_policy passes its config's); step_s: the time of
+        one step in seconds, or None to measure it from the clock as the steps go (0 until the first step was
+        measured: pure EDF; then that step's time; then a moving average)."""
         self.default = default or SLOTargets()
         self.tenant_slos = tenant_slos or {}
         self.reject = reject
         self.budget = budget
         self.measure = step_s is None
         self.step_s = step_s or 0.0
+        self._measured = False  # has a step been measured yet (then the average starts from it, not from 0)
         self._last_now: float | None = None
 
     def targets(self, seq: Sequence) -> SLOTargets:
@@ -95,7 +105,9 @@ class SLOPolicy(SchedulingPolicy):
         """The budget goes first to whoever is closest to missing its next token. Called once a step: the gap
         since the last call is one step's time if something ran all along (else the engine was idle)."""
         if self.measure and self._last_now is not None and running:
-            self.step_s += STEP_S_WEIGHT * ((now - self._last_now) - self.step_s)
+            gap = now - self._last_now
+            self.step_s = self.step_s + STEP_S_WEIGHT * (gap - self.step_s) if self._measured else gap
+            self._measured = True
         self._last_now = now
         return self.least_laxity_first(running, now)
 
