@@ -39,6 +39,10 @@ class Executor:
         for w in self.workers:
             w.lora_manager.remove_adapter(name)
 
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         try:
             results = [w.execute_model(scheduler_output, degraded) for w in self.workers]
