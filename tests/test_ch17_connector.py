@@ -1,9 +1,9 @@
 """Chapter 17: the KV connector between two engines (tiny model, both engines in this process, the real
 shared-memory segments and ZMQ control channel between them)."""
 
-import glob
 import random
 import time
+from multiprocessing import shared_memory
 
 import pytest
 import torch
@@ -18,8 +18,9 @@ from tests.tiny_model import tiny_llama
 BLOCK = 4
 
 
-def segments() -> list[str]:
-    return glob.glob("/dev/shm/nskv_*")
+def staging(prefill: LLMEngine):
+    """The producer's own StagingArea (its segments: never anyone else's /dev/shm files)."""
+    return prefill.executor.workers[0].kv_connector.staging
 
 
 def wait_for(condition, timeout: float = 5.0) -> bool:
@@ -45,9 +46,10 @@ def engine(model, role=None, **kw) -> LLMEngine:
 @pytest.fixture
 def pair(model):
     prefill, decode = engine(model, "kv_producer"), engine(model, "kv_consumer")
+    area = staging(prefill)
     yield prefill, decode
     prefill.close(), decode.close()
-    assert not segments(), "closing the producer frees every staged segment"
+    assert not area.segments, "closing the producer frees every staged segment"
 
 
 def run(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int, **kw):
@@ -97,8 +99,14 @@ def test_transferred_kv_is_the_producers_kv_at_our_slots(pair, model):
     contents under their chain hashes: the two pools are compared hash by hash, wherever each put them."""
     prefill, decode = pair
     prompt = [random.Random(1).randrange(97) for _ in range(14)]
-    staged, _ = prefill_then_decode(prefill, decode, "r", prompt, 1)
+    staged = run(prefill, "r", prompt, 1, kv_transfer_params={"do_remote_decode": True})
     assert staged.kv_transfer_params["remote_num_tokens"] == 14
+    decode.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0),
+                       kv_transfer_params=staged.kv_transfer_params)
+    decode.step()
+    loads = decode.last_scheduler_output.kv_connector_metadata.loads
+    assert [(r.start, len(r.slots)) for r in loads] == [(0, 13)], "positions [0, 13) loaded; 13 computed here"
+    assert decode.kv_connector.num_lost == 0 and not decode.has_unfinished_requests()
     plain = engine(model)
     run(plain, "r", prompt, 1)
     ours = decode.block_manager.prefix_cache.block_of_hash  # chain hash -> block id
@@ -121,7 +129,7 @@ def test_greedy_through_the_pair_is_the_colocated_engines(pair, model):
         alone = run(engine(model), f"r{i}", prompt, 12)
         assert out.token_ids == alone.token_ids
         assert staged.token_ids == alone.token_ids[:1], "the prefill's one token is the same first token"
-    assert wait_for(lambda: not segments()), "each segment is released once loaded"
+    assert wait_for(lambda: not staging(prefill).segments), "each segment is released once loaded"
     assert prefill.block_manager.get_num_free_blocks() == decode.block_manager.get_num_free_blocks() == 64
 
 
@@ -163,14 +171,57 @@ def test_aborts_anywhere_leave_no_block_and_no_segment(pair):
             continue
         decode.add_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0),
                            kv_transfer_params=staged.kv_transfer_params)
-        if where == 2:  # admitted but never stepped: nothing loaded, the segment released by the consumer
+        if where == 2:  # aborted while waiting: nothing loaded, the segment released by the consumer
             decode.abort_request(rid)
             continue
         decode.step()  # loaded; then aborted mid-decode
         decode.abort_request(rid)
     assert prefill.block_manager.get_num_free_blocks() == 64 and decode.block_manager.get_num_free_blocks() == 64
     assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()
-    assert wait_for(lambda: not segments()), f"segments left: {segments()}"
+    assert wait_for(lambda: not staging(prefill).segments), f"segments left: {staging(prefill).segments}"
+
+
+def test_a_full_decode_prefix_hit_releases_the_segment_it_will_not_load(pair):
+    """The same 13-token prompt twice: the second time the decode engine's prefix cache holds [0, 12), all it
+    would receive, so it loads nothing, and the segment is released at once (not left to the timeout)."""
+    prefill, decode = pair
+    prompt = list(range(5, 18))
+    prefill_then_decode(prefill, decode, "a", prompt, 2)
+    assert wait_for(lambda: not staging(prefill).segments)
+    staged = run(prefill, "b", prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    assert len(staging(prefill).segments) == 1
+    decode.add_request("b", prompt, SamplingParams(max_tokens=2, temperature=0),
+                       kv_transfer_params=staged.kv_transfer_params)
+    decode.step()
+    assert decode.last_scheduler_output.kv_connector_metadata.loads == []
+    assert wait_for(lambda: not staging(prefill).segments), "released, not left for the release timeout"
+
+
+def test_a_transfer_that_cannot_load_fails_alone(pair, model):
+    """A segment replaced, after the door, by one too small for its shape: the load fails inside the step,
+    that request ends with an error, an ordinary request of the same step finishes, and the failed request's
+    blocks are not left in the prefix cache for a later prompt to hit."""
+    prefill, decode = pair
+    bad, ok = list(range(20, 29)), [60, 61, 62, 63, 64]
+    staged = run(prefill, "bad", bad, 1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
+    decode.add_request("bad", bad, SamplingParams(max_tokens=4, temperature=0), kv_transfer_params=staged)
+    staging(prefill).release(staged["remote_segment"])
+    small = shared_memory.SharedMemory(name=staged["remote_segment"], create=True, size=64)
+    try:
+        decode.add_request("ok", ok, SamplingParams(max_tokens=4, temperature=0))
+        outs = decode.step()
+        assert {o.request_id for o in decode.last_scheduler_output.scheduled_seqs} == {"bad", "ok"}
+        failed = next(o for o in outs if o.request_id == "bad")
+        assert failed.finished and "KVLoadError" in failed.error
+        last = None
+        while decode.has_unfinished_requests():
+            last = next((o for o in decode.step() if o.finished), last)
+        assert last.request_id == "ok" and last.error is None
+        assert last.token_ids == run(engine(model), "ok", ok, 4).token_ids
+    finally:
+        small.close(), small.unlink()
+    assert decode.block_manager.get_num_free_blocks() == 64
+    assert run(decode, "again", bad, 4).token_ids == run(engine(model), "again", bad, 4).token_ids
 
 
 def test_a_lost_segment_is_recomputed_not_failed(pair, model):
@@ -197,6 +248,21 @@ def test_bad_transfer_params_are_refused_at_the_door(pair, model):
     staged = run(prefill, "s", [1, 2, 3], 1, kv_transfer_params={"do_remote_decode": True}).kv_transfer_params
     with pytest.raises(ValueError, match="remote_shape"):
         decode.add_request("a", [1, 2], params, kv_transfer_params=staged | {"remote_shape": [1, 2, 3, 4, 5]})
+    for key, value, match in [("remote_segment", "psm_secret", "remote_segment"),
+                              ("remote_segment", "nskv_../../x", "remote_segment"),
+                              ("remote_control", "tcp://10.0.0.7:5555", "remote_control"),
+                              ("remote_control", "ipc:///tmp/anything", "remote_control"),
+                              ("remote_shape", 5, "remote_shape")]:
+        with pytest.raises(ValueError, match=f"^kv_transfer_params: {match}"):
+            decode.add_request("a", [1, 2], params, kv_transfer_params=staged | {key: value})
+    with pytest.raises(ValueError, match="^kv_transfer_params: .*prompt_logprobs"):
+        decode.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1), kv_transfer_params=staged)
+    small = shared_memory.SharedMemory(name="nskv_" + "0" * 20, create=True, size=64)
+    try:  # a client naming a real segment too small for the shape it claims
+        with pytest.raises(ValueError, match="^kv_transfer_params: segment .* holds 64 B"):
+            decode.add_request("a", [1, 2, 3], params, kv_transfer_params=staged | {"remote_segment": small.name})
+    finally:
+        small.close(), small.unlink()
     decode.kv_connector.sender.release(staged["remote_control"], staged["remote_segment"])
     with pytest.raises(ValueError, match="speculative"):
         engine(model, "kv_consumer", speculative="ngram")

@@ -7,8 +7,6 @@ side asks two questions, in integers only:
           receive_slots(block_table, num_computed_tokens, num_tokens, block_size)            where they land
 """
 
-from nanoserve.kv.block_manager import slot_mapping  # noqa: F401 — given: chapter 05's, you may use it
-
 
 def num_tokens_to_receive(num_prompt_tokens: int, num_remote_tokens: int, num_computed_tokens: int) -> int:
     """Exercise 17.1. How many prompt tokens, starting at position num_computed_tokens, this engine loads from

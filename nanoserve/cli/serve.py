@@ -331,7 +331,7 @@ def run(args):
         if warning is not None:
             print(warning, file=sys.stderr, flush=True)
     if args.kv_role is not None:  # chapter 17
-        control = llm.engine.kv_connector.control_endpoint
+        control = llm.engine.kv_control_endpoint
         print(f"KV transfer: {args.kv_role} engine" + (f", control endpoint {control}" if control else ""), flush=True)
 
     # with --tensor-parallel-size the worker processes stop with the server (chapter 11); with --admin-key (one

@@ -26,18 +26,38 @@ A request's path (the proxy, proxy.py, drives it over HTTP):
                    ◀─── ZMQ "release <segment>"           the last computed here; samples, streams
 """
 
-import time
+import re
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 
 from nanoserve.engine.config import KVTransferConfig
-from nanoserve.disagg.transport import ReleaseSender, StagingArea, open_staged, staged_view
+from nanoserve.disagg.transport import ReleaseSender, StagingArea, nbytes, open_staged, staged_view
 from nanoserve.kv.block_manager import slot_mapping
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARAM_KEYS = ("remote_segment", "remote_num_tokens", "remote_control", "remote_shape", "remote_dtype")
+# What a client may name: only segments a StagingArea makes, only a producer on this machine (the loopback) —
+# never any /dev/shm file, never any endpoint the decode server would push messages to.
+SEGMENT_NAME = re.compile(r"nskv_[0-9a-f]{1,64}")
+LOOPBACK_TCP = re.compile(r"tcp://(127\.0\.0\.1|localhost|\[::1\]):[0-9]{1,5}")
+
+
+class KVLoadError(RuntimeError):
+    """A request's segment could not be loaded inside the step (gone, or smaller than its shape): that request
+    fails alone, and its blocks leave the prefix cache (their K/V were never written)."""
+
+
+def staged_size(name: str) -> int | None:
+    """The bytes of segment `name`, or None if it is gone."""
+    try:
+        shm = open_staged(name)
+    except FileNotFoundError:
+        return None
+    size = shm.size
+    shm.close()
+    return size
 
 
 @dataclass
@@ -105,13 +125,22 @@ class SharedMemoryConnectorScheduler:
         missing = [k for k in PARAM_KEYS if k not in params]
         if missing:
             raise ValueError(f"kv_transfer_params lacks {', '.join(missing)} (a prefill engine's answer carries them)")
-        n = params["remote_num_tokens"]
-        if not isinstance(n, int) or n < 1 or list(params["remote_shape"]) != list(self.layout.shape(n)):
-            raise ValueError(f"kv_transfer_params: remote_shape {params['remote_shape']} is not this engine's KV "
+        segment, control, n = params["remote_segment"], params["remote_control"], params["remote_num_tokens"]
+        if not isinstance(segment, str) or not SEGMENT_NAME.fullmatch(segment):
+            raise ValueError(f"kv_transfer_params: remote_segment {segment!r} is not a staged segment's name (nskv_…)")
+        if not isinstance(control, str) or not LOOPBACK_TCP.fullmatch(control):
+            raise ValueError(f"kv_transfer_params: remote_control {control!r} is not a loopback tcp endpoint "
+                             "(tcp://127.0.0.1:PORT)")
+        shape = params["remote_shape"]
+        if not isinstance(n, int) or n < 1 or not isinstance(shape, list) or shape != list(self.layout.shape(n)):
+            raise ValueError(f"kv_transfer_params: remote_shape {shape} is not this engine's KV "
                              f"layout for {n} tokens, {list(self.layout.shape(n)) if isinstance(n, int) else '?'}")
         if params["remote_dtype"] != self.layout.dtype:
             raise ValueError(f"kv_transfer_params: remote_dtype {params['remote_dtype']!r} is not this engine's KV "
                              f"pool dtype {self.layout.dtype!r}")
+        size, needed = staged_size(segment), nbytes(tuple(shape), DTYPE_NAMES[self.layout.dtype])
+        if size is not None and size < needed:  # gone is not an error: the prompt is then computed here
+            raise ValueError(f"kv_transfer_params: segment {segment} holds {size} B, remote_shape needs {needed} B")
 
     # ---- consumer: admission -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, seq, num_computed_tokens: int) -> int:
@@ -119,14 +148,16 @@ class SharedMemoryConnectorScheduler:
         params = seq.kv_transfer_params
         if self.config.is_producer or params is None or seq.seq_id in self.loaded:
             return 0
-        try:  # the producer may have freed it (timeout) or died: then the prompt is computed here
-            open_staged(params["remote_segment"]).close()
-        except FileNotFoundError:
-            self.loaded.add(seq.seq_id)
+        if staged_size(params["remote_segment"]) is None:  # the producer freed it (its timeout runs from the
+            self.loaded.add(seq.seq_id)  # segment's creation) or died: then the prompt is computed here
             self.num_lost += 1
             return 0
-        return self.receive.num_tokens_to_receive(seq.num_prompt_tokens, params["remote_num_tokens"],
-                                                  num_computed_tokens)
+        n = self.receive.num_tokens_to_receive(seq.num_prompt_tokens, params["remote_num_tokens"],
+                                               num_computed_tokens)
+        if n == 0:  # a local prefix hit covers all it holds: it will never be loaded, free it now
+            self.sender.release(params["remote_control"], params["remote_segment"])
+            self.loaded.add(seq.seq_id)
+        return n
 
     def update_state_after_alloc(self, seq, block_table: list[int], num_computed_tokens: int,
                                  num_external_tokens: int) -> None:
@@ -192,7 +223,7 @@ class SharedMemoryConnectorWorker:
         self.meta = KVConnectorMetadata()
         self.saving: list[tuple[ReqToSave, torch.Tensor]] = []  # this step's (request, segment view)
         self.loading: list[tuple[ReqToLoad, object, torch.Tensor]] = []  # (request, segment, view)
-        self.timeline: list[tuple[str, int, float, float]] = []  # the last step's ("load"/"save", layer, t0, t1)
+        self.failed: dict[str, KVLoadError] = {}  # this step's requests whose segment could not be opened
 
     @property
     def control_endpoint(self) -> str | None:
@@ -207,28 +238,37 @@ class SharedMemoryConnectorWorker:
 
     def bind_connector_metadata(self, meta: KVConnectorMetadata | None) -> None:
         self.meta = meta or KVConnectorMetadata()
-        self.timeline = []
+        self.failed = {}
         c, dtype = self.kv_cache, self.kv_cache.k_cache[0].dtype
         for req in self.meta.saves:  # the segments the layers fill as the forward pass goes
             shape = (len(c.k_cache), 2, c.num_kv_heads, len(req.slots), c.head_dim)
             self.saving.append((req, self.staging.create(req.segment, shape, dtype)))
 
     def start_load_kv(self) -> None:
-        """Open this step's segments. (On a GPU the copies would be queued on a side stream here.)"""
+        """Open this step's segments. (On a GPU the copies would be queued on a side stream here.) A segment
+        gone since admission (the producer's timeout) or too small fails its request alone (`failed`)."""
         c = self.kv_cache
         for req in self.meta.loads:
-            shm = open_staged(req.segment)
             shape = (len(c.k_cache), 2, c.num_kv_heads, req.num_remote_tokens, c.head_dim)
+            try:
+                shm = open_staged(req.segment)
+            except FileNotFoundError:
+                self.failed[req.request_id] = KVLoadError(f"KV segment {req.segment} was freed before it loaded")
+                self.sender.release(req.control, req.segment)
+                continue
+            if shm.size < nbytes(shape, c.k_cache[0].dtype):
+                shm.close()
+                self.failed[req.request_id] = KVLoadError(f"KV segment {req.segment} is smaller than {shape}")
+                self.sender.release(req.control, req.segment)
+                continue
             self.loading.append((req, shm, staged_view(shm, shape, c.k_cache[0].dtype)))
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Before layer `layer` runs: its K/V of every loading request are in our slots."""
         if not self.loading:
             return
-        t0 = time.perf_counter()
         for req, _, view in self.loading:
             self.kv_cache_write(layer, req.slots, view[layer, :, :, req.start:req.start + len(req.slots)])
-        self.timeline.append(("load", layer, t0, time.perf_counter()))
         if layer == len(self.kv_cache.k_cache) - 1:
             self.finish_loads()
 
@@ -253,14 +293,12 @@ class SharedMemoryConnectorWorker:
         """After layer `layer` wrote this step's K/V: copy each saving request's prompt K/V of it out."""
         if not self.saving:
             return
-        t0 = time.perf_counter()
         c = self.kv_cache
         Hkv, D = c.num_kv_heads, c.head_dim
         for req, view in self.saving:
             slots = torch.tensor(req.slots, dtype=torch.long, device=c.k_cache[layer].device)
             view[layer, 0] = c.k_cache[layer].view(Hkv, -1, D).index_select(1, slots).cpu()
             view[layer, 1] = c.v_cache[layer].view(Hkv, -1, D).index_select(1, slots).cpu()
-        self.timeline.append(("save", layer, t0, time.perf_counter()))
 
     def wait_for_save(self) -> None:
         """The step's saves are complete (the copies above are synchronous on the CPU; a GPU would sync its

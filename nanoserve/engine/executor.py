@@ -47,6 +47,10 @@ class Executor:
         """The tier's FileTierStats and the last step's forward seconds (the engine's measured rates)."""
         return self.workers[0].kv_tier.stats, self.workers[0].step_seconds
 
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
     def execute_model(self, scheduler_output: SchedulerOutput, degraded: bool = False) -> dict[str, int]:
         try:
             results = [w.execute_model(scheduler_output, degraded) for w in self.workers]

@@ -250,12 +250,10 @@ class LLMEngine:
                                               kv_worker.control_endpoint,
                                               receive=self.student.module("nanoserve.disagg.receive"))
 
-    def close(self) -> None:
-        """Chapter 17: stop the KV connector's sockets and free its staged segments (nothing to do without one)."""
-        if self.kv_connector is not None:
-            self.kv_connector.close()
-            self.executor.workers[0].kv_connector.close()
-            self.kv_connector = None
+    @property
+    def kv_control_endpoint(self) -> str | None:
+        """Chapter 17: a prefill engine's ZMQ endpoint for consumers' releases (None on any other engine)."""
+        return self.kv_connector.control_endpoint if self.kv_connector is not None else None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params, priority: int = 0,
@@ -303,6 +301,9 @@ class LLMEngine:
             self.kv_connector.check_params(kv_transfer_params)
             if sampling_params.n != 1:
                 raise ValueError("kv_transfer_params: a transferred request has one completion (n=1)")
+            if sampling_params.prompt_logprobs is not None and not self.kv_connector.config.is_producer:
+                raise ValueError("kv_transfer_params: a decode engine does not compute the prompt, so it cannot "
+                                 "score it (prompt_logprobs, echo with logprobs)")
         # chapter 13: compiled here unless the async engine compiled it ahead
         if sampling_params.structured is not None:
             grammar = self.structured.prepare(sampling_params, grammar)
@@ -394,7 +395,13 @@ class LLMEngine:
             self._measure_tier(scheduler_output)
         verified = self._accept(scheduler_output, sampled, now) if self.proposer is not None else {}
         # one sequence whose draw raised fails its request alone (before the scheduler advances it: it has no token)
-        outputs = rejected + [self._fail(seq_id, e) for seq_id, e in getattr(sampled, "failed", {}).items()]
+        failed = getattr(sampled, "failed", {})
+        if self.kv_connector is not None:  # chapter 17: a KV load that failed wrote nothing into its blocks
+            from nanoserve.disagg.connector import KVLoadError
+
+            for seq_id in [seq_id for seq_id, e in failed.items() if isinstance(e, KVLoadError)]:
+                self.block_manager.uncache(seq_id)
+        outputs = rejected + [self._fail(seq_id, e) for seq_id, e in failed.items()]
         self._collect_prompt_logprobs(getattr(sampled, "prompt_logprobs", {}))
         for parent in self.scheduler.update_from_output(scheduler_output, sampled, now):
             try:
@@ -432,9 +439,12 @@ class LLMEngine:
                 "prefill_s_per_token": rates.prefill_s_per_token(), "tier_bytes_per_s": rates.tier_bytes_per_s()}
 
     def close(self) -> None:
-        """Stop what the engine started beside itself (chapter 18's tier writer and its file); idempotent."""
-        for worker in self.executor.workers:
-            worker.close()
+        """Stop what the engine started beside itself (chapter 17's KV connector: its sockets, its staged
+        segments; chapter 18's tier writer and its file); idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+            self.kv_connector = None
+        self.executor.close()
 
     def _fail_grammar_violations(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Chapter 13: a request whose grammar refused its tokens this step (its row had no mask) is aborted,

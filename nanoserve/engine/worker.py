@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.model_runner import ModelRunner, SampledTokens
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.kernels.backend import attention_class
 from nanoserve.kv.file_tier import FileKVTier, block_nbytes
@@ -46,6 +46,15 @@ def keep_freed_host_memory() -> bool:
 
 # None: the model's; int8 / fp8: 8-bit codes with a scale per token and kv head (chapter 18)
 KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, **KV_QUANT_DTYPES}
+
+
+def without_failed(sampled: dict, failed: dict[str, Exception]) -> SampledTokens:
+    """`sampled` less the sequences in `failed` (no token for them), which join its `failed`."""
+    def keep(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in failed}
+
+    return SampledTokens(keep(sampled), keep(getattr(sampled, "logprobs", {})),
+                         keep(getattr(sampled, "prompt_logprobs", {})), {**getattr(sampled, "failed", {}), **failed})
 
 
 class Worker:
@@ -137,9 +146,14 @@ class Worker:
                 after_step.callback(connector.wait_for_save)
                 connector.start_load_kv()
             sampled = self.model_runner.execute_model(scheduler_output, degraded)
+        if self.kv_connector is not None and self.kv_connector.failed:  # chapter 17: a load that failed fails
+            sampled = without_failed(sampled, self.kv_connector.failed)  # its request alone, like a failed draw
         self.step_seconds = time.perf_counter() - start
         return sampled
 
     def close(self) -> None:
         if self.kv_tier is not None:
             self.kv_tier.close()
+        if self.kv_connector is not None:  # chapter 17: its release sockets, its staged segments
+            self.kv_connector.close()
+            self.kv_connector = None

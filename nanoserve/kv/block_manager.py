@@ -222,6 +222,12 @@ class BlockManager:
             for listener in self.kv_listeners:
                 listener.block_removed(entry[0])
 
+    def uncache(self, seq_id: int) -> None:
+        """Drop `seq_id`'s blocks from the prefix cache: their K/V were never written (chapter 17's failed
+        load), so no later prompt may hit them."""
+        for block_id in self.block_tables.get(seq_id, []):
+            self._evict(block_id)
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares all of the parent's blocks (ref count +1 each): no KV is copied until
         one of them writes into the shared partial last block (copy-on-write in allocate_slots)."""
