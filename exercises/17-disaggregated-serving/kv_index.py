@@ -8,8 +8,9 @@ leading block hashes it holds, minus a cost per request in its queue.
     17.3  choose_replica(matches, queue_lens, load_cost)                                    the score
 """
 
-import msgpack
-import zmq
+# given, not exercises: the wire decoding and the ZMQ subscriber that feeds your KVIndex (it calls index.apply for
+# each event it receives)
+from nanoserve.disagg.kv_index import KVEventSubscriber, decode_event  # noqa: F401
 
 
 class KVIndex:
@@ -54,48 +55,3 @@ def choose_replica(matches: dict[str, int], queue_lens: dict[str, int], load_cos
     'b'
     """
     raise NotImplementedError("Exercise 17.3: choose_replica")
-
-def decode_event(event: list) -> list:
-    """Given. A wire event with its 32-byte little-endian hashes as ints (chapter 16's hash_bytes, undone)."""
-    as_int = lambda b: None if b is None else int.from_bytes(b, "little")  # noqa: E731
-    if event[0] == "BlockStored":
-        return [event[0], [as_int(h) for h in event[1]], as_int(event[2]), *event[3:]]
-    if event[0] == "BlockRemoved":
-        return [event[0], [as_int(h) for h in event[1]], *event[2:]]
-    return list(event)
-
-
-class KVEventSubscriber:
-    """Given. One SUB socket connected to every replica's publisher; the topic says whose event it is (the
-    publisher's topic is the replica's name). Gaps in a replica's sequence numbers are counted: a missed
-    batch leaves the index wrong until the replica's next AllBlocksCleared."""
-
-    def __init__(self, index: KVIndex, endpoints: dict[str, str]):
-        self.index = index
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.SUB)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        for name, endpoint in endpoints.items():
-            self.socket.setsockopt(zmq.SUBSCRIBE, name.encode())
-            self.socket.connect(endpoint)
-        self.last_seq: dict[str, int] = {}
-        self.num_gaps = 0
-
-    def poll(self, timeout_ms: int = 0) -> int:
-        """Apply every batch that has arrived (waiting up to timeout_ms for the first); returns how many."""
-        n = 0
-        while self.socket.poll(timeout_ms if n == 0 else 0):
-            topic, seq, payload = self.socket.recv_multipart()
-            replica, seq = topic.decode(), int.from_bytes(seq, "big")
-            if replica in self.last_seq and seq != self.last_seq[replica] + 1:
-                self.num_gaps += 1
-            self.last_seq[replica] = seq
-            _, events = msgpack.unpackb(payload, raw=False)
-            for event in events:
-                self.index.apply(replica, decode_event(event))
-            n += 1
-        return n
-
-    def close(self) -> None:
-        self.socket.close()
-        self.context.term()
