@@ -15,7 +15,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.file_tier import FileKVTier, block_nbytes, read_block
 from nanoserve.kv.paged_attention import PagedKVCache
 from nanoserve.kv.quantized_pool import QuantizedKVCache
-from nanoserve.kv.rates import LineFit
+from nanoserve.kv.rates import LineFit, MeasuredRates
 from nanoserve.sampling import SamplingParams
 from nanoserve.student import implementation
 from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ to finish)
@@ -230,12 +230,21 @@ def test_a_second_tier_hit_gives_the_recomputed_text(tiny, kv_cache_dtype):
 
 
 def test_recompute_is_chosen_when_the_tier_is_measured_slow(tiny):
-    """The decision reads the measured rates: a tier measured at 1 byte per second is never loaded from."""
+    """The decision reads the rates: with a tier at 1 byte per second against a prefill of 1 ms a token, nothing is
+    loaded. (The rates are pinned: the ones the engine measures on the tiny model are microseconds either way, and
+    which one wins on a busy machine is chance.)"""
+
+    class SlowTier(MeasuredRates):
+        def prefill_s_per_token(self):
+            return 1e-3
+
+        def tier_bytes_per_s(self):
+            return 1.0
+
     prompts = users(tiny.config.vocab_size)
     engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, kv_tier_blocks=64))
     try:
-        engine.block_manager.rates.loads.add(1, 1.0)
-        engine.block_manager.rates.loads.add(2, 2.0)
+        engine.block_manager.rates = SlowTier()
         expected = serve(LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, enable_prefix_caching=False)), prompts)
         assert serve(engine, prompts) == expected
         stats = engine.kv_tier_stats()

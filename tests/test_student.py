@@ -83,8 +83,8 @@ def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
 def test_selection_forms():
     assert parse_selection(True) == set(student.chapters()) and parse_selection(False) == set()
     assert parse_selection("5,06") == {"05", "06"} == parse_selection(["05", "06"])
-    with pytest.raises(ValueError, match="chapter.*17.*chapters with exercises: 01"):
-        parse_selection("05,17")
+    with pytest.raises(ValueError, match="chapter.*20.*chapters with exercises: 01"):
+        parse_selection("05,20")
 
 
 @pytest.mark.parametrize("module", sorted(STUDENT_FILES))
@@ -496,8 +496,8 @@ def test_finished_13_constrains_every_token(exercises, smollm2_tokenizer, module
     steps = len(texts[0][0])
     calls = engines[0].student.calls
     assert calls[called] >= steps  # one call a sampled token, at least
-    if choice:  # one mask per trie node the output stood at (each token a new node), one trie per request
-        assert calls["choice_mask"] == steps and calls["build_trie"] == 1
+    if choice:  # one trie per request; every node's mask computed when the list compiles (at least one a token)
+        assert calls["build_trie"] == 1
     assert f"yours      {yours}  from exercises/{STUDENT_FILES[module]}" in engines[0].student.describe()
 
 

@@ -46,7 +46,8 @@ from nanoserve.sampling import SamplingParams
 class AsyncLLMEngine(ReferenceAsyncLLMEngine):
     async def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                           priority: int = 0, tenant: str | None = None, slo=None,
-                          speculative: bool = True, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                          speculative: bool = True, cache_salt: str | None = None, lora_name: str | None = None,
+                          kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
         """Exercise 8.3 (the event loop's side): hand a request to the engine thread and return its output stream
         (`self._outputs(...)`) once the engine has taken it.
 
@@ -58,7 +59,8 @@ class AsyncLLMEngine(ReferenceAsyncLLMEngine):
           - a caller cancelled while waiting (a client gone before the step boundary) leaves no request behind;
           - chapter 13: a request with `sampling_params.structured` has its grammar compiled first, off the engine
             thread: `grammar = await self.engine.structured.cache.compile_async(sampling_params.structured)`;
-          - `tenant`, `slo`, `speculative`, `cache_salt` and that `grammar` (None without one) reach
+          - `tenant`, `slo`, `speculative`, `cache_salt`, `lora_name` (chapter 19), `kv_transfer_params` (chapter 17)
+            and that `grammar` (None without one) reach
             LLMEngine.add_request as keyword arguments.
         """
         raise NotImplementedError("Exercise 8.3: hand the request to the engine thread through the inbox")
