@@ -101,10 +101,11 @@ def test_a_kernel_compiled_for_a_gpu_is_not_launched_on_the_cpu(monkeypatch):
 def test_the_torch_backend_never_imports_triton(tmp_path):
     """Without a GPU and without asking for triton, nothing of Triton is even imported."""
     code = ("import sys, torch\n"
-            "from nanoserve.engine.llm_engine import EngineConfig, LLMEngine\n"
+            "from nanoserve.engine.config import engine_config\n"
+            "from nanoserve.engine.llm_engine import LLMEngine\n"
             "from nanoserve.model import Llama, LlamaConfig\n"
             "from nanoserve.sampling import SamplingParams\n"
-            "e = LLMEngine(Llama(LlamaConfig.tiny()), EngineConfig(num_blocks=8, block_size=4))\n"
+            "e = LLMEngine(Llama(LlamaConfig.tiny()), engine_config(num_blocks=8, block_size=4))\n"
             "e.add_request('a', [1, 2, 3], SamplingParams(max_tokens=2))\n"
             "while e.has_unfinished_requests(): e.step()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n")
