@@ -82,7 +82,7 @@ BAD = [
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}"], ["--output", "is a folder"]),
     (["batch", "--input", "{d}/empty.jsonl", "--output", "{d}/out.jsonl"], ["holds no requests"]),
     (["batch", "--input", "{d}/binary.jsonl", "--output", "{d}/out.jsonl"], ["not UTF-8"]),
-    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "17"], ["chapters with exercises"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "20"], ["chapters with exercises"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--block-size", "0"], ["--block-size"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--kv-cache-mib", "-1"], ["--kv-cache-mib"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--model", "{d}/not.gguf"], ["not a GGUF file"]),
