@@ -52,6 +52,9 @@ class ReplicaClient:
         self.first_block: dict[str, int | None] = {}
         self._streams: dict = {}  # request id -> its replica's stream, while in flight (abort cancels it)
         self.is_running = False
+        # chapter 19: a fleet serves the base model only (serve refuses --lora-modules with replicas)
+        self.lora_names: tuple[str, ...] = ()
+        self.lora_enabled = False
 
     def start(self) -> None:
         self.is_running = True
