@@ -119,7 +119,7 @@ def test_a_real_prometheus_scrapes_nanoserve():
             assert result[0]["metric"]["model_name"] == "tiny" and result[0]["metric"]["job"] == "nanoserve"
             assert float(result[0]["value"][1]) == 3  # the one request's 3 tokens
             rules = get_json(f"{api}/rules")["data"]["groups"][0]["rules"]
-            assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules
+            assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
         finally:
             prom.terminate()
             prom.wait(10)
