@@ -64,7 +64,7 @@ def test_verbose_shows_pytests_own_report(repo):
     assert "PASSED" in out.stdout and "FAILED" in out.stdout and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("args", [["17"], []])
+@pytest.mark.parametrize("args", [["20"], []])
 def test_a_bad_chapter_is_one_error_line(repo, args):
     out = grade(repo, *args)
     assert out.returncode == 2 and out.stdout == ""
