@@ -127,7 +127,9 @@ def test_two_replicas_answer_like_one_server(ray_session):
         assert scrape.status_code == 200
         samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in scrape.text.splitlines()
                    if line and not line.startswith("#")}
-        assert samples['nanoserve:http_responses_total{model_name="tiny",status="2xx"}'] == 5
+        # every response the ingress sent: the five completions and the /replicas read are 2xx, the two refusals 4xx
+        assert samples['nanoserve:http_responses_total{model_name="tiny",status="2xx"}'] == 6
+        assert samples['nanoserve:http_responses_total{model_name="tiny",status="4xx"}'] == 2
         running = fleet.infos()
         for replica in running:
             assert f'nanoserve:num_requests_running{{model_name="tiny",replica="{replica}"}}' in samples

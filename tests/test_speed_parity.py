@@ -160,4 +160,4 @@ def test_a_bf16_kv_pool_holds_twice_the_blocks_and_attends_like_float32():
         a, b = outs["auto"][rid], outs["bf16"][rid]
         assert a.token_ids == b.token_ids  # a random tiny model has no near-ties at this scale
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLMEngine(model, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20, kv_cache_dtype="fp8")))
+        LLMEngine(model, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20, kv_cache_dtype="fp16")))
