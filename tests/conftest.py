@@ -14,6 +14,24 @@ import nanoserve.cluster  # noqa: E402, F401
 import pytest
 import torch
 
+# make test's two pytest-xdist workers share the machine's two cores: one torch thread each (the subprocesses a
+# test starts, a server or a notebook's kernel, keep torch's default)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+# one local Ray at a time: chapter 16's fleet tests and its notebook share a worker
+RAY_GROUP = {"test_ch16_replicas.py", "test_notebook_runs[16-beyond-one-server]"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`--dist loadgroup`), the unit a worker takes: a test file (its module fixtures built
+    once), a notebook, or the Ray group."""
+    if config.getoption("dist", "no") == "no":
+        return
+    for item in items:
+        group = item.name if item.name.startswith("test_notebook_runs[") else item.path.name
+        item.add_marker(pytest.mark.xdist_group("ray" if group in RAY_GROUP else group))
+
 
 @pytest.fixture(autouse=True)
 def graded_exercise(request, monkeypatch):
