@@ -50,6 +50,8 @@ def pair(model):
     yield prefill, decode
     prefill.close(), decode.close()
     assert not area.segments, "closing the producer frees every staged segment"
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in model.layers), \
+        "closing an engine takes its connector's hooks off the model (which outlives it)"
 
 
 def run(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int, **kw):

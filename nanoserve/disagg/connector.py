@@ -224,6 +224,7 @@ class SharedMemoryConnectorWorker:
         self.saving: list[tuple[ReqToSave, torch.Tensor]] = []  # this step's (request, segment view)
         self.loading: list[tuple[ReqToLoad, object, torch.Tensor]] = []  # (request, segment, view)
         self.failed: dict[str, KVLoadError] = {}  # this step's requests whose segment could not be opened
+        self.hooks: list[torch.utils.hooks.RemovableHandle] = []  # one pre- and one post-hook per decoder layer
 
     @property
     def control_endpoint(self) -> str | None:
@@ -232,9 +233,9 @@ class SharedMemoryConnectorWorker:
     def register_kv_caches(self, kv_cache, layers) -> None:
         """The pool to read and write, and a hook around each decoder layer: load before it, save after it."""
         self.kv_cache = kv_cache
-        for i, layer in enumerate(layers):
-            layer.register_forward_pre_hook(lambda module, args, i=i: self.wait_for_layer_load(i))
-            layer.register_forward_hook(lambda module, args, output, i=i: self.save_kv_layer(i))
+        for i, layer in enumerate(layers):  # the handles, so close() takes the hooks off a model that outlives us
+            self.hooks.append(layer.register_forward_pre_hook(lambda module, args, i=i: self.wait_for_layer_load(i)))
+            self.hooks.append(layer.register_forward_hook(lambda module, args, output, i=i: self.save_kv_layer(i)))
 
     def bind_connector_metadata(self, meta: KVConnectorMetadata | None) -> None:
         self.meta = meta or KVConnectorMetadata()
@@ -312,6 +313,9 @@ class SharedMemoryConnectorWorker:
     def close(self) -> None:
         self.finish_loads()
         self.saving = []
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
         if self.staging is not None:
             self.staging.close()
         self.sender.close()
