@@ -61,18 +61,20 @@ class KVEventPublisher:
             raise ValueError(f"cannot bind the KV-events socket to {endpoint!r}: {e}") from None
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.seq = 0
+        self._lock = threading.Lock()  # flush() from a caller's thread and from ours: a ZMQ socket is not thread-safe
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="nanoserve-kv-events", daemon=True)
         self._thread.start()
 
     def flush(self) -> int:
         """Send what the log holds as one batch now; returns the number of events sent."""
-        events = self.log.take()
-        if events:
-            payload = encode_batch(events, time.time())
-            self.socket.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
-            self.seq += 1
-        return len(events)
+        with self._lock:
+            events = self.log.take()
+            if events:
+                payload = encode_batch(events, time.time())
+                self.socket.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload])
+                self.seq += 1
+            return len(events)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
