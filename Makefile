@@ -12,9 +12,10 @@ PY     := $(VENV)/bin/python
 READY  := $(VENV)/.nanoserve-ready
 # make test runs two pytest workers (pytest-xdist): the course machine has two cores, and most tests leave one
 # idle (a server or a subprocess starting, a client waiting on a stream). tests/conftest.py keeps each test file
-# on one worker, so its module fixtures are built once. WORKERS=0: one process, in collection order.
+# on one worker, so its module fixtures are built once, and hands out the longest units first. WORKERS=0: one
+# process, in collection order.
 WORKERS ?= 2
-XDIST  := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadgroup)
+XDIST  := $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope --no-loadscope-reorder)
 
 .PHONY: test serve chat grade setup clean
 

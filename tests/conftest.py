@@ -7,6 +7,12 @@ import os
 # tile update it is given ("Cannot call @triton.jit'd outside of the scope of a kernel").
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# make test's two pytest-xdist workers share the machine's two cores: one thread each, for the tests and for
+# what they start (a server, a CLI, a notebook's kernel), so that no OpenMP pool waits on a thread the other
+# worker holds. Set before torch is first imported, which reads it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 # Chapter 16's local Ray listens on loopback only if RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is "0" before Ray is first
 # imported (some test modules import ray.exceptions themselves): nanoserve.cluster sets it.
 import nanoserve.cluster  # noqa: E402, F401
@@ -14,23 +20,40 @@ import nanoserve.cluster  # noqa: E402, F401
 import pytest
 import torch
 
-# make test's two pytest-xdist workers share the machine's two cores: one torch thread each (the subprocesses a
-# test starts, a server or a notebook's kernel, keep torch's default)
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
+# make test's units of work under pytest-xdist, handed out longest first so that the two workers finish together:
+# the Ray group (one local Ray at a time: chapter 16's fleet tests and its notebook), each notebook, each chapter's
+# stub grading, then one test file per unit (its module fixtures built once).
+RAY_GROUP = ("tests/test_ch16_replicas.py", "tests/test_notebooks.py::test_notebook_runs[16-beyond-one-server]")
+ONE_TEST_UNITS = ("tests/test_notebooks.py::test_notebook_runs[",
+                  "tests/test_exercises.py::test_stubs_score_zero_with_not_implemented[")
 
-# one local Ray at a time: chapter 16's fleet tests and its notebook share a worker
-RAY_GROUP = {"test_ch16_replicas.py", "test_notebook_runs[16-beyond-one-server]"}
+
+def work_unit(nodeid: str) -> tuple[int, str]:
+    """(rank, unit) of a test: rank 0 is handed out first."""
+    if nodeid.startswith(RAY_GROUP):
+        return 0, "ray"
+    for rank, prefix in enumerate(ONE_TEST_UNITS, start=1):
+        if nodeid.startswith(prefix):
+            return rank, nodeid
+    return len(ONE_TEST_UNITS) + 1, nodeid.split("::")[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`--dist loadgroup`), the unit a worker takes: a test file (its module fixtures built
-    once), a notebook, or the Ray group."""
-    if config.getoption("dist", "no") == "no":
-        return
-    for item in items:
-        group = item.name if item.name.startswith("test_notebook_runs[") else item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if group in RAY_GROUP else group))
+    """In an xdist worker (each collects), the order the units are handed out in (stable within a rank)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: work_unit(item.nodeid)[0])
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling (a unit goes to one worker whole; units in collection order with make test's
+    --no-loadscope-reorder), its scopes being work_unit's."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class CourseScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)[1]
+
+    return CourseScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
