@@ -41,7 +41,7 @@ def listening_by_process(proc: psutil.Process) -> list[tuple[str, str]]:
     """(address, process name) of every TCP socket the process and its children listen on."""
     found = []
     for p in [proc] + proc.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):  # gone: nothing to read; denied: fails
             found += [(c.laddr.ip, " ".join(p.cmdline()).split()[0]) for c in p.net_connections(kind="tcp")
                       if c.status == psutil.CONN_LISTEN]
     return found

@@ -232,6 +232,7 @@ class SharedMemoryConnectorWorker:
 
     def register_kv_caches(self, kv_cache, layers) -> None:
         """The pool to read and write, and a hook around each decoder layer: load before it, save after it."""
+        assert not self.hooks, "register_kv_caches once per connector"
         self.kv_cache = kv_cache
         for i, layer in enumerate(layers):  # the handles, so close() takes the hooks off a model that outlives us
             self.hooks.append(layer.register_forward_pre_hook(lambda module, args, i=i: self.wait_for_layer_load(i)))
@@ -311,11 +312,13 @@ class SharedMemoryConnectorWorker:
         self.meta = KVConnectorMetadata()
 
     def close(self) -> None:
-        self.finish_loads()
+        try:
+            self.finish_loads()
+        finally:  # the hooks come off even if a segment fails to close
+            for hook in self.hooks:
+                hook.remove()
+            self.hooks = []
         self.saving = []
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
         if self.staging is not None:
             self.staging.close()
         self.sender.close()

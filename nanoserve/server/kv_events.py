@@ -69,6 +69,8 @@ class KVEventPublisher:
     def flush(self) -> int:
         """Send what the log holds as one batch now; returns the number of events sent."""
         with self._lock:
+            if self.socket.closed:  # a caller's flush racing close()
+                return 0
             events = self.log.take()
             if events:
                 payload = encode_batch(events, time.time())
@@ -84,4 +86,5 @@ class KVEventPublisher:
         self._stop.set()
         self._thread.join()
         self.flush()
-        self.socket.close()
+        with self._lock:
+            self.socket.close()
