@@ -314,12 +314,13 @@ def test_kv_events_wider_than_the_host_are_refused_in_one_line(endpoint):
     assert "loading" not in r.stdout
 
 
-def listening(proc: psutil.Process) -> list[str]:
-    """The addresses the process and its children listen on (TCP)."""
+def listening(proc: psutil.Process) -> list[tuple[str, str]]:
+    """(address, process name) of every TCP socket the process and its children listen on."""
     found = []
     for p in [proc] + proc.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            found += [c.laddr.ip for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):  # gone: nothing to read; denied: fails
+            found += [(c.laddr.ip, " ".join(p.cmdline()).split()[0]) for c in p.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
     return found
 
 
@@ -336,7 +337,7 @@ def test_serve_with_kv_events_listens_on_loopback_only():
             assert line, f"serve exited early: {proc.stderr.read()}"
             printed.append(line.rstrip("\n"))
         assert any(line.startswith("KV-cache events") for line in printed)
-        addresses = listening(psutil.Process(proc.pid))
+        addresses = [ip for ip, _ in listening(psutil.Process(proc.pid))]
         assert len(addresses) >= 2 and all(a in ("127.0.0.1", "::1") for a in addresses), addresses  # HTTP + ZMQ
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

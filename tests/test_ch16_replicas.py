@@ -5,7 +5,6 @@ the end; each replica gets one CPU, hence one torch thread, and the tiny random 
 References: chapter 08's one-process server on the same weights (same greedy text, same error bodies),
 the replicas' own counters, Ray Serve's own replica count, and the OS's process table."""
 
-import contextlib
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from nanoserve.cluster.replica import ReplicaSpec
 from nanoserve.engine.config import engine_config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.runner import serving
+from tests.test_ch15_hostile import listening
 from tests.test_ch16_routing import solved_16  # noqa: F401  (a fixture: exercise 16 finished, in a copy)
 from tests.tiny_model import tiny_llama
 
@@ -35,16 +35,6 @@ HI = [{"role": "user", "content": "Hi"}]
 RAY_REMEDY = ("its agents started too slowly on a loaded machine (Ray's own 15 s limit): rerun when the machine "
               "is idle, or where it has more free cores")
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")  # the last: an IPv6 socket bound to IPv4's loopback (Ray's gRPC)
-
-
-def listening_by_process(proc: psutil.Process) -> list[tuple[str, str]]:
-    """(address, process name) of every TCP socket the process and its children listen on."""
-    found = []
-    for p in [proc] + proc.children(recursive=True):
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.ZombieProcess):  # gone: nothing to read; denied: fails
-            found += [(c.laddr.ip, " ".join(p.cmdline()).split()[0]) for c in p.net_connections(kind="tcp")
-                      if c.status == psutil.CONN_LISTEN]
-    return found
 
 
 def without_ids(body: dict) -> str:
@@ -282,7 +272,7 @@ def test_serve_replicas_command_leaves_no_ray_behind(smollm2_tokenizer, tmp_path
         assert any("raylet" in " ".join(c.cmdline()) for c in children)
         # nothing of the fleet listens beyond --host (127.0.0.1): the ingress, Ray's GCS, raylet, agents, workers
         # and the replicas' /metrics, read from the OS's socket table of the server and all its children
-        sockets = listening_by_process(psutil.Process(proc.pid))
+        sockets = listening(psutil.Process(proc.pid))
         assert len(sockets) >= 4, sockets
         # the one known exception (chapter 16): Ray Serve's inter-deployment gRPC server, bound to [::]:0 in each
         # replica with no setting for its address; anything else beyond loopback fails here
