@@ -73,8 +73,8 @@ def test_kv_events_match_the_block_manager(tiny):
     for e in events[1:]:
         kinds.add(e[0])
         if e[0] == "BlockStored":
-            _, hashes, parent, tokens, size, lora, medium = e
-            assert size == 4 and len(tokens) == 4 and lora is None
+            _, hashes, parent, tokens, size, lora_id, medium, lora_name = e
+            assert size == 4 and len(tokens) == 4 and lora_id is None and lora_name is None
             assert parent is None or parent in cached, "a stored block's parent was stored before it"
             cached[hashes[0]] = (parent, tokens)
         elif e[0] == "BlockRemoved":

@@ -22,7 +22,7 @@ def kv_index():
 
 
 def stored(*hashes):
-    return ["BlockStored", list(hashes), None, [], 4, None, "GPU"]
+    return ["BlockStored", list(hashes), None, [], 4, None, "GPU", None]
 
 
 @pytest.mark.exercise("17.2")
@@ -60,7 +60,8 @@ def test_wire_hashes_decode_back_to_ints():
 
     h, parent = (1 << 255) + 12345, 7
     assert decode_event(encode_event(BlockStored([h], parent, [1, 2], 2))) == ["BlockStored", [h], parent, [1, 2], 2,
-                                                                               None, "GPU"]
+                                                                               None, "GPU", None]
+    assert decode_event(encode_event(BlockStored([h], None, [1, 2], 2, 3, lora_name="upper")))[5:] == [3, "GPU", "upper"]
     assert decode_event(encode_event(BlockRemoved([h]))) == ["BlockRemoved", [h], "GPU"]
 
 

@@ -153,3 +153,60 @@ def test_vllm_lora_requests_info_names_running_and_waiting_adapters(tiny_adapter
     assert len(lines) == 1
     assert 'max_lora="1"' in lines[0] and 'running_lora_adapters="a"' in lines[0]
     assert 'waiting_lora_adapters="b"' in lines[0]
+
+
+def test_kv_events_carry_the_adapter_in_vllms_wire_format(tiny_adapters):
+    """Chapter 16's publisher, decoded with msgpack alone by vLLM's field order: BlockStored is [tag, hashes, parent,
+    token_ids, block_size, lora_id, medium, lora_name]. One prompt under a, b and the base: each adapter's blocks name
+    it (and its id, a new one when it is loaded again), the base's say None and are chapter 05's plain chain."""
+    import time
+
+    import msgpack
+    import zmq
+
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.kv.kv_events import record_kv_events
+    from nanoserve.kv.prefix_cache import block_hashes
+    from nanoserve.server.kv_events import KVEventPublisher
+
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=32, block_size=4,
+                                                  lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)), eos_token_id=-1)
+    for name, path in tiny_adapters.items():
+        engine.add_lora(name, path)
+    publisher = KVEventPublisher(record_kv_events(engine.block_manager), "tcp://127.0.0.1:*")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(publisher.endpoint)
+    time.sleep(0.3)  # PUB drops what it sends before the subscription is through ("slow joiner")
+    prompt = list(range(10, 22))  # 3 full blocks of 4
+    ids = {}
+    for i, lora in enumerate(["a", "b", None, "reload a"]):
+        if lora == "reload a":
+            engine.remove_lora("a")
+            engine.add_lora("a", tiny_adapters["a"])
+            lora = "a"
+        ids[i] = engine.lora_ids.get(lora)
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=1), lora_name=lora)
+        while engine.has_unfinished_requests():
+            engine.step()
+        publisher.flush()  # one batch per request
+    publisher.close()
+    batches = []
+    while sub.poll(2000):
+        _, _, payload = sub.recv_multipart()
+        batches.append([e for e in msgpack.unpackb(payload, raw=False)[1] if e[0] == "BlockStored"])
+        if len(batches) == 5:  # AllBlocksCleared's, then one per request
+            break
+    sub.close()
+    stored = batches[1:]
+    assert [len(b) for b in stored] == [3, 3, 3, 3]
+    for i, (lora, events) in enumerate(zip(["a", "b", None, "a"], stored)):
+        for tag, hashes, parent, tokens, size, lora_id, medium, lora_name in events:
+            assert (size, medium, lora_name, lora_id) == (4, "GPU", lora, ids[i])
+    assert ids[0] != ids[3] and None not in (ids[0], ids[1], ids[3])  # a reloaded: a new id under the same name
+    base = [int.from_bytes(e[1][0], "little") for e in stored[2]]
+    assert base == block_hashes(prompt, 4) and stored[2][0][2] is None  # the base's chain starts at no parent
+    chains = [{e[1][0] for e in events} for events in stored]
+    assert all(not (chains[i] & chains[j]) for i in range(4) for j in range(i + 1, 4))  # no block shared

@@ -23,14 +23,14 @@ class KVIndex:
     def apply(self, replica: str, event: list) -> None:
         """Exercise 17.2. Apply one decoded event from `replica` (its wire array, hashes already ints):
 
-            ["BlockStored", [h, ...], parent, token_ids, block_size, lora_id, medium]   replica holds each h
-            ["BlockRemoved", [h, ...], medium]                                          replica no longer holds h
-            ["AllBlocksCleared"]                                                        replica holds nothing
+            ["BlockStored", [h, ...], parent, token_ids, block_size, lora_id, medium, lora_name]   holds each h
+            ["BlockRemoved", [h, ...], medium]                                         replica no longer holds h
+            ["AllBlocksCleared"]                                                       replica holds nothing
 
         Count it in num_events. A hash no replica holds any more leaves `holders`; removing a hash the replica
         does not hold changes nothing; any other kind raises ValueError("unknown KV event ...").
 
-        >>> index = KVIndex(); index.apply("a", ["BlockStored", [1, 2], None, [], 16, None, "GPU"])
+        >>> index = KVIndex(); index.apply("a", ["BlockStored", [1, 2], None, [], 16, None, "GPU", None])
         >>> index.holders
         {1: {'a'}, 2: {'a'}}
         """
@@ -40,7 +40,7 @@ class KVIndex:
         """Exercise 17.2. {replica: how many of the leading block_hashes it holds, without a gap}, for each name
         in `replicas` (0 for a replica holding none, or not holding the first).
 
-        >>> index = KVIndex(); index.apply("a", ["BlockStored", [1, 2], None, [], 16, None, "GPU"])
+        >>> index = KVIndex(); index.apply("a", ["BlockStored", [1, 2], None, [], 16, None, "GPU", None])
         >>> index.longest_prefix([1, 2, 3], ["a", "b"])
         {'a': 2, 'b': 0}
         """

@@ -4,9 +4,12 @@ KV events (chapter 16's publisher, vLLM's wire format), as llm-d's KV-cache inde
 Chapter 16's prefix router *guesses*: it remembers where it sent each block hash, and never hears that a
 replica evicted it. This index *knows* (up to the events still in flight): each replica publishes
 
-    ["BlockStored", [h], parent, token_ids, block_size, lora_id, medium]   -> index[h] += {replica}
-    ["BlockRemoved", [h], medium]                                         -> index[h] -= {replica}
-    ["AllBlocksCleared"]                                                  -> the replica holds nothing
+    ["BlockStored", [h], parent, token_ids, block_size, lora_id, medium, lora_name]  -> index[h] += {replica}
+    ["BlockRemoved", [h], medium]                                                   -> index[h] -= {replica}
+    ["AllBlocksCleared"]                                                            -> the replica holds nothing
+
+(The adapter needs no key of its own here: a LoRA adapter's blocks already hash apart from the base model's,
+chapter 19's salt at the root of the chain.)
 
 and a request's score on a replica is the longest run of its leading block hashes that replica holds (a
 prefix-cache hit needs the whole chain from the first block: chapter 05), combined with the replica's load:
@@ -52,7 +55,7 @@ class KVIndex:
     def longest_prefix(self, block_hashes: list[int], replicas) -> dict[str, int]:
         """{replica: how many of the leading block_hashes it holds, without a gap} for each of `replicas`.
 
-        >>> index = KVIndex(); index.apply("a", ["BlockStored", [1, 2], None, [], 16, None, "GPU"])
+        >>> index = KVIndex(); index.apply("a", ["BlockStored", [1, 2], None, [], 16, None, "GPU", None])
         >>> index.longest_prefix([1, 2, 3], ["a", "b"])
         {'a': 2, 'b': 0}
         """

@@ -309,7 +309,7 @@ class LLMEngine:
             grammar = self.structured.prepare(sampling_params, grammar)
         seq = Sequence(request_id, prompt_token_ids, sampling_params.max_tokens, priority, sampling_params=sampling_params,
                        tenant=tenant, slo=slo, cache_salt=lora_cache_salt(cache_salt, lora_name, self.lora_ids),
-                       lora_name=lora_name)
+                       lora_name=lora_name, lora_id=self.lora_ids.get(lora_name))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.speculative = speculative
@@ -585,7 +585,7 @@ class LLMEngine:
             child = Sequence(child_seq_id(seq.request_id, i), seq.prompt_token_ids, seq.max_tokens, seq.priority,
                              seq.arrival_time, params.for_completion(i), request_id=seq.request_id, index=i,
                              tenant=seq.tenant, slo=seq.slo, cache_salt=seq.cache_salt, lora_name=seq.lora_name,
-                             speculative=seq.speculative)
+                             lora_id=seq.lora_id, speculative=seq.speculative)
             self.scheduler.fork_seq(seq, child)
             child.append_token(sampled[child.seq_id], now)
             if self.tokenizer is not None:

@@ -73,6 +73,7 @@ class Sequence:
     slo: Any = None  # chapter 15: the request's own SLOTargets (nanoserve/engine/policies/base.py), or None
     cache_salt: str | None = None  # chapter 08: whose prefix cache its blocks are in (None: everyone's)
     lora_name: str | None = None  # chapter 19: the LoRA adapter it runs with (None: the base model)
+    lora_id: int | None = None  # chapter 19: that adapter's id (a new one each time it is loaded)
 
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -100,9 +101,12 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt + generated ids; with a cache_salt they carry it to the block manager (SaltedTokenIds)."""
+        """Prompt + generated ids; with a cache_salt they carry it, and the adapter, to the block manager
+        (SaltedTokenIds; an adapter's requests always have a salt: chapter 19's lora_cache_salt)."""
         ids = self.prompt_token_ids + self.output_token_ids
-        return ids if self.cache_salt is None else SaltedTokenIds(ids, self.cache_salt)
+        if self.cache_salt is None:
+            return ids
+        return SaltedTokenIds(ids, self.cache_salt, None if self.lora_name is None else (self.lora_id, self.lora_name))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -93,7 +93,8 @@ class BlockManager:
         # (src, dst) block copies the model runner must do before the next step (copy-on-write after fork)
         self.pending_copies: list[tuple[int, int]] = []
         # told of every change to the prefix cache, in order (chapter 16's KV events): objects with
-        # block_stored(block_hash, parent_hash, token_ids) and block_removed(block_hash)
+        # block_stored(block_hash, parent_hash, token_ids, lora) and block_removed(block_hash); lora: the
+        # (lora_id, lora_name) the sequence's tokens carry (chapter 19), None for the base model's blocks
         self.kv_listeners: list = []
 
     def get_num_free_blocks(self) -> int:
@@ -206,13 +207,15 @@ class BlockManager:
             # holds the parent's hash (a collision), a lookup would match that block and then this one, whose
             # K/V were computed after other tokens.
             if i == 0 or self.prefix_cache.entries.get(table[i - 1], (None,))[0] == parent:
-                self._cache(hashes[-1], parent, tokens, table[i])
+                self._cache(hashes[-1], parent, tokens, table[i], getattr(token_ids, "lora", None))
 
-    def _cache(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int], block_id: int) -> None:
-        """Register a full block in the prefix cache and, if the cache took it, tell the listeners."""
+    def _cache(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int], block_id: int,
+               lora: tuple[int, str] | None = None) -> None:
+        """Register a full block in the prefix cache and, if the cache took it, tell the listeners (and under
+        which adapter its K/V were computed: `lora`, (lora_id, lora_name), None for the base model)."""
         if self.prefix_cache.insert(block_hash, parent_hash, token_ids, block_id):
             for listener in self.kv_listeners:
-                listener.block_stored(block_hash, parent_hash, token_ids)
+                listener.block_stored(block_hash, parent_hash, token_ids, lora)
 
     def _evict(self, block_id: int) -> None:
         """Drop the block from the prefix cache, if it held it, and tell the listeners which hash left."""

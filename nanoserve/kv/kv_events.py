@@ -4,7 +4,8 @@ A prefix-aware router in front of many servers wants to know which server holds 
 Guessing from where it sent requests goes stale as soon as a server evicts; vLLM therefore publishes
 an event per change, and nanoserve records the same three kinds, named as vLLM names them:
 
-    BlockStored(block_hashes=[h2], parent_block_hash=h1, token_ids=[16 ids], block_size=16)
+    BlockStored(block_hashes=[h2], parent_block_hash=h1, token_ids=[16 ids], block_size=16,
+                lora_id=3, lora_name="upper")      under an adapter (chapter 19); the base model's: None, None
     BlockRemoved(block_hashes=[h2])        the allocator handed the block out for new contents
     AllBlocksCleared()                     the cache was emptied (a restart)
 
@@ -26,8 +27,9 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
+    lora_id: int | None = None  # the adapter's id, new at each load (vLLM keeps it; lora_name is its successor)
     medium: str | None = "GPU"  # vLLM's name for "the device's KV pool"; here it is the CPU's
+    lora_name: str | None = None  # the adapter whose K/V the block holds (chapter 19); None: the base model
 
 
 @dataclass
@@ -58,8 +60,11 @@ class KVEventLog:
             events, self.events = self.events, []
         return events
 
-    def block_stored(self, block_hash: int, parent_hash: int | None, token_ids) -> None:
-        self.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+    def block_stored(self, block_hash: int, parent_hash: int | None, token_ids,
+                     lora: tuple[int, str] | None = None) -> None:
+        lora_id, lora_name = lora if lora is not None else (None, None)
+        self.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, lora_id,
+                                lora_name=lora_name))
 
     def block_removed(self, block_hash: int) -> None:
         self.append(BlockRemoved([block_hash]))

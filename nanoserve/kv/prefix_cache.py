@@ -46,11 +46,13 @@ def root_hash(cache_salt: str | None) -> int | None:
 
 class SaltedTokenIds(list):
     """A sequence's token ids (a plain list) that also say whose they are: `cache_salt`, the chain's root
-    (root_hash). The block manager reads it where a chain starts; everything else sees a list."""
+    (root_hash), and `lora`, (lora_id, lora_name) of the adapter whose K/V they get (chapter 19; None: the base
+    model's), which the block manager passes on to its KV-event listeners. Everything else sees a list."""
 
-    def __init__(self, token_ids, cache_salt: str | None):
+    def __init__(self, token_ids, cache_salt: str | None, lora: tuple[int, str] | None = None):
         super().__init__(token_ids)
         self.cache_salt = cache_salt
+        self.lora = lora
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent_hash: int | None = None) -> list[int]:

@@ -128,7 +128,7 @@ class TieredBlockManager(BlockManager):
         blocks = self.allocator.allocate(len(run))
         for block_id, (slot, h, parent, tokens) in zip(blocks, run):
             self._evict(block_id)  # queues its offload first; both tell the KV-event listeners (chapter 16)
-            self._cache(h, parent, tokens, block_id)
+            self._cache(h, parent, tokens, block_id, getattr(token_ids, "lora", None))
             self.tier_ops.append(("load", slot, block_id))
         self.tier_stats.hit_tokens += len(run) * self.block_size
         self.tier_stats.loaded_blocks += len(run)

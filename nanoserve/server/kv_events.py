@@ -5,9 +5,14 @@ a ZMQ PUB socket, one multipart message per batch,
 
     [topic (bytes), sequence number (8 bytes, big-endian), msgpack payload]
     payload = [ts, [event, ...]]                         (msgspec's array_like EventBatch)
-    event   = ["BlockStored", [hash], parent_hash, token_ids, block_size, lora_id, medium]
+    event   = ["BlockStored", [hash], parent_hash, token_ids, block_size, lora_id, medium, lora_name]
               ["BlockRemoved", [hash], medium]
               ["AllBlocksCleared"]
+
+The fields in the order of vLLM's `BlockStored` struct, which msgspec packs as an array (omitting trailing
+fields left at their default: vLLM's extra_keys and group_idx, which nanoserve never sets). A block computed
+under a LoRA adapter (chapter 19) carries its id and name; the base model's carries None, None. (The newest
+vLLM packs each event as a map of the same named fields instead of an array.)
 
 Hashes travel as bytes: chapter 05's hashes are 256-bit SHA-256 ints, wider than msgpack's
 integers, and vLLM's own SHA-256 block hashes go out as bytes too (32 bytes, here little-endian).
@@ -33,7 +38,7 @@ def encode_event(event) -> list:
     """One event as vLLM's tagged array: the class name first, then the fields in order."""
     if isinstance(event, BlockStored):
         return ["BlockStored", [hash_bytes(h) for h in event.block_hashes], hash_bytes(event.parent_block_hash),
-                event.token_ids, event.block_size, event.lora_id, event.medium]
+                event.token_ids, event.block_size, event.lora_id, event.medium, event.lora_name]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", [hash_bytes(h) for h in event.block_hashes], event.medium]
     if isinstance(event, AllBlocksCleared):
