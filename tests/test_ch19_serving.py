@@ -5,6 +5,7 @@ run time behind the admin key; bad ones get a 4xx naming the parameter, and the 
 import asyncio
 import json
 import shutil
+import time
 
 import httpx
 import openai
@@ -97,3 +98,60 @@ def test_no_adapter_routes_with_lora_off(smollm2_tokenizer):
         r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/nowhere"},
                        headers={"Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 404
+
+
+def test_unloading_an_adapter_in_use_lets_its_streams_finish(tiny_adapters, smollm2_tokenizer):
+    """vLLM's rule, through the openai client: POST /v1/unload_lora_adapter while a stream under `a` is running
+    answers at once ("draining"), `a` is then a 404 for new requests, and the stream runs to its last token with
+    a's weights (PEFT's greedy text for a, whole); a load under the name waits until it ends. Its weights leave
+    the slots and memory when its last request ends — finished, or aborted by a client that hung up (b)."""
+    from tests.tiny_model import PacedLlama
+
+    model = PacedLlama(tiny_llama().config).eval()
+    model.load_state_dict(tiny_llama().state_dict())
+    model.delay_s = 0.1  # a step of 0.1 s: a 30-token stream lasts 3 s
+    engine = LLMEngine(model, engine_config(num_blocks=64, lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)),
+                       smollm2_tokenizer)
+    for name, path in tiny_adapters.items():
+        engine.add_lora(name, path)
+    manager = engine.executor.workers[0].lora_manager
+    held = lambda name: name in manager.paths or name in manager.cpu or name in manager.slots  # noqa: E731
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    theirs = peft_model(tiny_adapters)
+    expected = smollm2_tokenizer.decode(peft_greedy(theirs, PROMPTS["a"], "a", 30))
+    assert expected != smollm2_tokenizer.decode(peft_greedy(theirs, PROMPTS["a"], None, 30))  # a's weights matter
+    with serving(engine, smollm2_tokenizer, model_name=MODEL, admin_key=ADMIN) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        unload = lambda name: httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=admin)  # noqa
+        load = lambda name: httpx.post(f"{url}/v1/load_lora_adapter", headers=admin,  # noqa: E731
+                                       json={"lora_name": name, "lora_path": str(tiny_adapters[name])})
+        stream = client.completions.create(model="a", prompt=PROMPTS["a"], max_tokens=30, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text  # running now
+        r = unload("a")
+        assert r.status_code == 200 and r.json() == {"object": "lora_adapter", "id": "a", "status": "draining",
+                                                     "num_requests": 1}
+        with pytest.raises(openai.NotFoundError) as e:  # gone for new requests at once
+            complete(client, "a", PROMPTS["a"])
+        assert e.value.body["param"] == "model" and "a" not in {m.id for m in client.models.list().data}
+        r = load("a")  # its slot still holds the old weights
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name") and "still run" in r.text
+        assert held("a")  # nothing freed under the running stream
+        text += "".join(c.choices[0].text for c in chunks)
+        assert text == expected  # every token with a's weights
+        assert not held("a")  # the last request ended: freed
+        assert load("a").status_code == 200 and complete(client, "a", PROMPTS["a"]).choices[0].text == \
+            smollm2_tokenizer.decode(peft_greedy(theirs, PROMPTS["a"], "a", 6))
+        # b: its stream's client hangs up while b drains; the abort ends b's last request, b is freed
+        stream = client.completions.create(model="b", prompt=PROMPTS["b"], max_tokens=30, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert unload("b").json()["status"] == "draining"
+        stream.close()
+        for _ in range(100):  # the server sees the hang-up, the engine aborts at its next step boundary
+            if not held("b"):
+                break
+            time.sleep(0.1)
+        assert not held("b") and engine.lora_draining == set()
+        assert complete(client, MODEL, PROMPTS[None]).choices[0].finish_reason == "length"  # still serving

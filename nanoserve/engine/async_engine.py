@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nanoserve.engine import event_feed
-from nanoserve.engine.llm_engine import LLMEngine, LoRANameTaken, RequestOutput  # noqa: F401 — the server reads LoRANameTaken here
+from nanoserve.engine.llm_engine import LLMEngine, LoRANameTaken, LoRANotLoaded, RequestOutput  # noqa: F401 — the server reads the LoRA errors here
 from nanoserve.sampling import SamplingParams
 
 
@@ -178,10 +178,12 @@ class AsyncLLMEngine:
         """Load a PEFT adapter (LLMEngine.add_lora; its ValueError raises here)."""
         await self._call("add_lora", name, path)
 
-    async def remove_lora(self, name: str) -> None:
-        await self._call("remove_lora", name)
+    async def remove_lora(self, name: str) -> int:
+        """Unload an adapter (LLMEngine.remove_lora): refused to new requests at once, freed when the requests
+        still using it end; returns how many there are."""
+        return await self._call("remove_lora", name)
 
-    async def _call(self, method: str, *args) -> None:
+    async def _call(self, method: str, *args):
         if not self.is_running:
             raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
         loop = asyncio.get_running_loop()
@@ -189,7 +191,7 @@ class AsyncLLMEngine:
         with self._lock:
             self._inbox_calls.append((loop, done, method, args))
         self._wakeup.set()
-        await done
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread or coroutine; it takes effect at the next step boundary,
@@ -262,13 +264,13 @@ class AsyncLLMEngine:
             aborts, self._inbox_aborts = self._inbox_aborts, []
             calls, self._inbox_calls = self._inbox_calls, []
         for loop, done, method, args in calls:
+            result = error = None
             try:
-                getattr(self.engine, method)(*args)
-                error = None
+                result = getattr(self.engine, method)(*args)
             except Exception as e:  # noqa: BLE001 — the caller's mistake (a bad adapter): its await raises it
                 error = e
             self.lora_names = tuple(self.engine.lora_ids)
-            _post(loop, _resolve, done, error)
+            _post(loop, _resolve, done, error, result)
         for request_id, prompt_token_ids, params, priority, extra in adds:
             stream = self._streams[request_id]
             try:
@@ -333,10 +335,10 @@ def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         pass
 
 
-def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+def _resolve(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if future.done():  # the waiting coroutine was cancelled
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

@@ -40,7 +40,11 @@ _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FIN
 
 
 class LoRANameTaken(ValueError):
-    """Chapter 19: add_lora's name is empty or already loaded (the server's 400 names `lora_name`)."""
+    """Chapter 19: add_lora's name is empty, already loaded, or still draining (the server's 400 names `lora_name`)."""
+
+
+class LoRANotLoaded(ValueError):
+    """Chapter 19: a request or an unload names an adapter that is not loaded (the server's 404)."""
 
 
 def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
@@ -191,6 +195,7 @@ class LLMEngine:
                                                                                  policy=policy, **lora_slots,
                                                                                  **connector)
         self.lora_ids: dict[str, int] = {}  # chapter 19: adapter name -> its id (a new one per load)
+        self.lora_draining: set[str] = set()  # unloaded adapters whose weights wait for their last request
         self._next_lora_id = 1
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
@@ -271,8 +276,8 @@ class LLMEngine:
         cannot honour)."""
         prompt_token_ids = list(prompt_token_ids)
         if lora_name is not None and lora_name not in self.lora_ids:
-            raise ValueError(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
-                             f"{', '.join(self.lora_ids) or 'none'}")
+            raise LoRANotLoaded(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
+                                f"{', '.join(self.lora_ids) or 'none'}")
         # Checked here, at the engine's door: a bad id found inside step() would fail a whole batch.
         if not prompt_token_ids or not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be a non-empty list of ints "
@@ -329,19 +334,30 @@ class LLMEngine:
             raise ValueError("LoRA adapters are off in this engine (EngineConfig.lora_config is None)")
         if not name or name in self.lora_ids:
             raise LoRANameTaken(f"adapter name {name!r} is empty or already loaded")
+        if name in self.lora_draining:
+            raise LoRANameTaken(f"adapter {name!r} was unloaded but requests still run with it; load it again "
+                                "once they finish")
         self.executor.add_lora(name, path)
         self.lora_ids[name] = self._next_lora_id
         self._next_lora_id += 1
 
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter no live request uses (ValueError otherwise)."""
+    def remove_lora(self, name: str) -> int:
+        """Unload an adapter, as vLLM does: from now on no request may name it (LoRANotLoaded), but the requests
+        already in the engine with it, running or waiting, finish with it. Its weights (slot, memory) are freed
+        when the last of them ends. Returns how many requests still use it (0: its weights are gone already)."""
         if name not in self.lora_ids:
-            raise ValueError(f"unknown LoRA adapter {name!r}")
-        users = [s.seq_id for s in self.scheduler.seqs.values() if s.lora_name == name]
-        if users:
-            raise ValueError(f"adapter {name!r} is in use by {len(users)} request(s)")
-        self.executor.remove_lora(name)
+            raise LoRANotLoaded(f"unknown LoRA adapter {name!r}")
         del self.lora_ids[name]
+        self.lora_draining.add(name)
+        self._free_drained_loras()
+        return len({s.request_id for s in self.scheduler.seqs.values() if s.lora_name == name})
+
+    def _free_drained_loras(self) -> None:
+        """Free the weights of each unloaded adapter that no live sequence uses any more (after every step and
+        abort: a sequence leaves the scheduler there)."""
+        for name in [n for n in self.lora_draining if all(s.lora_name != n for s in self.scheduler.seqs.values())]:
+            self.executor.remove_lora(name)
+            self.lora_draining.discard(name)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request (every completion of it; a completion's sequence id also
@@ -356,6 +372,8 @@ class LLMEngine:
                 self.num_live[request_id] = 1  # not forked yet: the other completions never existed
             self.scheduler.finish_seq(seq.seq_id, SequenceStatus.FINISHED_ABORTED)
             out = self._finish(seq, [], "")
+        if self.lora_draining:
+            self._free_drained_loras()
         return out
 
     def student_proof(self) -> str:
@@ -408,6 +426,8 @@ class LLMEngine:
                 outputs += self._advance(parent, sampled, verified, now)
             except Exception as e:  # noqa: BLE001 — its stop check or text failed: its request, not the step
                 outputs.append(self._fail(parent.seq_id, e))
+        if self.lora_draining:  # chapter 19: an unloaded adapter's last request may have finished
+            self._free_drained_loras()
         return self._fail_grammar_violations([out for out in outputs if out is not None])
 
     # ---- chapter 18: the second KV tier ------------------------------------------------------------

@@ -35,7 +35,7 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError, EngineUnavailable
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError, EngineUnavailable, LoRANotLoaded
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server import tool_calls
@@ -300,6 +300,8 @@ def build_app(state: ServerState) -> FastAPI:
                                                           kv_transfer_params=req.kv_transfer_params)
         except BaseException as e:
             reservation.close()  # refused: nothing was spent
+            if isinstance(e, LoRANotLoaded):  # chapter 19: unloaded since check_model let it through
+                raise APIError(404, str(e), "model") from None
             if isinstance(e, StructuredOutputError):  # chapter 13: the grammar does not compile, or is too large
                 raise APIError(400, str(e), "tools" if tools is not None else "response_format") from None
             if isinstance(e, ValueError):  # too long for the context, can never fit the KV pool, a bad token id
