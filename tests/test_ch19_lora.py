@@ -12,7 +12,7 @@ from nanoserve.lora.adapter import load_adapter
 from nanoserve.engine.config import LoRAConfig
 from nanoserve.lora.manager import LoRAModelManager
 from nanoserve.lora.punica import bgmv, sgmv
-from nanoserve.model.quant import BF16Linear, Int8Linear
+from nanoserve.model.quant import BF16Linear, Int8Linear, quantize_model
 from nanoserve.sampling import SamplingParams
 from tests.lora_reference import TINY, peft_greedy, peft_model, tiny_llama
 
@@ -88,6 +88,26 @@ def test_lora_logits_match_peft(adapters, name):
         got = ours.compute_logits(ours(ids))
     assert (expected - base).abs().max() > 1e-2  # the adapter changes the logits: the comparison means something
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_a_merged_adapter_matches_peft(adapters, name):
+    """W + scale·B·A in the fused weights (what bench lora compares the gather with) gives PEFT's logits too."""
+    from nanoserve.lora.merge import merge_adapter
+
+    merged = tiny_llama()
+    merge_adapter(merged, load_adapter(name, adapters[name], TINY, 8))
+    theirs = peft_model(adapters)
+    theirs.set_adapter(name)
+    ids = torch.tensor(prompt(6, 10))
+    with torch.no_grad():
+        expected = theirs(ids[None]).logits[0]
+        base = tiny_llama().compute_logits(tiny_llama()(ids))
+        got = merged.compute_logits(merged(ids))
+    assert (expected - base).abs().max() > 1e-2
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="only float Linear"):
+        merge_adapter(quantize_model(tiny_llama(), "int8"), load_adapter(name, adapters[name], TINY, 8))
 
 
 @pytest.mark.exercise("19.2")

@@ -65,7 +65,7 @@ def params(num_output_tokens: int):
 
 def run_nanoserve(engine, workload, side_jobs=(), every: int = 1):
     """(seconds nanoserve took to finish every request, seconds of the side jobs, engine steps, preemptions,
-    one RequestRecord per request).
+    one RequestRecord per request). workload: [(prompt ids, output tokens[, add_request kwargs])].
 
     side_jobs: callables run one after step 1, 1 + every, 1 + 2·every, ... (any left over at the end), each
     timed on a clock of its own, which nanoserve's seconds leave out. The records are stamped on nanoserve's
@@ -76,9 +76,9 @@ def run_nanoserve(engine, workload, side_jobs=(), every: int = 1):
 
     jobs, side_seconds = list(side_jobs), 0.0
     t0 = time.perf_counter()
-    records = {str(i): RequestRecord(start=0.0, prompt_tokens=len(prompt)) for i, (prompt, _) in enumerate(workload)}
-    for i, (prompt, n) in enumerate(workload):
-        engine.add_request(str(i), prompt, params(n))
+    records = {str(i): RequestRecord(start=0.0, prompt_tokens=len(prompt)) for i, (prompt, *_) in enumerate(workload)}
+    for i, (prompt, n, *kwargs) in enumerate(workload):
+        engine.add_request(str(i), prompt, params(n), **(kwargs[0] if kwargs else {}))
     steps = preemptions = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()

@@ -9,7 +9,7 @@ import importlib
 
 BENCHMARKS = ["model", "kv_cache", "paged_kv", "linear", "offline", "attention", "http", "serve", "profile",
               "experiment", "weights", "quality", "tp",
-              "engine_view", "degrade", "soak", "peers", "spec", "structured", "bluegreen", "mlperf"]
+              "engine_view", "degrade", "soak", "peers", "spec", "structured", "bluegreen", "mlperf", "lora"]
 
 
 def register(sub, only: list[str] | None = None):
