@@ -8,5 +8,6 @@ so an adapter costs r·(in + out) numbers per projection instead of in·out. Fil
 (adapter_config.json + adapter_model.safetensors) are read by adapter.py; layers.py wraps the model's fused
 projections so that each token adds the update of *its own* adapter (a gather by adapter slot, punica.py);
 manager.py keeps adapters in tiers — `max_loras` in the step's slots, `max_cpu_loras` in memory, the rest
-on disk — evicting the least recently used. The settings are nanoserve/engine/config.py's LoRAConfig (vLLM's).
+on disk — evicting the least recently used; merge.py merges one adapter into the weights instead (the baseline
+`bench lora` measures the gather against). The settings are nanoserve/engine/config.py's LoRAConfig (vLLM's).
 """
