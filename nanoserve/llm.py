@@ -40,7 +40,7 @@ class LLM:
                  slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
                  tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
                  compile_mode: str = "eager", kv_tier_blocks: int = 0, kv_tier_path: str | None = None,
-                 enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
+                 preemption_mode: str = "recompute", enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, lora_modules: dict | None = None,
                  kv_transfer_config=None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
@@ -69,6 +69,8 @@ class LLM:
         "fp8" (chapter 18: 8-bit codes and a bf16 scale per token and kv head, dequantized in the gather).
         kv_tier_blocks: a second KV tier of that many blocks in a file (kv_tier_path, None: a temporary one) that
         evicted prefix blocks go to and are loaded back from (chapter 18); call close() after.
+        preemption_mode: "recompute" (chapter 06) or "swap" (chapter 18: a preempted sequence's blocks wait in that
+        tier and come back when it resumes; it needs kv_tier_blocks).
         enable_lora (chapter 19): LoRA layers on the projections, `max_loras` adapters per step of rank up to
         `max_lora_rank`, `max_cpu_loras` kept in memory; lora_modules: {name: PEFT adapter directory} loaded now
         (implies enable_lora); generate(..., lora_name=...) picks one per input.
@@ -126,7 +128,7 @@ class LLM:
             slo_reject=slo_reject, tenant_weights=tenant_weights, tenant_slos=tenant_slos, speculative=speculative,
             num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
             degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_tier_blocks=kv_tier_blocks,
-            kv_tier_path=kv_tier_path,
+            kv_tier_path=kv_tier_path, preemption_mode=preemption_mode,
             lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
             kv_transfer_config=kv_transfer_config)
         try:

@@ -81,6 +81,17 @@ def test_the_kv_cache_dtype_reaches_the_replicas(replica_engine):
     assert engine.executor.workers[0].model_runner.kv_cache.k_cache[0].dtype == torch.bfloat16
 
 
+def test_swap_preemption_reaches_the_replicas(replica_engine):
+    """Chapter 18: each replica gets the mode and a KV tier of its own (a temporary file: --kv-tier-path is refused
+    with replicas, below)."""
+    engine = replica_engine("--kv-tier-blocks", "64", "--preemption-mode", "swap")
+    try:
+        assert engine.config.scheduler_config.preemption_mode == "swap"
+        assert engine.block_manager.tier.capacity == 64 and engine.executor.workers[0].kv_tier is not None
+    finally:
+        engine.close()
+
+
 def test_the_tenants_weights_and_slos_reach_the_replicas(tmp_path, replica_engine):
     keys = tmp_path / "keys.toml"
     keys.write_text(TENANT_WEIGHTS)

@@ -30,6 +30,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    tier, an int8 pool: hits per tier, TTFT p50 / p99 (nanoserve/bench/kv_tiers.py)
   kv-crossover     chapter 18: recompute vs load from the file tier, measured; the load-or-recompute map
   kv-dtypes        chapter 18: blocks in 1 GiB and the logit error per KV dtype (fp32, bf16, int8, fp8)
+  swap-vs-recompute chapter 18: overload's workload and pool, preempting by recompute vs by swap to the file tier:
+                   preemptions, tokens recomputed, blocks swapped, TTFT / TPOT p99, throughput
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
 this machine drifts.
@@ -46,7 +48,7 @@ import torch
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
                "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "kv-routing", "returning-users",
-               "kv-crossover", "kv-dtypes"]
+               "kv-crossover", "kv-dtypes", "swap-vs-recompute"]
 
 
 def register(sub):
@@ -82,6 +84,7 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
     request is added just before engine step `step`. Returns ({id: RequestRecord}, one trace row per step).
     A request the scheduling policy refused (chapter 15) is a failed record, its reason the error."""
     from nanoserve.bench.offline import stamp_outputs
+    from nanoserve.engine.sequence import SequenceStatus
     from nanoserve.metrics import RequestRecord
 
     pending = sorted(arrivals, key=lambda a: a[0])
@@ -103,9 +106,10 @@ def drive(engine, arrivals: list[tuple[int, str, list[int], int]]) -> tuple[dict
         stamp_outputs(records, outputs, now)
         out, blocks, sched = engine.last_scheduler_output, engine.block_manager, engine.scheduler
         preemptions += len(out.preempted_seq_ids)
-        # the computed tokens a preemption threw away: recomputed when the victim is readmitted (less what the
-        # prefix cache still holds, if it is on)
-        recomputed += sum(held.get(seq_id, 0) for seq_id in out.preempted_seq_ids)
+        # the computed tokens a recompute preemption threw away: recomputed when the victim is readmitted (less what
+        # the prefix cache still holds, if it is on); a victim swapped out to the KV tier (chapter 18) keeps them
+        recomputed += sum(held.get(seq_id, 0) for seq_id in out.preempted_seq_ids
+                          if sched.seqs[seq_id].status is SequenceStatus.PREEMPTED)
         computed += out.total_num_scheduled_tokens
         used = blocks.num_blocks - blocks.get_num_free_blocks()
         trace.append({"step": step, "t": now, "step_ms": (now - (before - t0)) * 1000,
@@ -268,10 +272,18 @@ def prefill_budget(args, model, tokenizer) -> dict:
         plt, best, f"8 streams decoding while 1024-token prompts arrive (least disturbed of {args.rounds} interleaved rounds)")
 
 
+OVERLOAD_BLOCKS = 64  # overload's pool, in blocks of 16 tokens: far too small for its 24 requests at once
+
+
+def overload_arrivals(vocab: int, n_out: int) -> list[tuple]:
+    """overload's workload: 24 requests at step 0, prompts of 64-128 random tokens, n_out output tokens each."""
+    rng = random.Random(1)
+    return [(0, f"r{i}", random_prompt(rng, rng.randint(64, 128), vocab), n_out) for i in range(24)]
+
+
 def overload(args, model, tokenizer) -> dict:
-    vocab, rng = model.config.vocab_size, random.Random(1)
-    num_blocks, n_out = 64, args.output_len or 96
-    arrivals = [(0, f"r{i}", random_prompt(rng, rng.randint(64, 128), vocab), n_out) for i in range(24)]
+    num_blocks, n_out = OVERLOAD_BLOCKS, args.output_len or 96
+    arrivals = overload_arrivals(model.config.vocab_size, n_out)
     engine = engine_for(model, num_blocks=num_blocks, block_size=16, enable_prefix_caching=False)
     records, trace = drive(engine, arrivals)
     usage = [row["blocks_used"] / num_blocks for row in trace]
@@ -542,7 +554,7 @@ RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefil
            "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a),
            **{name: lambda *a, fn=fn: getattr(importlib.import_module("nanoserve.bench.kv_tiers"), fn)(*a)
               for name, fn in (("returning-users", "returning_users"), ("kv-crossover", "kv_crossover"),
-                               ("kv-dtypes", "kv_dtypes"))}}
+                               ("kv-dtypes", "kv_dtypes"), ("swap-vs-recompute", "swap_vs_recompute"))}}
 
 
 def run(args):

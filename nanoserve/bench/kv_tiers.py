@@ -9,6 +9,9 @@
   kv-dtypes        per KV dtype (fp32, bf16, int8, fp8): blocks in 1 GiB and 2,000-token sequences that fit,
                    the pool's bytes beside chapter 04's formula; the logit error on heldout text (chapter 10's
                    method: one prefill through a pool of that dtype against float32 without a cache)
+  swap-vs-recompute  chapter 09's overload workload (24 requests at once, a pool of 64 blocks), preempting by
+                   recompute and by swap to the file tier: preemptions, tokens recomputed, blocks swapped and
+                   bytes moved, TTFT / TPOT p50 / p99, output tokens/s, and whether the greedy text is the same
 """
 
 import random
@@ -211,3 +214,72 @@ def kv_dtypes(args, model, tokenizer) -> dict:
         return fig
 
     return {"rows": rows, "tokens": len(ids)}, figure
+
+
+def swap_vs_recompute(args, model, tokenizer) -> dict:
+    from nanoserve.bench.experiment import OVERLOAD_BLOCKS, overload_arrivals
+
+    n_out = args.output_len or 96
+    arrivals = overload_arrivals(model.config.vocab_size, n_out)
+    best = compare_preemption_modes(model, arrivals, OVERLOAD_BLOCKS, 16, args.rounds)
+    print(f"{len(arrivals)} requests of 64-128 + {n_out} tokens at once, a pool of {OVERLOAD_BLOCKS} blocks x 16 "
+          f"tokens, prefix caching off; the fastest of {args.rounds} interleaved round(s)")
+    print(f"{'':10s}{'preempt':>8s}{'recomputed':>11s}{'swapped out / in':>17s}{'fallbacks':>10s}{'MB moved':>9s}"
+          f"{'TTFT p50':>11s}{'p99':>9s}{'TPOT p50':>11s}{'p99':>9s}{'out tok/s':>10s}{'same text':>10s}")
+    for name, x in best.items():
+        print(f"{name:10s}{x['preemptions']:8d}{x['recomputed_tokens']:11d}"
+              f"{x['swapped_out_blocks']:10d} / {x['swap_ins']:<4d}{x['swap_fallbacks']:10d}"
+              f"{(x['bytes_written'] + x['bytes_read']) / 1e6:9.1f}{x['ttft_ms']['median']:8.0f} ms"
+              f"{x['ttft_ms']['p99']:6.0f} ms{x['tpot_ms']['median']:8.0f} ms{x['tpot_ms']['p99']:6.0f} ms"
+              f"{x['output_throughput']:10.1f}{x['same_text_as_recompute']:10.0%}")
+
+    def figure(plt):
+        fig, axes = plt.subplots(1, 4, figsize=(13, 3.4))
+        names = list(best)
+        for ax, (key, label) in zip(axes, [("recomputed_tokens", "tokens recomputed"), ("ttft_p99", "TTFT p99 (ms)"),
+                                           ("tpot_p99", "TPOT p99 (ms)"), ("output_throughput", "output tokens/s")]):
+            value = {"ttft_p99": lambda x: x["ttft_ms"]["p99"], "tpot_p99": lambda x: x["tpot_ms"]["p99"]}.get(
+                key, lambda x: x[key])
+            ax.bar(names, [value(best[n]) for n in names]), ax.set_ylabel(label)
+        fig.suptitle(f"preemption by recompute vs by swap: {len(arrivals)} requests, a pool of {OVERLOAD_BLOCKS} blocks")
+        return fig
+
+    return {"best": best, "num_blocks": OVERLOAD_BLOCKS, "output_len": n_out}, figure
+
+
+def compare_preemption_modes(model, arrivals: list[tuple], num_blocks: int, block_size: int, rounds: int) -> dict:
+    """Serve drive()'s `arrivals` on a pool of num_blocks, prefix caching off, preempting by recompute and by swap,
+    interleaved over `rounds`: {mode: the fastest round's counts and latencies}. The swap tier has a slot for every
+    block the requests can ever hold, so no preemption falls back for want of room (and the count says so).
+
+    Tokens recomputed are counted, not estimated: every request computes each of its prompt + output - 1 tokens
+    once (the last output token is sampled, never computed), so anything the steps computed beyond that sum was
+    computed again."""
+    from nanoserve.metrics import summarize
+
+    slots = sum(-(-(len(prompt) + n) // block_size) for _, _, prompt, n, *_ in arrivals)
+    needed = sum(len(prompt) + n - 1 for _, _, prompt, n, *_ in arrivals)
+    modes = {"recompute": dict(), "swap": dict(preemption_mode="swap", kv_tier_blocks=max(slots, 2))}
+
+    def measure(name, extra, r):
+        engine = Recording(engine_for(model, num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False,
+                                      **extra))
+        try:
+            records, trace = drive(engine, arrivals)
+            tier = engine.kv_tier_stats() or {}
+        finally:
+            engine.close()
+        s = summarize(list(records.values()), trace[-1]["t"])
+        return {"preemptions": trace[-1]["preemptions"], "recomputed_tokens": trace[-1]["computed_tokens"] - needed,
+                **{k: tier.get(k, 0) for k in ("swapped_out_blocks", "swap_ins", "swap_fallbacks", "bytes_written",
+                                               "bytes_read")},
+                "ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"], "output_throughput": s["output_throughput"],
+                "seconds": trace[-1]["t"], "steps": len(trace), "texts": engine.token_ids}
+
+    results = interleaved(rounds, modes, measure)
+    best = {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
+    base = best["recompute"]["texts"]
+    for x in best.values():
+        texts = x.pop("texts")
+        x["same_text_as_recompute"] = sum(texts[k] == base[k] for k in base) / len(base)
+    return best

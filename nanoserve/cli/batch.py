@@ -83,6 +83,9 @@ def add_engine_args(p):
     p.add_argument("--kv-tier-path", default=None, metavar="FILE", type=checks.new_file,
                    help="with --kv-tier-blocks: the tier's file, which must not exist yet (default: a temporary file; "
                         "either is removed at exit)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what a preempted request loses: recompute = its KV blocks, computed again when it resumes "
+                        "(ch 06); swap = none, its blocks wait in the --kv-tier-blocks tier and come back (ch 18)")
     p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
                    help="eager: op by op (the reference); buckets / dynamic: each step's forward through torch.compile, "
                         "padded up to a few fixed token counts or with a symbolic one (chapter 09; compiled code is "
@@ -104,20 +107,28 @@ def engine_kwargs(args, **extra) -> dict:
                 scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms,
                 slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
                 compile_mode=args.compile_mode, kv_tier_blocks=args.kv_tier_blocks, kv_tier_path=args.kv_tier_path,
-                **extra)
+                preemption_mode=args.preemption_mode, **extra)
 
 
 def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
     if args.num_speculative_tokens is not None and args.speculative is None:
         return "--num-speculative-tokens needs --speculative ngram or draft"
+    if args.preemption_mode == "swap" and not args.kv_tier_blocks:
+        return "--preemption-mode swap writes preempted requests' KV blocks to the second tier: give --kv-tier-blocks N"
+    if args.preemption_mode == "swap" and args.tensor_parallel_size > 1:
+        return "--preemption-mode swap needs the KV tier, which is single-process: not with --tensor-parallel-size"
     return None
 
 
 def llm_from_args(args, tokenizer=None, **extra):
-    """The LLM the engine flags describe (engine_kwargs)."""
+    """The LLM the engine flags describe (engine_kwargs); the flags check_engine_args refuses are a UsageError
+    here too, for the commands that build an engine without calling it first (bench offline, bench http)."""
     from nanoserve.llm import LLM
 
+    problem = check_engine_args(args)
+    if problem is not None:
+        raise checks.UsageError(problem)
     return LLM(getattr(args, "model", None), tokenizer=tokenizer, **engine_kwargs(args, **extra))
 
 

@@ -2,7 +2,7 @@
 
     EngineConfig(
         cache_config=CacheConfig(block_size=16, num_blocks=64),        # chapters 04–05: the KV pool
-        scheduler_config=SchedulerConfig(max_num_seqs=8),              # chapters 06, 15: who runs, in what order
+        scheduler_config=SchedulerConfig(max_num_seqs=8),              # chapters 06, 15, 18: who runs, in what order
         speculative_config=SpeculativeConfig(method="ngram"),          # chapter 14 (None: off)
         lora_config=LoRAConfig(max_loras=4, max_lora_rank=16),         # chapter 19 (None: off)
     )
@@ -32,14 +32,18 @@ class CacheConfig:
     # Chapter 18: "int8" / "fp8" store 8-bit codes with a bf16 scale per token and kv head (1.94x bf16's blocks).
     # A second KV tier: evicted prefix blocks go to a file of kv_tier_blocks block slots (0: off) at kv_tier_path
     # (None: a temporary file), least recently used dropped first, and come back when a prompt needs them and
-    # loading is measured to beat recomputing (nanoserve/kv/tiered_block_manager.py).
+    # loading is measured to beat recomputing (nanoserve/kv/tiered_block_manager.py); with
+    # SchedulerConfig.preemption_mode "swap" it also holds preempted sequences' blocks, pinned until they resume.
     kv_tier_blocks: int = 0
     kv_tier_path: str | None = None
 
 
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass
 class SchedulerConfig:
-    """Who runs in a step and in what order (chapters 06 and 15)."""
+    """Who runs in a step and in what order (chapters 06 and 15), and what a preempted sequence loses (18)."""
 
     max_num_seqs: int = 64  # seats: sequences in the running set at once
     max_num_batched_tokens: int = 2048  # token budget of one forward pass
@@ -53,11 +57,17 @@ class SchedulerConfig:
     slo_reject: bool = False
     tenant_weights: dict | None = None  # tenant -> weight (fair); missing tenants weigh 1
     tenant_slos: dict | None = None  # tenant -> SLOTargets (slo)
+    # What a preempted sequence loses (vLLM's preemption_mode): "recompute" (chapter 06: its blocks are freed, its
+    # tokens computed again) or "swap" (chapter 18: its blocks go to the KV tier, CacheConfig.kv_tier_blocks, and
+    # come back when it resumes; recompute when the tier has no room)
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}; known: {', '.join(PREEMPTION_MODES)}")
         unused = self.unused_policy_setting()
         if unused:
             raise ValueError(unused)

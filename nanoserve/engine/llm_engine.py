@@ -124,8 +124,16 @@ class LLMEngine:
                              f"tier's slots), got {cache.kv_tier_blocks}")
         if cache.kv_tier_path is not None and not cache.kv_tier_blocks:
             raise ValueError("kv_tier_path names the second tier's file: it needs kv_tier_blocks > 0")
-        if cache.kv_tier_blocks and not cache.enable_prefix_caching:
-            raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching")
+        swap = config.scheduler_config.preemption_mode == "swap"
+        if swap and not cache.kv_tier_blocks:
+            raise ValueError("preemption_mode swap writes a preempted sequence's blocks to the second KV tier: it "
+                             "needs kv_tier_blocks > 0")
+        if swap and {"06", "18"} & set(student.chapters):
+            raise ValueError("preemption_mode swap runs on the reference scheduler and tier index: not with chapter "
+                             "06's or 18's exercises selected in student")
+        if cache.kv_tier_blocks and not cache.enable_prefix_caching and not swap:
+            raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching (or "
+                             "preemption_mode swap, whose swapped-out blocks it holds)")
         if cache.kv_tier_blocks and "05" in student.chapters:
             raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
                              "selected in student")
@@ -175,7 +183,8 @@ class LLMEngine:
             block_manager = TieredBlockManager(num_blocks, cache.block_size,
                                                student.module("nanoserve.kv.tier_index").TierIndex(cache.kv_tier_blocks),
                                                block_bytes / cache.block_size,
-                                               load_policy=student.module("nanoserve.kv.load_policy"))
+                                               load_policy=student.module("nanoserve.kv.load_policy"),
+                                               enable_prefix_caching=cache.enable_prefix_caching)
         if block_manager is None:
             block_manager = student.module("nanoserve.kv.block_manager").BlockManager(
                 num_blocks, cache.block_size, cache.enable_prefix_caching, allocator=allocator,
@@ -444,18 +453,21 @@ class LLMEngine:
         self._tier_seen = (stats.loads, stats.bytes_read, stats.load_seconds)
 
     def kv_tier_stats(self) -> dict | None:
-        """Chapter 18: the second tier's counts so far (None without one): tokens found per tier, blocks moved,
-        bytes, stalls, the measured rates."""
+        """Chapter 18: the second tier's counts so far (None without one): tokens found per tier, blocks moved
+        (evicted and loaded back; swapped out and in), bytes, stalls, the measured rates."""
         if not self.config.cache_config.kv_tier_blocks:
             return None
         bm, (tier, _) = self.block_manager, self.executor.kv_tier_stats()
-        rates = bm.rates
-        return {"pool_hit_tokens": bm.stats.hit_tokens - bm.tier_stats.hit_tokens,
-                "tier_hit_tokens": bm.tier_stats.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
-                "tier_recomputed_tokens": bm.tier_stats.recomputed_tokens,
-                "offloaded_blocks": tier.offloads, "loaded_blocks": tier.loads, "bytes_written": tier.bytes_written,
+        rates, counts = bm.rates, bm.tier_stats
+        return {"pool_hit_tokens": bm.stats.hit_tokens - counts.hit_tokens,
+                "tier_hit_tokens": counts.hit_tokens, "queried_tokens": bm.stats.queried_tokens,
+                "tier_recomputed_tokens": counts.recomputed_tokens,
+                "offloaded_blocks": counts.offloaded_blocks, "loaded_blocks": counts.loaded_blocks,
+                "swapped_out_blocks": counts.swapped_out_blocks, "swap_ins": counts.swap_ins,
+                "swap_fallbacks": counts.swap_fallbacks, "bytes_written": tier.bytes_written,
                 "bytes_read": tier.bytes_read, "stalls": tier.stalls, "stall_seconds": tier.stall_seconds,
-                "tier_blocks_used": len(bm.tier), "tier_capacity": bm.tier.capacity,
+                "tier_blocks_used": len(bm.tier), "tier_blocks_pinned": sum(len(s.slots) for s in bm.swapped.values()),
+                "tier_capacity": bm.tier.capacity,
                 "prefill_s_per_token": rates.prefill_s_per_token(), "tier_bytes_per_s": rates.tier_bytes_per_s()}
 
     def close(self) -> None:

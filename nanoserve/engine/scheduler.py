@@ -27,6 +27,7 @@ The policy, one method per idea (exercises/06 writes them one at a time, rungs 6
                                      the budget (chunked prefill), or none (without chunking, it waits)
       num_cached_tokens(seq)    6.4  the prefix-cache hit an admission skips
     preempt(seq)                6.3  recompute preemption: free the blocks, keep the tokens, wait again
+                                     (chapter 18's swap mode: the blocks go to the KV tier and come back)
     check_fits_alone(seq)       6.3  add_seq's guard: refuse what could never run, even alone
 
 Chapter 15 makes the orders a policy (nanoserve/engine/policies/): each step, the scheduler asks it to order
@@ -70,8 +71,9 @@ class SchedulerOutput:
     # (src, dst) whole-block copies the worker does before the forward pass: copy-on-write of a shared
     # last block after a fork (BlockManager.take_copies; vLLM v0's blocks_to_copy)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # chapter 18: ("offload", block, slot) / ("load", slot, block), in order, for the second tier (set by the
-    # engine from TieredBlockManager.take_tier_ops, like blocks_to_copy)
+    # chapter 18: ("offload", block, slot) / ("load", slot, block), and in swap mode ("swap_out", block, slot) /
+    # ("swap_in", slot, block), in order, for the second tier (set by the engine from
+    # TieredBlockManager.take_tier_ops, like blocks_to_copy)
     kv_tier_ops: list[tuple[str, int, int]] = field(default_factory=list)
     # chapter 13: the token masks of the constrained sequences that sample (a GrammarBitmask, set by the
     # engine like blocks_to_copy; the scheduler never looks at it), applied by ModelRunner.sample
@@ -83,6 +85,16 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def blocks_to_swap_out(self) -> list[tuple[int, int]]:
+        """vLLM v0's name: this step's (pool block, tier slot) swap-outs (in kv_tier_ops, which keeps the order)."""
+        return [(block, slot) for op, block, slot in self.kv_tier_ops if op == "swap_out"]
+
+    @property
+    def blocks_to_swap_in(self) -> list[tuple[int, int]]:
+        """vLLM v0's name: this step's (tier slot, pool block) swap-ins."""
+        return [(slot, block) for op, slot, block in self.kv_tier_ops if op == "swap_in"]
 
     def samples(self, seq: Sequence) -> bool:
         """Does this step reach the sequence's last known token (so a new token is sampled)?
@@ -112,7 +124,7 @@ class Scheduler:
                              f"{config.max_num_batched_tokens}: build it with make_policy(config)")
         self.clock = clock
         self.now = clock()  # the current step's time, read once per schedule()
-        self.waiting: list[Sequence] = []  # WAITING and PREEMPTED sequences; the policy orders them each step
+        self.waiting: list[Sequence] = []  # WAITING, PREEMPTED and SWAPPED ones; the policy orders them each step
         self.running: list[Sequence] = []  # they hold blocks; the policy orders them each step
         self.seqs: dict[str, Sequence] = {}  # every live sequence by id
         self._finished_seq_ids: list[str] = []
@@ -203,7 +215,8 @@ class Scheduler:
         seats = sum(seq.num_seats for seq in self.running)
         while self.waiting and budget > 0 and seats + self.waiting[0].num_seats <= self.config.max_num_seqs:
             seq = self.waiting[0]
-            computed = self.num_cached_tokens(seq)
+            # chapter 18: a swapped-out sequence keeps its computed tokens (its blocks come back in _allocate)
+            computed = seq.num_computed_tokens if seq.status is SequenceStatus.SWAPPED else self.num_cached_tokens(seq)
             # chapter 17: prompt tokens a prefill engine computed are loaded, not computed (and cost no budget)
             external = self.connector.get_num_new_matched_tokens(seq, computed) if self.connector else 0
             n = self.num_new_tokens(seq, computed + external, budget)
@@ -262,6 +275,8 @@ class Scheduler:
         return self.block_manager.lookup_prefix(seq.token_ids)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        if seq.status is SequenceStatus.SWAPPED:  # chapter 18: all its blocks back from the tier, as one unit
+            return self.block_manager.swap_in(seq.seq_id, seq.token_ids, num_tokens)
         if seq.needs_prompt_logprobs:  # no prefix hits for it, as num_cached_tokens said
             with self.block_manager.prefix_lookups_off():
                 return self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens)
@@ -287,10 +302,16 @@ class Scheduler:
         bisect.insort(self.running, child, key=_urgency)
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the cache, keep the tokens, go back to the front of the class."""
-        self.block_manager.free(seq.seq_id)
-        seq.status = SequenceStatus.PREEMPTED
-        seq.num_computed_tokens = 0
+        """Recompute preemption: drop the cache, keep the tokens, go back to the front of the class.
+
+        Chapter 18's swap mode (preemption_mode "swap"): the block manager writes all the sequence's blocks to the
+        second tier instead, and it keeps its computed tokens (SWAPPED); when the tier has no room, recompute."""
+        if self.config.preemption_mode == "swap" and self.block_manager.swap_out(seq.seq_id):
+            seq.status = SequenceStatus.SWAPPED
+        else:
+            self.block_manager.free(seq.seq_id)
+            seq.status = SequenceStatus.PREEMPTED
+            seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_urgency)
 
@@ -315,8 +336,10 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq_id)
-        else:  # WAITING or PREEMPTED: holds no blocks
+        else:  # WAITING, PREEMPTED or SWAPPED: holds no pool blocks
             self.waiting.remove(seq)
+            if seq.status is SequenceStatus.SWAPPED:  # chapter 18: its blocks wait in the tier: free their slots
+                self.block_manager.free(seq_id)
         seq.status = status
         self._finished_seq_ids.append(seq_id)
         return seq

@@ -4,6 +4,7 @@
                      ▲           │    └─▶ FINISHED_LENGTH    (max_tokens reached)
                      │           ▼
                      └──── PREEMPTED     (blocks ran out: blocks freed, recomputed later)
+                           or SWAPPED    (chapter 18's swap mode: its blocks in the KV tier, swapped back in)
     abort_request, from any live state ─▶ FINISHED_ABORTED
 
 The scheduler reads only integers from here: how many tokens the sequence has
@@ -19,6 +20,7 @@ Preemption by recompute frees the blocks: num_computed_tokens drops to 0 and the
 with its prompt *and* the tokens it had generated. Readmitted, they are a prompt like any other: with
 prefix caching on, its own freed blocks that are still cached are hits, and only the rest is
 recomputed (tests/test_ch06_llm.py: 5 tokens of 13 recomputed, all 13 without prefix caching).
+Preemption by swap (chapter 18) keeps num_computed_tokens: the K/V wait in the KV tier, and nothing is recomputed.
 
 Parallel sampling (n > 1): completion 0 is the request's own sequence (seq_id = request_id); once
 its prompt is computed the engine forks completions [1, n) (child_seq_id), each with its `index`.
@@ -42,6 +44,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue, its blocks freed
+    SWAPPED = "swapped"  # back in the waiting queue, its blocks in the KV tier (chapter 18), its K/V kept
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"

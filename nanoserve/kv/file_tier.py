@@ -54,8 +54,8 @@ def write_block(pool, block_id: int, data: torch.Tensor) -> None:
 
 @dataclass
 class FileTierStats:
-    offloads: int = 0  # blocks copied out of the pool to be written
-    loads: int = 0  # blocks read back into the pool
+    offloads: int = 0  # blocks copied out of the pool to be written (evicted or swapped out)
+    loads: int = 0  # blocks read back into the pool (loaded or swapped in)
     bytes_written: int = 0
     bytes_read: int = 0
     stalls: int = 0  # loads that waited for their slot's write to finish
@@ -87,9 +87,11 @@ class FileKVTier:
         self._remove = weakref.finalize(self, os.remove, path)
 
     def apply(self, pool, ops: list[tuple[str, int, int]]) -> None:
-        """Run one step's tier operations in order: ("offload", block, slot) or ("load", slot, block)."""
+        """Run one step's tier operations in order: ("offload" | "swap_out", block, slot) write a block out,
+        ("load" | "swap_in", slot, block) read one back (a swap moves the same bytes; only the block manager's
+        bookkeeping differs)."""
         for op, a, b in ops:
-            if op == "offload":
+            if op in ("offload", "swap_out"):
                 self.offload(pool, a, b)
             else:
                 self.load(pool, a, b)

@@ -16,8 +16,16 @@ Worked example, capacity 2:
     t.mark_used(1)                       a load read it: LRU order h1, h2
     t.store(h3, p3, toks3) -> 0          full: h1, the least recently used, is dropped; its slot 0 is reused
 
-Slots are only ever handed out by `store`; every slot is either free or holds exactly one entry:
-len(t) + t.num_free_slots == capacity at all times.
+Swap (the preemption mode "swap", chapter 18) pins slots instead: a preempted sequence's blocks are written to
+slots that no LRU eviction may take until the sequence is swapped back in (or aborted). Going on from above:
+
+    t.pin(1) -> [1]                      no slot free: h2, the least recently used, is dropped; slot 1 pinned
+    t.store(h4, p4, toks4) -> 0          full: h3 is dropped, never the pinned slot
+    t.pin(2) -> None                     1 slot free or held by an entry: nothing changes (the caller recomputes)
+    t.unpin([1])                         swapped back in: slot 1 is free again
+
+Slots are only ever handed out by `store` and `pin`; every slot is free, holds exactly one entry, or is pinned:
+len(t) + t.num_free_slots + t.num_pinned == capacity at all times.
 """
 
 from collections import OrderedDict
@@ -33,6 +41,7 @@ class TierIndex:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recently used first
         self.entries: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # slot -> (hash, parent, tokens)
         self.num_evicted = 0  # entries dropped to make room (their blocks are gone from both tiers)
+        self.pinned: set[int] = set()  # slots holding a swapped-out sequence's blocks: outside the LRU
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -40,6 +49,10 @@ class TierIndex:
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self.pinned)
 
     def lookup(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
         """The slot holding this block, or None (absent, or another block under the hash). No side effects."""
@@ -55,16 +68,38 @@ class TierIndex:
 
     def store(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
         """Make room for an evicted block: the slot to write its K/V to, or None when the tier already holds
-        this hash (then it only becomes the most recently used). Full: the least recently used entry goes."""
+        this hash (then it only becomes the most recently used) or every slot is pinned (then the block is lost,
+        as without a tier). Full: the least recently used entry goes."""
         if block_hash in self.slot_of:
             self.slot_of.move_to_end(block_hash)
             return None
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        else:
-            _, slot = self.slot_of.popitem(last=False)
-            del self.entries[slot]
-            self.num_evicted += 1
+        if not self.free_slots and not self.slot_of:
+            return None
+        slot = self._take_slot()
         self.slot_of[block_hash] = slot
         self.entries[slot] = (block_hash, parent_hash, tuple(token_ids))
         return slot
+
+    def _take_slot(self) -> int:
+        """A free slot, or the least recently used entry's (the entry is dropped). Pinned slots are never taken."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        _, slot = self.slot_of.popitem(last=False)
+        del self.entries[slot]
+        self.num_evicted += 1
+        return slot
+
+    def pin(self, n: int) -> list[int] | None:
+        """`n` slots for a swap-out, held outside the LRU until unpin: free slots first, then the least recently
+        used entries' (dropped). None, changing nothing, when fewer than n slots are free or held by an entry."""
+        if n > self.num_free_slots + len(self.entries):
+            return None
+        slots = [self._take_slot() for _ in range(n)]
+        self.pinned.update(slots)
+        return slots
+
+    def unpin(self, slots: list[int]) -> None:
+        """The swapped-out blocks were read back (or their sequence aborted): the slots are free again."""
+        for slot in slots:
+            self.pinned.remove(slot)
+            self.free_slots.append(slot)

@@ -20,6 +20,24 @@ Worked example, block_size 4, a pool of 3 blocks, a tier of 8 slots (tests/test_
     whose B contents are offloaded first:
         ops [(offload 0 3) (load 2 0) (offload 1 4) (load 1 1) (offload 2 5)]     A's table [0 1 2], computes 4
 
+Swap (SchedulerConfig.preemption_mode "swap", vLLM v0's swap mode): when the scheduler preempts a sequence,
+`swap_out` writes *all* its blocks, the partly filled last one too, to pinned tier slots (TierIndex.pin: no LRU
+takes them) and frees them in the pool; the sequence keeps its computed tokens. `swap_in` later takes free blocks
+for all of them at once, queues the reads and unpins the slots, and the sequence goes on where it stopped.
+Worked example, block_size 4, a pool of 5 blocks, prefix caching off, a tier of 8 slots:
+
+    A = 8 tokens: blocks [0 1]; B = 6 tokens: blocks [2 3]                       free [4]
+    swap_out(B): slots 0 1 pinned        ops [(swap_out 2 0) (swap_out 3 1)]    free [4 3 2] (last block first)
+    C = 8 tokens: blocks [4 3]                                                   free [2]
+    swap_in(B, 7 tokens): 2 blocks wanted, 1 free -> None, nothing changes
+    A finishes                                                                   free [2 1 0]
+    swap_in(B, 7 tokens): blocks [2 1]   ops [(swap_in 0 2) (swap_in 1 1)]      slots 0 1 free again
+    B's K/V (its 2-token last block too) are in blocks 2 and 1; position 6 is computed next, nothing recomputed
+
+The swap operations go in the same ordered list as the offloads and loads (vLLM keeps blocks_to_swap_out and
+blocks_to_swap_in apart; SchedulerOutput.blocks_to_swap_out / _in are those views of it): a slot freed by a
+swap-in may be taken by an offload later in the same step, and its read must come first.
+
 Everything here is integers; the tensors move in the worker (file_tier.FileKVTier.apply), in queue order — an
 offload of a block must read it before a later load in the same step writes into it.
 """
@@ -39,6 +57,9 @@ class TierStats:
     recomputed_tokens: int = 0  # tokens the tier held that were computed anyway (load_policy said recompute)
     offloaded_blocks: int = 0  # evicted blocks sent to the tier
     loaded_blocks: int = 0
+    swapped_out_blocks: int = 0  # preempted sequences' blocks written to pinned slots (swap mode)
+    swap_ins: int = 0  # swapped-out sequences brought back
+    swap_fallbacks: int = 0  # preemptions the tier had no room for: recomputed instead
 
 
 class OffloadingPrefixCache(PrefixCache):
@@ -58,15 +79,28 @@ class OffloadingPrefixCache(PrefixCache):
         return super().evict(block_id)
 
 
+@dataclass
+class Swapped:
+    """A swapped-out sequence: the pinned slots holding its blocks, in block-table order, and the positions its
+    table covered."""
+
+    slots: list[int]
+    num_slots: int
+
+
 class TieredBlockManager(BlockManager):
     def __init__(self, num_blocks: int, block_size: int, tier, bytes_per_token: float,
-                 rates: MeasuredRates | None = None, load_policy=None, allocator=None):
+                 rates: MeasuredRates | None = None, load_policy=None, allocator=None,
+                 enable_prefix_caching: bool = True):
         """tier: a TierIndex (or the learner's, exercise 18.1); bytes_per_token: what loading a token reads;
-        rates: the engine's measurements; load_policy: the module with should_load (exercise 18.2)."""
+        rates: the engine's measurements; load_policy: the module with should_load (exercise 18.2).
+        enable_prefix_caching False: nothing is cached, so nothing is offloaded or looked up; the tier then holds
+        only swapped-out sequences (swap mode)."""
         self.tier_ops: list[tuple[str, int, int]] = []
         self.tier_stats = TierStats()
-        super().__init__(num_blocks, block_size, True, allocator=allocator,
+        super().__init__(num_blocks, block_size, enable_prefix_caching, allocator=allocator,
                          prefix_cache=OffloadingPrefixCache(tier, self.tier_ops, self.tier_stats))
+        self.swapped: dict[int | str, Swapped] = {}  # seq id -> its blocks in the tier
         self.tier, self.bytes_per_token = tier, bytes_per_token
         self.rates = rates if rates is not None else MeasuredRates()
         self.should_load = should_load if load_policy is None else load_policy.should_load
@@ -91,10 +125,10 @@ class TieredBlockManager(BlockManager):
                 break
             run.append((slot, h, parent, tokens))
             parent = h
-        # At most half the tier: the offloads that make room for the run in the pool must find slots outside it
-        # (the run is marked most recently used first, so LRU takes the others), or one would overwrite a slot
-        # before it is read.
-        run = run[:self.tier.capacity // 2]
+        # At most half the slots not pinned by a swap: the offloads that make room for the run in the pool must
+        # find slots outside it (the run is marked most recently used first, so LRU takes the others), or one
+        # would overwrite a slot before it is read.
+        run = run[:(len(self.tier) + self.tier.num_free_slots) // 2]
         n = len(run) * bs
         if run and not self.should_load(n, self.bytes_per_token, self.rates.prefill_s_per_token(),
                                         self.rates.tier_bytes_per_s(), self.rates.load_latency_s()):
@@ -135,6 +169,47 @@ class TieredBlockManager(BlockManager):
         for block_id in pool_blocks + blocks:  # cached and free again, until allocate_slots takes them
             self.allocator.free(block_id)
         return True
+
+    # ---- swap (preemption_mode "swap") -----------------------------------------------------------------------
+    def swap_out(self, seq_id) -> bool:
+        """Preempt by swap: every block of `seq_id`'s table to a pinned tier slot (("swap_out", block, slot)
+        queued, in table order), then the blocks are freed. False, changing nothing, when the tier cannot pin
+        that many slots (counted: the scheduler recomputes instead)."""
+        table = self.block_tables[seq_id]
+        slots = self.tier.pin(len(table))
+        if slots is None:
+            self.tier_stats.swap_fallbacks += 1
+            return False
+        self.tier_ops.extend(("swap_out", block_id, slot) for block_id, slot in zip(table, slots))
+        self.swapped[seq_id] = Swapped(slots, self.num_slots[seq_id])
+        self.tier_stats.swapped_out_blocks += len(table)
+        super().free(seq_id)  # read by the worker before this step's forward pass writes into them
+        return True
+
+    def swap_in(self, seq_id, token_ids: Sequence[int], num_tokens: int) -> list[int] | None:
+        """Bring a swapped-out sequence back as one unit and grow its table to cover [0, num_tokens): a free
+        block per pinned slot (("swap_in", slot, block) queued), then allocate_slots. None, changing nothing,
+        when the pool cannot hold it all."""
+        swapped = self.swapped[seq_id]
+        if not self.allocator.can_allocate(max(cdiv(num_tokens, self.block_size), len(swapped.slots))):
+            return None
+        blocks = self.allocator.allocate(len(swapped.slots))
+        for block_id, slot in zip(blocks, swapped.slots):
+            self._evict(block_id)  # a cached block handed out: its offload is queued before the swap-in overwrites it
+            self.tier_ops.append(("swap_in", slot, block_id))
+        self.tier.unpin(swapped.slots)  # after their reads are queued: a later offload may take them
+        del self.swapped[seq_id]
+        # its full blocks are registered in the prefix cache again by allocate_slots (where their hashes are free)
+        self.block_tables[seq_id], self.block_hashes[seq_id], self.num_slots[seq_id] = blocks, [], swapped.num_slots
+        self.tier_stats.swap_ins += 1
+        return self.allocate_slots(seq_id, token_ids, num_tokens)
+
+    def free(self, seq_id) -> None:
+        """Release the sequence's blocks; a swapped-out sequence's (aborted while it waits): its pinned slots."""
+        swapped = self.swapped.pop(seq_id, None)
+        if swapped is not None:
+            self.tier.unpin(swapped.slots)
+        super().free(seq_id)
 
     def take_tier_ops(self) -> list[tuple[str, int, int]]:
         """The step's tier operations, in order, for the worker (FileKVTier.apply)."""

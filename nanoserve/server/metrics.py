@@ -8,8 +8,10 @@ vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one rea
                                                                over all slots of held blocks (0..1; chapter 15)
     nanoserve:prefix_cache_queries_total / _hits_total         counters, in prompt tokens
     nanoserve:kv_tier_*_total                                  counters: chapter 18's second KV tier (hits in
-                                                               tokens, blocks offloaded / loaded, bytes, stalls)
-    nanoserve:num_preemptions_total                            counter: recompute preemptions
+                                                               tokens, blocks offloaded / loaded, bytes, stalls;
+                                                               swap mode: blocks swapped out, sequences swapped
+                                                               in, preemptions recomputed for want of room)
+    nanoserve:num_preemptions_total                            counter: preemptions (by recompute or by swap)
     nanoserve:prompt_tokens_total / generation_tokens_total    counters
     nanoserve:request_success_total{finished_reason=...}       counter: stop, length, abort
     nanoserve:time_to_first_token_seconds, inter_token_latency_seconds,
@@ -101,7 +103,7 @@ class PrometheusStatLogger:
                                             "Allocated KV slots holding no token / allocated KV slots (0..1).")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Recompute preemptions.")
+        self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute, or by swap to the KV tier).")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -132,7 +134,10 @@ class PrometheusStatLogger:
             ("loaded_blocks", "Blocks loaded from the second KV tier into the pool."),
             ("bytes_written", "Bytes written to the second KV tier."),
             ("bytes_read", "Bytes read from the second KV tier."),
-            ("stalls", "Loads that waited for their block's write to the tier to finish."))}
+            ("stalls", "Loads that waited for their block's write to the tier to finish."),
+            ("swapped_out_blocks", "Preempted sequences' blocks written to the second KV tier (swap mode)."),
+            ("swap_ins", "Swapped-out sequences whose blocks were read back into the pool as they resumed."),
+            ("swap_fallbacks", "Preemptions recomputed because the second KV tier had no room to swap to."))}
         self.http_responses = Counter(PREFIX + "http_responses", "HTTP responses by status class.",
                                       ["model_name", "status"], registry=self.registry)
         # chapter 15: requests --slo-reject refused: a 503 with Retry-After (stream="false", also in

@@ -167,7 +167,8 @@ function drawSeqs(list, seqs, running) {
     tags.append(el("span", { class: "tag" }, `prio ${s.priority}`), " ", el("span", { class: "tag" }, s.state));
     if (s.preemptions) {
       li.classList.add("preempted");
-      tags.append(" ", el("span", { class: "tag preempted", title: "preempted: its blocks were freed, it recomputes" },
+      tags.append(" ", el("span", { class: "tag preempted",
+                                    title: "preempted: its blocks were freed and recomputed, or swapped out to the KV tier" },
                           `preempted ×${s.preemptions}`));
     }
     if (running && s.scheduled) tags.append(" ", el("span", { class: "tag" }, `+${s.scheduled} ${s.kind}`));
@@ -260,7 +261,7 @@ function logEvents(snap) {
     log.prepend(el("li", { class: cls }, `step ${snap.step}: ${text}`));
     while (log.children.length > 60) log.lastChild.remove();
   };
-  for (const id of snap.preempted) add("preempted", `preempted ${id} (blocks freed, it will recompute)`);
+  for (const id of snap.preempted) add("preempted", `preempted ${id} (blocks freed and recomputed, or swapped out to the KV tier)`);
   for (const f of snap.finished) add("finished", `finished ${f.id} (${f.reason}, ${f.output} tokens, TTFT ${ms(f.ttft)})`);
   for (const id of snap.aborted) add("aborted", `aborted ${id}`);
   if (snap.prefix.hit_tokens) add("hit", `prefix cache hit: ${snap.prefix.hit_tokens} tokens not recomputed`);
