@@ -17,6 +17,7 @@ from `bench serve`'s client (nanoserve/bench/client.py) on the client's clock.
 """
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -99,7 +100,8 @@ def run(args):
         f"--kv-cache-mib {args.kv_cache_mib}"]))
     print(f"threads: {torch.get_num_threads()}, float32, KV pool: {served.block_manager.num_blocks} blocks "
           f"of {args.block_size} tokens per engine; server and clients in this process")
-    with serving(served, llm.tokenizer) as (url, _):
+    # both engines stop what they started beside themselves (a tier's file and writer, a KV connector)
+    with llm, contextlib.closing(served), serving(served, llm.tokenizer) as (url, _):
         warm = workload(2, (8, 16), vocab, -1)
         run_offline(llm.engine, warm, SamplingParams(temperature=0, max_tokens=4))
         run_http(url, warm, 4)
