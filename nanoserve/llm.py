@@ -93,25 +93,32 @@ class LLM:
                              "and speculative='draft' (its layers would run on rank 0 alone) are single-process only")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
+
+        def load():
+            """The model from its GGUF: here, and again on a wake from sleep level 2 (chapter 19)."""
+            # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), and with
+            # chapter 02 the model from YOUR blocks and norms (exercises/02), once finished
+            quantizer = code.module("nanoserve.model.quant") if weights in ("int8", "q4") else None
+            loaded = load_gguf(path, weights or "fp32", quantizer, code.module)
+            if weights in ("int8", "q4"):
+                from nanoserve.model.quant import set_kernel_crossover
+
+                set_kernel_crossover(loaded, kernel_crossover_tokens, large_step_weights)
+            return loaded
+
+        loader = None
         if tensor_parallel_size > 1:
             from nanoserve.distributed.multiproc import start_workers
 
             self.workers, self.model = start_workers(model, tensor_parallel_size, student, code)
         elif model is None or path is not None:
             resolve_attention_backend(attention_backend, "cpu")  # a GGUF loads on the CPU: fail fast, before the load
-            # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), and with
-            # chapter 02 the model from YOUR blocks and norms (exercises/02), once finished
-            quantizer = code.module("nanoserve.model.quant") if weights in ("int8", "q4") else None
-            self.model = load_gguf(path, weights or "fp32", quantizer, code.module)
+            self.model, loader = load(), load
         elif weights is not None and weights != getattr(model, "weight_format", "fp32"):
             raise ValueError(f"weights={weights!r} but the model given is already loaded as "
                              f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
         else:
             self.model = model
-        if (model is None or path is not None) and getattr(self.model, "weight_format", "fp32") in ("int8", "q4"):
-            from nanoserve.model.quant import set_kernel_crossover
-
-            set_kernel_crossover(self.model, kernel_crossover_tokens, large_step_weights)
         degraded = None
         if degrade_under_load is not None:
             if not (model is None or path is not None) or (weights or "fp32") == "q4":
@@ -132,7 +139,8 @@ class LLM:
             lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
             kv_transfer_config=kv_transfer_config)
         try:
-            self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code)
+            self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code,
+                                    model_loader=loader)
             for name, adapter_path in (lora_modules or {}).items():
                 self.engine.add_lora(name, adapter_path)
         except BaseException:
@@ -147,6 +155,14 @@ class LLM:
             self.engine.close()
         if self.workers is not None:
             self.workers.shutdown()
+
+    def sleep(self, level: int = 1) -> dict:
+        """Chapter 19, vLLM's LLM.sleep: release the weights (level 1: to a file; level 2: dropped, rebuilt from the
+        GGUF on wake) and the KV pool until wake_up(); LLMEngine.sleep."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> dict:
+        return self.engine.wake_up()
 
     def __enter__(self) -> "LLM":
         return self

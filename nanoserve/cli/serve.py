@@ -10,7 +10,9 @@ then the rest are aborted, and the process exits 0. The terminal chat is `python
 
 With --admin-key (chapter 15) the model can change without a restart: `POST /admin/reload` with the admin key
 and `{"weights": "q4"}` (or `{"model_file": "other.gguf"}`), or SIGHUP (the same file and format, re-read),
-loads the next version beside the current one, warms it and switches to it (nanoserve/server/versions.py).
+loads the next version beside the current one, warms it and switches to it (nanoserve/server/versions.py). The same
+key opens chapter 19's sleep mode: `POST /sleep?level=1` (or 2) releases the weights and the KV pool while the server
+idles, `POST /wake_up` takes them back (nanoserve/server/sleep_routes.py).
 """
 
 import argparse
@@ -42,9 +44,9 @@ def register(sub):
                    help="tenants: a TOML or JSON file mapping each API key to a tenant name, requests_per_second, "
                         "tokens_per_minute and priority (chapter 08); a request needs one of its keys")
     p.add_argument("--admin-key", default=os.environ.get("NANOSERVE_ADMIN_KEY"),
-                   help="enable POST /admin/reload (and SIGHUP) for a blue-green model update (chapter 15), with "
-                        "'Authorization: Bearer KEY'; no API key opens it (default: $NANOSERVE_ADMIN_KEY; none: no "
-                        "admin route at all)")
+                   help="enable POST /admin/reload (and SIGHUP) for a blue-green model update (chapter 15) and "
+                        "POST /sleep, /wake_up, GET /is_sleeping (chapter 19), with 'Authorization: Bearer KEY'; no "
+                        "API key opens them (default: $NANOSERVE_ADMIN_KEY; none: no admin route at all)")
     p.add_argument("--warmup-requests", type=int, default=4, metavar="N",
                    help="with --admin-key: requests a reloaded version must answer before it takes traffic")
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
@@ -231,8 +233,9 @@ def check_admin_args(args) -> str | None:
     if args.warmup_requests < 0:
         return f"--warmup-requests must be >= 0, got {args.warmup_requests}"
     if args.tensor_parallel_size > 1 or is_fleet(args) or args.kv_events_endpoint is not None:
-        return ("--admin-key reloads the engine of this process: not with --tensor-parallel-size > 1, --replicas "
-                "or --kv-events-endpoint (a fleet updates by restarting its replicas one at a time, chapter 16)")
+        return ("--admin-key reloads the engine of this process or puts it to sleep: not with "
+                "--tensor-parallel-size > 1, --replicas or --kv-events-endpoint (a fleet updates by restarting its "
+                "replicas one at a time, chapter 16)")
     return None
 
 

@@ -32,7 +32,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nanoserve.engine import event_feed
-from nanoserve.engine.llm_engine import LLMEngine, LoRANameTaken, LoRANotLoaded, RequestOutput  # noqa: F401 — the server reads the LoRA errors here
+# the server reads the LoRA errors and the sleep mode's here (chapter 19)
+from nanoserve.engine.llm_engine import (EngineAsleep, LLMEngine, LoRANameTaken, LoRANotLoaded,  # noqa: F401
+                                         RequestOutput, SleepConflict, SleepRefused)
 from nanoserve.sampling import SamplingParams
 
 
@@ -127,6 +129,7 @@ class AsyncLLMEngine:
         so a server can answer 400 before it starts streaming."""
         if not self.is_running:
             raise EngineUnavailable("the engine loop is not running (start() it, or it was shut down)")
+        self.engine.check_awake()  # chapter 19 (the engine thread checks again: a sleep may come first)
         grammar = None  # chapter 13: compiled in a pool thread, not the engine's, and handed over with the request
         if sampling_params.structured is not None:
             grammar = await self.engine.structured.cache.compile_async(sampling_params.structured)
@@ -183,7 +186,24 @@ class AsyncLLMEngine:
         still using it end; returns how many there are."""
         return await self._call("remove_lora", name)
 
+    # chapter 19: sleep mode, by the engine thread between two steps
+    async def sleep(self, level: int = 1) -> dict:
+        """Release the weights and the KV pool (LLMEngine.sleep: its SleepConflict and SleepRefused raise here)."""
+        return await self._call("sleep", level)
+
+    async def wake_up(self) -> dict:
+        return await self._call("wake_up")
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level the engine sleeps at (a snapshot: the engine thread changes it)."""
+        return self.engine.sleep_level
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_level)
+
     async def _call(self, method: str, *args):
+        """LLMEngine.method(*args) on the engine thread, before the adds that came in with it; its result."""
         if not self.is_running:
             raise RuntimeError("the engine loop is not running (start() it, or it was shut down)")
         loop = asyncio.get_running_loop()
@@ -234,6 +254,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._wakeup.clear()  # before draining: an add that lands after this sets it again
+            self._run_calls()
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
                 self._publish()
@@ -249,6 +270,7 @@ class AsyncLLMEngine:
             self.event_feed.record(self.engine, self.engine.last_scheduler_output, outputs, time.perf_counter() - t0)
             self._publish()
             self._emit(outputs, self.engine.last_scheduler_output)
+        self._run_calls()
         self._drain_inbox()
         # shutting down: nothing keeps its blocks
         aborted = [self.engine.abort_request(seq_id) for seq_id in list(self.engine.scheduler.seqs)]
@@ -258,10 +280,9 @@ class AsyncLLMEngine:
         for request_id in leftovers:  # never entered the engine
             self._end(request_id, RuntimeError("the engine shut down"))
 
-    def _drain_inbox(self) -> None:
+    def _run_calls(self) -> None:
+        """The engine methods awaited through _call (chapter 19: adapters, sleep mode), in order."""
         with self._lock:
-            adds, self._inbox_adds = self._inbox_adds, []
-            aborts, self._inbox_aborts = self._inbox_aborts, []
             calls, self._inbox_calls = self._inbox_calls, []
         for loop, done, method, args in calls:
             result = error = None
@@ -271,6 +292,11 @@ class AsyncLLMEngine:
                 error = e
             self.lora_names = tuple(self.engine.lora_ids)
             _post(loop, _resolve, done, error, result)
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            adds, self._inbox_adds = self._inbox_adds, []
+            aborts, self._inbox_aborts = self._inbox_aborts, []
         for request_id, prompt_token_ids, params, priority, extra in adds:
             stream = self._streams[request_id]
             try:

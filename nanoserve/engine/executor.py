@@ -43,6 +43,13 @@ class Executor:
     def init_kv_tier(self, capacity: int, path: str | None = None) -> int:
         return self.workers[0].init_kv_tier(capacity, path)
 
+    # chapter 19: sleep mode (one worker: the engine refuses it under tensor parallelism)
+    def sleep(self, level: int) -> dict[str, int]:
+        return self.workers[0].sleep(level)
+
+    def wake_up(self) -> None:
+        self.workers[0].wake_up()
+
     def kv_tier_stats(self):
         """The tier's FileTierStats and the last step's forward seconds (the engine's measured rates)."""
         return self.workers[0].kv_tier.stats, self.workers[0].step_seconds

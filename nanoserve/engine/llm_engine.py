@@ -25,6 +25,7 @@ from nanoserve.engine.executor import Executor
 from nanoserve.engine.policies import SLOTargets, make_policy
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
+from nanoserve.engine.sleep_mode import SLEEP_LEVELS
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker
 from nanoserve.kernels.backend import resolve_attention_backend
 from nanoserve.kv.tiered_block_manager import TieredBlockManager
@@ -45,6 +46,23 @@ class LoRANameTaken(ValueError):
 
 class LoRANotLoaded(ValueError):
     """Chapter 19: a request or an unload names an adapter that is not loaded (the server's 404)."""
+
+
+class EngineAsleep(RuntimeError):
+    """Chapter 19: a request for an engine that sleeps (the server's 503 with Retry-After); wake_up() first."""
+
+
+class SleepConflict(RuntimeError):
+    """Chapter 19: sleep or wake_up asked in the wrong state — asleep already, awake, requests in flight (the
+    server's 409)."""
+
+
+class SleepRefused(ValueError):
+    """Chapter 19: this engine cannot sleep (at this level); `param`: the request field to blame, or None."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def lora_cache_salt(cache_salt: str | None, lora_name: str | None, lora_ids: dict[str, int]) -> str | None:
@@ -87,11 +105,12 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, model, config: EngineConfig | None = None, tokenizer=None, eos_token_id: int | None = None,
-                 degraded_model=None, student: StudentCode | None = None, block_manager=None):
+                 degraded_model=None, student: StudentCode | None = None, block_manager=None, model_loader=None):
         """student: the run's StudentCode when the caller built parts of the model with it (LLM shares one, so
         the report names every file of the learner's that ran); block_manager: one built by the caller for the
         same pool (chapter 05's benchmark passes its reserving baseline, kv/reservation.py); None builds the
-        paging one."""
+        paging one. model_loader: a function that builds `model` again from its file (LLM passes one for the GGUF
+        it loaded): chapter 19's sleep level 2 wakes with it; None: level 2 is refused."""
         self.config = config = config or EngineConfig()
         cache = config.cache_config
         self.tokenizer = tokenizer
@@ -166,7 +185,8 @@ class LLMEngine:
                                           # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
                                           spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
                                           kv_quant=student.module("nanoserve.kv.kv_quant"),
-                                          lora_config=lora, kv_connector=kv_worker, **lora_code)])
+                                          lora_config=lora, kv_connector=kv_worker, model_loader=model_loader,
+                                          **lora_code)])
         if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
             raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
@@ -206,6 +226,8 @@ class LLMEngine:
         self.lora_ids: dict[str, int] = {}  # chapter 19: adapter name -> its id (a new one per load)
         self.lora_draining: set[str] = set()  # unloaded adapters whose weights wait for their last request
         self._next_lora_id = 1
+        self.sleep_level = 0  # chapter 19: 0 awake, else the level it sleeps at
+        self.can_rebuild_model = model_loader is not None  # chapter 19: may it sleep at level 2?
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
         if student:
             print(student.describe(), file=sys.stderr)
@@ -283,6 +305,7 @@ class LLMEngine:
         without a salt shares). lora_name: the adapter it runs with (chapter 19; None: the base model).
         kv_transfer_params: chapter 17's, for the KV connector (ValueError on an engine without one, or params it
         cannot honour)."""
+        self.check_awake()
         prompt_token_ids = list(prompt_token_ids)
         if lora_name is not None and lora_name not in self.lora_ids:
             raise LoRANotLoaded(f"request {request_id!r}: unknown LoRA adapter {lora_name!r}; loaded: "
@@ -367,6 +390,61 @@ class LLMEngine:
         for name in [n for n in self.lora_draining if all(s.lora_name != n for s in self.scheduler.seqs.values())]:
             self.executor.remove_lora(name)
             self.lora_draining.discard(name)
+
+    # ---- chapter 19: sleep mode --------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """Release the model's memory while nothing runs (vLLM's sleep mode): level 1 writes the weights to a
+        temporary file, level 2 drops them (a wake builds the model again from its file); both free the KV pool,
+        whose cached prefixes are forgotten first. Until wake_up() every request is refused (EngineAsleep).
+        SleepConflict: asleep already, or requests in flight (vLLM leaves that check to its caller); SleepRefused: a
+        level that is not 1 or 2, or what this engine cannot do. Returns {"level", "released_bytes": {"weights",
+        "kv_cache"}}."""
+        if level not in SLEEP_LEVELS:
+            raise SleepRefused(f"level must be 1 or 2, got {level!r}", "level")
+        if self.sleep_level:
+            raise SleepConflict(f"the engine is already asleep (level {self.sleep_level}): wake it up first")
+        if self.has_unfinished_requests():
+            raise SleepConflict(f"{self.get_num_unfinished_requests()} request(s) in flight: an engine sleeps only "
+                                "when idle (let them finish, or send no more, then ask again)")
+        refused = self._sleep_refusal(level)
+        if refused is not None:
+            raise SleepRefused(*refused)
+        self.block_manager.reset_prefix_cache()
+        released = self.executor.sleep(level)
+        self.sleep_level = level
+        return {"level": level, "released_bytes": released}
+
+    def wake_up(self) -> dict:
+        """Take the memory back (level 1: the weights read from their file; level 2: the model built again from
+        its GGUF) and a zeroed KV pool of the same blocks; returns {"level", "wake_s"}. SleepConflict if awake.
+        A wake that fails (the model file replaced by another model) raises and leaves the engine asleep."""
+        if not self.sleep_level:
+            raise SleepConflict("the engine is awake: there is nothing to wake")
+        start = time.perf_counter()
+        self.executor.wake_up()
+        level, self.sleep_level = self.sleep_level, 0
+        return {"level": level, "wake_s": time.perf_counter() - start}
+
+    def check_awake(self) -> None:
+        if self.sleep_level:
+            raise EngineAsleep(f"the model is asleep (level {self.sleep_level}); it serves again once woken up "
+                               "(wake_up(); a server's POST /wake_up, with the admin key)")
+
+    def _sleep_refusal(self, level: int) -> tuple[str, str | None] | None:
+        """(why, the field to blame) if this engine cannot sleep at `level`, else None."""
+        c = self.config
+        modes = {"tensor parallelism (its weights live in the worker processes too)": self.executor.tp_group.size > 1,
+                 "degrade_under_load (a second copy of the weights)": c.degrade_under_load is not None,
+                 "a compiled step (compile_mode)": c.compile_mode != "eager",
+                 "a KV connector (chapter 17: the pool is registered with it)": c.kv_transfer_config is not None,
+                 "the KV tier (chapter 18: its offloads read the pool that sleep frees)": c.cache_config.kv_tier_blocks > 0}
+        refused = [mode for mode, on in modes.items() if on]
+        if refused:
+            return f"this engine cannot sleep: sleep mode runs one eager model in this process, not {refused[0]}", None
+        if level == 2 and not self.can_rebuild_model:
+            return ("level 2 builds the model again from its file on wake, and this engine's model was handed in "
+                    "already loaded: level 1 keeps its bytes in a file instead"), "level"
+        return None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request (every completion of it; a completion's sequence id also

@@ -9,6 +9,7 @@ rank 0 here, the others in their own processes, reached over torch.distributed.
 
 import ctypes
 import ctypes.util
+import gc
 import time
 from contextlib import ExitStack
 from dataclasses import replace
@@ -17,6 +18,7 @@ import torch
 
 from nanoserve.engine.model_runner import ModelRunner, SampledTokens
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.sleep_mode import SleepingWeights
 from nanoserve.kernels.backend import attention_class
 from nanoserve.kv.file_tier import FileKVTier, block_nbytes
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache, num_blocks_for_budget
@@ -44,6 +46,17 @@ def keep_freed_host_memory() -> bool:
     return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def release_memory() -> None:
+    """Collect reference cycles now, then hand the freed heap back to the OS: glibc keeps the freed pages of its heap
+    (keep_freed_host_memory asks it to), so the process' RSS would not fall until malloc_trim returns them. After
+    a retired engine (chapter 15) or a sleep (chapter 19)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): the memory is free for this process, if not the OS
+        pass
+
+
 # None: the model's; int8 / fp8: 8-bit codes with a scale per token and kv head (chapter 18)
 KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, **KV_QUANT_DTYPES}
 
@@ -61,7 +74,7 @@ class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
                  store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance, kv_quant=None,
-                 lora_config=None, lora_manager_class=None, punica=None, kv_connector=None):
+                 lora_config=None, lora_manager_class=None, punica=None, kv_connector=None, model_loader=None):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
@@ -74,7 +87,8 @@ class Worker:
         token uses which adapter;
         lora_manager_class, punica: the LoRAModelManager class and the module of its bgmv / sgmv (the learner's
         under --student 19; None: the reference's); kv_connector: chapter 17's KV connector, its worker side
-        (nanoserve/disagg/connector.py), or None."""
+        (nanoserve/disagg/connector.py), or None; model_loader: a function that builds `model` again from its file
+        (chapter 19's sleep level 2 wakes with it; None: level 2 is refused)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.lora_manager = None
@@ -106,6 +120,9 @@ class Worker:
                               else CompiledModel(degraded_model, compile_mode))
         self.model_runner: ModelRunner | None = None  # built once the pool is sized
         self.kv_connector = kv_connector
+        self.model_loader = model_loader
+        self.kv_shape: tuple[int, int] | None = None  # (num_blocks, block_size): the pool a wake builds again
+        self.asleep: SleepingWeights | None = None  # chapter 19: the weights while the worker sleeps
 
     def num_blocks_for(self, kv_cache_bytes: int, block_size: int) -> int:
         if self.quantized:
@@ -113,6 +130,7 @@ class Worker:
         return num_blocks_for_budget(self.kv_config, kv_cache_bytes, block_size, self.dtype)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.kv_shape = (num_blocks, block_size)
         c = self.kv_config
         shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         cache = (QuantizedKVCache(*shape, self.dtype, self.model_dtype, self.device, self.kv_quant) if self.quantized
@@ -151,7 +169,42 @@ class Worker:
         self.step_seconds = time.perf_counter() - start
         return sampled
 
+    # ---- chapter 19: sleep mode (the engine checked that it is idle and that this worker can sleep) -----------
+    def sleep(self, level: int) -> dict[str, int]:
+        """Release the weights (level 1: to a file, level 2: dropped) and the KV pool (its contents are lost: the
+        engine emptied the prefix cache); returns the bytes released, {"weights": ..., "kv_cache": ...}."""
+        if level == 2 and self.model_loader is None:
+            raise ValueError("level 2 builds the model again from its file, and this worker was given no loader")
+        kv_bytes = self.model_runner.kv_cache.nbytes
+        self.asleep = SleepingWeights(self.model, level)
+        self.model_runner = None  # the pool's only holder: it goes with the runner
+        release_memory()
+        return {"weights": self.asleep.nbytes, "kv_cache": kv_bytes}
+
+    def wake_up(self) -> None:
+        """The weights back (level 1: read from the file; level 2: the model built again, its LoRA layers too, so
+        every name matches, and the adapters written into the slots again when a step needs them), then a zeroed
+        pool of the same blocks. A wake that fails leaves the worker asleep."""
+        level = self.asleep.level
+        self.asleep.wake(self._build_again if level == 2 else None)
+        self.asleep = None
+        if level == 2 and self.lora_manager is not None:
+            self.lora_manager.forget_slots()
+        self.init_kv_cache(*self.kv_shape)
+        release_memory()  # level 2: what the load freed (the file's float32 copies, the unused parts of the model)
+
+    def _build_again(self):
+        model = self.model_loader()
+        if self.lora_manager is not None:
+            from nanoserve.lora.layers import LoRAMapping, add_lora_layers
+
+            c = self.lora_manager.config
+            add_lora_layers(model, c.modules, c.max_loras, c.max_lora_rank, LoRAMapping())
+        return model
+
     def close(self) -> None:
+        if self.asleep is not None:  # its file (unlinked already) closed
+            self.asleep.close()
         if self.kv_tier is not None:
             self.kv_tier.close()
         if self.kv_connector is not None:  # chapter 17: its release sockets, its staged segments

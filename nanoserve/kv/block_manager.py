@@ -231,6 +231,18 @@ class BlockManager:
         for block_id in self.block_tables.get(seq_id, []):
             self._evict(block_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (vLLM's reset_prefix_cache): their K/V are about to be lost (chapter 19's
+        sleep frees the pool). The listeners hear each block leave. Only an idle pool can be reset: a block a
+        sequence holds must keep its contents. Returns the number of blocks forgotten."""
+        if self.block_tables:
+            raise RuntimeError(f"{len(self.block_tables)} sequence(s) still hold blocks: the prefix cache can only "
+                               "be reset on an idle pool")
+        cached = list(self.prefix_cache.entries)
+        for block_id in cached:
+            self._evict(block_id)
+        return len(cached)
+
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares all of the parent's blocks (ref count +1 each): no KV is copied until
         one of them writes into the shared partial last block (copy-on-write in allocate_slots)."""

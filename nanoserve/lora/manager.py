@@ -77,6 +77,11 @@ class LoRAModelManager:
         self.cpu.pop(name, None)
         self.slots.pop(name, None)  # the slot is free; its stale weights are overwritten by the next adapter
 
+    def forget_slots(self) -> None:
+        """The slots' weights were dropped (chapter 19's sleep, level 2): every adapter is copied in again when a
+        step needs it (from memory, or disk first)."""
+        self.slots.clear()
+
     def list_adapters(self) -> list[str]:
         return list(self.paths)
 

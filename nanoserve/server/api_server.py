@@ -35,12 +35,14 @@ from jinja2 import TemplateError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError, EngineUnavailable, LoRANotLoaded
+from nanoserve.engine.async_engine import (AsyncLLMEngine, EngineAsleep, EngineStepError, EngineUnavailable,
+                                           LoRANotLoaded)
 from nanoserve.server.engine_view import add_engine_view
 from nanoserve.server.limits import Reservation, Tenant, TenantLimits, prefix_cache_salt
 from nanoserve.server import tool_calls
 from nanoserve.server.logprobs import chat_logprobs, completion_logprobs, echo_logprobs
 from nanoserve.server.lora_routes import add_lora_routes
+from nanoserve.server.sleep_routes import add_sleep_routes
 from nanoserve.server.versions import EngineVersions, add_admin_routes
 from nanoserve.structured.compiler import StructuredOutputError
 from nanoserve.student import StudentCode
@@ -309,7 +311,8 @@ def build_app(state: ServerState) -> FastAPI:
                                      "tpot_slo_ms")
                          if f in str(e)]  # the field named
                 raise APIError(400, str(e), named[0] if named else None) from None
-            if isinstance(e, EngineUnavailable):  # stopped, or a fleet whose replicas did not answer: come back
+            # stopped, a fleet whose replicas did not answer, or a model asleep (chapter 19): come back
+            if isinstance(e, (EngineUnavailable, EngineAsleep)):
                 raise APIError(503, str(e), headers={"Retry-After": str(cfg.retry_after_s)}) from None
             raise
         state.count(tenant, "admitted")
@@ -477,6 +480,7 @@ def build_app(state: ServerState) -> FastAPI:
         add_engine_view(app, state, viewer)  # chapter 12: GET /engine, the live page, and its /engine/events
     if cfg.admin_key:  # chapter 15; without an admin key there is no admin route at all (404, as any unknown path)
         add_admin_routes(app, state, read_body)
+        add_sleep_routes(app, state, read_body)  # chapter 19: POST /sleep, /wake_up, GET /is_sleeping
         if state.engine.lora_enabled:  # chapter 19: only where the engine has LoRA layers to load into
             add_lora_routes(app, state, read_body)
     return app

@@ -45,7 +45,7 @@ class APIError(Exception):
     """An error the client gets as HTTP `status` with OpenAI's error body."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-             408: "RequestTimeoutError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+             408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
              429: "RateLimitError", 500: "InternalServerError",
              503: "ServiceUnavailableError"}
 

@@ -27,8 +27,6 @@ others serve, and reloads it (chapter 16).
 
 import asyncio
 import contextlib
-import ctypes
-import gc
 import hmac
 import time
 from dataclasses import dataclass
@@ -37,6 +35,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.engine.worker import release_memory
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.protocol import APIError, parse_body
 
@@ -48,16 +47,6 @@ def version_name(weights: str, n: int) -> str:
         'nanoserve-q4-2'
     """
     return f"nanoserve-{weights}-{n}"
-
-
-def release_memory() -> None:
-    """Collect the retired engine's reference cycles now, then hand the freed heap back to the OS: glibc keeps
-    freed pages of its heap mapped (the process' RSS would not fall) until malloc_trim asks it to return them."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): the memory is free for this process, if not the OS
-        pass
 
 
 @dataclass(eq=False)
@@ -107,12 +96,15 @@ class EngineVersions:
                      warmup_requests: int | None = None) -> dict:
         """Load, warm and switch to the next version; returns what happened, or raises APIError (the current
         version still serving). A field not given is the current version's: `{}` (and SIGHUP) reloads the
-        file and format the server runs now, not those it started with. 501 no loader, 409 a reload under way, 400 a load refused (a bad file or
-        format, another model), 500 a load or warm-up that failed."""
+        file and format the server runs now, not those it started with. 501 no loader, 409 a reload under way
+        (or the model asleep, chapter 19), 400 a load refused (a bad file or format, another model), 500 a load
+        or warm-up that failed."""
         if self.loader is None:
             raise APIError(501, "this server cannot reload its model (it was started without a loader)")
         if self.reloading:
             raise APIError(409, f"a reload is already under way; {self.current.name} is serving")
+        if self.current.engine.is_sleeping():  # chapter 19: a reload would load a second model beside it
+            raise APIError(409, f"{self.current.name} is asleep: wake it up (POST /wake_up) before a reload")
         self.reloading = True
         try:
             return await self._reload(weights or self.current.weights, model_file or self.current.model_file,
