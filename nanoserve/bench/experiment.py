@@ -32,6 +32,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   kv-dtypes        chapter 18: blocks in 1 GiB and the logit error per KV dtype (fp32, bf16, int8, fp8)
   swap-vs-recompute chapter 18: overload's workload and pool, preempting by recompute vs by swap to the file tier:
                    preemptions, tokens recomputed, blocks swapped, TTFT / TPOT p99, throughput
+  sleep            chapter 19: SmolLM2 served, put to sleep at level 1 and level 2 and woken: resident memory
+                   awake, asleep and after wake, the bytes released, the wake time (nanoserve/bench/sleep.py)
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
 this machine drifts.
@@ -46,9 +48,11 @@ import time
 
 import torch
 
+from nanoserve.cli.checks import positive_int, weight_format
+
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
                "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "kv-routing", "returning-users",
-               "kv-crossover", "kv-dtypes", "swap-vs-recompute"]
+               "kv-crossover", "kv-dtypes", "swap-vs-recompute", "sleep"]
 
 
 def register(sub):
@@ -68,6 +72,9 @@ def register(sub):
     p.add_argument("--student", default=None, metavar="CHAPTERS",
                    help="kv-routing: your finished exercises route (\"17\": the KV index and score, exercise 17)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
+    p.add_argument("--weights", nargs="+", type=weight_format, default=None,
+                   help="sleep: the weights formats served, each on `serve`'s KV dtype for it (default: fp32 q4)")
+    p.add_argument("--kv-cache-mib", type=positive_int, default=None, help="sleep: the KV pool (default 1024, serve's)")
     p.set_defaults(func=run)
 
 
@@ -554,7 +561,8 @@ RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefil
            "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a),
            **{name: lambda *a, fn=fn: getattr(importlib.import_module("nanoserve.bench.kv_tiers"), fn)(*a)
               for name, fn in (("returning-users", "returning_users"), ("kv-crossover", "kv_crossover"),
-                               ("kv-dtypes", "kv_dtypes"), ("swap-vs-recompute", "swap_vs_recompute"))}}
+                               ("kv-dtypes", "kv_dtypes"), ("swap-vs-recompute", "swap_vs_recompute"))},
+           "sleep": lambda *a: importlib.import_module("nanoserve.bench.sleep").sleep_mode(*a)}
 
 
 def run(args):
@@ -575,6 +583,9 @@ def run(args):
     if args.student is not None and args.name != "kv-routing":
         print("error: --student applies to kv-routing only", file=sys.stderr)
         return 2
+    if (args.weights is not None or args.kv_cache_mib is not None) and args.name != "sleep":
+        print("error: --weights and --kv-cache-mib apply to sleep only", file=sys.stderr)
+        return 2
     if args.name == "servers" and (not args.url or len(args.url) < 2):
         print("error: servers needs two or more --url NAME=URL", file=sys.stderr)
         return 2
@@ -583,9 +594,9 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
-    http_only = args.name in ("servers", "scheduling", "noisy-neighbour", "routing") or (args.name == "concurrency" and args.url)  # scheduling: its own
+    http_only = args.name in ("servers", "scheduling", "noisy-neighbour", "routing", "sleep") or (args.name == "concurrency" and args.url)  # scheduling: its own
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
-    if args.name == "routing":  # the replicas load the model themselves
+    if args.name in ("routing", "sleep"):  # the replicas (routing) or each served format (sleep) load the model
         model, tokenizer = None, Tokenizer.from_gguf()
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     print(f"command: {command}\nthreads: {torch.get_num_threads()}")
