@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from nanoserve.bench import http as bench_http
 from nanoserve.bench.pairwise import FACTORS, covering_rows
 from nanoserve.cli import serve
-from nanoserve.kv.paged_attention import num_blocks_for_budget
+from nanoserve.kv.paged_attention import TORCH_DTYPE_NAMES, num_blocks_for_budget
 from nanoserve.memory import kv_bytes_per_token
 from nanoserve.model import LlamaConfig
 from nanoserve.sampling import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
@@ -91,22 +91,34 @@ def test_the_notebooks_stop_string_stream():
     says(CH, f"`{held}` was held back for one step and never sent")
 
 
+def serve_defaults() -> argparse.Namespace:
+    """`serve`'s arguments when none are given, with the format it fills in (q4 weights on a bf16 KV pool)."""
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    serve.serving_format(args)
+    return args
+
+
 def test_what_a_request_can_pin():
-    c, per_token = SMOL, kv_bytes_per_token(SMOL, "fp32")
-    blocks = num_blocks_for_budget(SMOL, 1024 * 2**20)  # serve's --kv-cache-mib default
-    says(CH, f"One token of SmolLM2 holds 2 (K, V) × {c.num_hidden_layers} layers × {c.num_key_value_heads} KV heads × "
-             f"{c.head_dim} dims × 4 bytes = **{per_token:,} bytes** of KV cache; a default `make serve` pool of 1 GiB "
-             f"holds {blocks * 16:,} tokens ({blocks:,} blocks of 16)")
+    c, args = SMOL, serve_defaults()
+    dtype = args.kv_cache_dtype
+    assert dtype == "bf16"
+    per_token, fp32 = kv_bytes_per_token(SMOL, dtype), kv_bytes_per_token(SMOL, "fp32")
+    torch_dtype = {name: t for t, name in TORCH_DTYPE_NAMES.items()}[dtype]
+    blocks = num_blocks_for_budget(SMOL, args.kv_cache_mib * 2**20, args.block_size, torch_dtype)
+    says(CH, f"One token of\nSmolLM2 holds 2 (K, V) × {c.num_hidden_layers} layers × {c.num_key_value_heads} KV heads × "
+             f"{c.head_dim} dims × 2 bytes = **{per_token:,} bytes** of KV cache in the bf16\npool `make serve` runs "
+             f"({fp32:,} in float32); its default pool of {args.kv_cache_mib // 1024} GiB holds {blocks * args.block_size:,} "
+             f"tokens ({blocks:,} blocks of {args.block_size})")
     context = c.max_position_embeddings
-    assert round(3 * context / (blocks * 16)) == 1
-    says(CH, f"A request allowed to run to the end of an {context:,}-token context can pin a third of the pool")
+    assert round(6 * context / (blocks * args.block_size)) == 1
+    says(CH, f"A\nrequest allowed to run to the end of an {context:,}-token context can pin a sixth of the pool")
 
 
 def test_the_servers_limits():
     p = protocol
-    parser = argparse.ArgumentParser()
-    serve.register(parser.add_subparsers())
-    args = parser.parse_args(["serve"])
+    args = serve_defaults()
     limiter = inspect.signature(TokenBucketLimiter.__init__).parameters["max_keys"].default
     config = ServerConfig()
     says(CH, f"`stop` (a string or a list of up to {p.MAX_STOP})")
