@@ -56,3 +56,12 @@ def word(n: int) -> str:
     """A small count as the chapters write it in prose: 3 -> 'three'."""
     return ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
             "seventeen eighteen nineteen twenty").split()[n]
+
+
+def command_defaults(module, command: str, *argv: str):
+    """The arguments a CLI command (a module with `register(sub)`) gets when `argv` alone is given: its defaults."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    module.register(parser.add_subparsers())
+    return parser.parse_args([command, *argv])

@@ -5,7 +5,6 @@ appear in the chapter word for word. The profile run it quotes must be the one c
 it draws from its timed tables are recomputed from those tables. (Nothing is launched: the kernels' parity is
 tests/test_ch07_kernels.py's.)"""
 
-import argparse
 import re
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -17,7 +16,7 @@ from nanoserve.kernels.triton_paged_attention import launch_config, query_blocks
 from nanoserve.kv.paged_attention import AttentionMetadata
 from nanoserve.memory import kv_bytes_per_token
 from nanoserve.model import LlamaConfig
-from tests.chapter_text import chapter, says, word
+from tests.chapter_text import chapter, command_defaults, says, word
 
 CH = "07"
 SMOL = LlamaConfig()
@@ -31,9 +30,7 @@ def rounded(x: str) -> str:
 
 
 def test_the_profile_run_is_chapter_09s():
-    parser = argparse.ArgumentParser()
-    profile.register(parser.add_subparsers())
-    args = parser.parse_args(["profile"])
+    args = command_defaults(profile, "profile")
     says(CH, f"(one thread, float32, {args.prompt_len}-token prompts, then {args.decode_steps} decode steps; chapter 09 "
              f"quotes the run")
     rows = {}

@@ -25,7 +25,7 @@ from nanoserve.server.api_server import ServerConfig
 from nanoserve.server.limits import Tenant, TenantLimits, TokenBucketLimiter
 from nanoserve.server.protocol import APIError, CompletionRequest
 from nanoserve.server.streaming import stop_hold_back, text_deltas
-from tests.chapter_text import ROOT, chapter, notebook_output, says
+from tests.chapter_text import ROOT, chapter, command_defaults, notebook_output, says
 
 CH = "08"
 SMOL = LlamaConfig()
@@ -93,20 +93,22 @@ def test_the_notebooks_stop_string_stream():
 
 def serve_defaults() -> argparse.Namespace:
     """`serve`'s arguments when none are given, with the format it fills in (q4 weights on a bf16 KV pool)."""
-    parser = argparse.ArgumentParser()
-    serve.register(parser.add_subparsers())
-    args = parser.parse_args(["serve"])
+    args = command_defaults(serve, "serve")
     serve.serving_format(args)
     return args
 
 
+def served_pool_blocks(args: argparse.Namespace) -> int:
+    """The KV blocks `serve` with these arguments gives SmolLM2 (--kv-cache-mib in its --kv-cache-dtype)."""
+    dtype = {name: t for t, name in TORCH_DTYPE_NAMES.items()}[args.kv_cache_dtype]
+    return num_blocks_for_budget(SMOL, args.kv_cache_mib * 2**20, args.block_size, dtype)
+
+
 def test_what_a_request_can_pin():
     c, args = SMOL, serve_defaults()
-    dtype = args.kv_cache_dtype
-    assert dtype == "bf16"
-    per_token, fp32 = kv_bytes_per_token(SMOL, dtype), kv_bytes_per_token(SMOL, "fp32")
-    torch_dtype = {name: t for t, name in TORCH_DTYPE_NAMES.items()}[dtype]
-    blocks = num_blocks_for_budget(SMOL, args.kv_cache_mib * 2**20, args.block_size, torch_dtype)
+    assert args.kv_cache_dtype == "bf16"
+    per_token, fp32 = kv_bytes_per_token(SMOL, args.kv_cache_dtype), kv_bytes_per_token(SMOL, "fp32")
+    blocks = served_pool_blocks(args)
     says(CH, f"One token of\nSmolLM2 holds 2 (K, V) × {c.num_hidden_layers} layers × {c.num_key_value_heads} KV heads × "
              f"{c.head_dim} dims × 2 bytes = **{per_token:,} bytes** of KV cache in the bf16\npool `make serve` runs "
              f"({fp32:,} in float32); its default pool of {args.kv_cache_mib // 1024} GiB holds {blocks * args.block_size:,} "
@@ -187,9 +189,7 @@ def test_the_metrics_scrape_is_the_notebooks():
 
 
 def test_bench_http_workload_and_ratios():
-    parser = argparse.ArgumentParser()
-    bench_http.register(parser.add_subparsers())
-    a = parser.parse_args(["http"])
+    a = command_defaults(bench_http, "http")
     lo, hi = a.prompt_len
     says(CH, f"(= --concurrency {' '.join(map(str, a.concurrency))} --prompt-len {lo} {hi} --output-len {a.output_len} "
              f"--rounds {a.rounds})")

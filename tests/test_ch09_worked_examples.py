@@ -6,7 +6,6 @@ ignored their schedule does not depend on the weights) and the memory planner's 
 nanoserve/ and must appear in the chapter word for word. The ratios the chapter draws from its timed tables are
 recomputed from those tables; the figures it shares with the notebook must be what the notebook printed."""
 
-import argparse
 import json
 import math
 import re
@@ -24,7 +23,7 @@ from nanoserve.metrics import RequestRecord, percentile, request_latencies, stat
 from nanoserve.model import LlamaConfig
 from nanoserve.model.compiled import BUCKETS
 from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf
-from tests.chapter_text import ROOT, chapter, notebook_output, says, table_rows
+from tests.chapter_text import ROOT, chapter, command_defaults, notebook_output, says, table_rows
 from tests.tiny_model import tiny_llama
 
 CH = "09"
@@ -115,9 +114,7 @@ def test_mlperf_counts_and_limits():
     says(CH, f"With t = 0 that is 0.99ⁿ ≤ 0.01, so n ≥ {n}: below {n} queries no Server run can be VALID")
     assert mlperf.MIN_QUERIES["Server"] == n + 1
     says(CH, f"SingleStream's p90 needs {mlperf.MIN_QUERIES['SingleStream']} queries")
-    parser = argparse.ArgumentParser()
-    mlperf.register(parser.add_subparsers())
-    defaults = parser.parse_args(["mlperf", "--scenario", "Offline"])
+    defaults = command_defaults(mlperf, "mlperf", "--scenario", "Offline")
     says(CH, f"`--min-duration {defaults.min_duration:g}` s and `--min-query-count` {mlperf.MIN_QUERIES['Server']} "
              f"(Server), {mlperf.MIN_QUERIES['SingleStream']} (SingleStream) and {mlperf.MIN_QUERIES['Offline']} samples (Offline)")
     (server_ttft, server_tpot), (fast_ttft, fast_tpot) = mlperf.LIMITS["server"], mlperf.LIMITS["interactive"]
@@ -138,9 +135,7 @@ def test_the_profile_table():
     bw, pk = float(bandwidth), float(peak)
     assert (pk - 0.05) / (bw + 0.05) <= float(ridge) + 0.05 and float(ridge) - 0.05 <= (pk + 0.05) / (bw - 0.05)
     says(CH, f"this machine's ridge is at {float(ridge):.0f} FLOP/byte")
-    parser = argparse.ArgumentParser()
-    profile.register(parser.add_subparsers())
-    prompt = parser.parse_args(["profile"]).prompt_len
+    prompt = command_defaults(profile, "profile").prompt_len
     says(CH, f"gives the engine B fresh\n{prompt}-token prompts")
     rows, intensity = {}, {}
     for kind, b, ms, *parts, mem, compute, bound in re.findall(

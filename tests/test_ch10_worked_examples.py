@@ -6,7 +6,6 @@ tables are recomputed from those tables (within what their printed rounding allo
 the notebook (the per-layer errors, the memory held, the held-out pass on a CPU without AMX) must be what the
 committed notebook printed."""
 
-import argparse
 import re
 
 import torch
@@ -16,7 +15,7 @@ from nanoserve.cli import main
 from nanoserve.memory import parameter_counts, weight_bytes
 from nanoserve.model import LlamaConfig
 from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, quantize_int8
-from tests.chapter_text import chapter, notebook_output, says, table_rows
+from tests.chapter_text import chapter, command_defaults, notebook_output, says, table_rows
 
 CH = "10"
 SMOL = LlamaConfig()
@@ -122,9 +121,7 @@ def test_the_formats_table_and_its_crossover():
 
 
 def test_the_quality_table_and_the_notebook(smollm2_tokenizer):
-    parser = argparse.ArgumentParser()
-    quality.register(parser.add_subparsers())
-    args = parser.parse_args(["quality"])
+    args = command_defaults(quality, "quality")
     says(CH, f"{len(quality.CHAT_PROMPTS)} chat prompts × {args.max_tokens} greedy tokens through the engine")
     heldout = len(smollm2_tokenizer.encode(quality.HELDOUT.read_text()))
     says(CH, f"[`heldout.txt`](../nanoserve/bench/heldout.txt) ({heldout} tokens, written for this repository")
@@ -185,9 +182,7 @@ def test_the_speed_tables_ratios():
 
 
 def test_the_degrade_bursts():
-    parser = argparse.ArgumentParser()
-    degrade.register(parser.add_subparsers())
-    d = parser.parse_args(["degrade"])
+    d = command_defaults(degrade, "degrade")
     says(CH, f"{d.requests} chat requests at once, {d.max_num_seqs} running, {d.max_tokens} greedy tokens each; degrading "
              f"with ≥ {d.threshold} waiting, back at ≤ {d.threshold // 2}")
     says(CH, "24 chat requests at once, 4 running, 16 greedy tokens each; the degrading\nengine switches to q4 with ≥ 8 "

@@ -5,23 +5,22 @@ built from nanoserve/ and must appear in the chapter word for word; the timings 
 and the snapshot's size must be what the committed notebook printed, and the ratios drawn from the cost tables are
 recomputed from them."""
 
-import argparse
 import json
 import re
 
 import pytest
 import torch
 
-from nanoserve.cli import serve
 from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from nanoserve.engine.event_feed import EventFeed
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.snapshot import HISTORY_STEPS, LATENCY_WINDOW, SnapshotBuilder
-from nanoserve.kv.paged_attention import TORCH_DTYPE_NAMES, num_blocks_for_budget
+from nanoserve.kv.paged_attention import num_blocks_for_budget
 from nanoserve.model import LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.engine_view import MAX_EVENT_STREAMS, PAGE_HEADERS
 from tests.chapter_text import ROOT, chapter, notebook_output, says, table_rows, word
+from tests.test_ch08_worked_examples import served_pool_blocks, serve_defaults
 from tests.tiny_model import tiny_llama
 
 CH = "12"
@@ -54,12 +53,8 @@ def scripted():
 
 
 def test_make_serves_pool():
-    parser = argparse.ArgumentParser()
-    serve.register(parser.add_subparsers())
-    args = parser.parse_args(["serve"])
-    serve.serving_format(args)
-    dtype = {name: t for t, name in TORCH_DTYPE_NAMES.items()}[args.kv_cache_dtype]
-    blocks = num_blocks_for_budget(LlamaConfig(), args.kv_cache_mib * 2**20, args.block_size, dtype)
+    args = serve_defaults()
+    blocks = served_pool_blocks(args)
     says(CH, f"With `make serve`'s {args.kv_cache_mib // 1024} GiB pool ({blocks:,} blocks of {args.block_size} tokens in "
              f"{args.kv_cache_dtype}) a burst")
     fp32 = num_blocks_for_budget(LlamaConfig(), 2**30)
