@@ -41,12 +41,27 @@ def says(number: str, phrase: str) -> None:
 
 
 def table_rows(number: str, first_cell: str) -> list[list[str]]:
-    """The rows of chapter NN's markdown tables whose first cell matches the regex `first_cell`, as cells."""
+    """The rows of chapter NN's markdown tables (indented too) whose first cell matches the regex `first_cell`."""
     (path,) = (ROOT / "chapters").glob(f"{number}-*.md")
     rows = []
     for line in path.read_text().splitlines():
-        if line.startswith("|"):
+        if line.lstrip().startswith("|"):  # a table may sit indented in a list item
             cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
             if cells and re.fullmatch(first_cell, cells[0]):
                 rows.append(cells)
     return rows
+
+
+def word(n: int) -> str:
+    """A small count as the chapters write it in prose: 3 -> 'three'."""
+    return ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+            "seventeen eighteen nineteen twenty").split()[n]
+
+
+def command_defaults(module, command: str, *argv: str):
+    """The arguments a CLI command (a module with `register(sub)`) gets when `argv` alone is given: its defaults."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    module.register(parser.add_subparsers())
+    return parser.parse_args([command, *argv])

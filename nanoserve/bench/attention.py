@@ -134,6 +134,15 @@ def run_gpu(args):
             torch.cuda.empty_cache()
 
 
+# the interpreter run's cases: name, (Hkv, G, D, block_size), seq_lens, query_lens
+INTERPRETER_CASES = [
+    ("tiny decodes (test_ch07_kernels)", (2, 3, 16, 4), [1, 4, 5, 16, 33, 70], [1] * 6),
+    ("tiny mixed step", (2, 3, 16, 16), [13, 1, 48, 32, 20], [1, 1, 48, 16, 1]),
+    ("SmolLM2 decodes, 2 seqs", (3, 3, 64, 16), [40, 38], [1, 1]),
+    ("SmolLM2 prefill, 2 x ~36 tokens", (3, 3, 64, 16), [37, 34], [37, 34]),
+]
+
+
 def run_interpreter():
     """The kernels on the chapter's test shapes, in Triton's interpreter: parity with torch, seconds per call
     (best of 3)."""
@@ -144,15 +153,9 @@ def run_interpreter():
     print("command: TRITON_INTERPRET=1 python -m nanoserve bench attention")
     print("device: CPU, Triton's interpreter (numpy, one program after another): a sanity run — interpreter "
           "seconds per call (best of 3), NOT GPU speed; float32")
-    cases = [  # name, (Hkv, G, D, block_size), seq_lens, query_lens
-        ("tiny decodes (test_ch07_kernels)", (2, 3, 16, 4), [1, 4, 5, 16, 33, 70], [1] * 6),
-        ("tiny mixed step", (2, 3, 16, 16), [13, 1, 48, 32, 20], [1, 1, 48, 16, 1]),
-        ("SmolLM2 decodes, 2 seqs", (3, 3, 64, 16), [40, 38], [1, 1]),
-        ("SmolLM2 prefill, 2 x ~36 tokens", (3, 3, 64, 16), [37, 34], [37, 34]),
-    ]
     print("default tiles (interpreter: 64 rows x 64 keys per program); programs = query blocks x kv heads")
     print(f"{'case':34s} {'programs':>9s} {'attention s':>12s} {'store-KV s':>11s} {'max err':>8s}")
-    for name, (Hkv, G, D, bs), seq_lens, query_lens in cases:
+    for name, (Hkv, G, D, bs), seq_lens, query_lens in INTERPRETER_CASES:
         per_seq = [-(-s // bs) for s in seq_lens]
         tables, start = [], 0
         for n in per_seq:

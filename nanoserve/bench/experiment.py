@@ -10,7 +10,7 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    budgets (max_num_batched_tokens) 256 / 512 / 2048 and chunking off: the streams' ITL and
                    the long prompts' TTFT, p50 / p99
   overload         an undersized KV pool: blocks used, waiting queue and preemptions, step by step
-  prefix-caching   requests sharing a 175-token system prompt, prefix caching on / off: TTFT and throughput
+  prefix-caching   requests sharing a system prompt (174 common tokens), prefix caching on / off: TTFT and throughput
   block-size       8 / 16 / 32 tokens per block: the slots wasted in partly filled blocks vs tokens/s
   dtype            float32 vs bfloat16 weights and KV on this CPU: tokens/s and greedy agreement
   concurrency      through HTTP: throughput, TTFT and TPOT vs the number of concurrent clients (1 -> 64)
@@ -343,7 +343,7 @@ def prefix_caching(args, model, tokenizer) -> dict:
 
     results = interleaved(args.rounds, {"prefix caching on": True, "prefix caching off": False}, measure)
     best = {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
-    print(f"16 requests sharing a 175-token system prompt, one every 2 steps, {n_out} output tokens each")
+    print(f"16 requests sharing a system prompt (174 common tokens), one every 2 steps, {n_out} output tokens each")
     for name, x in best.items():
         print(f"  {name:20s} TTFT mean {x['ttft_ms']['mean']:7.0f} ms  median {x['ttft_ms']['median']:7.0f} ms  "
               f"{x['output_throughput']:6.1f} out tok/s  prompt tokens computed {x['prompt_tokens_computed']}/{x['prompt_tokens']}")

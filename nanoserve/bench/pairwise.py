@@ -3,7 +3,7 @@
 One feature at a time is tested everywhere; two together is where servers break (response_format with
 top_logprobs once answered 500: the grammar's masked tokens had log p = -inf, which is not JSON). Trying every
 combination of the 20 features below is 2^13 · 3^3 · 4^2 · 5^2 ≈ 8.8·10^7 requests; trying every *pair* of values
-takes 52 (covering_rows()), because one request covers C(20, 2) = 190 pairs at once:
+takes 62 (covering_rows()), because one request covers C(20, 2) = 190 pairs at once:
 
     FACTORS        feature -> its values (a fault: one invalid field, whose 400 must name it)
     covering_rows  a greedy all-pairs generator: rows until every allowed pair of values is in some row

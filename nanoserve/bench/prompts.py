@@ -5,13 +5,14 @@
   kind        share  what it is                                           prompt (SmolLM2 tokens)  output tokens
   chat        50 %   a short user turn, after 0-2 earlier turns           34-167, mean 96          uniform 32..128
   document    25 %   8-48 sentences of prose, then a question about them  190-888, mean 522        uniform 16..64
-  system      25 %   SHARED_SYSTEM_PROMPT, then a short user turn         186-190 (175 shared)     uniform 32..96
+  system      25 %   SHARED_SYSTEM_PROMPT, then a short user turn         186-190 (174 shared)     uniform 32..96
 
 (prompt lengths: the chat template rendered and tokenized, over course_prompts(400, seed=0).)
 A fourth kind, "grounded" (chapter 14), is drawn only when asked for (kinds=["grounded"]): a task that
 answers *from a given text* — repeat, rewrite, extract — so the answer copies spans of its prompt, which
 is what n-gram speculation feeds on. Output 48..96 tokens.
-The shared system prompt is the same 175 tokens in every "system" request: what prefix caching saves.
+Every "system" request opens with the same 174 tokens (the system turn and the user turn's opening): what
+prefix caching saves.
 Any OpenAI-compatible server gets the same messages (its own chat template renders them).
 
 `random_prompts` draws random token ids of exact lengths and decodes them (like `vllm bench serve

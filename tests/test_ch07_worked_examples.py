@@ -1,0 +1,100 @@
+"""Chapter 07's worked examples, computed by the code: the grid of a 37-token prompt under the GPU's and the
+interpreter's tile sizes (launch_config, query_blocks), the memory math of a decode step, the store kernel's padded
+axes and `bench attention`'s programs column are built here from nanoserve/kernels/ and nanoserve/bench/, and must
+appear in the chapter word for word. The profile run it quotes must be the one chapter 09 prints, and the estimates
+it draws from its timed tables are recomputed from those tables. (Nothing is launched: the kernels' parity is
+tests/test_ch07_kernels.py's.)"""
+
+import re
+from decimal import ROUND_HALF_UP, Decimal
+
+import triton
+
+from nanoserve.bench import profile
+from nanoserve.bench.attention import INTERPRETER_CASES, PEAK_GBS
+from nanoserve.kernels.triton_paged_attention import launch_config, query_blocks
+from nanoserve.kv.paged_attention import AttentionMetadata
+from nanoserve.memory import kv_bytes_per_token
+from nanoserve.model import LlamaConfig
+from tests.chapter_text import chapter, command_defaults, says, word
+
+CH = "07"
+SMOL = LlamaConfig()
+H, HKV, D = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim
+H200_SMS = 132  # streaming multiprocessors of an H200 (NVIDIA's data sheet)
+
+
+def rounded(x: str) -> str:
+    """'196.5' -> '197': a printed figure rounded to a whole number as a reader would (half up)."""
+    return str(Decimal(x).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def test_the_profile_run_is_chapter_09s():
+    args = command_defaults(profile, "profile")
+    says(CH, f"(one thread, float32, {args.prompt_len}-token prompts, then {args.decode_steps} decode steps; chapter 09 "
+             f"quotes the run")
+    rows = {}
+    for batch in (16, 64):  # chapter 09's printed rows: step ms, then linear, attention, gather/store %
+        ms, linear, attention, gather = re.search(rf"decode B={batch} +([\d.]+) +(\d+)% +(\d+)% +(\d+)%", chapter("09")).groups()
+        rows[batch] = rounded(ms), linear, attention, gather
+    ms, linear, attention, gather = rows[64]
+    says(CH, f"times a decode step of 64 sequences at **{ms} ms**: linear layers {linear} %, attention {attention} %, "
+             f"and **{gather} % in K/V gather/store**")
+    ms, _, attention, gather = rows[16]
+    says(CH, f"At 16 sequences the step is {ms} ms, with {attention} % attention and {gather} % gather/store")
+    context = args.prompt_len + (args.decode_steps + 1) // 2  # the decode steps' mean context: 129, 130, 131
+    per_token = kv_bytes_per_token(SMOL, "fp32")
+    says(CH, f"that batch of 64 holds 64 × ~{context} tokens × {per_token:,} bytes per token = "
+             f"~{64 * context * per_token / 1e6:.0f} MB of K/V")
+
+
+def test_the_grid_of_a_37_token_prompt():
+    says(CH, f"SmolLM2's {H} query heads share {HKV} kv heads (G = {H // HKV} query heads per kv head)")
+    gpu, interpreter = launch_config(H, HKV, D, block_m=16), launch_config(H, HKV, D)  # TRITON_INTERPRET=1: tests/conftest.py
+    assert gpu["BLOCK_Q"] * gpu["G_PAD"] == 16 and interpreter["BLOCK_Q"] * interpreter["G_PAD"] == 64
+    says(CH, f"one row in {word(gpu['G_PAD'])} padding for SmolLM2 (G = {gpu['G']} → G_PAD = {gpu['G_PAD']})")
+    blocks = {name: len(query_blocks([0, 37], c["BLOCK_Q"])[0]) for name, c in (("gpu", gpu), ("interpreter", interpreter))}
+    says(CH, f"**16 on a GPU** (`tl.dot` wants M ≥ 16), so BLOCK_Q = {gpu['BLOCK_Q']} tokens and a 37-token prompt is "
+             f"{blocks['gpu']} query blocks; **64 in the interpreter**")
+    says(CH, f"so BLOCK_Q = {interpreter['BLOCK_Q']} and the same prompt is {blocks['interpreter']}")
+    says(CH, f"the K/V traffic of GQA is Hkv/H = 1/{H // HKV} of what multi-head attention would read")
+
+
+def test_the_memory_math_of_a_decode_step():
+    kv = 2 * 64 * 2048 * HKV * D * 2  # K and V, bf16
+    says(CH, f"2 × 64 × 2048 × {HKV} heads × {D} × 2 bytes = **{kv / 1e6:.0f} MB per layer**, "
+             f"{kv / (PEAK_GBS['H200'] * 1e9) * 1e6:.0f} µs at an H200's {PEAK_GBS['H200'] / 1000:.1f} TB/s")
+    says(CH, f"past 2³¹ elements ({2**31 * 2 // 2**30} GiB of bf16 in one pool tensor")
+    says(CH, f"The grid of a decode step is batch × Hkv programs: 64 × {HKV} = {64 * HKV} at batch 64 — about "
+             f"{64 * HKV / H200_SMS:.1f} per SM on an H200, fine. At batch 1 it is {HKV} programs: {HKV} of {H200_SMS} SMs")
+
+
+def test_the_store_kernels_padded_axes():
+    assert HKV * D & (HKV * D - 1)  # not a power of two
+    says(CH, f"SmolLM2's Hkv · D = {HKV * D} values per token is not a power of two, so heads and dims are two axes "
+             f"({HKV} heads padded to {triton.next_power_of_2(HKV)}, masked)")  # store_kv's H_PAD
+
+
+def test_bench_attention_programs_and_the_interpreters_cost():
+    text = chapter(CH)
+    per_program = []
+    for name, (hkv, g, d, bs), seq_lens, query_lens in INTERPRETER_CASES:
+        meta = AttentionMetadata.build([[0] * -(-s // bs) for s in seq_lens], seq_lens, query_lens, bs)
+        programs = len(query_blocks(meta.cu_seqlens_q.tolist(), launch_config(hkv * g, hkv, d)["BLOCK_Q"])[0]) * hkv
+        row = re.search(re.escape(name) + r" +(\d+) +([\d.]+) +([\d.]+) +[\d.e-]+", text)
+        assert row and int(row[1]) == programs, name
+        per_program.append(float(row[2]) / programs)
+    earlier = [float(x) for x in re.search(r"gave ([\d.]+), ([\d.]+), ([\d.]+) and ([\d.]+) s for the attention column",
+                                           text).groups()]
+    per_program += [s / p for s, p in zip(earlier, (int(re.search(re.escape(c[0]) + r" +(\d+)", text)[1])
+                                                     for c in INTERPRETER_CASES))]
+    says(CH, f"Count on {round(min(per_program) * 100) * 10}–{round(max(per_program) * 100) * 10} ms per program")
+    # served: the prefill in each of the 30 layers, then 3 decode steps; the two runs' times bound each
+    layers = SMOL.num_hidden_layers
+    prefill = sorted([earlier[3], float(re.search(r"SmolLM2 prefill, 2 x ~36 tokens +\d+ +([\d.]+)", text)[1])])
+    decode = sorted([earlier[2], float(re.search(r"SmolLM2 decodes, 2 seqs +\d+ +([\d.]+)", text)[1])])
+    low, high = layers * prefill[0] + 3 * layers * decode[0], layers * prefill[1] + 3 * layers * decode[1]
+    says(CH, f"{layers} × ({prefill[0]:.2f}–{prefill[1]:.2f} s) + {3 * layers} × ({decode[0]:.2f}–{decode[1]:.2f} s) "
+             f"≈ {low:.0f}–{high:.0f} s of interpreted attention")
+    user, system = re.search(r"`/usr/bin/time`: (\d+) s user, (\d+) s system", text).groups()
+    says(CH, f"used {int(user) + int(system)} s of CPU time here")

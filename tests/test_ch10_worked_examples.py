@@ -1,0 +1,205 @@
+"""Chapter 10's worked examples, computed by the code: the bytes each format reads per token (memory.weight_bytes),
+the memory plan with smaller weights, the int8 example row (quantize_int8), the Q4_1 block arithmetic, the
+embedding's and layers' bytes, the crossover constants, the held-out text's length and the benchmarks' defaults are
+built here from nanoserve/ and must appear in the chapter word for word. The ratios the chapter draws from its timed
+tables are recomputed from those tables (within what their printed rounding allows), and the figures it quotes from
+the notebook (the per-layer errors, the memory held, the held-out pass on a CPU without AMX) must be what the
+committed notebook printed."""
+
+import re
+
+import torch
+
+from nanoserve.bench import degrade, quality
+from nanoserve.cli import main
+from nanoserve.memory import parameter_counts, weight_bytes
+from nanoserve.model import LlamaConfig
+from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, quantize_int8
+from tests.chapter_text import chapter, command_defaults, notebook_output, says, table_rows
+
+CH = "10"
+SMOL = LlamaConfig()
+MB = 1e6
+
+
+def number(cell: str) -> float:
+    """'**10.6 (3.0×)**', '24.8 tok/s (40.3 ms)', '1,287' -> the first number."""
+    return float(re.search(r"[\d,]+\.?\d*", cell)[0].replace(",", ""))
+
+
+def ratio_in_cell(cell: str) -> float:
+    """'17.4 (1.8×)' -> 1.8."""
+    return float(re.search(r"\(([\d.]+)×", cell)[1])
+
+
+def rounds_to(quoted: float, a: float, b: float, digits: int, shown: int = 1) -> bool:
+    """quoted (printed with `digits` decimals) is a / b for some a, b that print (with `shown` decimals) as given."""
+    e = 0.5 * 10 ** -shown
+    return (a - e) / (b + e) - 0.5 * 10 ** -digits <= quoted <= (a + e) / (b - e) + 0.5 * 10 ** -digits
+
+
+def linear_weights(config) -> int:
+    """The decoder's Linear weights (the norms left out)."""
+    return parameter_counts(config)["all_layers"] - 2 * config.hidden_size * config.num_hidden_layers
+
+
+def test_decode_reads_bytes():
+    fp32 = weight_bytes(SMOL, "fp32")
+    says(CH, f"SmolLM2-135M in float32 is **{fp32 / MB:.0f} MB per token**: at a memory bandwidth of B GB/s the roofline\n"
+             f"is B / {fp32 / 1e9:.3f} tokens/s")
+    bandwidth = float(re.search(r"read bandwidth ([\d.]+) GB/s", chapter("09"))[1])  # chapter 09's profile run
+    says(CH, f"measures one core's read bandwidth here at {bandwidth} GB/s (chapter 09), a roofline of "
+             f"~{bandwidth / (fp32 / 1e9):.0f} tok/s")
+    n = parameter_counts(SMOL)["total"]
+    rows = {r[0]: r for r in table_rows(CH, "fp32|int8|q4") if len(r) == 4 and "MB" in r[2]}
+    assert len(rows) == 3
+    for fmt, (_, per_weight, reads, _) in rows.items():
+        assert per_weight.split(" (")[0] == f"{weight_bytes(SMOL, fmt) / n:.3f}", fmt
+        assert reads == f"{weight_bytes(SMOL, fmt) / MB:.1f} MB", fmt
+    layers = linear_weights(SMOL) * (0.5 + 4 / 32) / linear_weights(SMOL)
+    says(CH, f"| q4 | {weight_bytes(SMOL, 'q4') / n:.3f} (layers {layers:.3f}, LM head int8) |")
+
+
+def test_the_memory_plan_with_smaller_weights(capsys):
+    assert main(["memory", "--model", "llama-3-8b", "--device-gb", "24", "--seq-len", "4096", "--weights", "int8", "q4"]) == 0
+    out = capsys.readouterr().out
+    bf16 = (re.search(r"− weights \(bf16\) +[\d,]+ B +([\d.]+ GiB)", out)[1], re.search(
+        r"= left for the KV cache +[\d,]+ B +([\d.]+ GiB)", out)[1], re.search(r"concurrent sequences of 4096 tokens: (\d+)", out)[1])
+    assert table_rows(CH, "bf16")[0][1:] == list(bf16)
+    for fmt in ("int8", "q4"):
+        weights, left, seqs, more = re.search(rf"^  {fmt} +([\d.]+ GiB) +([\d.]+ GiB) +(\d+) +\+(\d+)", out, re.M).groups()
+        (row,) = [r for r in table_rows(CH, fmt) if len(r) == 4 and "GiB" in r[1]]
+        assert row[1:] == [weights, left, f"{seqs} (+{more})"], fmt
+
+
+def test_int8_per_row():
+    q, s = quantize_int8(torch.tensor([[0.5, -1.27, 0.01]]))
+    says(CH, f"the row `[0.5, −1.27, 0.01]` gets `s = 1.27 / 127 = {1.27 / 127:g}`,\n`{s.item()}` in bf16, and "
+             f"`q = [{', '.join(str(v).replace('-', '−') for v in q[0].tolist())}]`")
+    assert s.dtype == torch.bfloat16
+    out, inp = SMOL.intermediate_size, SMOL.hidden_size
+    says(CH, f"(`{out} × {inp}` → {out * inp:,} + {out * 2:,} bytes)")
+
+
+def test_q4_1_blocks_and_the_tied_head():
+    says(CH, f"→ {20 * 8} bits / 32 = {20 * 8 // 32} bits per weight")
+    says(CH, f"the price is {2 + 2} bytes of `d, m` per 32 weights ({4 * 8 // 32} bit per weight)")
+    head = SMOL.vocab_size * SMOL.hidden_size
+    says(CH, f"re-quantizes it per row (int8, {(head + 2 * SMOL.vocab_size) / MB:.0f} MB)")
+    q4_layers = linear_weights(SMOL) * (0.5 + 4 / 32)
+    says(CH, f"at {head * 4 / MB:.0f} MB it would be read per decoded token **more bytes than all {SMOL.num_hidden_layers} "
+             f"q4 layers\ntogether** ({q4_layers / MB:.0f} MB)")
+    int8_head = head + 2 * SMOL.vocab_size
+    says(CH, f"it\nwould add {(head * 4 - int8_head) / MB:.0f} MB to every decoded token's {weight_bytes(SMOL, 'q4') / MB:.0f}")
+    copy = weight_bytes(SMOL, "bf16")
+    held = float(re.search(r"q4 +[\d.]+ MB +[\d.]+ +([\d.]+) MB", notebook_output(CH))[1])
+    says(CH, f"SmolLM2\n+{copy / MB:.0f} MB beside the {held:.0f} MB q4 holds — {held + copy / MB:.0f} MB, still less than "
+             f"float32's {weight_bytes(SMOL, 'fp32') / MB:.0f} MB; a decode step still reads only\nq4's "
+             f"{weight_bytes(SMOL, 'q4') / MB:.0f} MB")
+    says(CH, f"for SmolLM2 {held:.0f} MB more (`bench weights`' \"held in memory\")")
+
+
+def test_the_crossover_constants():
+    says(CH, f"up to `KERNEL_CROSSOVER_TOKENS = {KERNEL_CROSSOVER_TOKENS}` tokens, on the copy beyond")
+    says(CH, f"switches above `QUANT_MAX_TOKENS = {QUANT_MAX_TOKENS}` tokens")
+    says(CH, f"runs a step wider than {KERNEL_CROSSOVER_TOKENS} tokens on the bf16 copy")
+    layers = 4 * SMOL.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
+    says(CH, f"All {layers} Linear layers once (q/k/v and gate/up fused, the LM head included)")
+    says(CH, f"the {layers}\nproducts above were {7 * SMOL.num_hidden_layers + 1} before")
+
+
+def test_the_formats_table_and_its_crossover():
+    rows = [r for r in table_rows(CH, r"\d+") if len(r) == 6 and r[5] in ("q4", "bf16", "fp32", "q4→bf16")]
+    assert len(rows) == 5
+    names = ["fp32", "bf16", "q4", "q4→bf16"]
+    fastest = [names[min(range(4), key=lambda i: number(r[1 + i]))] for r in rows]
+    assert [r[5] for r in rows] == fastest
+    cross = next(i for i, f in enumerate(fastest) if f != "q4")
+    says(CH, f"they cross between {rows[cross - 1][0]} and {rows[cross][0]} rows")
+    extra = [(number(r[4]) - number(r[2])) / number(r[2]) for r in rows]  # the dequantization, over the GEMM it feeds
+    says(CH, f"Dequantizing per call\ncosts {min(extra):.0f}–{max(extra):.0f}× the GEMM it feeds")
+
+
+def test_the_quality_table_and_the_notebook(smollm2_tokenizer):
+    args = command_defaults(quality, "quality")
+    says(CH, f"{len(quality.CHAT_PROMPTS)} chat prompts × {args.max_tokens} greedy tokens through the engine")
+    heldout = len(smollm2_tokenizer.encode(quality.HELDOUT.read_text()))
+    says(CH, f"[`heldout.txt`](../nanoserve/bench/heldout.txt) ({heldout} tokens, written for this repository")
+    rows = {r[0]: r for r in table_rows(CH, "fp32|int8|q4") if len(r) == 7 and r[2].endswith("/12")}
+    ppl = {k: float(r[4]) for k, r in rows.items()}
+    says(CH, f"+{ppl['int8'] / ppl['fp32'] - 1:.1%} for int8, −{1 - ppl['q4'] / ppl['fp32']:.1%} for q4".replace("%", " %"))
+    out = notebook_output(CH)
+    printed = {w: re.search(rf"{w} +[\d.]+% +\d+/4 +([\d.]+) +([\d.]+) +([\d.]+)%", out).groups() for w in ("fp32", "int8", "q4")}
+    assert printed["fp32"][0] == rows["fp32"][4]  # float32's perplexity is the same on either CPU
+    says(CH, f"the same\nheld-out pass gives int8 {' / '.join(printed['int8'])} % and q4 {' / '.join(printed['q4'])} % "
+             f"(perplexity / max |Δlogit| /\ntop-1)")
+    assert re.search(r"CPU: AVX512 ", out)  # "On a CPU without AMX (... prints `AVX512`)"
+    q4, fp32head = rows["q4"], re.search(r"greedy agreement ([\d.]+) %, (\d+)/12 prompts identical, perplexity ([\d.]+),\n?"
+                                          r" ?max \|Δlogit\| ([\d.]+), top-1 = fp32 on \*\*([\d.]+) %", chapter(CH)).groups()
+    says(CH, f"q4's top-1 agreement goes from\n{q4[6]} to {fp32head[4]} %, its largest logit error falls from {q4[5]} to "
+             f"{float(fp32head[3]):.2f} and its greedy agreement from {number(q4[1]):.0f} % to {float(fp32head[0]):.0f} %")
+    int8 = rows["int8"]
+    says(CH, f"(bounds below the measured {q4[2]}, {number(q4[1]):.0f} % and {int8[2]}, {number(int8[1]):.0f} % at "
+             f"{args.max_tokens}\ntokens)")
+    int8_max, q4_mean = (float(re.search(rf"{w}: +mean ([\d.]+), max ([\d.]+)", out)[i]) for w, i in (("int8", 2), ("q4", 1)))
+    says(CH, f"(the notebook's per-layer plot: int8 ≈ 0.8–{int8_max:.1%}, q4 ≈ {q4_mean:.1%})".replace("%", " %"))
+
+
+def test_the_memory_table_is_the_notebooks():
+    out = notebook_output(CH)
+    n = parameter_counts(SMOL)["total"]
+    for fmt in ("fp32", "int8", "q4"):
+        (row,) = [r for r in table_rows(CH, fmt) if len(r) == 4 and "MB" in r[3]]
+        read, per_weight, held = re.search(rf"{fmt} +([\d.]+) MB +([\d.]+) +([\d.]+) MB", out).groups()
+        assert (read, per_weight) == (f"{weight_bytes(SMOL, fmt) / MB:.1f}", f"{weight_bytes(SMOL, fmt) / n:.3f}")
+        assert row[1:] == [f"{read} MB", per_weight, row[3]] and row[3].startswith(f"{held} MB"), fmt
+
+
+def test_the_speed_tables_ratios():
+    products = [r for r in table_rows(CH, r"1|16|64|256") if len(r) == 6 and "(" in r[2]]
+    assert len(products) == 4
+    for r in products:
+        fp32 = number(r[1])
+        for cell in r[2:]:
+            if "×" in cell:
+                assert rounds_to(ratio_in_cell(cell), fp32, number(cell), 2 if "0." in cell.split("(")[1] else 1), (r[0], cell)
+    one = {r[0]: r for r in products}["1"]
+    slow8, slow4 = (float(x) for x in re.search(r"take ([\d.]+) ms \(int8\) and ([\d.]+) ms \(q4\)", chapter(CH)).groups())
+    says(CH, f"{slow8 / number(one[2]):.1f}× and {slow4 / number(one[4]):.0f}× slower than with bf16")
+    engine = {r[0]: r for r in table_rows(CH, r"batch-1 decode|batch-16 decode step|batch-64 decode step|prefill, 512 tokens|"
+                                                r"chapter 06's 16 requests.*")}
+    assert len(engine) == 5
+    for name, (_, fp32, int8, q4, r8, r4) in engine.items():
+        step = "step" in name  # a time: smaller is better
+        for value, ratio in ((int8, r8), (q4, r4)):
+            a, b = (number(fp32), number(value)) if step else (number(value), number(fp32))
+            assert rounds_to(number(ratio), a, b, 2), (name, ratio)
+    decode = engine["batch-1 decode"]
+    assert f"({1000 / number(decode[1]):.1f} ms)" in decode[1]
+    says(CH, f"At 1 token q4 reads {weight_bytes(SMOL, 'fp32') / weight_bytes(SMOL, 'q4'):.1f}× fewer bytes than float32 "
+             f"but runs the\nproducts only {ratio_in_cell(one[4]):.1f}× faster (the product table), and a whole decode step "
+             f"{number(decode[5]):.2f}×")
+
+
+def test_the_degrade_bursts():
+    d = command_defaults(degrade, "degrade")
+    says(CH, f"{d.requests} chat requests at once, {d.max_num_seqs} running, {d.max_tokens} greedy tokens each; degrading "
+             f"with ≥ {d.threshold} waiting, back at ≤ {d.threshold // 2}")
+    says(CH, "24 chat requests at once, 4 running, 16 greedy tokens each; the degrading\nengine switches to q4 with ≥ 8 "
+             f"waiting and back at ≤ {8 // 2}")
+    tables = {}
+    for row in table_rows(CH, r"fp32|fp32 \+ degrade|q4"):
+        if len(row) == 7 and row[1].endswith(" s"):  # | system | TTFT p50 | TTFT p99 | ...
+            tables.setdefault(row[0], []).append(row)
+    shares = []
+    for i in (0, 1):  # the loaded run, then the default one
+        fp32, mixed, q4 = (tables[name][i] for name in ("fp32", "fp32 + degrade", "q4"))
+        for row in (mixed, q4):
+            assert rounds_to(ratio_in_cell(row[2]), number(fp32[2]), number(row[2]), 2, 1 + i), row  # p99: shorter (1, then 2 decimals)
+            assert rounds_to(ratio_in_cell(row[3]), number(row[3]), number(fp32[3]), 2), row  # tok/s
+        p99 = (number(fp32[2]) - number(mixed[2])) / (number(fp32[2]) - number(q4[2]))
+        rate = (number(mixed[3]) - number(fp32[3])) / (number(q4[3]) - number(fp32[3]))
+        shares.append((p99, rate))
+    (p99_loaded, rate_loaded), (p99, rate) = shares
+    says(CH, f"degrading takes {p99:.0%} of q4's gain in p99 TTFT and {rate:.0%} of its gain in\nthroughput "
+             f"({p99_loaded:.0%} and {rate_loaded:.0%} on the loaded machine)".replace("%", " %"))
