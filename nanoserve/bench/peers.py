@@ -125,8 +125,10 @@ def run(args):
     print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
           f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds")
     tokenizer = Tokenizer.from_gguf()
+    # 24 blocks of 16 tokens per request (200 + 128 tokens at most), and room for the single stream's prompt
+    blocks = max(max(args.num_requests) * 24, -(-(args.prefill_tokens + 1) // 16), -(-(32 + args.decode_tokens + 1) // 16))
     llms = {system_name(f, kv, mode):
-            LLM(weights=f, kv_cache_dtype=kv, num_blocks=max(args.num_requests) * 24, max_num_seqs=max(args.num_requests),
+            LLM(weights=f, kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.num_requests),
                 compile_mode=mode)
             for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode}
     hf = {}
