@@ -57,6 +57,7 @@ def test_forwarded_flags_reach_each_engine_as_given(monkeypatch):
     (["--kv-control-port", "5555"], ["--kv-control-port"]),
     (["--enable-lora"], ["--enable-lora"]),
     (["--kv-tier-blocks", "8"], ["--kv-tier-blocks"]),
+    (["--preemption-mode", "swap"], ["--preemption-mode"]),
     (["--kv-cache-dtype", "int8"], ["--kv-cache-dtype int8"]),
     (["--rate-limit", "5"], ["--rate-limit"]),
     (["--compile-mode", "buckets"], ["--compile-mode"]),

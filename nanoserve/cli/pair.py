@@ -55,6 +55,7 @@ REFUSED = {
     "degrade_under_load": EAGER,
     "enable_lora": PLAIN_KV, "lora_modules": PLAIN_KV, "max_loras": PLAIN_KV, "max_lora_rank": PLAIN_KV,
     "max_cpu_loras": PLAIN_KV, "kv_tier_blocks": PLAIN_KV, "kv_tier_path": PLAIN_KV,
+    "preemption_mode": "swap needs the KV tier (--kv-tier-blocks), which a pair does not take",
     **dict.fromkeys(["replicas", "ray_address", "router", "replica_cpus", "ray_num_cpus", "min_replicas",
                      "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"], FLEET),
     "kv_events_endpoint": "two engines cannot publish on one endpoint",
