@@ -26,6 +26,9 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    each replica's share of the work (nanoserve/bench/routing.py)
   kv-routing       chapter 17: replicas in this process publishing KV events; round-robin, pow2, chapter 16's
                    prefix router and the KV-aware router on their events: hit rate, TTFT (bench/kv_routing.py)
+  disagg-interference  chapter 17: streams decoding while long prompts arrive, one engine of 2 threads (chunked
+                   prefill at chapter 06's budgets) vs a prefill and a decode engine of 1 thread each (`serve
+                   --disaggregated`): the streams' ITL, the long prompts' TTFT, out tok/s (bench/interference.py)
   returning-users  chapter 18: users returning after others, a pool too small for them: no tier, the file
                    tier, an int8 pool: hits per tier, TTFT p50 / p99 (nanoserve/bench/kv_tiers.py)
   kv-crossover     chapter 18: recompute vs load from the file tier, measured; the load-or-recompute map
@@ -51,8 +54,12 @@ import torch
 from nanoserve.cli.checks import positive_int, weight_format
 
 EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching", "block-size", "dtype", "concurrency", "servers",
-               "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "kv-routing", "returning-users",
-               "kv-crossover", "kv-dtypes", "swap-vs-recompute", "sleep"]
+               "scheduling", "noisy-neighbour", "prefix-isolation", "routing", "kv-routing", "disagg-interference",
+               "returning-users", "kv-crossover", "kv-dtypes", "swap-vs-recompute", "sleep"]
+
+
+# disagg-interference's own flags and their defaults (another experiment refuses them)
+INTERFERENCE_DEFAULTS = {"streams": 8, "long_prompts": 6, "long_len": 1024, "long_every": 3.0, "budgets": [256, 512, 2048]}
 
 
 def register(sub):
@@ -71,6 +78,15 @@ def register(sub):
     p.add_argument("--num-blocks", type=int, default=96, help="kv-routing: KV blocks per replica")
     p.add_argument("--student", default=None, metavar="CHAPTERS",
                    help="kv-routing: your finished exercises route (\"17\": the KV index and score, exercise 17)")
+    d = INTERFERENCE_DEFAULTS
+    p.add_argument("--streams", type=int, default=d["streams"],
+                   help="disagg-interference: clients streaming while long prompts arrive")
+    p.add_argument("--long-prompts", type=int, default=d["long_prompts"], help="disagg-interference: long prompts per round")
+    p.add_argument("--long-len", type=int, default=d["long_len"], help="disagg-interference: tokens of each long prompt")
+    p.add_argument("--long-every", type=float, default=d["long_every"], metavar="S",
+                   help="disagg-interference: seconds between long prompts (the first S seconds in)")
+    p.add_argument("--budgets", type=int, nargs="+", default=d["budgets"],
+                   help="disagg-interference: the colocated engine's chunked-prefill budgets (max_num_batched_tokens)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
     p.add_argument("--weights", nargs="+", type=weight_format, default=None,
                    help="sleep: the weights formats served, each on `serve`'s KV dtype for it (default: fp32 q4)")
@@ -557,6 +573,7 @@ RUNNERS = {"scheduling": scheduling, "chunked-prefill": chunked_prefill, "prefil
            "block-size": block_size, "dtype": dtype, "concurrency": concurrency, "servers": servers,
            "routing": lambda *a: importlib.import_module("nanoserve.bench.routing").routing(*a),
            "kv-routing": lambda *a: importlib.import_module("nanoserve.bench.kv_routing").kv_routing(*a),
+           "disagg-interference": lambda *a: importlib.import_module("nanoserve.bench.interference").disagg_interference(*a),
            "noisy-neighbour": lambda *a: importlib.import_module("nanoserve.bench.scheduling").noisy_neighbour(*a),
            "prefix-isolation": lambda *a: importlib.import_module("nanoserve.bench.isolation").prefix_isolation(*a),
            **{name: lambda *a, fn=fn: getattr(importlib.import_module("nanoserve.bench.kv_tiers"), fn)(*a)
@@ -580,6 +597,16 @@ def run(args):
     if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
         print("error: kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1", file=sys.stderr)
         return 2
+    if args.name == "disagg-interference" and (
+            min(args.streams, args.long_prompts, args.long_len, *args.budgets, args.output_len or 1) < 1
+            or not args.long_every > 0):
+        print("error: disagg-interference needs --streams, --long-prompts, --long-len, --budgets and --output-len "
+              ">= 1 and --long-every > 0", file=sys.stderr)
+        return 2
+    given = [k for k, v in INTERFERENCE_DEFAULTS.items() if getattr(args, k) != v]
+    if given and args.name != "disagg-interference":
+        print(f"error: --{given[0].replace('_', '-')} applies to disagg-interference only", file=sys.stderr)
+        return 2
     if args.student is not None and args.name != "kv-routing":
         print("error: --student applies to kv-routing only", file=sys.stderr)
         return 2
@@ -594,9 +621,9 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.text.tokenizer import Tokenizer
 
-    http_only = args.name in ("servers", "scheduling", "noisy-neighbour", "routing", "sleep") or (args.name == "concurrency" and args.url)  # scheduling: its own
+    http_only = args.name in ("servers", "scheduling", "noisy-neighbour", "routing", "sleep", "disagg-interference") or (args.name == "concurrency" and args.url)  # scheduling: its own
     model, tokenizer = (None, None) if http_only else (load_gguf(), Tokenizer.from_gguf())
-    if args.name in ("routing", "sleep"):  # the replicas (routing) or each served format (sleep) load the model
+    if args.name in ("routing", "sleep", "disagg-interference"):  # the replicas, each served format (sleep) or the servers load the model
         model, tokenizer = None, Tokenizer.from_gguf()
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     print(f"command: {command}\nthreads: {torch.get_num_threads()}")

@@ -5,7 +5,6 @@
     python -m nanoserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 """
 
-import socket
 import sys
 
 
@@ -22,16 +21,16 @@ def register(sub):
 def run(args):
     import uvicorn
 
+    from nanoserve.cli.serve import listen
     from nanoserve.disagg.proxy import build_proxy
 
     for flag, url in (("--prefill", args.prefill), ("--decode", args.decode)):
         if not url.startswith(("http://", "https://")):
             print(f"error: {flag} must be an http:// URL, got {url!r}", file=sys.stderr)
             return 2
-    try:
-        sock = socket.create_server((args.host, args.port))
-    except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+    sock, problem = listen(args.host, args.port)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     app = build_proxy(args.prefill.rstrip("/"), args.decode.rstrip("/"))
     print(f"nanoserve proxy: http://{args.host}:{sock.getsockname()[1]} -> prefill {args.prefill}, "

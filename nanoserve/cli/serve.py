@@ -13,6 +13,9 @@ and `{"weights": "q4"}` (or `{"model_file": "other.gguf"}`), or SIGHUP (the same
 loads the next version beside the current one, warms it and switches to it (nanoserve/server/versions.py). The same
 key opens chapter 19's sleep mode: `POST /sleep?level=1` (or 2) releases the weights and the KV pool while the server
 idles, `POST /wake_up` takes them back (nanoserve/server/sleep_routes.py).
+
+With --disaggregated (chapter 17) this process serves no model: it starts a prefill and a decode engine as two
+child processes and runs the proxy in front of them (nanoserve/cli/pair.py).
 """
 
 import argparse
@@ -68,9 +71,16 @@ def register(sub):
     add_lora_args(p)
     add_fleet_args(p)
     p.add_argument("--kv-role", choices=["prefill", "decode"], default=None,
-                   help="chapter 17: serve one half of a disaggregated pair (`python -m nanoserve proxy` joins them)")
+                   help="chapter 17: serve one half of a disaggregated pair (`python -m nanoserve proxy` joins them; "
+                        "--disaggregated starts both halves and the proxy)")
     p.add_argument("--kv-control-port", type=int, default=0, metavar="PORT",
                    help="--kv-role prefill: the ZMQ port decode engines release staged KV on (0: a free one)")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="chapter 17: start a prefill and a decode engine, each its own process, and the proxy in "
+                        "front of them on --host:--port, as one command (nanoserve/cli/pair.py)")
+    p.add_argument("--threads", type=checks.positive_int, default=None, metavar="N",
+                   help="the engine's torch threads (default: torch's, one per core); with --disaggregated, each "
+                        "engine's (default: half the cores each)")
     # without --weights / --kv-cache-dtype: the fastest measured path (serving_format), not the reference
     p.set_defaults(func=run, weights=None, kv_cache_dtype=None)
 
@@ -183,6 +193,8 @@ def check_args(args) -> str | None:
                         slo_reject=args.slo_reject, **args.tenant_settings)
     except ValueError as e:
         return str(e)
+    if args.threads is not None and is_fleet(args):
+        return "--threads is one process's: a fleet's replicas get --replica-cpus threads each"
     problem = check_engine_args(args) or check_admin_args(args) or check_lora_args(args) or check_kv_role_args(args)
     return problem or check_fleet_args(args)
 
@@ -195,12 +207,16 @@ def check_kv_role_args(args) -> str | None:
         return f"--kv-control-port must be in [0, 65535], got {args.kv_control_port}"
     if args.kv_control_port and args.kv_role != "prefill":
         return "--kv-control-port is the prefill engine's (--kv-role prefill)"
+    # the engine would refuse these too (LLMEngine), but only once the model has loaded
     for flag, on in (("--tensor-parallel-size", args.tensor_parallel_size > 1), ("--replicas", is_fleet(args)),
                      ("--admin-key", args.admin_key is not None), ("--speculative", args.speculative is not None),
                      ("--degrade-under-load", args.degrade_under_load is not None),
-                     ("--compile-mode", args.compile_mode != "eager")):
+                     ("--compile-mode", args.compile_mode != "eager"),
+                     ("--enable-lora / --lora-modules", args.enable_lora or bool(args.lora_modules)),
+                     ("--kv-tier-blocks", args.kv_tier_blocks > 0),
+                     (f"--kv-cache-dtype {args.kv_cache_dtype}", args.kv_cache_dtype in ("int8", "fp8"))):
         if on:
-            return f"--kv-role cannot be combined with {flag}"
+            return f"a prefill or decode engine (--kv-role, --disaggregated) cannot be combined with {flag}"
     return None
 
 
@@ -267,18 +283,28 @@ def reloader(args, tokenizer):
     return load
 
 
+def listen(host: str, port: int) -> tuple[socket.socket | None, str | None]:
+    """(a listening socket, None), or (None, why not): bound now, a port in use is an error before minutes of model
+    loading."""
+    try:
+        return socket.create_server((host, port)), None
+    except OSError as e:
+        return None, f"cannot listen on {host}:{port}: {e.strerror or e}"
+
+
 def run(args):
     from nanoserve.server.api_server import ServerConfig
     from nanoserve.server.metrics import PrometheusStatLogger
     from nanoserve.server.runner import Server, server_state
 
+    if args.disaggregated:  # chapter 17: this process becomes the proxy in front of two engine processes
+        from nanoserve.cli.pair import run_pair
+
+        return run_pair(args)
     serving = serving_format(args)
     problem = check_args(args)
     if problem is None:
-        try:  # bind now: a port in use is an error before minutes of model loading
-            sock = socket.create_server((args.host, args.port))
-        except OSError as e:
-            problem = f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+        sock, problem = listen(args.host, args.port)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -308,6 +334,10 @@ def run(args):
         code = run_fleet(args, sock, config, ready)
         print("nanoserve: stopped (Ray shut down)", flush=True)
         return code
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     print(f"loading the model and a KV pool of {args.num_blocks or str(args.kv_cache_mib) + ' MiB'}: {serving} ...",
           flush=True)
     try:

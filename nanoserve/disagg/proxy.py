@@ -10,7 +10,8 @@ The prefill engine's one token is thrown away: the decode engine loads every pro
 computes that one itself and samples the first token from it, so its stream is the whole answer.
 
 Failures: an error of either engine reaches the client as that engine's own OpenAI error (status and body);
-an engine that cannot be reached is a 502. Staged KV the decode engine never admitted (it refused the request,
+an engine that cannot be reached is a 502, and a decode engine that dies mid-stream ends the stream with a
+`data: {"error": ...}` event and [DONE]. Staged KV the decode engine never admitted (it refused the request,
 or was unreachable) is released at once over the producer's control channel; a client that disconnects
 mid-stream closes the decode stream, and the decode engine aborts the request and frees its blocks.
 
@@ -28,9 +29,13 @@ from nanoserve.disagg.transport import ReleaseSender
 FORWARDED_HEADERS = ("authorization",)
 
 
+def error_object(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "bad_gateway",
+                      "param": param, "code": None}}
+
+
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                   "bad_gateway", "param": param, "code": None}}, status_code=status)
+    return JSONResponse(error_object(status, message, param), status_code=status)
 
 
 def prefill_body(body: dict) -> dict:
@@ -91,6 +96,10 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
             try:
                 async for chunk in upstream.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as e:  # the decode engine died mid-stream: the status line is long gone, so the
+                # error travels in the stream, as the engine's own would (the blank lines end a half-sent event)
+                body = json.dumps(error_object(502, f"the decode engine stopped mid-stream: {e}"))
+                yield f"\n\ndata: {body}\n\ndata: [DONE]\n\n".encode()
             finally:  # also when the client went away: the decode engine sees its stream closed and aborts
                 await upstream.aclose()
 
