@@ -24,8 +24,6 @@ from tests.test_ch08_worked_examples import served_pool_blocks, serve_defaults
 from tests.tiny_model import tiny_llama
 
 CH = "12"
-STALE = ("notebooks/12-engine-view.ipynb's committed output predates the snapshot's `tenants` map (the code adds it): "
-         "rerun the notebook")
 
 
 def greedy(n: int) -> SamplingParams:
@@ -104,7 +102,6 @@ def test_the_snapshot_of_step_2(scripted):
     assert f'"ttft_p50": {float(ttft):.3f}, "tpot_p50": {float(tpot):.4f}' in quoted
 
 
-@pytest.mark.xfail(strict=True, reason=STALE)
 def test_the_notebook_printed_the_snapshot_the_code_builds(scripted):
     printed = re.findall(r"^  (\w+) ", "\n".join(
         line for line in json.loads((ROOT / "notebooks/12-engine-view.ipynb").read_text())["cells"][5]["outputs"][0]["text"]),
@@ -121,7 +118,6 @@ def test_a_snapshots_size_on_a_large_pool():
     says(CH, f"i.e. about {round(rate, -1)} KiB/s to the page")
 
 
-@pytest.mark.xfail(strict=True, reason=STALE)
 def test_the_notebooks_snapshot_size_is_the_codes():
     """The notebook's last cell, rebuilt: the same pool and requests; only the times' digits may differ a little."""
     big = LLMEngine(tiny_llama(), EngineConfig(cache_config=CacheConfig(num_blocks=1456, block_size=16)))
