@@ -154,7 +154,8 @@ def test_swapped_sequences_give_the_unpreempted_text_and_recompute_nothing(tiny)
         assert got == expected and again == 0 and preempted
         assert stats["swap_ins"] == len(preempted) and stats["swap_fallbacks"] == 0
         assert stats["swapped_out_blocks"] >= len(preempted) and stats["tier_blocks_pinned"] == 0
-        assert stats["bytes_read"] >= stats["swapped_out_blocks"] * block_nbytes
+        # no two prompts share a block, so nothing is loaded as a prefix: every read is a swapped-out block coming back
+        assert stats["loaded_blocks"] == 0 and stats["bytes_read"] == stats["swapped_out_blocks"] * block_nbytes
 
 
 def serve_swapping(tiny, prompts, kv_tier_blocks, **config):
@@ -299,6 +300,10 @@ def test_swap_settings_are_checked(tiny):
     (["batch", "--input", "IN", "--output", "OUT", "--preemption-mode", "swap", "--kv-tier-blocks", "8", "-tp", "3"],
      "single-process"),
     (["bench", "offline", "--preemption-mode", "swap"], "give --kv-tier-blocks"),
+    (["batch", "--input", "IN", "--output", "OUT", "--preemption-mode", "swap", "--kv-tier-blocks", "8", "--student",
+      "06"], "reference scheduler"),
+    (["batch", "--input", "IN", "--output", "OUT", "--preemption-mode", "swap", "--kv-tier-blocks", "8", "--student"],
+     "a bare --student"),
     (["batch", "--input", "IN", "--output", "OUT", "--preemption-mode", "evict"], "invalid choice")])
 def test_swap_flags_are_refused_in_one_line(argv, named, tmp_path, capsys):
     from nanoserve.cli import main

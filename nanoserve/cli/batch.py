@@ -112,12 +112,18 @@ def engine_kwargs(args, **extra) -> dict:
 
 def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
+    from nanoserve.student import parse_selection
+
     if args.num_speculative_tokens is not None and args.speculative is None:
         return "--num-speculative-tokens needs --speculative ngram or draft"
     if args.preemption_mode == "swap" and not args.kv_tier_blocks:
         return "--preemption-mode swap writes preempted requests' KV blocks to the second tier: give --kv-tier-blocks N"
     if args.preemption_mode == "swap" and args.tensor_parallel_size > 1:
         return "--preemption-mode swap needs the KV tier, which is single-process: not with --tensor-parallel-size"
+    if args.preemption_mode == "swap" and {"06", "18"} & parse_selection(args.student):
+        # refused here, before the model loads; the engine refuses the same (LLMEngine: "reference scheduler")
+        return ("--preemption-mode swap runs on the reference scheduler and tier index: not with --student 06 or 18 "
+                "(a bare --student selects every chapter)")
     return None
 
 
