@@ -253,6 +253,42 @@ def test_recompute_is_chosen_when_the_tier_is_measured_slow(tiny):
         engine.close()
 
 
+def test_returning_users_find_what_the_chapter_counts(tiny):
+    """bench experiment returning-users' visits (8 users, 3 visits, 192-token system prompts, 8 output tokens) on the
+    tiny model's pools of the experiment's block counts: 26 blocks with no tier finds nothing; with a tier (loading
+    taken) every returning visit loads its whole system prompt; an int8 pool of 100 blocks (< 8 users x 13 blocks)
+    finds 144 of each returning visit's 192 tokens in the pool. Counts only: they do not depend on the model."""
+    from nanoserve.bench.kv_tiers import RETURNING_PROMPT_LEN, returning_visits
+
+    arrivals = returning_visits(8, tiny.config.vocab_size, n_out=8)
+    returning = [rid for _, rid, *_ in arrivals if not rid.endswith("v0")]
+
+    def found(engine) -> list[tuple[int, int]]:
+        """(tokens found in the pool, in the tier) by each returning visit, each visit served alone as drive() does."""
+        def counts():
+            tier = (engine.kv_tier_stats() or {}).get("tier_hit_tokens", 0)
+            return engine.block_manager.stats.hit_tokens - tier, tier
+
+        per_visit = {}
+        try:
+            for _, rid, prompt, n in arrivals:
+                before = counts()
+                engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                while engine.has_unfinished_requests():
+                    engine.step()
+                per_visit[rid] = tuple(after - b for after, b in zip(counts(), before))
+        finally:
+            engine.close()
+        assert all(per_visit[rid] == (0, 0) for rid in per_visit if rid.endswith("v0"))
+        return [per_visit[rid] for rid in returning]
+
+    assert found(LLMEngine(tiny, engine_config(num_blocks=26, block_size=16))) == [(0, 0)] * 16
+    tiered = always_load(LLMEngine(tiny, engine_config(num_blocks=26, block_size=16, kv_tier_blocks=8 * 14)))
+    assert found(tiered) == [(0, RETURNING_PROMPT_LEN)] * 16
+    int8 = LLMEngine(tiny, engine_config(num_blocks=100, block_size=16, kv_cache_dtype="int8"))
+    assert found(int8) == [(144, 0)] * 16
+
+
 def test_stress_of_evictions_hits_and_aborts_leaves_no_block_or_slot(tiny):
     """Random users, prompt lengths and arrivals, several requests at once, every fifth one aborted mid-way, a tier
     too small for everything (LRU drops): at the end the pool is whole, every tier slot is free or holds one entry,

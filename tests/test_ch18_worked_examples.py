@@ -34,6 +34,8 @@ def test_load_or_recompute():
 
 
 def test_the_measured_crossover():
+    """The provisional table's fit (as the engine fits its rates) and its crossover bandwidth, one run's figures only;
+    B* = bytes_per_token / prefill_s_per_token is where should_load turns, at every length."""
     rows = [[float(c.replace(",", "").split()[0]) for c in r] for r in table_rows(CH, r"16|64|256|1024") if len(r) == 3]
     assert [int(r[0]) for r in rows] == [16, 64, 256, 1024]
     prefill, load = LineFit(), LineFit()
@@ -42,17 +44,20 @@ def test_the_measured_crossover():
         load.add(n * PER_TOKEN, load_ms / 1000)
     s_per_token, (latency, s_per_byte) = prefill.fit()[1], load.fit()
     assert latency <= 0  # "no measurable fixed latency": the fitted intercept is not positive
-    says(CH, f"Fitted from that one round: recompute {s_per_token * 1e3:.0f} ms per token; load {1 / s_per_byte / 1e6:.0f} "
+    says(CH, f"Fitted from that one run: recompute {s_per_token * 1e3:.0f} ms per token; load {1 / s_per_byte / 1e6:.0f} "
              f"MB/s ({PER_TOKEN:,} B per token: {PER_TOKEN * s_per_byte * 1e3:.1f} ms per token)")
-    says(CH, f"a tier of {PER_TOKEN:,} B / {s_per_token * 1e3:.0f} ms = {PER_TOKEN / s_per_token / 1e6:.1f} MB/s")
+    crossover = PER_TOKEN / s_per_token
+    says(CH, f"a tier of {PER_TOKEN:,} B / {s_per_token * 1e3:.0f} ms = {crossover / 1e6:.1f} MB/s, "
+             f"{1 / (crossover * s_per_byte):.0f}x below the load rate")  # 1 / s_per_byte: the load rate
+    for n in (1, 16, 1024, 10**6):  # B* is where the decision turns, whatever the length (no latency)
+        assert not should_load(n, PER_TOKEN, s_per_token, crossover * 0.99)
+        assert should_load(n, PER_TOKEN, s_per_token, crossover * 1.01)
+    # "loading won at every length measured": in the table itself, and by the decision on the run's fitted rates
+    assert all(load_ms < recompute_ms for _, recompute_ms, load_ms in rows)
+    assert all(should_load(int(n), PER_TOKEN, s_per_token, 1 / s_per_byte, max(latency, 0.0)) for n, *_ in rows)
     (small, small_ms), (large, large_ms) = [(r[0], r[2]) for r in rows[:2]]
-    says(CH, f"the\n{small:.0f}-token load ({small_ms} ms) is {large_ms / small_ms:.0f}x faster than the {large:.0f}-token "
+    says(CH, f"the {small:.0f}-token load ({small_ms} ms) is {large_ms / small_ms:.0f}x faster than the {large:.0f}-token "
              f"one ({large_ms:.0f} ms) for {large / small:.0f}x the bytes")
-    quiet = float(re.search(r"chapter 02's prefill: (\d+) tokens/s", chapter(CH))[1])
-    says("02", f"| prefill, 256 tokens | {quiet:.0f} tokens/s")  # chapter 02's quiet run
-    says(CH, f"prefill: {quiet:.0f} tokens/s, {1000 / quiet:.0f} ms per token), the crossover bandwidth rises to about "
-             f"{PER_TOKEN * quiet / 1e6:.0f} MB/s")
-    assert PER_TOKEN * quiet > 1 / s_per_byte  # "above the 17 MB/s load rate measured here"
 
 
 def test_capacity_per_kv_dtype():
@@ -87,12 +92,61 @@ def test_float8_steps():
 
 
 def test_returning_users_and_the_notebooks_tier():
+    from nanoserve.bench.kv_tiers import RETURNING_PROMPT_LEN
+
     says(CH, f"The pool holds the prompts of `max(num_users // 3, 1)` users ({max(6 // 3, 1)} of 6, {max(8 // 3, 1)} of 8)")
+    users, visits, question, n_out = 8, 3, 8, 8  # the experiment's defaults
+    per_visit = -(-(RETURNING_PROMPT_LEN + question + n_out) // 16)  # blocks of 16 a visit fills
+    pool = per_visit * max(users // 3, 1)
+    int8 = int(pool * 16 * PER_TOKEN // quantized_block_bytes(SMOL, 16))  # the same bytes in int8 blocks
+    says(CH, f"{max(users // 3, 1)} · {per_visit} = {pool} float32 blocks of 16")
+    says(CH, f"3.9x\nthe float32 blocks, {int8} — still short of the {users} · {per_visit} = {users * per_visit}")
+    rows = {r[0]: r for r in table_rows(CH, "no tier|file tier|int8 pool") if len(r) == 5}
+    assert [rows[name][1] for name in ("no tier", "file tier", "int8 pool")] == [str(pool), str(pool), str(int8)]
+    looked_up, returning = users * visits * (RETURNING_PROMPT_LEN + question), users * (visits - 1)
+    # the file tier: every returning visit's whole system prompt; the int8 pool: 9 of its 12 blocks
+    # (test_returning_users_find_what_the_chapter_counts replays the visits)
+    for name, pool_share, tier_share in (("file tier", 0, returning * RETURNING_PROMPT_LEN / looked_up),
+                                         ("int8 pool", returning * 144 / looked_up, 0)):
+        assert rows[name][2] == f"{pool_share:.1%} / {tier_share:.1%}".replace("%", " %"), name
+    says(CH, f"192 of its 200 prompt tokens ({RETURNING_PROMPT_LEN / (RETURNING_PROMPT_LEN + question) * 100:.0f} %")
+    says(CH, f"({returning} × 192 of {users * visits} × 200)")
+    says(CH, f"({returning} × 144 of {users * visits} × 200)")
+    ttft = {name: float(rows[name][3].replace("*", "").split("/")[0]) for name in rows}
+    says(CH, f"the TTFT p50 falls {ttft['no tier'] / ttft['file tier']:.1f}×")
+    says(CH, f"the TTFT falls {ttft['no tier'] / ttft['int8 pool']:.1f}× without any file")
+
     out = notebook_output(CH)
-    visits = re.findall(r"([A-D])1: pool \[.*?\] +tier +\d+/32 slots +hits pool +(\d+) tier +(\d+) tokens", out)
-    assert len(visits) == 4 and all(pool == "0" for _, pool, _ in visits)
-    found = int(visits[-1][2])  # the tier's hits accumulate over round 2
+    visits_ = re.findall(r"([A-D])1: pool \[.*?\] +tier +\d+/32 slots +hits pool +(\d+) tier +(\d+) tokens "
+                         r"\(recomputed (\d+)\)", out)
+    assert len(visits_) == 4 and all(pool == "0" and recomputed == "0" for _, pool, _, recomputed in visits_)
+    found = int(visits_[-1][2])  # the tier's hits accumulate over round 2
     users, prompt = 4, 20  # the notebook's four users, 20-token system prompts in blocks of 4
     cacheable = users * (prompt // 4 * 4)
     says(CH, f"four users, a pool of 16 blocks,\nround 2 finds {found} of {cacheable} cacheable prompt tokens in the file "
              f"tier and none in the pool")
+
+
+def test_swap_or_recompute_by_hand():
+    """Section 6's FLOPs per token (the matrices a token goes through, from the model's config) and the arithmetic
+    of its measured table."""
+    c = SMOL
+    kv = c.num_key_value_heads * c.head_dim
+    per_layer = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * kv + 3 * c.hidden_size * c.intermediate_size
+    n = c.num_hidden_layers * per_layer
+    says(CH, f"{c.num_hidden_layers} · (2 · {c.hidden_size} · {c.hidden_size} + 2 · {c.hidden_size} · {kv} + 3 · "
+             f"{c.hidden_size} · {c.intermediate_size:,}) = {n:,}")
+    embedding = c.vocab_size * c.hidden_size
+    says(CH, f"of its {(n + embedding) / 1e6:.1f} M parameters — the other {embedding / 1e6:.1f} M")
+    says(CH, f"recompute:  2 · {n / 1e6:.0f} M = {2 * n / 1e6:.0f} MFLOP")
+    says(CH, f"(SmolLM2: {2 * n / 1e6:.0f} MFLOP / {PER_TOKEN:,} B, about {round(2 * n / PER_TOKEN, -2):,.0f} FLOPs per byte)")
+    rows = {r[0]: r for r in table_rows(CH, "recompute|swap") if len(r) == 9}
+    recomputed, blocks = int(rows["recompute"][2].replace(",", "")), int(rows["swap"][3].split("/")[0])
+    says(CH, f"{float(rows['swap'][4]):.1f}\nMB are {blocks} blocks of {16 * PER_TOKEN:,} bytes, written once and read "
+             f"once ({blocks * 16 * PER_TOKEN / 1e6:.1f} MB each way)")
+    says(CH, f"the {recomputed:,} recomputed\ntokens would have been {recomputed * PER_TOKEN / 1e6:.1f} MB of K/V")
+    recompute_tps, swap_tps = (float(rows[m][7].replace("*", "")) for m in ("recompute", "swap"))
+    tokens = 24 * 96  # the overload workload's requests x output tokens
+    says(CH, f"{swap_tps} output tokens/s against {recompute_tps} is {(swap_tps / recompute_tps - 1) * 100:.1f} % more — "
+             f"the 24 × 96 = {tokens:,} output\ntokens in {tokens / swap_tps:.1f} s instead of {tokens / recompute_tps:.1f} s, "
+             f"{tokens / recompute_tps - tokens / swap_tps:.1f} s saved")

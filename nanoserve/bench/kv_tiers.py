@@ -23,16 +23,25 @@ import torch
 from nanoserve.bench.experiment import drive, engine_for, interleaved, random_prompt
 
 
+RETURNING_PROMPT_LEN = 192  # returning-users: each user's own system prompt, 12 blocks of 16
+
+
+def returning_visits(users: int, vocab: int, n_out: int, visits: int = 3) -> list[tuple]:
+    """returning-users' arrivals for drive(): visit v of user u is u's own system prompt + a new 8-token question,
+    n_out output tokens, alone (each arrives after the previous one's n_out + 1 steps); users take turns, so each
+    returns after all the others."""
+    rng = random.Random(0)
+    systems = [random_prompt(rng, RETURNING_PROMPT_LEN, vocab) for _ in range(users)]
+    return [((v * users + u) * (n_out + 1), f"u{u}v{v}", systems[u] + random_prompt(rng, 8, vocab), n_out)
+            for v in range(visits) for u in range(users)]
+
+
 def returning_users(args, model, tokenizer) -> dict:
     from nanoserve.memory import kv_bytes_per_token
     from nanoserve.metrics import stats, ttft
 
-    users, prompt_len, visits, n_out = args.num_users, 192, 3, args.output_len or 8
-    rng, vocab = random.Random(0), model.config.vocab_size
-    systems = [random_prompt(rng, prompt_len, vocab) for _ in range(users)]
-    # visit v of user u: its system prompt + a new question; users take turns, so each returns after all others
-    arrivals = [((v * users + u) * (n_out + 1), f"u{u}v{v}", systems[u] + random_prompt(rng, 8, vocab), n_out)
-                for v in range(visits) for u in range(users)]
+    users, prompt_len, visits, n_out = args.num_users, RETURNING_PROMPT_LEN, 3, args.output_len or 8
+    arrivals = returning_visits(users, model.config.vocab_size, n_out, visits)
     block_bytes = 16 * kv_bytes_per_token(model.config, "fp32")
     pool_bytes = int(block_bytes * (prompt_len // 16 + 1) * max(users // 3, 1))  # users // 3 users' prompts (at least 1)
     systems_ = {"no tier": dict(), "file tier": dict(kv_tier_blocks=users * (prompt_len // 16 + 2)),
@@ -63,8 +72,10 @@ def returning_users(args, model, tokenizer) -> dict:
         texts = x.pop("texts")
         x["same_text_as_no_tier"] = sum(texts[k] == base[k] for k in base) / len(base)
         t = x["ttft_ms"]
+        # tokens the tier held that load_policy chose to compute again (section 3: decided by the measured rates)
+        recomputed = f" (+{x['tier']['tier_recomputed_tokens']} tokens recomputed)" if x["tier"] else ""
         print(f"  {name:10s} {x['num_blocks']:4d} blocks  hits: pool {x['pool_hit_rate']:5.1%}  tier "
-              f"{x['tier_hit_rate']:5.1%}   TTFT p50 {t['median']:7.0f} ms  p99 {t['p99']:7.0f} ms   "
+              f"{x['tier_hit_rate']:5.1%}{recomputed}   TTFT p50 {t['median']:7.0f} ms  p99 {t['p99']:7.0f} ms   "
               f"same text as no tier {x['same_text_as_no_tier']:.0%}")
 
     def figure(plt):
@@ -143,8 +154,11 @@ def kv_crossover(args, model, tokenizer) -> dict:
     print(f"{'tokens':>8s} {'recompute ms':>14s} {'load ms':>10s}")
     for n in lengths:
         print(f"{n:8d} {recompute_s[n] * 1000:14.2f} {load_s[n] * 1000:10.2f}")
+    crossover_bw = bytes_per_token / prefill_rate  # B*: below it loading never pays, whatever the length
     print(f"fit: recompute {prefill_rate * 1e3:.3f} ms / token; load {latency * 1e3:.3f} ms + "
-          f"{tier_bw / 1e9:.2f} GB/s; loading pays above {bytes_per_token / prefill_rate / 1e6:.1f} MB/s of tier bandwidth")
+          f"{tier_bw / 1e9:.2f} GB/s; loading pays above {crossover_bw / 1e6:.1f} MB/s of tier bandwidth")
+    print(f"this tier: {tier_bw / crossover_bw:.1f}x that crossover, so "
+          + ("loading pays beyond the fixed latency" if tier_bw > crossover_bw else "recomputing wins at every length"))
 
     def figure(plt):
         import numpy as np
@@ -156,7 +170,6 @@ def kv_crossover(args, model, tokenizer) -> dict:
             a.loglog(lengths, [(latency + n * bytes_per_token / bw) * 1000 for n in lengths], ":",
                      label=f"load at {bw / 1e6:.0f} MB/s (modelled)")
         a.set(xlabel="prefix tokens", ylabel="ms", title="recompute vs load"), a.legend(fontsize=8)
-        crossover_bw = bytes_per_token / prefill_rate  # below it loading never pays, whatever the length
         ns, bws = np.logspace(0, 4, 60), np.logspace(np.log10(crossover_bw) - 2, 11, 60)
         grid = [[should_load(int(n), bytes_per_token, prefill_rate, bw, latency) for n in ns] for bw in bws]
         b.pcolormesh(ns, bws, np.array(grid, dtype=float), cmap="RdYlGn", shading="auto", vmin=0, vmax=1)
@@ -224,14 +237,17 @@ def swap_vs_recompute(args, model, tokenizer) -> dict:
     best = compare_preemption_modes(model, arrivals, OVERLOAD_BLOCKS, 16, args.rounds)
     print(f"{len(arrivals)} requests of 64-128 + {n_out} tokens at once, a pool of {OVERLOAD_BLOCKS} blocks x 16 "
           f"tokens, prefix caching off; the fastest of {args.rounds} interleaved round(s)")
-    print(f"{'':10s}{'preempt':>8s}{'recomputed':>11s}{'swapped out / in':>17s}{'fallbacks':>10s}{'MB moved':>9s}"
+    print(f"{'':10s}{'preempt':>8s}{'recomputed':>11s}{'blocks out / swap-ins':>22s}{'fallbacks':>10s}{'MB moved':>9s}"
           f"{'TTFT p50':>11s}{'p99':>9s}{'TPOT p50':>11s}{'p99':>9s}{'out tok/s':>10s}{'same text':>10s}")
     for name, x in best.items():
         print(f"{name:10s}{x['preemptions']:8d}{x['recomputed_tokens']:11d}"
-              f"{x['swapped_out_blocks']:10d} / {x['swap_ins']:<4d}{x['swap_fallbacks']:10d}"
+              f"{x['swapped_out_blocks']:15d} / {x['swap_ins']:<4d}{x['swap_fallbacks']:10d}"
               f"{(x['bytes_written'] + x['bytes_read']) / 1e6:9.1f}{x['ttft_ms']['median']:8.0f} ms"
               f"{x['ttft_ms']['p99']:6.0f} ms{x['tpot_ms']['median']:8.0f} ms{x['tpot_ms']['p99']:6.0f} ms"
               f"{x['output_throughput']:10.1f}{x['same_text_as_recompute']:10.0%}")
+    for name, x in best.items():  # the spread between rounds: what a difference between the modes must exceed
+        print(f"{name:10s}every round: " + ", ".join(f"{r['seconds']:.1f} s = {r['output_throughput']:.1f} out tok/s"
+                                                  for r in x["rounds"]))
 
     def figure(plt):
         fig, axes = plt.subplots(1, 4, figsize=(13, 3.4))
@@ -249,7 +265,8 @@ def swap_vs_recompute(args, model, tokenizer) -> dict:
 
 def compare_preemption_modes(model, arrivals: list[tuple], num_blocks: int, block_size: int, rounds: int) -> dict:
     """Serve drive()'s `arrivals` on a pool of num_blocks, prefix caching off, preempting by recompute and by swap,
-    interleaved over `rounds`: {mode: the fastest round's counts and latencies}. The swap tier has a slot for every
+    interleaved over `rounds`: {mode: the fastest round's counts and latencies, and "rounds": every round's seconds
+    and output tokens/s}. The swap tier has a slot for every
     block the requests can ever hold, so no preemption falls back for want of room (and the count says so).
 
     Tokens recomputed are counted, not estimated: every request computes each of its prompt + output - 1 tokens
@@ -279,7 +296,8 @@ def compare_preemption_modes(model, arrivals: list[tuple], num_blocks: int, bloc
     results = interleaved(rounds, modes, measure)
     best = {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
     base = best["recompute"]["texts"]
-    for x in best.values():
+    for name, x in best.items():
+        x["rounds"] = [{k: r[k] for k in ("seconds", "output_throughput")} for r in results[name]]
         texts = x.pop("texts")
         x["same_text_as_recompute"] = sum(texts[k] == base[k] for k in base) / len(base)
     return best
