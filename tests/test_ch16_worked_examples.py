@@ -22,7 +22,7 @@ from nanoserve.model import LlamaConfig
 from nanoserve.server.api_server import ServerConfig
 from nanoserve.server.kv_events import KVEventPublisher, hash_bytes
 from nanoserve.server.metrics import PrometheusStatLogger
-from tests.chapter_text import ROOT, chapter, command_defaults, notebook_output, says, table_rows, word
+from tests.chapter_text import ROOT, command_defaults, notebook_output, says, table_rows, word
 
 CH = "16"
 
