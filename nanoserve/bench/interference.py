@@ -32,7 +32,8 @@ import time
 
 from nanoserve.bench.experiment import interleaved, random_prompt
 
-STREAM_PROMPT, LONG_OUTPUT, BLOCK = 32, 16, 16
+STREAM_PROMPT, STREAM_OUTPUT = 32, 64  # each stream request's prompt and output tokens (--output-len)
+LONG_OUTPUT, BLOCK = 16, 16  # each long prompt's output tokens; the KV block size
 
 
 def systems(budgets: list[int], num_blocks: int) -> dict[str, list[str]]:
@@ -121,7 +122,7 @@ def summary(run: dict) -> dict:
 
 
 def disagg_interference(args, model, tokenizer) -> tuple[dict, object]:
-    vocab, rng, n_out = tokenizer.vocab_size, random.Random(0), args.output_len or 64
+    vocab, rng, n_out = tokenizer.vocab_size, random.Random(0), args.output_len or STREAM_OUTPUT
     longs = [random_prompt(rng, args.long_len, vocab) for _ in range(args.long_prompts)]
     warm = [random_prompt(rng, STREAM_PROMPT, vocab), random_prompt(rng, args.long_len, vocab)]
     # every stream and every long prompt in the pool at once, with room to spare: nothing waits for blocks

@@ -4,7 +4,8 @@ but their KV events, on users with long system prompts, in one run.
     replicas   --replicas LLMEngines on one model's weights, each with its own small KV pool (pressure: a pool
                holds a few users' prefixes, so prefixes are evicted) and a KV-event publisher (chapter 16,
                vLLM's wire format, topic = the replica's name)
-    users      --num-users users, each its own ~300-token system prompt, 3 questions each, interleaved
+    users      --num-users users, each its own long system prompt (bench/routing.py's workload: 250-token prompts, 224
+               tokens shared by a user's turns), 3 questions each, interleaved
     routers    round-robin          blind
                pow2                 power of two choices on queue lengths (Ray Serve's default)
                prefix (chapter 16)  remembers where it sent each block hash; never hears of an eviction

@@ -33,9 +33,12 @@ SYSTEMS = {"1 replica x 2 cores": (1, "pow2", 2), "2 x 1 core, round-robin": (2,
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "music", "history", "geology", "poetry",
           "cycling", "birds", "trains"]
 COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total", "generation_tokens_total")
+TURNS, CONCURRENCY, OUTPUT_LEN = 3, 4, 16  # questions per user, requests in flight, output tokens (--output-len)
+WARMUP_REQUESTS = 4  # short requests per system before the measured ones, sharing nothing with the users'
+MAX_NUM_SEQS = 8  # each engine's batch: above CONCURRENCY, so that one replica can batch every request in flight
 
 
-def workload(num_users: int, turns: int = 3) -> list[dict]:
+def workload(num_users: int, turns: int = TURNS) -> list[dict]:
     """Chat requests: user u's system prompt is long and its own; its turns come one per round."""
     items = []
     for t in range(turns):
@@ -83,9 +86,9 @@ def routing(args, model, tokenizer) -> dict:
 
     import ray
 
-    num_users, n_out, concurrency, turns = args.num_users, args.output_len or 16, 4, 3
+    num_users, n_out, concurrency, turns = args.num_users, args.output_len or OUTPUT_LEN, CONCURRENCY, TURNS
     items = workload(num_users, turns)
-    spec = ReplicaSpec(engine_kwargs={"num_blocks": 1024, "max_num_seqs": 8})
+    spec = ReplicaSpec(engine_kwargs={"num_blocks": 1024, "max_num_seqs": MAX_NUM_SEQS})
     prompt_len, shared = shared_prefix(tokenizer, items, num_users, block_size=16)
     ceiling = (turns - 1) * shared / (turns * prompt_len)
     metrics = importlib.import_module("nanoserve.metrics")
@@ -93,8 +96,8 @@ def routing(args, model, tokenizer) -> dict:
     def run_system(name, system, r):
         replicas, router, cores = system
         with serving_fleet(spec, tokenizer, replicas=replicas, router=router, replica_cpus=cores) as (url, fleet):
-            measure(serve_args(url, dataset=warm, num_prompts=4, max_concurrency=4, output_len=4, ignore_eos=True,
-                               no_progress=True, warmup=0), metrics)
+            measure(serve_args(url, dataset=warm, num_prompts=WARMUP_REQUESTS, max_concurrency=4, output_len=4,
+                               ignore_eos=True, no_progress=True, warmup=0), metrics)
             before, routed_before = scrape_counters(), len(fleet.client.routed)
             result = measure(serve_args(url, dataset=users, num_prompts=len(items), max_concurrency=concurrency,
                                         output_len=n_out, ignore_eos=True, no_progress=True, warmup=0), metrics)
@@ -128,7 +131,7 @@ def routing(args, model, tokenizer) -> dict:
         with open(users, "w") as f:
             f.writelines(json.dumps(item) + "\n" for item in items)
         with open(warm, "w") as f:
-            f.writelines(json.dumps({"prompt": f"Warm-up {i}: count to ten."}) + "\n" for i in range(4))
+            f.writelines(json.dumps({"prompt": f"Warm-up {i}: count to ten."}) + "\n" for i in range(WARMUP_REQUESTS))
         start_ray(num_cpus=2, tries=6)  # a loaded machine: the raylet may miss Ray's 30 s start-up limit
         try:
             runs = interleaved(args.rounds, SYSTEMS, run_system)
