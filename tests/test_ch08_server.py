@@ -414,6 +414,7 @@ def test_graceful_shutdown_drains_a_running_stream(engine, tokenizer):
                           json=chat_body(max_tokens=40, ignore_eos=True, stream=True)) as r:
             lines = r.iter_lines()
             first = [next(lines) for _ in range(3)]
+            async_engine = server.state.engine  # a stopped server lets its engines go
             stopper = threading.Thread(target=server.stop)
             stopper.start()  # as SIGTERM would: stop listening, let running streams finish
             rest = [line for line in lines if line]
@@ -422,7 +423,7 @@ def test_graceful_shutdown_drains_a_running_stream(engine, tokenizer):
         assert events[-1] == "[DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content") is not None) - 1 <= 40
         stopper.join(30)
-        assert not stopper.is_alive() and not server.state.engine.is_running
+        assert not stopper.is_alive() and not async_engine.is_running
         with pytest.raises(httpx.ConnectError):  # no longer accepting
             httpx.get(f"{url}/health")
     assert_pool_whole(engine)

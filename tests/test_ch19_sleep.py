@@ -3,21 +3,26 @@ from the model's file on wake) and its KV pool, and wakes up serving the same gr
 by at least the bytes of the tensors released (counted here from the model and the config); the prefix cache
 forgets the pool's blocks; requests while asleep get 503 with Retry-After through the official openai client;
 /sleep, /wake_up and /is_sleeping need the admin key; a bad level is a 400 naming `level`; a sleep with requests
-in flight is refused (409) and leaves nothing behind. Tiny random-weight engines, SmolLM2 once (q4, both levels)."""
+in flight is refused (409) and leaves nothing behind; a level-2 wake takes whatever weights the model file holds now.
+Tiny random-weight engines, SmolLM2 once (q4, both levels)."""
 
 import asyncio
+import gc
 import itertools
 import os
+import weakref
 
 import httpx
 import openai
 import pytest
+import torch
 
 from nanoserve.bench.bluegreen import rss_mib
 from nanoserve.bench.sleep import sleep_cycles
 from nanoserve.engine.config import LoRAConfig, engine_config
 from nanoserve.engine.llm_engine import EngineAsleep, LLMEngine, SleepConflict, SleepRefused
 from nanoserve.engine.worker import release_memory
+from nanoserve.kv.kv_events import BlockRemoved, BlockStored, record_kv_events
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.runner import serving
 from tests.tiny_model import paced_tiny_llama, tiny_llama
@@ -60,6 +65,15 @@ def pool_sizes(config, num_blocks: int, block_size: int = 16, dtype_bytes: int =
     return [one] * 2 * config.num_hidden_layers
 
 
+def updated_tiny_llama():
+    """tiny_llama's shapes with other weights: its model file after an in-place weight update."""
+    model = tiny_llama()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 0.02)  # the tied LM head with it
+    return model
+
+
 def assert_pool_whole(engine) -> None:
     bm = engine.block_manager
     assert not engine.scheduler.seqs and bm.get_num_free_blocks() == bm.num_blocks, "a request or a block left behind"
@@ -70,15 +84,23 @@ def test_sleep_releases_the_tensors_bytes_and_wakes_with_the_same_greedy_text(le
     model, num_blocks = tiny_llama(), 16384  # a 128 MiB pool: the weights of a tiny model are a few hundred KiB
     engine = LLMEngine(model, engine_config(num_blocks=num_blocks), model_loader=tiny_llama)
     engine.sleep(level), engine.wake_up()  # a first cycle: its code paged in, the heap settled
+    log = record_kv_events(engine.block_manager)
     before = greedy(engine)
     stats = engine.block_manager.stats
     assert greedy(engine) == before and stats.hit_tokens == 2 * 16 * len(PROMPTS)  # the second run hits the cache
     sizes, pool = storage_sizes([*model.parameters(), *model.buffers()]), pool_sizes(model.config, num_blocks)
+    events = log.take()
+    cached = {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes} - \
+        {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
     release_memory()
     awake = rss_mib() * 2**20
     done = engine.sleep(level)
     asleep = rss_mib() * 2**20
     assert done == {"level": level, "released_bytes": {"weights": sum(sizes), "kv_cache": sum(pool)}}
+    # chapter 16's KV events: every cached block is announced leaving, one BlockRemoved each
+    left = log.take()
+    assert len(cached) == 2 * len(PROMPTS) and all(isinstance(e, BlockRemoved) for e in left)
+    assert sorted(h for e in left for h in e.block_hashes) == sorted(cached)
     released = whole_pages(sizes + pool)
     assert awake - asleep >= released, f"RSS fell by {awake - asleep:.0f} bytes, {released} were released"
     assert model.lm_head.weight.shape == (0,) and len(engine.block_manager.prefix_cache) == 0
@@ -106,6 +128,18 @@ def test_a_wake_from_a_file_that_now_holds_another_model_fails_and_stays_asleep(
         engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=1))
 
 
+def test_a_level_2_wake_takes_the_weights_the_model_file_holds_now():
+    """Level 2 builds the model again from its file: a file updated in place (the same shapes, other weights) wakes
+    the engine with the new weights, whose greedy text a fresh engine on them gives."""
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=64), model_loader=updated_tiny_llama)
+    before = greedy(engine)
+    engine.sleep(2)
+    engine.wake_up()
+    expected = greedy(LLMEngine(updated_tiny_llama(), engine_config(num_blocks=64)))
+    assert expected != before and greedy(engine) == expected
+    assert_pool_whole(engine)
+
+
 def test_what_cannot_sleep_is_refused_naming_why():
     plain = LLMEngine(tiny_llama(), engine_config(num_blocks=32))  # handed in loaded: no file to build it again from
     with pytest.raises(SleepRefused, match="level 2 builds the model again") as e:
@@ -121,11 +155,12 @@ def test_what_cannot_sleep_is_refused_naming_why():
             engine.sleep(1)
         assert e.value.param is None and not engine.sleep_level
         engine.close()
-    # a request in flight: refused, and the engine goes on as if nothing had been asked
+    # a request in flight, waiting or running: refused, and the engine goes on as if nothing had been asked
     plain.add_request("busy", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    plain.step()
-    with pytest.raises(SleepConflict, match="in flight"):
-        plain.sleep(1)
+    for _ in ("waiting", "running"):
+        with pytest.raises(SleepConflict, match="in flight"):
+            plain.sleep(1)
+        plain.step()
     while plain.has_unfinished_requests():
         plain.step()
     assert not plain.sleep_level
@@ -196,7 +231,7 @@ def complete(url: str, **kw):
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_while_asleep_requests_get_503_with_retry_after_and_after_wake_the_same_text(server, level):
+def test_while_asleep_requests_get_503_with_retry_after_and_after_wake_the_same_text(server, level, smollm2_tokenizer):
     url, srv = server
     before = complete(url).choices[0].text
     r = admin_post(url, "/sleep", params={"level": level})
@@ -211,7 +246,12 @@ def test_while_asleep_requests_get_503_with_retry_after_and_after_wake_the_same_
             call()
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
         assert "asleep" in e.value.body["message"] and e.value.body["code"] == 503
-    assert [m.id for m in client(url).models.list().data] == ["tiny"]  # what needs no model still answers
+    # what needs no model still answers: the models, the tokenizer, the health check
+    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "Hi there"},
+                           headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == smollm2_tokenizer.encode("Hi there")
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     again = admin_post(url, "/sleep", params={"level": level})
     assert again.status_code == 409 and "already asleep" in again.json()["error"]["message"]
     woke = admin_post(url, "/wake_up")
@@ -285,13 +325,18 @@ def test_a_sleep_with_requests_in_flight_is_refused_and_leaves_nothing_behind(se
 
 
 def test_the_bench_measures_both_levels(smollm2_tokenizer):
-    """`bench experiment sleep`'s loop, on the tiny model: its figures are the engine's own counts."""
+    """`bench experiment sleep`'s loop, on the tiny model: its figures are the engine's own counts; once its server
+    has stopped the engine is freed (the next format measured in the process must not find it in memory)."""
     model = tiny_llama()
-    weights = sum(storage_sizes([*model.parameters(), *model.buffers()]))
-    rows = sleep_cycles(LLMEngine(model, engine_config(num_blocks=64), smollm2_tokenizer, model_loader=tiny_llama),
-                        smollm2_tokenizer, max_tokens=4, prompt=PROMPTS[0])
+    weights, config = sum(storage_sizes([*model.parameters(), *model.buffers()])), model.config
+    engines = [LLMEngine(model, engine_config(num_blocks=64), smollm2_tokenizer, model_loader=tiny_llama)]
+    del model
+    freed = weakref.ref(engines[0])
+    rows = sleep_cycles(engines.pop(), smollm2_tokenizer, max_tokens=4, prompt=PROMPTS[0])
     for level in (1, 2):
         row = rows[level]
         assert row["same_text"] and row["wake_s"] >= row["engine_wake_s"] > 0
         assert row["released_weights_mib"] == weights / 2**20
-        assert row["released_kv_cache_mib"] == sum(pool_sizes(model.config, 64)) / 2**20
+        assert row["released_kv_cache_mib"] == sum(pool_sizes(config, 64)) / 2**20
+    gc.collect()
+    assert freed() is None, "the stopped server still holds the engine"

@@ -11,8 +11,9 @@
           of them), against the model's weights
 
 The adapters are random, written in PEFT's format (adapter_config.json by peft's LoraConfig, the tensors by
-safetensors) at each rank on all seven projections: the gather's speed depends on the rank and the modules an
-adapter adapts, not on the values it learnt, so random A and B cost what trained ones would.
+safetensors) at each rank on all seven projections: the gather's speed depends on max_lora_rank and the LoRA layers
+(LoRAConfig.modules: each gathers at max_lora_rank width whatever parts an adapter adapts), not on the values an
+adapter learnt, so random A and B cost what trained ones would.
 
 Per rank, one engine with LoRA layers of that rank (max_lora_rank = the rank: every slot is max_lora_rank wide, a
 rank-8 adapter in a rank-64 engine would cost rank 64; max_loras = the largest mix, so no request waits for a

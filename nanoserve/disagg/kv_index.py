@@ -8,8 +8,9 @@ replica evicted it. This index *knows* (up to the events still in flight): each 
     ["BlockRemoved", [h], medium]                                                   -> index[h] -= {replica}
     ["AllBlocksCleared"]                                                            -> the replica holds nothing
 
-(The adapter needs no key of its own here: a LoRA adapter's blocks already hash apart from the base model's,
-chapter 19's salt at the root of the chain.)
+(A LoRA adapter's blocks hash apart from the base model's — chapter 19's salt at the root of the chain — so the
+index never mixes them up. No router of the course looks them up: a fleet serves the base model only, and the
+routers hash a prompt unsalted, as the base model's chain; chapter 19, section 5, says what one would need.)
 
 and a request's score on a replica is the longest run of its leading block hashes that replica holds (a
 prefix-cache hit needs the whole chain from the first block: chapter 05), combined with the replica's load:

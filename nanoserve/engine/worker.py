@@ -195,11 +195,8 @@ class Worker:
 
     def _build_again(self):
         model = self.model_loader()
-        if self.lora_manager is not None:
-            from nanoserve.lora.layers import LoRAMapping, add_lora_layers
-
-            c = self.lora_manager.config
-            add_lora_layers(model, c.modules, c.max_loras, c.max_lora_rank, LoRAMapping())
+        if self.lora_manager is not None:  # the same LoRA layers, so that every tensor that slept finds its name
+            self.lora_manager.add_layers(model)
         return model
 
     def close(self) -> None:

@@ -11,8 +11,9 @@ base's output dtype. All LoRA layers of a model read one LoRAMapping, which the 
 import torch
 from torch import nn
 
-from nanoserve.lora import punica as reference_punica
 from nanoserve.engine.config import LORA_MODULES
+from nanoserve.lora import punica as reference_punica
+from nanoserve.lora.adapter import module_shapes
 from nanoserve.lora.punica import slice_bounds
 
 
@@ -82,25 +83,23 @@ class LoRALinear(nn.Module):
 
 
 def fused_slices(model, fused: str) -> list[int]:
-    """Output sizes of a fused projection's parts, from the model's config (a TP shard is refused upstream)."""
-    c = model.config
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return {"qkv_proj": [q, kv, kv], "o_proj": [c.hidden_size],
-            "gate_up_proj": [c.intermediate_size] * 2, "down_proj": [c.hidden_size]}[fused]
+    """Output sizes of a fused projection's parts, from the model's config (a TP shard is refused upstream):
+    SmolLM2's qkv_proj [576, 192, 192], gate_up_proj [1536, 1536]."""
+    shapes = module_shapes(model.config)
+    return [shapes[part][1] for part in LORA_MODULES[fused]]
 
 
 def add_lora_layers(model, modules: tuple[str, ...], max_loras: int, max_rank: int,
                     mapping: LoRAMapping) -> dict[str, LoRALinear]:
     """Wrap each fused projection named in `modules` of every decoder layer in a LoRALinear, in place (as
     quantize_model swaps its layers); returns {module name: LoRALinear}, e.g. "layers.0.self_attn.qkv_proj"."""
-    c = model.config
-    in_features = {"qkv_proj": c.hidden_size, "o_proj": c.num_attention_heads * c.head_dim,
-                   "gate_up_proj": c.hidden_size, "down_proj": c.intermediate_size}
+    shapes = module_shapes(model.config)
     wrapped = {}
     for name, module in list(model.named_modules()):
         parent, _, attr = name.rpartition(".")
         if attr in modules and attr in LORA_MODULES and not isinstance(module, LoRALinear):
-            layer = LoRALinear(module, fused_slices(model, attr), in_features[attr], max_loras, max_rank, mapping)
+            in_features = shapes[LORA_MODULES[attr][0]][0]  # the parts of a fused projection share its input
+            layer = LoRALinear(module, fused_slices(model, attr), in_features, max_loras, max_rank, mapping)
             setattr(model.get_submodule(parent), attr, layer)
             wrapped[name] = layer
     return wrapped

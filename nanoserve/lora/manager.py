@@ -18,10 +18,9 @@ scheduler admits no request whose adapter would be one too many (Scheduler.lora_
 import time
 from collections import OrderedDict
 
-from nanoserve.engine.config import LoRAConfig
+from nanoserve.engine.config import LORA_MODULES, LoRAConfig
 from nanoserve.lora.adapter import LoRAAdapter, load_adapter
-from nanoserve.engine.config import LORA_MODULES
-from nanoserve.lora.layers import LoRAMapping, add_lora_layers
+from nanoserve.lora.layers import LoRALinear, LoRAMapping, add_lora_layers
 
 
 def lru_slots(slots: OrderedDict, names: set[str], max_loras: int) -> dict[str, int]:
@@ -54,11 +53,18 @@ class LoRAModelManager:
         self.model_config = model.config
         self.load = load
         self.mapping = LoRAMapping(punica)
-        self.layers = add_lora_layers(model, config.modules, config.max_loras, config.max_lora_rank, self.mapping)
+        self.layers = self.add_layers(model)
         self.paths: dict[str, str] = {}  # name -> directory: every adapter known (the disk tier)
         self.cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slots: OrderedDict[str, int] = OrderedDict()  # name -> slot in 1..max_loras, least recently used first
         self.load_seconds = {"disk": [], "slot": []}  # seconds of each read from disk, each copy into a slot
+
+    def add_layers(self, model) -> dict[str, LoRALinear]:
+        """Wrap `model`'s projections in this manager's LoRA layers (its modules, max_loras and max_lora_rank): the
+        model it was built with, or one built again for a level-2 wake (chapter 19's sleep), whose tensors must
+        carry the same names and shapes as those that slept."""
+        c = self.config
+        return add_lora_layers(model, c.modules, c.max_loras, c.max_lora_rank, self.mapping)
 
     # ---- the registry ----------------------------------------------------------------------------
     def add_adapter(self, name: str, path: str) -> LoRAAdapter:

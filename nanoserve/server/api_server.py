@@ -111,6 +111,14 @@ class ServerState:
         """The current version's engine: the one a request arriving now is served by."""
         return self.versions.current.engine
 
+    def close(self) -> None:
+        """Stop every version's engine thread, then let the engines go. FastAPI keeps each route function — a
+        closure over this state — in a cache for the life of the process, so a state that held its engines after
+        its server stopped would keep every model served in this process in memory (each round of a benchmark,
+        each server a notebook started)."""
+        self.versions.shutdown()
+        self.versions = None
+
     def count(self, tenant: str | None, outcome: str, tokens: int = 0) -> None:
         """A tenant's request (outcome) or tokens, in the metrics (nothing without tenants or metrics)."""
         if tenant is None or self.stat_logger is None:

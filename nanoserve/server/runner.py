@@ -10,7 +10,8 @@ Shutdown, in order: the app starts answering 503 + Retry-After (`draining`) — 
 on new connections too, since the socket keeps listening while the running requests finish (a client
 or load balancer told 503 retries elsewhere; a refused connection says less) — for up to
 `shutdown_timeout` seconds; then uvicorn stops listening, cancels what is left (each cancelled
-request is aborted, its blocks freed), and last the engine thread stops (every loaded version's: chapter 15).
+request is aborted, its blocks freed), and last the engine thread stops (every loaded version's: chapter 15)
+and the server lets its engines go, so that a process serving one model after another frees each one.
 
 SIGHUP (chapter 15, a server started with a loader in the main thread): reload — the same model file in the
 same weights format, as a blue-green update (nanoserve/server/versions.py); one line on stderr says how it went.
@@ -87,7 +88,7 @@ class Server(uvicorn.Server):
         try:
             super().run(sockets)
         finally:
-            self.state.versions.shutdown()
+            self.state.close()
 
     def start_in_thread(self, timeout: float = 30.0) -> int:
         """Serve from a background thread; returns the port once it accepts connections."""
