@@ -19,7 +19,8 @@ def test_breakdown_of_a_real_step_on_a_tiny_model():
     engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4, enable_prefix_caching=False),
                                            scheduler_config=SchedulerConfig(max_num_seqs=4)))
     original = Linear.forward
-    result = profile.profile_batch(SimpleNamespace(engine=engine, model=model), batch=3, prompt_len=8, decode_steps=2, seed=0)
+    result = profile.profile_batch(SimpleNamespace(engine=engine, model=model), batch=3, prompt_len=8, decode_steps=2, seed=0,
+                                   adapters=[None])
     assert Linear.forward is original  # the labels are gone after the profile
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.get_num_free_blocks() == 32  # nothing left in the pool
@@ -31,6 +32,27 @@ def test_breakdown_of_a_real_step_on_a_tiny_model():
         assert all(ms >= 0 for ms in x["parts_ms"].values()), x["parts_ms"]
         for part in ("linear", "attention", "K/V gather/store", "norms/RoPE/act", "sampling", "scheduler/Python"):
             assert x["parts_ms"][part] > 0, part  # every part of the step is seen
+        assert x["parts_ms"]["LoRA"] == 0  # no adapter, no gather
+
+
+def test_the_lora_share_is_its_gathers(tiny_adapters):
+    """Chapter 19: with adapters mixed in the batch, LoRAMapping.apply's time is the LoRA part, taken out of the
+    ranges around it; a batch of the base model alone on the same engine spends none there."""
+    from nanoserve.engine.config import LoRAConfig, engine_config
+    from tests.lora_reference import tiny_llama
+
+    model = tiny_llama()
+    engine = LLMEngine(model, engine_config(num_blocks=32, block_size=4, enable_prefix_caching=False, max_num_seqs=4,
+                                            lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)), eos_token_id=-1)
+    for name, path in tiny_adapters.items():
+        engine.add_lora(name, path)
+    llm = SimpleNamespace(engine=engine, model=model)
+    mixed = profile.profile_batch(llm, batch=3, prompt_len=8, decode_steps=2, seed=0, adapters=["a", "b", None])
+    alone = profile.profile_batch(llm, batch=3, prompt_len=8, decode_steps=2, seed=0, adapters=[None])
+    for phase in ("prefill", "decode"):
+        assert mixed[phase]["parts_ms"]["LoRA"] > 0 and alone[phase]["parts_ms"]["LoRA"] == 0
+        assert all(ms >= 0 for ms in mixed[phase]["parts_ms"].values()), mixed[phase]["parts_ms"]
+    assert engine.block_manager.get_num_free_blocks() == 32 and not engine.has_unfinished_requests()
 
 
 def test_step_cost_by_hand():

@@ -8,6 +8,7 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   attention         the attention of prefill chunks and decode groups (chapter 05), less its gathers
   K/V gather/store  writing new K/V into the pool and gathering blocks out of it (index ops)
   norms/RoPE/act    RMSNorm, RoPE, SiLU · up, residual adds, the embedding lookup
+  LoRA              the adapters' gathers, x·A·B for each row's adapter (chapter 19; with --lora-rank only)
   sampling          argmax / sampling of the next tokens (chapter 03)
   scheduler/Python  schedule(), input preparation, the attention metadata, and Python between the ops
 
@@ -25,6 +26,8 @@ call no labelled method, so the compiled forward is labelled "norms/RoPE/act" as
 claims its own time inside it, and the product ops found inside it (PRODUCT_OPS) count as "linear": what stays
 is the fused element-wise kernels. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
 but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor.
+With `--lora-rank R` (chapter 19) the engine serves --max-loras random adapters of rank R on every projection
+(`max_lora_rank` R), the batch's requests spread over them round robin; the roofline leaves the adapters out.
 """
 
 import contextlib
@@ -32,11 +35,13 @@ import functools
 import json
 import os
 import random
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "sampling", "scheduler/Python"]
+PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "LoRA", "sampling", "scheduler/Python"]
 GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading blocks out of the pool
 # inside a compiled step's graphs (no Python method runs there to label): the products, by their op
 PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
@@ -44,7 +49,7 @@ PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_w
 
 
 def register(sub):
-    from nanoserve.cli.checks import weight_format
+    from nanoserve.cli.checks import positive_int, weight_format
 
     p = sub.add_parser("profile", help="where a prefill and a decode step spend their time, plus the roofline (chapter 09)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
@@ -57,6 +62,9 @@ def register(sub):
                    help="the KV pool's dtype (auto: float32)")
     p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
                    help="eager, or the compiled step (chapter 09)")
+    p.add_argument("--lora-rank", type=positive_int, default=None,
+                   help="serve random LoRA adapters of this rank on every projection (chapter 19): their share")
+    p.add_argument("--max-loras", type=positive_int, default=4, help="with --lora-rank: adapters the batch mixes")
     p.add_argument("--out-dir", default="results/profile", help="profile.json and profile.png go here")
     p.set_defaults(func=run)
 
@@ -70,6 +78,7 @@ def labelled_methods():
     from nanoserve.model.layers import MLP, Linear, RMSNorm
     from nanoserve.model.compiled import CompiledModel
     from nanoserve.model.llama import Llama
+    from nanoserve.lora.layers import LoRAMapping
     from nanoserve.model.quant import QuantLinear
 
     return [(Linear, "forward", "linear"), (QuantLinear, "forward", "linear"), (PagedAttention, "__call__", "attention"),
@@ -77,7 +86,7 @@ def labelled_methods():
             (RMSNorm, "forward", "norms/RoPE/act"), (MLP, "forward", "norms/RoPE/act"),
             (LlamaAttention, "forward", "norms/RoPE/act"), (DecoderBlock, "forward", "norms/RoPE/act"),
             (Llama, "forward", "norms/RoPE/act"), (CompiledModel, "forward", "norms/RoPE/act"),
-            (ModelRunner, "sample", "sampling"),
+            (LoRAMapping, "apply", "LoRA"), (ModelRunner, "sample", "sampling"),
             (Scheduler, "schedule", "scheduler/Python"), (Scheduler, "update_from_output", "scheduler/Python"),
             (ModelRunner, "prepare_inputs", "scheduler/Python"), (PagedAttention, "__init__", "scheduler/Python")]
 
@@ -170,8 +179,9 @@ def step_cost(config, num_tokens: int, num_sampled: int, contexts: list[int], ne
     return weights_bytes + kv_bytes, flops
 
 
-def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int) -> dict:
-    """Profile one prefill step of `batch` prompts and `decode_steps` decode steps of `batch` sequences."""
+def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int, adapters: list[str | None]) -> dict:
+    """Profile one prefill step of `batch` prompts and `decode_steps` decode steps of `batch` sequences; request i
+    under adapters[i % len(adapters)] (None: the base model)."""
     from nanoserve.sampling import SamplingParams
 
     engine, vocab = llm.engine, llm.model.config.vocab_size
@@ -180,7 +190,8 @@ def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int
     def add_batch(tag):
         for i in range(batch):
             engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                               SamplingParams(temperature=0, max_tokens=decode_steps + 3, ignore_eos=True))
+                               SamplingParams(temperature=0, max_tokens=decode_steps + 3, ignore_eos=True),
+                               lora_name=adapters[i % len(adapters)])
 
     def steps(n):
         times = []
@@ -226,7 +237,7 @@ def bound(phase: dict, bandwidth: float, peak: float) -> dict:
             "bound": verdict, "intensity_flop_per_byte": flops / nbytes}
 
 
-def plot(results: list[dict], path: str) -> None:
+def plot(results: list[dict], parts: list[str], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,7 +248,7 @@ def plot(results: list[dict], path: str) -> None:
     for ax, phase in zip(axes, ["decode", "prefill"]):
         labels = [f"B={r['batch']}\n{r[phase]['tokens']} tok" for r in results]
         bottom = [0.0] * len(results)
-        for color, part in zip(colors, PARTS):
+        for color, part in zip(colors, parts):
             share = [100 * r[phase]["parts_ms"][part] / sum(r[phase]["parts_ms"].values()) for r in results]
             ax.bar(labels, share, bottom=bottom, label=part, color=color)
             bottom = [b + s for b, s in zip(bottom, share)]
@@ -260,35 +271,49 @@ def run(args):
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.decode_steps < 1:
         print("error: --batch-sizes, --prompt-len and --decode-steps must be >= 1", file=sys.stderr)
         return 2
+    if args.lora_rank and args.compile_mode != "eager":
+        print("error: --lora-rank needs --compile-mode eager (LoRA runs on the eager engine)", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     biggest = max(args.batch_sizes)
     llm = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
-              num_blocks=biggest * (args.prompt_len // 16 + 2) + 8, compile_mode=args.compile_mode)
-    bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
-    results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, seed=b) for b in args.batch_sizes]
+              num_blocks=biggest * (args.prompt_len // 16 + 2) + 8, compile_mode=args.compile_mode,
+              enable_lora=bool(args.lora_rank), max_loras=args.max_loras, max_lora_rank=args.lora_rank or 16)
+    adapters = [None]
+    with tempfile.TemporaryDirectory(prefix="nanoserve-profile-lora-") as tmp:
+        if args.lora_rank:  # the directory lives as long as the run: an adapter memory drops is read again
+            from nanoserve.bench.lora import write_random_adapter
+
+            adapters = [f"r{args.lora_rank}-{i}" for i in range(args.max_loras)]
+            for i, name in enumerate(adapters):
+                llm.engine.add_lora(name, write_random_adapter(Path(tmp) / name, llm.model.config, args.lora_rank, i))
+        bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
+        results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, b, adapters) for b in args.batch_sizes]
     bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
     print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
           f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}"
-          f" --compile-mode {args.compile_mode}" + (f" --threads {args.threads}" if args.threads else ""))
+          f" --compile-mode {args.compile_mode}" + (f" --threads {args.threads}" if args.threads else "")
+          + (f" --lora-rank {args.lora_rank} --max-loras {args.max_loras}" if args.lora_rank else ""))
     print(f"threads: {torch.get_num_threads()}, weights {args.weights}; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM peak {peak / 1e9:.1f} GFLOP/s (ridge at {peak / bandwidth:.1f} FLOP/byte)")
     for r in results:
         for phase in ("decode", "prefill"):
             r[phase]["roofline"] = bound(r[phase], bandwidth, peak)
-    header = f"{'step':>16s} {'ms':>8s} " + " ".join(f"{p[:12]:>12s}" for p in PARTS) + "   roofline ms (mem/compute)  bound"
+    shown = [p for p in PARTS if args.lora_rank or p != "LoRA"]  # without adapters the LoRA part is 0
+    header = f"{'step':>16s} {'ms':>8s} " + " ".join(f"{p[:12]:>12s}" for p in shown) + "   roofline ms (mem/compute)  bound"
     print(header)
     for phase in ("decode", "prefill"):
         for r in results:
             x, roof = r[phase], r[phase]["roofline"]
             total = sum(x["parts_ms"].values())
             print(f"{phase + ' B=' + str(r['batch']):>16s} {x['step_ms']:8.1f} "
-                  + " ".join(f"{100 * x['parts_ms'][p] / total:11.0f}%" for p in PARTS)
+                  + " ".join(f"{100 * x['parts_ms'][p] / total:11.0f}%" for p in shown)
                   + f"   {roof['memory_ms']:8.1f} / {roof['compute_ms']:8.1f}       {roof['bound']}")
     print("(parts: % of the profiled step; ms: the same step without the profiler)")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "profile.json"), "w") as f:
         json.dump({"bandwidth_bytes_per_s": bandwidth, "gemm_flop_per_s": peak, "threads": torch.get_num_threads(),
                    "prompt_len": args.prompt_len, "results": results}, f, indent=1)
-    plot(results, os.path.join(args.out_dir, "profile.png"))
+    plot(results, shown, os.path.join(args.out_dir, "profile.png"))
     print(f"wrote {args.out_dir}/profile.json and profile.png")
