@@ -20,7 +20,7 @@ from nanoserve.engine.config import KVTransferConfig
 from nanoserve.memory import kv_bytes_per_token
 from nanoserve.model import LlamaConfig
 from nanoserve.server.kv_events import KVEventPublisher
-from tests.chapter_text import command_defaults, normalise, notebook_output, says, table_rows, word
+from tests.chapter_text import chapter, command_defaults, normalise, notebook_output, says, table_rows, word
 
 CH = "17"
 # the notebook's configurations (cell 7): name -> (config, KV dtype, bytes per value, parameters)
@@ -162,3 +162,22 @@ def test_the_interference_experiment():
     says(CH, f"{budgets[-1]:,} tokens put a whole {d['long_len']:,}-token prompt in one step")
     per_token = kv_bytes_per_token(LlamaConfig(), "fp32")
     says(CH, f"({per_token:,} B per token in float32: {d['long_len'] * per_token / 1e6:.0f} MB for {d['long_len']:,} tokens")
+
+
+def test_the_interference_table_and_its_reading():
+    """Section 7's ratios, recomputed from its own table."""
+    rows = {name.strip(): [float(x) for x in cells.split()[::2][:4]] + [float(cells.split()[-2])]
+            for name, cells in re.findall(r"((?:colocated, budget \d+|disaggregated, 1 \+ 1 threads)) +"
+                                          r"((?:\d+ ms +){4}[\d.]+ +\d+)", chapter(CH))}
+    pair = rows.pop("disaggregated, 1 + 1 threads")  # ITL p50, p99, TTFT p50, p99, out tok/s
+    assert len(rows) == 3
+    co = list(rows.values())
+    says(CH, f"its p99 is {pair[1]:.0f} ms: {min(c[1] for c in co) / pair[1]:.1f}× lower than the smallest budget's, "
+             f"{max(c[1] for c in co) / pair[1]:.1f}× lower than the largest's")
+    says(CH, f"{pair[0]:.0f} ms against {min(c[0] for c in co):.0f}–{max(c[0] for c in co):.0f}")
+    says(CH, f"an undisturbed decode step is {pair[0] / max(c[0] for c in co):.1f}× slower")
+    says(CH, f"{pair[2] / 1000:.1f} s at p50 against {min(c[2] for c in co) / 1000:.1f}–{max(c[2] for c in co) / 1000:.1f} s, "
+             f"{pair[2] / max(c[2] for c in co):.1f}–{pair[2] / min(c[2] for c in co):.1f}× longer")
+    assert max(abs(pair[4] / c[4] - 1) for c in co) < 0.045  # "within 4 %"
+    small, large = rows["colocated, budget 256"], rows["colocated, budget 2048"]
+    says(CH, f"ITL\n  p99 {large[1] / small[1]:.1f}× worse, TTFT p50 {small[2] / large[2]:.1f}× better")
