@@ -56,8 +56,9 @@ class LLM:
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
         and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
         kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
-        a bf16 GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS, measured); large_step_weights: keep a bf16
-        "copy" of each quantized weight for those steps (2 bytes per weight more: SmolLM2 q4 holds 161 MB + 269 MB) or
+        a GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS, measured), in bf16 where the CPU multiplies bf16
+        natively, else float32 (quant.LARGE_STEP_DTYPE); large_step_weights: keep a "copy" of each quantized weight
+        for those steps (2 bytes per weight more in bf16: SmolLM2 q4 holds 161 MB + 269 MB; 4 in float32) or
         "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
         a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).

@@ -135,7 +135,7 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
     set_kernel_crossover(model)  # what LLM(weights=...) does to the model it loads (llm.py), with its defaults
     try:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.bf16_copy is not None for m in layers)
+        assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.large_step_copy is not None for m in layers)
         narrow = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96),
                                                scheduler_config=SchedulerConfig(max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS)))
         batched, widest = serve(narrow, workload)

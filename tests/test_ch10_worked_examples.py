@@ -109,8 +109,15 @@ def test_the_crossover_constants():
 
 
 def test_the_formats_table_and_its_crossover():
-    rows = [r for r in table_rows(CH, r"\d+") if len(r) == 6 and r[5] in ("q4", "bf16", "fp32", "q4→bf16")]
-    assert len(rows) == 5
+    both = [r for r in table_rows(CH, r"\d+") if len(r) == 6 and r[5] in ("q4", "bf16", "fp32", "q4→bf16")]
+    assert len(both) == 9
+    rows, avx2 = both[:5], both[5:]  # the AMX machine's table, then the AVX2 machine's (q4→fp32: its large step)
+    names = ["fp32", "bf16", "q4", "q4→fp32"]
+    assert [r[5] for r in avx2] == [names[min(range(4), key=lambda i: number(r[1 + i]))] for r in avx2]
+    slower = [number(r[2]) / number(r[1]) for r in avx2 if int(r[0]) >= 128]
+    says(CH, f"The bf16 GEMM is {min(slower):.1f}–{max(slower):.1f}× slower than float32 from 128 rows on")
+    sixteen = next(r for r in avx2 if r[0] == "16")
+    assert abs(number(sixteen[3]) / number(sixteen[1]) - 1) < 0.02  # "ties float32 at 16"
     names = ["fp32", "bf16", "q4", "q4→bf16"]
     fastest = [names[min(range(4), key=lambda i: number(r[1 + i]))] for r in rows]
     assert [r[5] for r in rows] == fastest

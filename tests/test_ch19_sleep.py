@@ -193,7 +193,7 @@ def test_smollm2_q4_sleeps_and_wakes_at_both_levels():
     before = llm.generate(prompt, params, use_tqdm=False)[0].text
     model = llm.model
     held = [*model.parameters(), *model.buffers(),
-            *(m.bf16_copy for m in model.modules() if getattr(m, "bf16_copy", None) is not None)]
+            *(m.large_step_copy for m in model.modules() if getattr(m, "large_step_copy", None) is not None)]
     sizes = storage_sizes(held)
     pool = pool_sizes(model.config, llm.engine.block_manager.num_blocks, dtype_bytes=2)  # bf16
     for level in (1, 2):

@@ -1,6 +1,6 @@
 """The fast paths against the float32 oracle, greedy, on real prompts: bf16 weights (every product a bf16
-GEMM) and q4 with the kernel crossover (int4 kernel for small steps, bf16 GEMM for large ones, with the
-weight dequantized per step or kept as a bf16 copy), each also on a bf16 KV pool (kv_cache_dtype="bf16"), and
+GEMM) and q4 with the kernel crossover (int4 kernel for small steps, a GEMM in quant.LARGE_STEP_DTYPE for large
+ones, with the weight dequantized per step or kept as a copy), each also on a bf16 KV pool (kv_cache_dtype="bf16"), and
 q4 on a bf16 pool through the compiled step (compile_mode="buckets", chapter 09).
 
 Greedy decoding amplifies a near-tie: once one token differs, the texts part. So the check is per token,
@@ -102,12 +102,13 @@ def test_qkv_parallel_rows_are_the_column_slices():
 
 
 def test_bf16_weights_and_the_kernel_crossover():
-    """bf16: every product a bf16 GEMM, near float32. q4/int8 with a bf16 copy: the kernel up to the crossover,
-    the GEMM on the copy beyond, the copy equal to the dequantized weight rounded to bf16."""
+    """bf16: every product a bf16 GEMM, near float32. q4/int8 with a kept copy: the kernel up to the crossover,
+    the GEMM on the copy beyond, the copy equal to the dequantized weight in LARGE_STEP_DTYPE (bf16 where the CPU
+    multiplies bf16 natively, float32 elsewhere)."""
     import copy
 
-    from nanoserve.model.quant import (KERNEL_CROSSOVER_TOKENS, BF16Linear, Int8Linear, quantize_model,
-                                       set_kernel_crossover)
+    from nanoserve.model.quant import (KERNEL_CROSSOVER_TOKENS, LARGE_STEP_DTYPE, BF16Linear, Int8Linear,
+                                       quantize_model, set_kernel_crossover)
     from tests.tiny_model import tiny_llama
 
     fp32 = tiny_llama()
@@ -121,15 +122,16 @@ def test_bf16_weights_and_the_kernel_crossover():
     added = set_kernel_crossover(int8, None, "copy")
     layer = int8.layers[0].mlp.gate_up_proj
     assert isinstance(layer, Int8Linear) and layer.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS
-    assert added == sum(2 * m.in_features * m.out_features for m in int8.modules() if isinstance(m, Int8Linear)
-                        and m.name != "lm_head") + 2 * int8.lm_head.in_features * int8.lm_head.out_features
-    assert torch.equal(layer.bf16_copy, layer.dequantize().to(torch.bfloat16))
+    size = LARGE_STEP_DTYPE.itemsize  # bytes per weight of the copy: 2 (bf16) on a CPU with native bf16, else 4
+    assert added == sum(size * m.in_features * m.out_features for m in int8.modules() if isinstance(m, Int8Linear)
+                        and m.name != "lm_head") + size * int8.lm_head.in_features * int8.lm_head.out_features
+    assert torch.equal(layer.large_step_copy, layer.dequantize().to(LARGE_STEP_DTYPE))
     x = torch.randn(KERNEL_CROSSOVER_TOKENS + 1, layer.in_features)
     with torch.inference_mode():
         small = layer(x[:KERNEL_CROSSOVER_TOKENS])
         torch.testing.assert_close(small, layer.kernel(x[:KERNEL_CROSSOVER_TOKENS].bfloat16()).float())
         large = layer(x)
-        torch.testing.assert_close(large, F.linear(x.bfloat16(), layer.bf16_copy).float())
+        torch.testing.assert_close(large, F.linear(x.to(LARGE_STEP_DTYPE), layer.large_step_copy).float())
     with pytest.raises(ValueError, match="large_step_weights"):
         set_kernel_crossover(int8, None, "both")
 
@@ -161,3 +163,17 @@ def test_a_bf16_kv_pool_holds_twice_the_blocks_and_attends_like_float32():
         assert a.token_ids == b.token_ids  # a random tiny model has no near-ties at this scale
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLMEngine(model, EngineConfig(cache_config=CacheConfig(kv_cache_memory=1 << 20, kv_cache_dtype="fp16")))
+
+
+def test_the_large_step_dtype_follows_the_cpus_bf16_instructions(tmp_path):
+    """bf16 only where the kernel's flags list AMX's or AVX-512's bf16 dot products; float32 on an AVX2 CPU and
+    where there is no /proc/cpuinfo to read."""
+    from nanoserve.model.quant import LARGE_STEP_DTYPE, native_bf16
+
+    cases = {"fpu sse avx2 fma f16c": False, "avx2 avx512f avx512bw avx512_vnni": False,
+             "avx2 avx512f avx512_bf16": True, "avx512f amx_tile amx_bf16 amx_int8": True, "amx_bf16x": False}
+    for flags, native in cases.items():
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert native_bf16(str(tmp_path / "cpuinfo")) is native, flags
+    assert native_bf16(str(tmp_path / "missing")) is False
+    assert LARGE_STEP_DTYPE == (torch.bfloat16 if native_bf16() else torch.float32)

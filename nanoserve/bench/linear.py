@@ -21,8 +21,9 @@ o_proj, gate_up_proj, down_proj × 30, LM head), one column per way of multiplyi
   fp32        Linear (swap AB up to SWAP_AB_MAX_TOKENS)
   bf16        BF16Linear: bf16 weights, oneDNN's bf16 GEMM (AMX tiles on this CPU)
   int8, q4    the integer kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
-  int8→bf16, q4→bf16   dequantize the weight to bf16 for this call, then the bf16 GEMM
-              (large_step_weights="dequantize"; "copy" costs what the bf16 column does)
+  int8→bf16, q4→bf16   dequantize the weight for this call, then the GEMM, in quant.LARGE_STEP_DTYPE: bf16 where
+              the CPU multiplies bf16 natively, else float32 (the columns are named int8→fp32, q4→fp32 there)
+              (large_step_weights="dequantize"; "copy" costs what the bf16 or fp32 column does)
 
 The row where the bf16 GEMM overtakes the integer kernel is quant.KERNEL_CROSSOVER_TOKENS.
 --fused compares the fused products with the separate q, k, v, gate, up ones in float32 and bf16.
@@ -81,9 +82,10 @@ def random_q4_blocks(out: int, inp: int) -> torch.Tensor:
 
 
 def format_layers(weights: list[torch.Tensor], fmt: str) -> dict[str, list]:
-    """{column: layers} for one format; the integer formats give two columns, kernel and dequantize→bf16."""
+    """{column: layers} for one format; the integer formats give two columns, the kernel and dequantize → the
+    large-step GEMM (in quant.LARGE_STEP_DTYPE)."""
     from nanoserve.model.layers import Linear
-    from nanoserve.model.quant import BF16Linear, Int8Linear, Q4Linear
+    from nanoserve.model.quant import LARGE_STEP_DTYPE, BF16Linear, Int8Linear, Q4Linear
 
     if fmt == "fp32":
         layers = []
@@ -100,8 +102,8 @@ def format_layers(weights: list[torch.Tensor], fmt: str) -> dict[str, list]:
         layer.max_kernel_tokens = 1 << 30  # always the integer kernel
     dequant = [make(W) for W in weights]
     for layer in dequant:
-        layer.max_kernel_tokens = -1  # always dequantize → bf16 GEMM
-    return {fmt: kernel, f"{fmt}→bf16": dequant}
+        layer.max_kernel_tokens = -1  # always dequantize → the large-step GEMM
+    return {fmt: kernel, f"{fmt}→{'bf16' if LARGE_STEP_DTYPE == torch.bfloat16 else 'fp32'}": dequant}
 
 
 def run_formats(args, config, flop_per_token_of) -> None:

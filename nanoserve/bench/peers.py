@@ -83,7 +83,9 @@ def single_stream(llm, prefill_tokens: int, decode_tokens: int, tokenizer) -> tu
 
     engine = llm.engine
     prompt = (text_requests(tokenizer, 40, (200, 200))[0] * (prefill_tokens // 200 + 1))[:prefill_tokens]
-    engine.add_request("prefill", prompt, params(1))
+    # a salt of its own each call: the prompt is the same every round, and a prefix-cache hit on the last
+    # round's blocks would time a one-block prefill instead of prefill_tokens
+    engine.add_request("prefill", prompt, params(1), cache_salt=f"prefill-{time.perf_counter_ns()}")
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -7,7 +7,7 @@
                 This is the measurement behind QUANT_MAX_TOKENS (nanoserve/model/quant.py).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
-                int8 and q4 as LLM serves them: their kernel up to KERNEL_CROSSOVER_TOKENS, a bf16 copy beyond
+                int8 and q4 as LLM serves them: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond (quant.LARGE_STEP_DTYPE)
 
 The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
 timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
@@ -175,7 +175,7 @@ def run(args):
 
     from nanoserve.model.quant import set_kernel_crossover
 
-    for name, model in models.items():  # the engines serve as LLM does: the kernel up to the crossover, a bf16 copy beyond
+    for name, model in models.items():  # the engines serve as LLM does: the kernel up to the crossover, a copy beyond
         if name in ("int8", "q4"):
             set_kernel_crossover(model)
     with torch.inference_mode():

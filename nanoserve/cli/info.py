@@ -43,9 +43,11 @@ def run(args):
             n = weight_bytes(config, w)
             print(f"  {w:8s} {format_bytes(n):>10s} {n / counts['total']:13.3f} {format_bytes(n):>19s} "
                   f"{format_bytes(n / 16):>10s}")
-    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS
+    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, LARGE_STEP_DTYPE, QUANT_MAX_TOKENS
 
+    dtype = str(LARGE_STEP_DTYPE).removeprefix("torch.")
+    why = "this CPU multiplies bf16 natively" if dtype == "bfloat16" else "no bf16 instructions on this CPU"
     print(f"\nkernel crossover: int8 / q4 layers run their integer kernel on steps of up to {KERNEL_CROSSOVER_TOKENS} "
-          f"tokens and a bf16 GEMM beyond, on a kept bf16 copy\n  (KERNEL_CROSSOVER_TOKENS; LLM(kernel_crossover_tokens"
+          f"tokens and a {dtype} GEMM beyond ({why}), on a kept {dtype} copy\n  (KERNEL_CROSSOVER_TOKENS; LLM(kernel_crossover_tokens"
           f"=..., large_step_weights='copy'); {QUANT_MAX_TOKENS} when the weight is dequantized per step instead;\n"
           f"  measured with `python -m nanoserve bench linear --formats fp32 bf16 q4`)")

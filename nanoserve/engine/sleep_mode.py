@@ -31,7 +31,7 @@ SLEEP_LEVELS = (1, 2)
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the model holds, each under the first name it is found at: parameters, buffers and plain tensor
-    attributes (a quantized layer's bf16 copy, chapter 10). The same structure gives the same names, which is how
+    attributes (a quantized layer's large-step copy, chapter 10). The same structure gives the same names, which is how
     level 2 finds each tensor in the rebuilt model."""
     found, seen = {}, set()
     for prefix, module in model.named_modules(remove_duplicate=False):

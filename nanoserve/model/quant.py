@@ -31,12 +31,20 @@ built with. The two paths see the same inputs; the large-step path's weights car
 bf16: at most 2^-8 relative, half a unit in the last of its 8 significant bits), and the order of the
 float32 additions differs.
 
+All of that holds on a CPU that multiplies bf16 natively (AMX, or AVX-512 BF16). On one that does not (AVX2
+only: AMD's Zen 3, Intel before Cooper Lake) oneDNN emulates the bf16 GEMM, and it runs several times slower
+than float32's (`python -m nanoserve bench linear --bf16` on the machine at hand): there the large step's
+weight is float32 instead (LARGE_STEP_DTYPE: a float32 copy, 4 bytes per weight, or dequantized per call) and
+the large step multiplies float32 activations, as the oracle does. The kernels keep their bf16 activations.
+
 The embedding and LM head are Q8_0 in the GGUF (int8 in groups of 32). torch's int8 kernel has one scale
 per row only, so they are re-quantized per row (int8, one matrix shared by the lookup and the LM head):
 kept float32, that one matrix (113 MB) would be read per token more bytes than all 30 q4 layers together.
 """
 
+import re
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,6 +53,21 @@ from torch.nn import functional as F
 from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 
 WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
+
+
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AMX's or AVX-512's), read from the kernel's flags
+    (False where there is no /proc/cpuinfo: the float32 GEMM is the safe choice everywhere)."""
+    try:
+        flags = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) is not None
+
+
+# The dtype of a quantized layer's large-step GEMM (module docstring): bf16 where the CPU multiplies it natively
+LARGE_STEP_DTYPE = torch.bfloat16 if native_bf16() else torch.float32
+
 Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
 # Up to this many tokens a product runs in the quantized kernel; beyond, a bf16 GEMM (oneDNN, AMX tiles on
@@ -136,18 +159,21 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.name = in_features, out_features, name
         self.max_kernel_tokens = QUANT_MAX_TOKENS  # set_kernel_crossover changes it
-        self.bf16_copy: torch.Tensor | None = None  # large_step_weights="copy" keeps one
+        self.large_step_copy: torch.Tensor | None = None  # large_step_weights="copy" keeps one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), in x's dtype
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # (num_tokens, in)
+        x2 = x.reshape(-1, self.in_features)  # (num_tokens, in)
         if x2.shape[0] <= self.max_kernel_tokens:
-            y = self.kernel(x2)
-        else:  # a large step: the weight in bf16 (kept, or dequantized for this call only) and a bf16 GEMM
-            y = F.linear(x2, self.bf16_weight())
+            y = self.kernel(x2.to(torch.bfloat16))
+        else:  # a large step: the weight in LARGE_STEP_DTYPE (kept, or dequantized for this call only), one GEMM
+            w = self.large_step_weight()
+            y = F.linear(x2.to(w.dtype), w)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def bf16_weight(self) -> torch.Tensor:  # (out, in) bf16
-        return self.bf16_copy if self.bf16_copy is not None else self.dequantize().to(torch.bfloat16)
+    def large_step_weight(self) -> torch.Tensor:  # (out, in) in LARGE_STEP_DTYPE
+        if self.large_step_copy is not None:
+            return self.large_step_copy
+        return self.dequantize().to(LARGE_STEP_DTYPE)
 
     def extra_repr(self) -> str:
         return f"{self.name}: in={self.in_features}, out={self.out_features}"
@@ -234,7 +260,7 @@ class BF16Linear(QuantLinear):
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
-    def bf16_weight(self) -> torch.Tensor:
+    def large_step_weight(self) -> torch.Tensor:  # the format is bf16: its every product is a bf16 GEMM
         return self.weight
 
     def dequantize(self) -> torch.Tensor:
@@ -257,31 +283,40 @@ class BF16Embedding(nn.Module):
 
 def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step_weights: str = "copy"):
     """Per step, which product a quantized layer runs: its int8/int4 kernel up to `max_kernel_tokens` tokens,
-    a bf16 GEMM beyond, on a bf16 weight kept as a copy or dequantized per call (`large_step_weights`, one of
-    LARGE_STEP_WEIGHTS). Default tokens: KERNEL_CROSSOVER_TOKENS with a copy, QUANT_MAX_TOKENS without.
+    a GEMM in LARGE_STEP_DTYPE beyond, on a weight kept as a copy or dequantized per call (`large_step_weights`,
+    one of LARGE_STEP_WEIGHTS). Default tokens: KERNEL_CROSSOVER_TOKENS with a copy, QUANT_MAX_TOKENS without.
     Returns the bytes the copies add (0 for "dequantize")."""
     if large_step_weights not in LARGE_STEP_WEIGHTS:
         raise ValueError(f"unknown large_step_weights {large_step_weights!r}; known: {', '.join(LARGE_STEP_WEIGHTS)}")
     if max_kernel_tokens is not None and max_kernel_tokens < 0:
         raise ValueError(f"kernel_crossover_tokens must be >= 0, got {max_kernel_tokens}")
-    added = 0
-    copies: dict[int, torch.Tensor] = {}  # a tied LM head shares the embedding's tensors: one copy
-    for module in model.modules():
-        if not isinstance(module, QuantLinear) or isinstance(module, BF16Linear):
-            continue
-        default = KERNEL_CROSSOVER_TOKENS if large_step_weights == "copy" else QUANT_MAX_TOKENS
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not isinstance(m, BF16Linear)]
+    default = KERNEL_CROSSOVER_TOKENS if large_step_weights == "copy" else QUANT_MAX_TOKENS
+    owners: dict[int, QuantLinear] = {}  # a tied LM head shares the embedding's tensors: one copy for both
+    for module in layers:
         module.max_kernel_tokens = default if max_kernel_tokens is None else max_kernel_tokens
-        if large_step_weights == "copy":
-            key = next(iter(module.buffers())).data_ptr()
-            if key not in copies:
-                copies[key] = module.dequantize().to(torch.bfloat16)
-                added += copies[key].nbytes
-            module.bf16_copy = copies[key]
-        else:
-            module.bf16_copy = None
-    model.kernel_crossover_tokens = None if max_kernel_tokens is None else max_kernel_tokens
-    model.large_step_weights = large_step_weights
-    return added
+        module.large_step_copy = None
+        owners.setdefault(next(iter(module.buffers())).data_ptr(), module)
+    if large_step_weights == "dequantize":
+        model.kernel_crossover_tokens, model.large_step_weights = max_kernel_tokens, large_step_weights
+        return 0
+    # Every copy is a view of one allocation: hundreds of MB in one piece the allocator maps and unmaps whole, so
+    # freeing the copies (a sleep, chapter 19) gives the memory back to the OS; many separate few-MB copies land
+    # among the heap's other blocks, where glibc may keep their pages.
+    # (Each copy is set_ onto the storage, not sliced from a tensor: a slice keeps its base tensor alive, and with it
+    # the whole storage however the copies are released.)
+    sizes = {key: m.out_features * m.in_features for key, m in owners.items()}
+    storage = torch.empty(sum(sizes.values()), dtype=LARGE_STEP_DTYPE).untyped_storage()
+    copies, offset = {}, 0
+    for key, m in owners.items():
+        shape = (m.out_features, m.in_features)
+        copies[key] = torch.empty(0, dtype=LARGE_STEP_DTYPE).set_(storage, offset, shape, (shape[1], 1))
+        copies[key].copy_(m.dequantize())  # (out, in); the float32 dequantized weight is freed at once
+        offset += sizes[key]
+    for module in layers:
+        module.large_step_copy = copies[next(iter(module.buffers())).data_ptr()]
+    model.kernel_crossover_tokens, model.large_step_weights = max_kernel_tokens, large_step_weights
+    return storage.nbytes()
 
 
 class Int8Embedding(nn.Module):

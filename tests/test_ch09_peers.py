@@ -1,0 +1,24 @@
+"""Chapter 09 — `bench peers`' single stream: its prefill figure times the whole prompt every round, never a
+prefix-cache hit on the previous round's blocks (the prompt is the same each round)."""
+
+from types import SimpleNamespace
+
+from nanoserve.bench.peers import single_stream
+from nanoserve.engine.config import engine_config
+from nanoserve.engine.llm_engine import LLMEngine
+from tests.tiny_model import tiny_llama
+
+
+def test_every_rounds_prefill_computes_the_whole_prompt():
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=64, block_size=16), eos_token_id=-1)
+    assert engine.config.cache_config.enable_prefix_caching  # the default: what could hit
+    tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 256 for c in text])  # the tiny model's 256 ids
+    stats = engine.block_manager.stats
+    for _ in range(2):
+        before = stats.hit_tokens
+        decode, prefill = single_stream(SimpleNamespace(engine=engine), 96, 4, tokenizer)
+        assert decode > 0 and prefill > 0
+    # the second round's prefill found nothing of the first's 96 tokens; only the decode's 32-token prompt,
+    # the same every round, hits: its first block of 16 (the block holding the last prompt token is computed)
+    assert stats.hit_tokens - before == 16
+    assert not engine.has_unfinished_requests()
