@@ -102,7 +102,7 @@ def test_q4_1_blocks_and_the_tied_head():
 def test_the_crossover_constants():
     says(CH, f"up to `KERNEL_CROSSOVER_TOKENS = {KERNEL_CROSSOVER_TOKENS}` tokens, on the copy beyond")
     says(CH, f"switches above `QUANT_MAX_TOKENS = {QUANT_MAX_TOKENS}` tokens")
-    says(CH, f"runs a step wider than {KERNEL_CROSSOVER_TOKENS} tokens on the bf16 copy")
+    says(CH, f"runs a step wider than {KERNEL_CROSSOVER_TOKENS} tokens on the large-step copy")
     layers = 4 * SMOL.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the LM head
     says(CH, f"All {layers} Linear layers once (q/k/v and gate/up fused, the LM head included)")
     says(CH, f"the {layers}\nproducts above were {7 * SMOL.num_hidden_layers + 1} before")

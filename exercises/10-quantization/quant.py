@@ -42,7 +42,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Exercise 10.1. q (out, in) int8, scale (out,) -> (out, in) float32, w ≈ q · scale row by row
-    (an int8 layer's bf16 weight for a large step is made with it). Example: q [50, -127, 1] with scale
+    (an int8 layer's weight for a large step is made with it). Example: q [50, -127, 1] with scale
     0.010009765625 (0.01 in bf16) -> [0.5005, -1.2712, 0.0100] (to 4 decimals)."""
     raise NotImplementedError("Exercise 10.1: back to float32")
 
@@ -70,7 +70,7 @@ def int4_scale_and_zero(d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor,
 
 def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """Exercise 10.3. The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32 weights in a row
-    (a q4 layer's bf16 weight for a large step is made with it). q (out, in) in 0..15, scale and zero (out, in/32) -> (out, in)
+    (a q4 layer's weight for a large step is made with it). q (out, in) in 0..15, scale and zero (out, in/32) -> (out, in)
     float32. Example: q [0, 15, ...] in a group with scale 0.5, zero 1.0 -> [-3.0, 4.5, ...].
     """
     raise NotImplementedError("Exercise 10.3: the kernel's (q - 8) · scale + zero, group by group")

@@ -68,16 +68,20 @@ def float32_kernel(layer, x):
 
 
 def product_table(models: dict, tokens: list[int], repeats: int):
+    from nanoserve.model.quant import LARGE_STEP_DTYPE
+
     layers = {name: products(m) for name, m in models.items()}
     calls = {"fp32": ("fp32", lambda layer, x: layer(x))}
     for name in models:
         if name != "fp32":
             calls[f"{name} kernel"] = (name, lambda layer, x: layer.kernel(x.to(torch.bfloat16)))
-            calls[f"{name} dequant"] = (name, lambda layer, x: F.linear(x.to(torch.bfloat16),
-                                                                         layer.dequantize().to(torch.bfloat16)))
+            calls[f"{name} dequant"] = (name, lambda layer, x: F.linear(x.to(LARGE_STEP_DTYPE),
+                                                                         layer.dequantize().to(LARGE_STEP_DTYPE)))
+    dtype = str(LARGE_STEP_DTYPE).removeprefix("torch.")
     print(f"\nproducts: all {len(next(iter(layers.values())))} Linear layers "
           f"once, ms (best of {repeats}, interleaved); kernels take bf16 activations; "
-          f"dequant = bf16 copy of the weight + bf16 F.linear (a large step without a kept copy)")
+          f"dequant = the weight dequantized to {dtype} + {dtype} F.linear (a large step without a kept copy: "
+          f"quant.LARGE_STEP_DTYPE on this CPU)")
     print(f"{'tokens':>7s}" + "".join(f"{c:>15s}" for c in calls))
     for T in tokens:
         inputs = {n: torch.randn(T, n) for n in {576, 1536, 192}}

@@ -70,17 +70,19 @@ LARGE_STEP_DTYPE = torch.bfloat16 if native_bf16() else torch.float32
 
 Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
-# Up to this many tokens a product runs in the quantized kernel; beyond, a bf16 GEMM (oneDNN, AMX tiles on
-# this CPU) on a bf16 weight. Where that weight is dequantized for each call (a bare quantized model), the
-# crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill chunks on the GEMM,
-# since the dequantize pass costs more than a decode step's product. Where a bf16 copy is kept
+# Up to this many tokens a product runs in the quantized kernel; beyond, a GEMM in LARGE_STEP_DTYPE (bf16 on
+# AMX tiles, or float32) on a weight in that dtype. Where that weight is dequantized for each call (a bare
+# quantized model), the crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill
+# chunks on the GEMM,
+# since the dequantize pass costs more than a decode step's product. Where a copy is kept
 # (LLM's default, set_kernel_crossover), the GEMM costs only itself and wins from ~16 rows: the int4 kernel is
 # memory-bound, the bf16 GEMM compute-bound on AMX (`python -m nanoserve bench linear --formats fp32 bf16 q4`,
 # chapter 10 "The crossover"). A config value: LLM(kernel_crossover_tokens=...).
 QUANT_MAX_TOKENS = SWAP_AB_MAX_TOKENS
 KERNEL_CROSSOVER_TOKENS = 16
-# How a quantized layer gets its bf16 weight for a large step: "dequantize" it per call (no extra memory,
-# one pass over the weight per step) or keep a "copy" beside the quantized one (2 bytes per weight more).
+# How a quantized layer gets its large-step weight (LARGE_STEP_DTYPE): "dequantize" it per call (no extra memory,
+# one pass over the weight per step) or keep a "copy" beside the quantized one (2 bytes per weight more in
+# bf16, 4 in float32).
 LARGE_STEP_WEIGHTS = ("dequantize", "copy")
 INT4_INNER_K_TILES = 2  # a layout parameter of the packing; the CPU kernel accepts 1, 2, 4, 8
 
@@ -149,7 +151,7 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
 # ---- the layers ------------------------------------------------------------------------------------
 
 class QuantLinear(nn.Module):
-    """What both formats share: bf16 at the boundary, the kernel for small batches, dequantize for big ones.
+    """What both formats share: bf16 into the kernel for small batches, the large-step GEMM for big ones.
 
     Subclasses give `kernel(x_bf16)` and `dequantize()`; `name` (e.g. "layers.3.mlp.up_proj") is for errors.
     The quantized tensors are non-persistent buffers: they are built from the GGUF, not from a state_dict.
@@ -341,7 +343,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     (module name -> its GGUF Q4_1 blocks (out, in/32, 20)). Both: embedding and LM head int8 per row.
     functions: a module with the five functions of exercise 10 — `quantize_int8`, `dequantize_int8`, `unpack_q4_1`,
     `int4_scale_and_zero`, `dequantize_q4` (default: this one; exercise 10's file when the learner's quantizer
-    serves, see `LLM(student=True)`). The layers keep the two dequantize functions: they make the bf16 weight of a
+    serves, see `LLM(student=True)`). The layers keep the two dequantize functions: they make the large-step weight (LARGE_STEP_DTYPE) of a
     large step (LLM's copy, once at load, or a bare quantized model's, per large step).
     """
     from nanoserve.model.layers import Linear
