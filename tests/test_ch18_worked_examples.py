@@ -43,11 +43,11 @@ def test_the_measured_crossover():
         prefill.add(n, recompute_ms / 1000)
         load.add(n * PER_TOKEN, load_ms / 1000)
     s_per_token, (latency, s_per_byte) = prefill.fit()[1], load.fit()
-    says(CH, f"Fitted from that one run: recompute {s_per_token * 1e3:.1f} ms per token; load {1 / s_per_byte / 1e6:.0f} "
+    says(CH, f"Fitted from that one run: recompute {s_per_token * 1e3:.2f} ms per token; load {1 / s_per_byte / 1e6:.0f} "
              f"MB/s ({PER_TOKEN:,} B per token: {PER_TOKEN * s_per_byte * 1e3:.3f} ms per token) after\na fixed latency "
              f"of {latency * 1e3:.2f} ms")
     crossover = PER_TOKEN / s_per_token
-    says(CH, f"a tier of {PER_TOKEN:,} B / {s_per_token * 1e3:.1f} ms = {crossover / 1e6:.1f} MB/s, "
+    says(CH, f"a tier of {PER_TOKEN:,} B / {s_per_token * 1e3:.2f} ms = {crossover / 1e6:.1f} MB/s, "
              f"{1 / (crossover * s_per_byte):.0f}x below the load rate")  # 1 / s_per_byte: the load rate
     for n in (1, 16, 1024, 10**6):  # B* is where the decision turns, whatever the length (without latency)
         assert not should_load(n, PER_TOKEN, s_per_token, crossover * 0.99)
@@ -55,9 +55,10 @@ def test_the_measured_crossover():
     # "loading won at every length measured": in the table itself, and by the decision on the run's fitted rates
     assert all(load_ms < recompute_ms for _, recompute_ms, load_ms in rows)
     assert all(should_load(int(n), PER_TOKEN, s_per_token, 1 / s_per_byte, max(latency, 0.0)) for n, *_ in rows)
-    (small, small_recompute, small_load), *_, (large, large_recompute, large_load) = rows
-    says(CH, f"by {small_recompute / small_load:.0f}x at {small:.0f} tokens")
-    says(CH, f"and {large_recompute / large_load:.0f}x at {large:.0f}")
+    lone = [recompute_ms / load_ms for _, recompute_ms, load_ms in rows]
+    says(CH, f"A lone prefill cost {min(lone):.0f}–{max(lone):.0f}x its\nload ({lone[0]:.0f}x at {rows[0][0]:.0f} tokens")
+    added = [n * s_per_token * 1e3 / load_ms for n, _, load_ms in rows]  # only the marginal cost of the tokens
+    says(CH, f"rule: {s_per_token * 1e3:.2f} ms per token), {min(added):.0f}–{max(added):.0f}x")
 
 
 def test_capacity_per_kv_dtype():

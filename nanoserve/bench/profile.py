@@ -64,7 +64,8 @@ def register(sub):
                    help="eager, or the compiled step (chapter 09)")
     p.add_argument("--lora-rank", type=positive_int, default=None,
                    help="serve random LoRA adapters of this rank on every projection (chapter 19): their share")
-    p.add_argument("--max-loras", type=positive_int, default=4, help="with --lora-rank: adapters the batch mixes")
+    p.add_argument("--max-loras", type=positive_int, default=None,
+                   help="with --lora-rank: adapters the batch mixes (default 4)")
     p.add_argument("--out-dir", default="results/profile", help="profile.json and profile.png go here")
     p.set_defaults(func=run)
 
@@ -271,6 +272,10 @@ def run(args):
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.decode_steps < 1:
         print("error: --batch-sizes, --prompt-len and --decode-steps must be >= 1", file=sys.stderr)
         return 2
+    if args.max_loras is not None and not args.lora_rank:
+        print("error: --max-loras needs --lora-rank", file=sys.stderr)
+        return 2
+    args.max_loras = args.max_loras or 4
     if args.lora_rank and args.compile_mode != "eager":
         print("error: --lora-rank needs --compile-mode eager (LoRA runs on the eager engine)", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Chapter 19 — sleep mode: a worker hands its model's memory back while the server idles (vLLM's sleep / wake_up).
 
-    level 1   every byte of the weights (float32, int8 or Q4_1 blocks, bf16 copies, LoRA slots: as they are in
+    level 1   every byte of the weights (float32, int8 or Q4_1 blocks, large-step copies, LoRA slots: as they are in
               memory) goes to a temporary file, and the memory is freed. Wake: one read of the file back, no
               parsing, no dequantizing, no repacking.
     level 2   the weights are dropped. Wake: the model is built again from its GGUF (the `loader` the engine was
@@ -35,7 +35,8 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     level 2 finds each tensor in the rebuilt model."""
     found, seen = {}, set()
     for prefix, module in model.named_modules(remove_duplicate=False):
-        attrs = [*module._parameters.items(), *module._buffers.items(), *vars(module).items()]
+        attrs = [*module.named_parameters(recurse=False, remove_duplicate=False),
+                 *module.named_buffers(recurse=False, remove_duplicate=False), *vars(module).items()]
         for name, t in attrs:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
