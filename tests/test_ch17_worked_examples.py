@@ -178,6 +178,6 @@ def test_the_interference_table_and_its_reading():
     says(CH, f"an undisturbed decode step is {pair[0] / max(c[0] for c in co):.1f}× slower")
     says(CH, f"{pair[2] / 1000:.1f} s at p50 against {min(c[2] for c in co) / 1000:.1f}–{max(c[2] for c in co) / 1000:.1f} s, "
              f"{pair[2] / max(c[2] for c in co):.1f}–{pair[2] / min(c[2] for c in co):.1f}× longer")
-    assert max(abs(pair[4] / c[4] - 1) for c in co) < 0.045  # "within 4 %"
+    assert 0.04 < max(abs(pair[4] / c[4] - 1) for c in co) <= 0.05  # "within 5 %" (and not within 4 %)
     small, large = rows["colocated, budget 256"], rows["colocated, budget 2048"]
     says(CH, f"ITL\n  p99 {large[1] / small[1]:.1f}× worse, TTFT p50 {small[2] / large[2]:.1f}× better")

@@ -1,5 +1,5 @@
 """`python -m nanoserve bench peers`: nanoserve in each weight format against transformers' static batching
-in float32 and bfloat16, on the same requests, in interleaved rounds (the issue-26 scoreboard).
+in float32 and bfloat16, on the same requests, in interleaved rounds.
 
 The workload: distinct prompts of 20–200 tokens cut from real text (nanoserve/bench/heldout.txt), each
 generating exactly --new-tokens tokens, greedy, EOS ignored. Per round every system serves all requests
@@ -27,7 +27,7 @@ import torch
 
 
 def register(sub):
-    p = sub.add_parser("peers", help="nanoserve's formats vs transformers static fp32/bf16, interleaved (issue 26)")
+    p = sub.add_parser("peers", help="nanoserve's formats vs transformers static fp32/bf16, interleaved (chapters 09 and 10)")
     p.add_argument("--num-requests", type=int, nargs="+", default=[16, 64])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "q4"], choices=["fp32", "bf16", "int8", "q4"])
