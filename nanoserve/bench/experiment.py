@@ -156,15 +156,17 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(20, vocab) for _ in range(n)]
 
 
-def interleaved(rounds: int, systems: dict, measure) -> dict:
+def interleaved(rounds: int, systems: dict, measure, first: int = 0) -> dict:
     """{name: [result per round]}, measuring A, B, then B, A, then A, B, ...: each system sees the same drift, and
-    none always runs first (the first of a round follows whatever the last round left behind)."""
+    none always runs first (the first of a round follows whatever the last round left behind). first: the index of
+    the first round, for a caller that runs its rounds one call at a time (what measure gets and the progress
+    lines print; the order still starts with A, B)."""
     results = {name: [] for name in systems}
     order = list(systems.items())
     for r in range(rounds):
         for name, system in order if r % 2 == 0 else order[::-1]:
-            results[name].append(measure(name, system, r))
-            print(f"  round {r + 1} {name}: done", file=sys.stderr, flush=True)
+            results[name].append(measure(name, system, first + r))
+            print(f"  round {first + r + 1} {name}: done", file=sys.stderr, flush=True)
     return results
 
 

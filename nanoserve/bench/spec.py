@@ -198,7 +198,7 @@ def load_table(args, engine, tokenizer, course_prompts) -> None:
 
         results = {name: [] for name in systems}
         for r in range(args.rounds):  # one round at a time, the order reversed from one round (or N) to the next
-            for name, got in interleaved(1, dict(list(systems.items())[::1 if (j + r) % 2 == 0 else -1]), measure).items():
+            for name, got in interleaved(1, dict(list(systems.items())[::1 if (j + r) % 2 == 0 else -1]), measure, first=r).items():
                 results[name] += got
         (off, _), (spec, alpha) = (max(runs) for runs in results.values())
         print(f"  {n:>3} {off:10.2f} {spec:12.2f} {spec / off:7.2f}x {alpha:6.2f}")

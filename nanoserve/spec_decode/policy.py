@@ -10,11 +10,10 @@ everyone. So speculation turns off once the running batch reaches `disable_by_ba
 
 from dataclasses import dataclass
 
-# Speculate only while a sequence runs alone. Provisional, and not backed by a measured win: in chapter 14's
-# section 7 (`python -m nanoserve bench spec --prompts 1 --max-tokens 24 -k 2 4 --proposers ngram draft --load 1 4
-# --rounds 1 --threads 1`: one prompt of each kind, one round, a 2-core CPU at load ~25) n-gram won nowhere:
-# 0.96x-0.98x on a grounded prompt and 0.82x on a chat prompt at batch 1, 0.59x with 1 and 0.85x with 4 grounded
-# requests at once. Batch 1 is where the extra rows cost least, so where a win would show first.
+# Speculate only while a sequence runs alone. Chapter 14's section 7 (`python -m nanoserve bench spec --threads 1`,
+# on a reserved core): n-gram won at batch 1 on the 3 grounded prompts, 1.09x-1.16x at k = 2 and 4 (one pass per
+# prompt), and lost on another grounded prompt alone (0.90x, load N = 1) and with 4 and 16 grounded requests at
+# once (0.69x, 0.86x). Batch 1 is where the extra rows cost least; N = 2 and 3 were not measured.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
