@@ -12,7 +12,7 @@ from nanoserve.structured import compiler, trie_grammar
 from nanoserve.structured.compiler import GrammarCache, StructuredOutputError
 from nanoserve.structured.params import StructuredOutputsParams
 from nanoserve.structured.tools import Tool, plan
-from tests.chapter_text import says
+from tests.chapter_text import chapter, says
 
 CH = "13"
 
@@ -67,3 +67,22 @@ def test_a_tool_calls_id():
     digits = call["id"].removeprefix("call_")
     assert call["id"].startswith("call_") and re.fullmatch("[0-9a-f]+", digits)
     says(CH, f"each with an `id` (`call_` and {len(digits)} hex digits)")
+
+
+def test_the_measured_overhead_and_its_reading():
+    """The Measured block's split adds up to its overhead, and the reading below it is computed from the block."""
+    text = chapter(CH)
+    split = {int(n): [float(x) for x in parts] for n, *parts in re.findall(
+        r"TPOT overhead at (\d+): \+[\d.]+ % = ([\d.]+) ms a step: matcher advance ([\d.]+) ms, mask fill ([\d.]+) ms, "
+        r"mask apply ([\d.]+) ms, the rest ([\d.]+) ms", text)}
+    assert set(split) == {1, 16}
+    for total, *parts in split.values():
+        assert abs(sum(parts) - total) < 0.015  # the rest is the difference less the three timed parts
+    total, advance, fill, apply, rest = split[16]
+    says(CH, f"*mask apply* is {apply} of the {total} ms ({apply / total:.0%})".replace("%", " %"))
+    says(CH, f"{split[1][1] + split[1][2]:.2f} ms a step alone and {advance + fill:.2f} ms at 16")
+    says(CH, f"At one request *the rest* is {split[1][4]} of the {split[1][0]} ms")
+    ours, theirs = map(float, re.search(r"ours \(bitmask.py\) ([\d.]+) ms, xgrammar's CPU kernel ([\d.]+) ms", text).groups())
+    says(CH, f"in {ours} ms, {ours / theirs:.1f}× slower")
+    walk, fill_ms = map(float, re.search(r"Python walk over 49152 tokens ([\d.]+) ms .* xgrammar's fill ([\d.]+) ms", text).groups())
+    says(CH, f"{walk / fill_ms:.0f}× slower")

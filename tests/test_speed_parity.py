@@ -168,7 +168,7 @@ def test_a_bf16_kv_pool_holds_twice_the_blocks_and_attends_like_float32():
 def test_the_large_step_dtype_follows_the_cpus_bf16_instructions(tmp_path):
     """bf16 only where the kernel's flags list AMX's or AVX-512's bf16 dot products; float32 on an AVX2 CPU and
     where there is no /proc/cpuinfo to read."""
-    from nanoserve.model.quant import LARGE_STEP_DTYPE, native_bf16
+    from nanoserve.model.quant import native_bf16
 
     cases = {"fpu sse avx2 fma f16c": False, "avx2 avx512f avx512bw avx512_vnni": False,
              "avx2 avx512f avx512_bf16": True, "avx512f amx_tile amx_bf16 amx_int8": True, "amx_bf16x": False}
@@ -176,4 +176,27 @@ def test_the_large_step_dtype_follows_the_cpus_bf16_instructions(tmp_path):
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
         assert native_bf16(str(tmp_path / "cpuinfo")) is native, flags
     assert native_bf16(str(tmp_path / "missing")) is False
-    assert LARGE_STEP_DTYPE == (torch.bfloat16 if native_bf16() else torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_large_step_runs_in_the_large_step_dtype(monkeypatch, dtype):
+    """Either CPU's path, on any CPU: the copy is made in LARGE_STEP_DTYPE, and a step wider than the crossover
+    multiplies activations in it by the copy (float32: nothing rounded to bf16), the kernel's rows staying bf16."""
+    import copy
+
+    from nanoserve.model import quant
+    from tests.tiny_model import tiny_llama
+
+    monkeypatch.setattr(quant, "LARGE_STEP_DTYPE", dtype)
+    model = quant.quantize_model(copy.deepcopy(tiny_llama()), "int8")
+    added = quant.set_kernel_crossover(model)
+    layer = model.layers[0].mlp.down_proj
+    assert layer.large_step_copy.dtype == dtype and torch.equal(layer.large_step_copy, layer.dequantize().to(dtype))
+    assert added == dtype.itemsize * sum(m.in_features * m.out_features for m in model.modules()
+                                         if isinstance(m, quant.Int8Linear) and m.name != "lm_head") \
+        + dtype.itemsize * model.lm_head.in_features * model.lm_head.out_features
+    x = torch.randn(quant.KERNEL_CROSSOVER_TOKENS + 1, layer.in_features)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x.to(dtype), layer.large_step_copy).float())
+        small = x[:quant.KERNEL_CROSSOVER_TOKENS]
+        assert torch.equal(layer(small), layer.kernel(small.bfloat16()).float())
