@@ -125,5 +125,10 @@ def test_serve_without_weights_serves_the_ggufs_own_format(flags, weights, kv, s
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())
     args = parser.parse_args(["serve", *flags])
-    assert said in serve.serving_format(args)
+    text = serve.serving_format(args)
+    assert said in text
     assert (args.weights, args.kv_cache_dtype) == (weights, kv)
+    from nanoserve.model.quant import LARGE_STEP_DTYPE  # chapter 10: q4's large steps, in the dtype they run in
+
+    large = "large steps in " + ("bf16" if LARGE_STEP_DTYPE == torch.bfloat16 else "float32")
+    assert (large in text) == (weights == "q4") and ("large steps" in text) == (weights == "q4")

@@ -146,8 +146,14 @@ def serving_format(args) -> str:
     args.kv_cache_dtype = args.kv_cache_dtype or "auto"
     pool = "the model's" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     step = "eager step" if args.compile_mode == "eager" else f"compiled step ({args.compile_mode})"
-    return f"{args.weights} weights, {pool} KV pool, {step}" + (
+    said = f"{args.weights} weights, {pool} KV pool, {step}" + (
         "" if args.weights == "fp32" else " (--weights fp32 is the float32 reference)")
+    if args.weights in ("int8", "q4"):  # chapter 10: the large steps' GEMM follows the CPU's bf16 instructions
+        from nanoserve.model.quant import LARGE_STEP_DTYPE
+
+        said += ("; large steps in bf16 (this CPU multiplies bf16)" if str(LARGE_STEP_DTYPE) == "torch.bfloat16"
+                 else "; large steps in float32 (no bf16 instructions on this CPU)")
+    return said
 
 
 def check_args(args) -> str | None:
