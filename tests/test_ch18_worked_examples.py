@@ -2,7 +2,8 @@
 line fitted through the measured crossover table (rates.LineFit, as the engine fits its rates), the capacity table
 per KV dtype (chapter 04's formula and quantized_block_bytes), float8's steps and the returning-users pool are built
 here from nanoserve/ and must appear in the chapter word for word; the error ratios are recomputed from the error
-table, and the notebook's tier walk-through must be what the committed notebook printed."""
+table, the notebook's tier walk-through must be what the committed notebook printed, and the swap experiment's
+counts are run on the tiny model."""
 
 import re
 
@@ -151,3 +152,26 @@ def test_swap_or_recompute_by_hand():
     says(CH, f"{swap_tps} output tokens/s against {recompute_tps} is {(swap_tps / recompute_tps - 1) * 100:.1f} % more — "
              f"the 24 × 96 = {tokens:,} output\ntokens in {tokens / swap_tps:.1f} s instead of {tokens / recompute_tps:.1f} s, "
              f"{tokens / recompute_tps - tokens / swap_tps:.1f} s saved")
+
+
+def test_the_swap_experiments_counts_on_the_tiny_model():
+    """Section 6: the counts depend on neither the machine (the scheduler plans by counts, never by the clock) nor the
+    model's weights: the experiment's own arrivals (SmolLM2's vocabulary) on the tiny model, one round, give
+    the table's preemptions, tokens recomputed, blocks swapped out and swap-ins."""
+    from nanoserve.bench.experiment import OVERLOAD_BLOCKS, overload_arrivals
+    from nanoserve.bench.kv_tiers import compare_preemption_modes
+    from tests.tiny_model import tiny_llama
+
+    arrivals = overload_arrivals(SMOL.vocab_size, 96)  # the command's defaults: 96 output tokens
+    best = compare_preemption_modes(tiny_llama(vocab_size=SMOL.vocab_size), arrivals, OVERLOAD_BLOCKS, 16, rounds=1)
+    recompute, swap = best["recompute"], best["swap"]
+    assert swap["swap_fallbacks"] == 0 and swap["same_text_as_recompute"] == 1.0
+    assert recompute["swapped_out_blocks"] == recompute["swap_ins"] == 0 and swap["recomputed_tokens"] == 0
+    rows = {r[0]: r for r in table_rows(CH, "recompute|swap") if len(r) == 9}
+    assert rows["recompute"][1:4] == [str(recompute["preemptions"]), f"{recompute['recomputed_tokens']:,}", "—"]
+    assert rows["swap"][1:4] == [str(swap["preemptions"]), "0", f"{swap['swapped_out_blocks']} / {swap['swap_ins']}"]
+    says(CH, f"{len(arrivals)} requests of 64–128 prompt tokens and 96 output tokens at once on a pool of "
+             f"{OVERLOAD_BLOCKS} blocks of 16")
+    says(CH, f"recompute computes fewer tokens again than the table's {recompute['recomputed_tokens']:,}")
+    says(CH, f"MB are {swap['swapped_out_blocks']} blocks of {16 * PER_TOKEN:,} bytes")
+    says(CH, f"swapping saved {recompute['recomputed_tokens']:,} tokens of prefill")
