@@ -180,9 +180,10 @@ def step_cost(config, num_tokens: int, num_sampled: int, contexts: list[int], ne
     return weights_bytes + kv_bytes, flops
 
 
-def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int, adapters: list[str | None]) -> dict:
+def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int,
+                  adapters: tuple[str | None, ...] = (None,)) -> dict:
     """Profile one prefill step of `batch` prompts and `decode_steps` decode steps of `batch` sequences; request i
-    under adapters[i % len(adapters)] (None: the base model)."""
+    under adapters[i % len(adapters)] (None: the base model, the default for every request)."""
     from nanoserve.sampling import SamplingParams
 
     engine, vocab = llm.engine, llm.model.config.vocab_size
@@ -285,12 +286,12 @@ def run(args):
     llm = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
               num_blocks=biggest * (args.prompt_len // 16 + 2) + 8, compile_mode=args.compile_mode,
               enable_lora=bool(args.lora_rank), max_loras=args.max_loras, max_lora_rank=args.lora_rank or 16)
-    adapters = [None]
+    adapters: tuple[str | None, ...] = (None,)
     with tempfile.TemporaryDirectory(prefix="nanoserve-profile-lora-") as tmp:
         if args.lora_rank:  # the directory lives as long as the run: an adapter memory drops is read again
             from nanoserve.bench.lora import write_random_adapter
 
-            adapters = [f"r{args.lora_rank}-{i}" for i in range(args.max_loras)]
+            adapters = tuple(f"r{args.lora_rank}-{i}" for i in range(args.max_loras))
             for i, name in enumerate(adapters):
                 llm.engine.add_lora(name, write_random_adapter(Path(tmp) / name, llm.model.config, args.lora_rank, i))
         bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
