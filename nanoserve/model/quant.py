@@ -302,23 +302,13 @@ def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step
     if large_step_weights == "dequantize":
         model.kernel_crossover_tokens, model.large_step_weights = max_kernel_tokens, large_step_weights
         return 0
-    # Every copy is a view of one allocation: hundreds of MB in one piece the allocator maps and unmaps whole, so
-    # freeing the copies (a sleep, chapter 19) gives the memory back to the OS; many separate few-MB copies land
-    # among the heap's other blocks, where glibc may keep their pages.
-    # (Each copy is set_ onto the storage, not sliced from a tensor: a slice keeps its base tensor alive, and with it
-    # the whole storage however the copies are released.)
-    sizes = {key: m.out_features * m.in_features for key, m in owners.items()}
-    storage = torch.empty(sum(sizes.values()), dtype=LARGE_STEP_DTYPE).untyped_storage()
-    copies, offset = {}, 0
-    for key, m in owners.items():
-        shape = (m.out_features, m.in_features)
-        copies[key] = torch.empty(0, dtype=LARGE_STEP_DTYPE).set_(storage, offset, shape, (shape[1], 1))
-        copies[key].copy_(m.dequantize())  # (out, in); the float32 dequantized weight is freed at once
-        offset += sizes[key]
+    # copy=True: a tensor of its own, not a view of dequantize()'s scratch (a view keeps its base, and the base's
+    # storage, alive however the copy is released: a sleep, chapter 19, would free nothing)
+    copies = {key: m.dequantize().to(LARGE_STEP_DTYPE, copy=True) for key, m in owners.items()}  # (out, in) each
     for module in layers:
         module.large_step_copy = copies[next(iter(module.buffers())).data_ptr()]
     model.kernel_crossover_tokens, model.large_step_weights = max_kernel_tokens, large_step_weights
-    return storage.nbytes()
+    return sum(c.nbytes for c in copies.values())
 
 
 class Int8Embedding(nn.Module):
