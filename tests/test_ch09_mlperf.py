@@ -233,3 +233,44 @@ def test_bad_flags_are_one_error_line_and_exit_2(argv, fragment, capsys):
     assert main(["bench", "mlperf", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
+
+
+def test_a_repeated_sample_is_computed_again_not_read_from_the_prefix_cache(few, tiny, tokenizer):
+    """LoadGen issues each sample many times; each query's own cache_salt keeps a repeat from hitting the blocks
+    its last issue left (the control: the same prompt twice without a salt is a hit)."""
+    import asyncio
+
+    import httpx
+
+    from nanoserve.sampling import SamplingParams
+    from nanoserve.server.runner import serving
+
+    sample = few[4]  # a document: several full blocks
+
+    async def twice(generate):
+        for _ in range(2):
+            await generate(sample, lambda ids: None)
+
+    control = new_engine(tiny, tokenizer)
+    for i in range(2):
+        control.add_request(str(i), sample["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=1))
+        while control.has_unfinished_requests():
+            control.step()
+    assert control.block_manager.stats.hit_tokens >= 16 * (len(sample["prompt_token_ids"]) // 16 - 1)
+
+    engine = AsyncLLMEngine(new_engine(tiny, tokenizer))
+    engine.start()
+    try:
+        asyncio.run(twice(engine_generator(engine)))
+    finally:
+        engine.shutdown()
+    assert engine.engine.block_manager.stats.queried_tokens > 0 and engine.engine.block_manager.stats.hit_tokens == 0
+
+    served = new_engine(tiny, tokenizer)
+    with serving(served, tokenizer, model_name="tiny") as (url, _):
+        async def over_http():
+            async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
+                await twice(openai_generator(client, url, "tiny", tokenizer))
+
+        asyncio.run(over_http())
+    assert served.block_manager.stats.queried_tokens > 0 and served.block_manager.stats.hit_tokens == 0

@@ -21,6 +21,12 @@ Two ways to generate: `engine_generator` (nanoserve's AsyncLLMEngine in this pro
 engine's own) and `openai_generator` (streamed /v1/completions to any OpenAI-compatible server, the prompt
 sent as token ids so every server sees the same tokens; n_tokens is the server's `usage`, and the ids are
 its text re-encoded by the model's tokenizer, since OpenAI's stream carries text).
+
+Every query is computed from its first token. LoadGen issues each of the 64 samples many times (460 queries
+in a Server try), and a prefix cache would answer a repeat's prompt from the blocks its last issue left: a
+TTFT of one decode step, which MLPerf's thousands of distinct samples never give. So each query carries a
+`cache_salt` of its own (vLLM's field, nanoserve's too): it shares no block with any other query. A server
+that does not know the field must be started without its prompt cache (llama-server: --no-cache-prompt).
 """
 
 import array
@@ -107,8 +113,9 @@ def engine_generator(engine):
 
     async def generate(sample: dict, on_first) -> Completion:
         params = SamplingParams(temperature=0, max_tokens=sample["max_tokens"])
-        out = None
-        async for out in engine.generate(f"mlperf-{next(ids)}", sample["prompt_token_ids"], params):
+        request_id, out = f"mlperf-{next(ids)}", None
+        stream = await engine.add_request(request_id, sample["prompt_token_ids"], params, cache_salt=request_id)
+        async for out in stream:
             if out.token_ids:
                 on_first(out.token_ids)
         if out.finish_reason == "abort":
@@ -122,9 +129,12 @@ def openai_generator(client, url: str, model: str, tokenizer):
     """generate() over any OpenAI-compatible server (an httpx.AsyncClient), via bench serve's streaming client."""
     from nanoserve.bench.client import send
 
+    ids = itertools.count()
+
     async def generate(sample: dict, on_first) -> Completion:
         body = {"model": model, "prompt": sample["prompt_token_ids"], "max_tokens": sample["max_tokens"],
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                "cache_salt": f"mlperf-{next(ids)}"}
         record, text = await send(client, url, body, lambda t: len(tokenizer.encode(t)),
                                   on_first=lambda delta: on_first(tokenizer.encode(delta)))
         token_ids = tokenizer.encode(text)
