@@ -274,3 +274,22 @@ def test_a_repeated_sample_is_computed_again_not_read_from_the_prefix_cache(few,
 
         asyncio.run(over_http())
     assert served.block_manager.stats.queried_tokens > 0 and served.block_manager.stats.hit_tokens == 0
+
+
+def test_oracle_gaps_are_zero_on_the_oracles_own_answer_and_the_logit_gap_where_it_differs(tiny):
+    """Teacher-forced under the oracle: its own greedy answer has no gap; a token swapped for its runner-up has
+    exactly the oracle's top-1 minus top-2 logit there, and the tokens before it still none."""
+    import torch
+
+    prompt, answer = [5, 17, 3, 99], []
+    with torch.inference_mode():
+        for _ in range(6):  # greedy, the plain way: the whole sequence every time
+            answer.append(int(tiny.compute_logits(tiny(torch.tensor(prompt + answer)))[-1].argmax()))
+        logits = tiny.compute_logits(tiny(torch.tensor(prompt + answer[:2])))[-1]
+    top2 = logits.topk(2)
+    samples = {0: {"prompt_token_ids": prompt}}
+    assert mlperf.oracle_gaps({0: answer}, samples, tiny) == [0.0] * 6
+    swapped = answer[:2] + [int(top2.indices[1])] + answer[3:]
+    gaps = mlperf.oracle_gaps({0: swapped}, samples, tiny)
+    assert gaps[:2] == [0.0, 0.0] and len(gaps) == 6
+    assert gaps[2] == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-5) and gaps[2] > 0

@@ -239,6 +239,30 @@ def score(outputs: dict[int, list[int]], samples, tokenizer) -> dict:
     return {"samples": len(outputs), "exact": exact, "rouge_l": rouge, "passed": rouge >= PASS_ROUGE_L}
 
 
+def oracle_gaps(outputs: dict[int, list[int]], samples, oracle) -> list[float]:
+    """Every answer read by the float32 oracle, teacher-forced on the answer's own tokens: at each token the
+    system chose, how far (in logits) it was below the oracle's own best choice there; 0 where they agree.
+    A greedy answer that drifted from the reference through near-ties shows only small gaps (two candidates the
+    oracle itself nearly tied, flipped by rounding); a broken system shows large ones.
+
+        logits at one position   {"the": 12.0, "a": 11.7, "dog": 3.0}
+        the system chose "a"     gap 0.3   (a near-tie: q4's rounding moves logits by about that much)
+        the system chose "dog"   gap 9.0   (not a tie: the answer is worse, not merely different)
+    """
+    import torch
+
+    gaps = []
+    for index, ids in outputs.items():
+        if not ids:
+            continue
+        prompt = samples[index]["prompt_token_ids"]
+        with torch.inference_mode():  # logits[i] predicts token i + 1: the answer's are from len(prompt) - 1
+            logits = oracle.compute_logits(oracle(torch.tensor(prompt + ids)))[len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(ids)[:, None])[:, 0]
+        gaps += (logits.max(-1).values - chosen).tolist()
+    return gaps
+
+
 # ---- the command -------------------------------------------------------------------------------------------------
 
 def engine_system(args):
@@ -310,6 +334,13 @@ def measure(args, sut, out_dir: str) -> int:
         print(f"accuracy ({result['samples']} samples, from {out_dir}/mlperf_log_accuracy.json): "
               f"{result['exact']}/{result['samples']} the same text as the float32 oracle's greedy answer, "
               f"ROUGE-L {result['rouge_l']:.4f} (pass: >= {PASS_ROUGE_L}): {'PASS' if result['passed'] else 'FAIL'}")
+        from nanoserve.metrics import percentile
+        from nanoserve.model import load_gguf
+
+        gaps = oracle_gaps(read_accuracy_log(out_dir), sut.samples, load_gguf()) or [0.0]
+        print(f"under the float32 oracle, teacher-forced: {sum(g > 0 for g in gaps)} of {len(gaps)} tokens not its own "
+              f"first choice; gap to its choice p99 {percentile(gaps, 99):.2f}, largest {max(gaps, default=0):.2f} "
+              f"logits" + (" (ids re-encoded from the server's text)" if args.url else ""))
         failed = len(sut.failures)
         if failed:
             print(f"{failed} requests FAILED (completed to LoadGen with what they had): {sut.failures[:3]}")
