@@ -147,7 +147,26 @@ def test_the_kv_routing_experiment(smollm2_tokenizer):
     says(CH, f"which\nfor these prompts comes to {ceiling}")
     for router in ("prefix (chapter 16)", "KV-aware (events as published)"):
         says(CH, f"| {router} | {ceiling} | 0 |")
-    command_defaults(experiment, "experiment", "kv-routing", "--replicas", "2", "--num-blocks", "48", "--num-users", "6")
+    command_defaults(experiment, "experiment", "kv-routing", "--workload", "per-user", "--replicas", "2", "--num-blocks",
+                     "48", "--num-users", "6")
+
+
+def test_the_shared_prompts_workload(smollm2_tokenizer):
+    """Section 6's shared-prompts workload, in SmolLM2's tokens: the blocks every user shares, and what a user's
+    later turns find of their earlier ones."""
+    assert next(iter(kv_routing.WORKLOADS)) == "shared-prompts" and command_defaults(
+        experiment, "experiment", "kv-routing").workload is None  # no --workload: the first one
+    says(CH, "(`--workload shared-prompts`, the default)")
+    users = command_defaults(experiment, "experiment", "kv-routing").num_users
+    prompts = [smollm2_tokenizer.encode_chat(item["messages"]) for item in kv_routing.shared_prompts(users)]
+
+    def common(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    shared = min(common(prompts[0], p) for p in prompts[1:users])
+    says(CH, f"its system prompt, {shared // 16} full blocks, is every user's")
+    found = [common(prompts[i], prompts[i + users]) // 16 for i in range(len(prompts) - users)]
+    says(CH, f"so turns 2 and 3 find {min(found)} to {max(found)} blocks cached")
 
 
 def test_the_interference_experiment():

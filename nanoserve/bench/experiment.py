@@ -25,7 +25,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,
                    each replica's share of the work (nanoserve/bench/routing.py)
   kv-routing       chapter 17: replicas in this process publishing KV events; round-robin, pow2, chapter 16's
-                   prefix router and the KV-aware router on their events: hit rate, TTFT (bench/kv_routing.py)
+                   prefix router and the KV-aware router on their events, users sharing one application's system
+                   prompt (or, --workload per-user, a prompt each): hit rate, TTFT (bench/kv_routing.py)
   disagg-interference  chapter 17: streams decoding while long prompts arrive, one engine of 2 threads (chunked
                    prefill at chapter 06's budgets) vs a prefill and a decode engine of 1 thread each (`serve
                    --disaggregated`): the streams' ITL, the long prompts' TTFT, out tok/s (bench/interference.py)
@@ -73,9 +74,11 @@ def register(sub):
                         "concurrency without --url starts nanoserve in this process")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
-    p.add_argument("--num-users", type=int, default=8, help="routing, returning-users: users, each with its own system prompt")
+    p.add_argument("--num-users", type=int, default=8, help="routing, returning-users, kv-routing: users")
     p.add_argument("--replicas", type=int, default=3, help="kv-routing: replicas (engines in this process)")
     p.add_argument("--num-blocks", type=int, default=96, help="kv-routing: KV blocks per replica")
+    p.add_argument("--workload", default=None, help="kv-routing: shared-prompts (one application's system prompt, "
+                                                    "every user's; the default) or per-user (a system prompt each)")
     p.add_argument("--student", default=None, metavar="CHAPTERS",
                    help="kv-routing: your finished exercises route (\"17\": the KV index and score, exercise 17)")
     d = INTERFERENCE_DEFAULTS
@@ -612,6 +615,11 @@ def run(args):
     if args.student is not None and args.name != "kv-routing":
         print("error: --student applies to kv-routing only", file=sys.stderr)
         return 2
+    if args.workload is not None:
+        workloads = importlib.import_module("nanoserve.bench.kv_routing").WORKLOADS
+        if args.name != "kv-routing" or args.workload not in workloads:
+            print(f"error: --workload applies to kv-routing only, and is one of {', '.join(workloads)}", file=sys.stderr)
+            return 2
     if (args.weights is not None or args.kv_cache_mib is not None) and args.name != "sleep":
         print("error: --weights and --kv-cache-mib apply to sleep only", file=sys.stderr)
         return 2

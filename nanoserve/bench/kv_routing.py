@@ -4,8 +4,11 @@ but their KV events, on users with long system prompts, in one run.
     replicas   --replicas LLMEngines on one model's weights, each with its own small KV pool (pressure: a pool
                holds a few users' prefixes, so prefixes are evicted) and a KV-event publisher (chapter 16,
                vLLM's wire format, topic = the replica's name)
-    users      --num-users users, each its own long system prompt (bench/routing.py's workload: 250-token prompts, 224
-               tokens shared by a user's turns), 3 questions each, interleaved
+    users      --num-users users, 3 turns each, interleaved user by user; --workload says whose prompts:
+                 shared-prompts  one application's long system prompt shared by every user, then the user's own
+                                 order history, then the conversation so far (shared_prompts below)
+                 per-user        each user its own long system prompt (bench/routing.py's workload: 250-token
+                                 prompts, 224 tokens shared by a user's turns)
     routers    round-robin          blind
                pow2                 power of two choices on queue lengths (Ray Serve's default)
                prefix (chapter 16)  remembers where it sent each block hash; never hears of an eviction
@@ -24,10 +27,41 @@ import itertools
 import random
 import time
 
-from nanoserve.bench.routing import workload
+from nanoserve.bench.routing import TURNS, workload
 
 ROUTERS = ["round-robin", "pow2", "prefix (chapter 16)", "kv-aware", "kv-aware, fresh"]
 LOAD_COST = 2.0  # blocks a queued request is worth (kv_index.choose_replica)
+ITEMS = ["inner tubes", "brake pads", "chains", "saddles", "lamps", "pumps", "bells", "mudguards", "tyres", "locks"]
+
+
+def shared_prompts(num_users: int, turns: int = TURNS) -> list[dict]:
+    """Chat requests to one application, a bicycle shop's assistant: its long system prompt is every user's;
+    user u's first turn brings u's own order history, and each later turn resends the conversation (the
+    answers are fixed text: a replay does not wait for what the model says) with one more question. Turns come
+    one per round, user after user. In SmolLM2's tokens, 16 to a block:
+
+        turn 1   [ the shop's prompt: 13 full blocks, every user's | u's orders, question 1 ]   365-371 tokens
+        turn 2   [ u's turn 1, all of it | answer 1, question 2 ]                               397-403 tokens
+        turn 3   [ u's turn 2, all of it | answer 2, question 3 ]                               429-435 tokens
+    """
+    system = ("You are the assistant of a bicycle shop. " +
+              "Answer every customer of the shop politely, in two short sentences, without lists. " * 12)
+    items = []
+    for t in range(turns):
+        for u in range(num_users):
+            rng = random.Random(u)  # u's orders, the same at every turn
+            orders = "; ".join(f"order {u}-{k}: {rng.randint(1, 9)} {rng.choice(ITEMS)}" for k in range(12))
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"I am customer {u}. My orders so far: {orders}. Question 1: "
+                                                    f"which of these wear out first?"}]
+            for k in range(1, t + 1):
+                messages += [{"role": "assistant", "content": f"Thank you, customer {u}: tyres and brake pads."},
+                             {"role": "user", "content": f"Question {k + 1}: and after those?"}]
+            items.append({"messages": messages})
+    return items
+
+
+WORKLOADS = {"shared-prompts": shared_prompts, "per-user": workload}  # --workload (the first is the default)
 
 
 class Fleet:
@@ -138,7 +172,8 @@ def kv_routing(args, model, tokenizer) -> tuple[dict, object]:
     from nanoserve.student import StudentCode
 
     student = StudentCode(args.student or False)
-    prompts = [tokenizer.encode_chat(item["messages"]) for item in workload(args.num_users)]
+    which = args.workload or next(iter(WORKLOADS))
+    prompts = [tokenizer.encode_chat(item["messages"]) for item in WORKLOADS[which](args.num_users)]
     rounds = interleaved(args.rounds, dict.fromkeys(ROUTERS),
                          lambda name, _, r: run_one(name, model, tokenizer, prompts, args, student))
     if student:
@@ -158,8 +193,9 @@ def kv_routing(args, model, tokenizer) -> tuple[dict, object]:
         axes[1].set_ylabel("TTFT (ms)"), axes[1].legend()
         for ax in axes:
             ax.tick_params(axis="x", labelsize=7, rotation=20)
-        fig.suptitle(f"{args.replicas} replicas x {args.num_blocks} blocks, {args.num_users} users x 3 turns")
+        fig.suptitle(f"{which}: {args.replicas} replicas x {args.num_blocks} blocks, "
+                     f"{args.num_users} users x {TURNS} turns")
         return fig
 
-    return {"replicas": args.replicas, "num_blocks": args.num_blocks, "num_users": args.num_users,
+    return {"workload": which, "replicas": args.replicas, "num_blocks": args.num_blocks, "num_users": args.num_users,
             "load_cost": LOAD_COST, "results": results}, figure
