@@ -256,3 +256,15 @@ def test_the_malformed_requests_test_sends_what_the_chapter_counts():
     source = inspect.getsource(test_ch08_server.test_malformed_requests_get_openai_errors_and_leave_nothing_behind)
     others = len(re.findall(r"http\.(?:post|get)\(", source)) - 2
     says(CH, f"sends {len(MALFORMED) + others} bad requests ({len(MALFORMED)} malformed bodies and {others} more)")
+
+
+def test_prefix_isolation_compares_prefixes_of_one_length(smollm2_tokenizer):
+    """`bench experiment prefix-isolation` times a cross-tenant miss against a cold one: its prefixes must be equally
+    long (a prefill's time grows with its length), within the last word's few tokens."""
+    import random
+
+    from nanoserve.bench.isolation import PREFIX_TOKENS, words_prefix
+
+    rng = random.Random(32)
+    lengths = [len(smollm2_tokenizer.encode(words_prefix(smollm2_tokenizer, rng, PREFIX_TOKENS))) for _ in range(6)]
+    assert all(PREFIX_TOKENS <= n <= PREFIX_TOKENS + 6 for n in lengths), lengths

@@ -115,7 +115,8 @@ def test_every_query_loadgen_issues_is_answered(scenario, samples, async_engine,
                                                                      for ids in outs)
     assert sum(len(v) for v in sut.outputs.values()) == issued
     assert detail["failed_requests"] == 0 and not sut.failures
-    assert detail["result_validity"] in ("VALID", "INVALID")  # LoadGen judged the run (a short one may be INVALID)
+    if scenario == "Server":  # 12 queries: early stopping needs 459 with none over a limit (the chapter's arithmetic)
+        assert detail["result_validity"] == "INVALID" and detail["early_stopping_met"] is False
     for index, outs in sut.outputs.items():  # greedy: every issue of a sample gave the same answer
         assert all(ids == outs[0] and 1 <= len(ids) <= samples[index]["max_tokens"] for ids in outs)
     assert (tmp_path / "mlperf_log_summary.txt").exists()
@@ -226,6 +227,9 @@ def test_rouge_l_the_peak_search_and_the_verdict_by_hand():
     (["--scenario", "Server", "--mode", "accuracy"], "needs --target-qps"),
     (["--scenario", "Server", "--target-qps", "0"], "--target-qps must be a positive number"),
     (["--scenario", "Offline", "--model", "m"], "go with --url"),
+    (["--scenario", "Offline", "--start-qps", "2"], "--start-qps: only for the Server search"),
+    (["--scenario", "Server", "--target-qps", "1", "--max-tries", "3"], "--max-tries: only for the Server search"),
+    (["--scenario", "Offline", "--mode", "accuracy", "--min-duration", "5"], "--min-duration: only for performance runs"),
 ])
 def test_bad_flags_are_one_error_line_and_exit_2(argv, fragment, capsys):
     from nanoserve.cli import main
@@ -293,3 +297,25 @@ def test_oracle_gaps_are_zero_on_the_oracles_own_answer_and_the_logit_gap_where_
     gaps = mlperf.oracle_gaps({0: swapped}, samples, tiny)
     assert gaps[:2] == [0.0, 0.0] and len(gaps) == 6
     assert gaps[2] == pytest.approx(float(top2.values[0] - top2.values[1]), abs=1e-5) and gaps[2] > 0
+
+
+@pytest.mark.parametrize("scenario, extra, printed", [
+    ("Offline", {}, r"Offline: [\d.]+ samples/s, [\d.]+ tokens/s"),
+    ("SingleStream", {}, r"SingleStream: p90 latency [\d.]+ s"),
+    ("Server", {"target_qps": 40.0}, r"target  40\.000 qps: LoadGen: INVALID; .*completed [\d.]+ qps, [\d.]+ tokens/s"),
+])
+def test_the_command_prints_loadgens_figures(scenario, extra, printed, samples, async_engine, tmp_path, capsys):
+    """measure(), the command's body, on the tiny model: it reads LoadGen's detail log and prints its figures."""
+    import re
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(scenario=scenario, mode="performance", min_query_count=SHORT[scenario], min_duration=0.2,
+                           interactive=False, target_qps=None, start_qps=None, max_tries=None, url=None)
+    for k, v in extra.items():
+        setattr(args, k, v)
+    with SUT(samples, engine_generator(async_engine)) as sut:
+        status = mlperf.measure(args, sut, str(tmp_path))
+    out = capsys.readouterr().out
+    assert re.search(printed, out), out
+    assert status == (0 if "LoadGen: VALID" in out else 1)
+    assert "min_query_count " + str(SHORT[scenario]) in out

@@ -24,12 +24,14 @@ KEYS = {"keys": {"sk-tenant-a": {"tenant": "a"}, "sk-tenant-b": {"tenant": "b"}}
 
 
 def words_prefix(tokenizer, rng: random.Random, n_tokens: int) -> str:
-    """Random dictionary-ish words until the text is at least n_tokens long (SmolLM2's tokenizer)."""
+    """Random dictionary-ish words, one at a time, until the text is n_tokens long (SmolLM2's tokenizer), give or
+    take the last word's few tokens. Every prefix of a trial must be as long as the others: a prefill's time grows
+    with its length, so a cross-tenant prefix 50 tokens longer than the cold one would look like a slower miss."""
     syllables = ["ka", "lo", "mi", "ter", "san", "vo", "ri", "pel", "du", "nax", "or", "bes"]
-    text = ""
-    while len(tokenizer.encode(text)) < n_tokens:
-        text += " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(50)) + " "
-    return text
+    words = []
+    while len(tokenizer.encode(" ".join(words))) < n_tokens:
+        words.append("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))))
+    return " ".join(words) + " "
 
 
 def ttft_ms(url: str, key: str, prompt: str, cache_salt: str | None = None) -> float:

@@ -10,8 +10,9 @@ Scenarios (LoadGen issues the queries; the SUT, nanoserve/bench/mlperf_sut.py, o
   Offline       every sample in one query at t = 0: an overnight batch job; the figure is tokens/s.
   Server        queries arrive as a Poisson process at `server_target_qps`: a stream of users. VALID needs
                 TTFT p99 <= 2 s and TPOT p99 <= 100 ms (MLPerf's limits for Llama 3.1 8B), or with --interactive
-                TTFT p99 <= 0.5 s and TPOT p99 <= 30 ms; the figure is the highest target QPS still VALID,
-                found by a search that doubles, then bisects (each try printed with LoadGen's verdict).
+                TTFT p99 <= 0.5 s and TPOT p99 <= 30 ms. MLPerf reports a VALID run's completed tokens/s, at a
+                target QPS the submitter chose; here a search that doubles, then bisects finds the highest target
+                QPS still VALID (each try printed with LoadGen's verdict and its completed tokens/s).
   SingleStream  one query at a time, the next as soon as the last is answered: one user; the figure is the
                 p90 latency of a whole answer.
 
@@ -31,6 +32,7 @@ import sys
 SCENARIOS = ["Offline", "Server", "SingleStream"]
 LIMITS = {"server": (2.0, 0.100), "interactive": (0.5, 0.030)}  # TTFT p99, TPOT p99 in seconds (Llama 3.1 8B)
 MIN_QUERIES = {"Offline": 128, "Server": 460, "SingleStream": 64}
+MIN_DURATION_S, START_QPS, MAX_TRIES = 10.0, 1.0, 6  # the scaled-down run and the Server search's defaults
 PASS_ROUGE_L = 0.99  # MLPerf's accuracy bar is 99 % of the reference's score; the reference scores 1 on itself
 
 
@@ -59,11 +61,12 @@ def register(sub):
     p.add_argument("--threads", type=int, default=None, help="in-process: torch threads (default: torch's)")
     p.add_argument("--interactive", action="store_true", help="Server: the interactive limits (TTFT 0.5 s, TPOT 30 ms)")
     p.add_argument("--target-qps", type=float, default=None, help="Server: one run at this QPS instead of the search")
-    p.add_argument("--start-qps", type=float, default=1.0, help="Server: the search's first try")
-    p.add_argument("--max-tries", type=int, default=6, help="Server: runs the search may take")
-    p.add_argument("--min-duration", type=float, default=10.0, help="seconds a run lasts at least (MLPerf: 600)")
+    p.add_argument("--start-qps", type=float, default=None, help=f"Server: the search's first try (default {START_QPS:g})")
+    p.add_argument("--max-tries", type=int, default=None, help=f"Server: runs the search may take (default {MAX_TRIES})")
+    p.add_argument("--min-duration", type=float, default=None,
+                   help=f"performance runs: seconds a run lasts at least (default {MIN_DURATION_S:g}; MLPerf: 600)")
     p.add_argument("--min-query-count", type=int, default=None,
-                   help=f"queries a run issues at least (default {MIN_QUERIES})")
+                   help=f"performance runs: queries a run issues at least (default {MIN_QUERIES})")
     p.add_argument("--out-dir", default="results/mlperf", help="LoadGen's logs go under here")
     p.add_argument("--name", default=None, help="the system's name in the log path (default: the weights or the URL)")
     p.set_defaults(func=run)
@@ -85,6 +88,15 @@ def check_args(args) -> None:
             raise ValueError(f"{', '.join(given)}: only for --scenario Server")
     if args.mode == "accuracy" and args.target_qps is None and args.scenario == "Server":
         raise ValueError("--mode accuracy with --scenario Server needs --target-qps (there is no peak to search)")
+    searching = args.scenario == "Server" and args.mode == "performance" and args.target_qps is None
+    given = [f for f, v in [("--start-qps", args.start_qps), ("--max-tries", args.max_tries)] if v is not None]
+    if given and not searching:
+        raise ValueError(f"{', '.join(given)}: only for the Server search (--scenario Server, performance mode, "
+                         "no --target-qps)")
+    given = [f for f, v in [("--min-duration", args.min_duration), ("--min-query-count", args.min_query_count)]
+             if v is not None]
+    if given and args.mode == "accuracy":
+        raise ValueError(f"{', '.join(given)}: only for performance runs (accuracy mode issues each sample once)")
     for flag, value in [("--threads", args.threads), ("--max-tries", args.max_tries),
                         ("--min-query-count", args.min_query_count)]:
         if value is not None and value < 1:
@@ -323,7 +335,8 @@ def measure(args, sut, out_dir: str) -> int:
     from nanoserve.bench.serve import model_tokenizer
 
     min_queries = args.min_query_count or MIN_QUERIES[args.scenario]
-    settings = lambda qps=None: test_settings(args.scenario, args.mode, args.min_duration, min_queries,  # noqa: E731
+    min_duration = args.min_duration or MIN_DURATION_S
+    settings = lambda qps=None: test_settings(args.scenario, args.mode, min_duration, min_queries,  # noqa: E731
                                               args.interactive, qps)
     limits = "interactive" if args.interactive else "server"
     ttft, tpot = LIMITS[limits]
@@ -345,7 +358,7 @@ def measure(args, sut, out_dir: str) -> int:
         if failed:
             print(f"{failed} requests FAILED (completed to LoadGen with what they had): {sut.failures[:3]}")
         return 0 if result["passed"] and not failed else 1
-    print(f"scaled down: min_duration {args.min_duration:g} s (MLPerf: 600 s), min_query_count {min_queries}, "
+    print(f"scaled down: min_duration {min_duration:g} s (MLPerf: 600 s), min_query_count {min_queries}, "
           f"the {len(sut.samples)} prompts of nanoserve/bench/mlperf_prompts.jsonl")
     if args.scenario != "Server":
         detail = run_test(sut, settings(), out_dir)
@@ -365,13 +378,14 @@ def measure(args, sut, out_dir: str) -> int:
     def try_qps(qps: float) -> bool:
         where = os.path.join(out_dir, f"qps-{qps:g}")
         detail = run_test(sut, settings(qps), where)
-        print(f"  target {qps:7.3f} qps: {verdict(detail)}; completed "
-              f"{detail['result_completed_samples_per_sec']:.2f} qps ({where})", flush=True)
+        print(f"  target {qps:7.3f} qps: {verdict(detail)}; completed "  # MLPerf reports a VALID run's tokens/s
+              f"{detail['result_completed_samples_per_sec']:.2f} qps, "
+              f"{detail['result_completed_tokens_per_second']:.1f} tokens/s ({where})", flush=True)
         return is_valid(detail)
 
     if args.target_qps is not None:
         return 0 if try_qps(args.target_qps) else 1
-    peak, tries = find_peak(try_qps, args.start_qps, args.max_tries)
+    peak, tries = find_peak(try_qps, args.start_qps or START_QPS, args.max_tries or MAX_TRIES)
     shown = "none of the tries was VALID" if peak is None else f"{peak:g} qps"
     print(f"peak Server QPS LoadGen calls VALID ({limits} limits, {len(tries)} tries): {shown}")
     return 0 if peak is not None else 1

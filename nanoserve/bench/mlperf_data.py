@@ -12,7 +12,7 @@ Each line:
      "reference_token_ids": [504, 3214, ...], "reference_text": "The moon is ..."}
 
 The prompts are the course's mix (nanoserve/bench/prompts.py: chat turns, long documents, a shared system
-prompt: 34 to ~900 tokens), answers capped at 64 tokens so a CPU run of a few hundred queries fits in
+prompt: 34 to 844 tokens in SmolLM2's chat template), answers capped at 64 tokens so a CPU run of a few hundred queries fits in
 minutes. The reference is the embedded SmolLM2 in float32 (the course's oracle path), greedy, stopping at
 end-of-sequence or max_tokens, as a server would.
 """

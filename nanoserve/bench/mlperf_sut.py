@@ -26,7 +26,8 @@ Every query is computed from its first token. LoadGen issues each of the 64 samp
 in a Server try), and a prefix cache would answer a repeat's prompt from the blocks its last issue left: a
 TTFT of one decode step, which MLPerf's thousands of distinct samples never give. So each query carries a
 `cache_salt` of its own (vLLM's field, nanoserve's too): it shares no block with any other query. A server
-that does not know the field must be started without its prompt cache (llama-server: --no-cache-prompt).
+that does not know the field must be started without its prompt cache (llama-server: --no-cache-prompt
+--cache-ram 0).
 """
 
 import array
