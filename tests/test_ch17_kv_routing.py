@@ -51,3 +51,12 @@ def test_a_workload_the_experiment_does_not_have_is_refused(capsys):
         assert experiment.run(command_defaults(experiment, "experiment", *argv)) == 2
         assert capsys.readouterr().err == ("error: --workload applies to kv-routing only, and is one of "
                                            "shared-prompts, per-user\n")
+
+
+def test_the_fleets_flags_are_refused_on_other_experiments(capsys):
+    from nanoserve.bench import experiment
+    from tests.chapter_text import command_defaults
+
+    for argv in (("routing", "--replicas", "5"), ("scheduling", "--num-blocks", "40")):
+        assert experiment.run(command_defaults(experiment, "experiment", *argv)) == 2
+        assert capsys.readouterr().err == "error: --replicas and --num-blocks apply to kv-routing only\n"

@@ -60,6 +60,7 @@ EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching"
 
 
 # disagg-interference's own flags and their defaults (another experiment refuses them)
+KV_ROUTING_REPLICAS, KV_ROUTING_BLOCKS = 3, 96  # kv-routing's fleet: replicas, and KV blocks in each one's pool
 INTERFERENCE_DEFAULTS = {"streams": 8, "long_prompts": 6, "long_len": 1024, "long_every": 3.0, "budgets": [256, 512, 2048]}
 
 
@@ -75,8 +76,8 @@ def register(sub):
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
     p.add_argument("--num-users", type=int, default=8, help="routing, returning-users, kv-routing: users")
-    p.add_argument("--replicas", type=int, default=3, help="kv-routing: replicas (engines in this process)")
-    p.add_argument("--num-blocks", type=int, default=96, help="kv-routing: KV blocks per replica")
+    p.add_argument("--replicas", type=int, default=KV_ROUTING_REPLICAS, help="kv-routing: replicas (engines in this process)")
+    p.add_argument("--num-blocks", type=int, default=KV_ROUTING_BLOCKS, help="kv-routing: KV blocks per replica")
     p.add_argument("--workload", default=None, help="kv-routing: shared-prompts (one application's system prompt, "
                                                     "every user's; the default) or per-user (a system prompt each)")
     p.add_argument("--student", default=None, metavar="CHAPTERS",
@@ -598,6 +599,9 @@ def run(args):
 
     if args.rounds < 1:
         print("error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.name != "kv-routing" and (args.replicas, args.num_blocks) != (KV_ROUTING_REPLICAS, KV_ROUTING_BLOCKS):
+        print("error: --replicas and --num-blocks apply to kv-routing only", file=sys.stderr)
         return 2
     if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
         print("error: kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1", file=sys.stderr)
