@@ -426,7 +426,9 @@ def test_the_blue_green_update():
             + ("" if to == defaults.to_weights else f" --to {to}") + "`"
         before, during = (float(x.replace(",", "")) for x in re.findall(r"[\d,]+", cells[2])[:2])
         says(CH, f"{cells[2].split(' (')[0]} ({during / before:.1f}×)")
-        (total,) = map(int, re.fullmatch(r"0 of (\d+)", cells[3]).groups())  # none failed
+        failed = re.fullmatch(r"0 of (\d+)", cells[3])
+        assert failed, f"not none failed: {cells[3]}"
+        total = int(failed[1])
         rss = [float(x.replace(",", "")) for x in re.findall(r"[\d,]{3,}", cells[4])]
         assert abs(rss[2] - (rss[1] - rss[0])) <= 1  # the bench prints the difference of unrounded samples
         load_s, warm_s = (float(x) for x in re.findall(r"([\d.]+) s", cells[1]))
