@@ -6,13 +6,16 @@ from nanoserve/ and must appear in the chapter word for word; the figures it sha
 the notebook printed, and the claims it draws from its measured tables (which ranges overlap, the ratios, the
 differences) are recomputed from those tables."""
 
-import math
+import collections
+import contextlib
+import inspect
+import io
 import re
 from fractions import Fraction
 
 import yaml
 
-from nanoserve.bench import bluegreen, experiment
+from nanoserve.bench import bluegreen, scheduling
 from nanoserve.bench.scheduling import (BLOCK_SIZE, BUDGET, NOISY_BUDGET, NOISY_SEATS, NUM_BLOCKS, TARGETS_IN_STEPS,
                                         noisy_workload, workload)
 from nanoserve.engine.config import SchedulerConfig
@@ -28,6 +31,7 @@ from nanoserve.metrics import percentile
 from nanoserve.model import LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.api_server import ServerConfig
+from nanoserve.server.versions import version_name
 from tests.chapter_text import ROOT, chapter, command_defaults, notebook_output, says, table_rows, word
 
 CH = "15"
@@ -169,6 +173,18 @@ def test_two_tenants_at_ten_to_one_load():
     says(CH, "never differ by more than one step's budget + 1; under FCFS the difference passes 20")
 
 
+def about(quoted: str, printed: float, decimals: int = 1) -> bool:
+    """Whether the integer `quoted` ("about 41") is a rounding of the value the bench printed as `printed` with
+    `decimals` decimals (40.5 stands for anything in [40.45, 40.55), so 40 and 41 both qualify)."""
+    half = 0.5 * 10 ** -decimals
+    return printed - half - 0.5 <= int(quoted) <= printed + half + 0.5
+
+
+def named(text: str) -> set[str]:
+    """The policies a sentence lists: "priority's, slo's and slo + reject's" -> {"priority", "slo", "slo + reject"}."""
+    return {re.sub(r"'s$", "", name.strip()) for name in re.split(r", | and ", text)}
+
+
 def test_the_noisy_neighbour():
     arrivals = noisy_workload(1024)
     flood = [a for a in arrivals if a[4]["tenant"] == "flood"]
@@ -178,16 +194,56 @@ def test_the_noisy_neighbour():
     (every,) = {b[0] - a[0] for a, b in zip(victim, victim[1:])}
     says(CH, f"{len(flood)} requests of\n32 prompt + 64 output tokens at step 0, {word(len(flood) // NOISY_SEATS)} times "
              f"the engine's {NOISY_SEATS} seats — while another sends {len(victim)} requests of\n{prompt} prompt + {out} "
-             f"output tokens, one every {every} steps (tiny Llama, budget {NOISY_BUDGET}, "
-             f"{word(command_defaults(experiment, 'experiment', 'noisy-neighbour').rounds)} interleaved rounds)")
+             f"output tokens, one every {every} steps (tiny Llama, budget {NOISY_BUDGET})")
     says(CH, f"the flood holds all {NOISY_SEATS}")
-    rows = {r[0]: [float(x) for x in r[1:]] for r in (line.split() for line in re.findall(
-        r"(?:priority|fair) +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+", chapter(CH)))}
-    (_, _, prio_steps, _, prio_s), (_, _, fair_steps, _, fair_s) = rows["priority"], rows["fair"]
-    says(CH, f"about {prio_steps:.0f} steps to a first token")
-    says(CH, f"about {fair_steps:.0f} steps, {prio_steps / fair_steps:.0f}× sooner in one sample each")
-    says(CH, f"({fair_s:.0f} against {prio_s:.0f} s)")
-    says(CH, f"those ~{fair_steps:.0f} steps")
+    # the printed block: its command, its header and its rows are what the bench prints (print_summary's format)
+    (path,) = (ROOT / "chapters").glob(f"{CH}-*.md")
+    ((command, printed),) = re.findall(r"```\n(\.venv/bin/python -m nanoserve bench experiment noisy-neighbour "
+                                       r"[^\n]*)\n(.*?)```", path.read_text(), re.S)
+    rounds = int(re.search(r"--rounds (\d+)", command)[1])  # not the command's default: the block must say it
+    says(CH, f"the two policies\ninterleaved over {word(rounds)} rounds, in alternating order; each figure is the median of "
+             f"the {word(rounds)} rounds with its range")
+    cols = re.findall(r'\("(\w+)", "([^"]+)"\)', inspect.getsource(scheduling.noisy_neighbour))
+    cell = r"([\d.]+) \[([\d.]+)-([\d.]+)\]"
+    summary = {}
+    for line in printed.strip().splitlines()[1:]:
+        name = line.split()[0]
+        cells = re.findall(cell, line)
+        assert len(cells) == len(cols), line
+        summary[name] = {key: tuple(map(float, c)) for (key, _), c in zip(cols, cells)}
+    assert list(summary) == ["priority", "fair"]
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        scheduling.print_summary(summary, cols, rounds)
+    assert shown.getvalue().splitlines()[1:] == printed.strip().splitlines()  # header and rows, character for character
+    prio, fair = summary["priority"], summary["fair"]
+    (prio_steps, prio_lo, prio_hi), (fair_steps, fair_lo, fair_hi) = prio["victim_ttft_p50_steps"], fair["victim_ttft_p50_steps"]
+    says(CH, '"p50 / median step" is the victim\'s TTFT p50 divided by the run\'s median step time')
+    quoted = re.search(r"behind every flood request that arrived first: about (\d+) steps to a first token", chapter(CH))[1]
+    assert about(quoted, prio_steps)
+    quoted_fair, sooner = re.search(r"seat: about (\d+) steps, \*\*([\d.]+)× sooner\*\*", chapter(CH)).groups()
+    assert about(quoted_fair, fair_steps)
+    assert sooner == f"{prio_steps / fair_steps:.1f}"
+    assert fair_hi < prio_lo and prio_lo > 5 * fair_hi  # "far apart": more than five times
+    says(CH, f"(the ranges,\n{prio_lo:.0f}–{prio_hi:.0f} and {fair_lo:.0f}–{fair_hi:.0f} steps, are far apart)")
+    # "the same under both": the flood's TTFT p50 and the run's seconds overlap, the medians as quoted
+    for key in ("flood_ttft_p50_ms", "seconds"):
+        assert prio[key][1] <= fair[key][2] and fair[key][1] <= prio[key][2], key
+    run = {f"{prio['seconds'][0]:.1f}", f"{fair['seconds'][0]:.1f}"}
+    assert len(run) == 1
+    says(CH, f"the flood's TTFT p50 and the run's length are the same under both\n"
+             f"({prio['flood_ttft_p50_ms'][0] / 1000:.2f} and {fair['flood_ttft_p50_ms'][0] / 1000:.2f} s; {run.pop()} s)")
+    says(CH, f"What is left — those ~{quoted_fair} steps — is the wait for a seat")
+
+
+def the_rush(arrivals) -> tuple[int, int]:
+    """The scheduling workload's rush: the first step of twelve interactive prompts and the step the bursts of six
+    resume, checking that it is twelve every 6 steps in between and six otherwise."""
+    bursts = collections.Counter(a[0] for a in arrivals if a[4]["tenant"] == "interactive")
+    rush = sorted(s for s, n in bursts.items() if n > 6)
+    after = min(s for s in bursts if s > rush[-1])  # the bursts of six again
+    assert set(bursts.values()) == {6, 12} and rush == list(range(rush[0], after, 6))
+    return rush[0], after
 
 
 def test_the_scheduling_workload():
@@ -197,42 +253,41 @@ def test_the_scheduling_workload():
     (every,) = {b[0] - a[0] for a, b in zip(batch, batch[1:])}
     (prompt,), (batch_out,) = {len(a[2]) for a in batch}, {a[3] for a in batch}
     (chat_prompt,), (chat_out,) = {len(a[2]) for a in chat}, {a[3] for a in chat}
-    bursts = {}
-    for a in chat:
-        bursts[a[0]] = bursts.get(a[0], 0) + 1
-    rush = [s for s, n in bursts.items() if n > 6]
-    after = min(s for s in bursts if s > rush[-1])  # the bursts of six again
-    assert set(bursts.values()) == {6, 12} and rush == list(range(rush[0], after, 6))
+    first, after = the_rush(arrivals)
     says(CH, f"the batch tenant sends a {prompt}-token prompt every\n{every} steps ({len(batch)} requests, {batch_out} "
              f"output tokens each); the interactive tenant sends bursts of {word(6)} {chat_prompt}-token prompts every\n12 "
-             f"steps ({chat_out} output tokens each), and between steps {rush[0]} and {after} a rush — "
+             f"steps ({chat_out} output tokens each), and between steps {first} and {after} a rush — "
              f"{word(12)} every 6 steps")
     says(CH, f"The step budget is {BUDGET} tokens and the pool {NUM_BLOCKS}\nblocks of {BLOCK_SIZE} "
              f"({word(NUM_BLOCKS * BLOCK_SIZE // prompt)} batch requests fill it)")
     (c_ttft, c_tpot), (b_ttft, b_tpot) = TARGETS_IN_STEPS["interactive"], TARGETS_IN_STEPS["batch"]
     says(CH, f"the interactive\ntargets are TTFT {c_ttft:g} steps and TPOT {c_tpot:g} steps, the batch tenant's "
              f"{b_ttft:g} and {b_tpot:g}")
-    # the targets quoted from one timed step: one step time must give all four, and it rounds to the step quoted
-    step, ttft, tpot, b_ttft_s, b_tpot_ms = re.search(
-        r"one full step was timed at (\d+) ms before the runs, so the interactive targets were TTFT (\d+) ms and TPOT "
-        r"(\d+) ms, the batch tenant's ([\d.]+) s and (\d+) ms", chapter(CH)).groups()
-    lo, hi = 0.0, math.inf
-    for quoted, steps, e in ((float(ttft), c_ttft, 0.5), (float(tpot), c_tpot, 0.5), (float(b_ttft_s) * 1000, b_ttft, 50),
-                             (float(b_tpot_ms), b_tpot, 0.5)):
-        lo, hi = max(lo, (quoted - e) / steps), min(hi, (quoted + e) / steps)
-    assert lo < hi and round(lo) <= int(step) <= round(hi)
-    s_lo, s_hi, n_lo, n_hi, ms_lo, ms_hi = map(int, re.search(
-        r"the runs then took (\d+)–(\d+) s for (\d+)–(\d+) steps, (\d+)–(\d+) ms a step", chapter(CH)).groups())
-    assert s_lo / n_hi * 1000 <= ms_lo and ms_hi <= s_hi / n_lo * 1000  # within what the seconds and steps allow
-    says(CH, f"against targets {ms_lo / int(step):.0f}–{ms_hi / int(step):.0f}× too tight")
-    says(CH, f"every target was {ms_lo / int(step):.0f}–{ms_hi / int(step):.0f}× tighter")
+    (priorities,) = {(c[4]["priority"], b[4]["priority"]) for c in chat for b in batch}
+    says(CH, f"The `priority` run gives the interactive\ntenant priority {priorities[0]} and the batch tenant "
+             f"{priorities[1]}")
+    # the targets quoted from one timed step (the bench prints the step with one decimal, the targets in whole ms):
+    # some step time that rounds to the quoted one must give all four targets as quoted
+    step, ttft, tpot, b_ttft_ms, b_tpot_ms, s_lo, s_hi = re.search(
+        r"one full step was timed at ([\d.]+) ms before the runs, so the interactive targets were TTFT ([\d,]+) ms and "
+        r"TPOT ([\d,]+) ms, the batch tenant's ([\d,]+) ms and ([\d,]+) ms, and each run took ([\d.]+)–([\d.]+) s",
+        chapter(CH)).groups()
+    lo, hi = float(step) - 0.05, float(step) + 0.05
+    for quoted, steps in ((ttft, c_ttft), (tpot, c_tpot), (b_ttft_ms, b_ttft), (b_tpot_ms, b_tpot)):
+        ms = int(quoted.replace(",", ""))
+        assert quoted == f"{ms:,}"  # thousands separated as the chapter writes them
+        lo, hi = max(lo, (ms - 0.5) / steps), min(hi, (ms + 0.5) / steps)
+    assert lo < hi, f"no step time gives all four targets: {lo} >= {hi}"
+    assert float(s_lo) <= float(s_hi)
 
 
 def ranges(cell: str) -> tuple[float, float, float]:
-    """'5560 [4235–7736]' -> (5560, 4235, 7736); '0.0' -> (0, 0, 0)."""
-    m = re.fullmatch(r"([\d.]+)(?: \[([\d.]+)–([\d.]+)\])?", cell)
-    med = float(m[1])
-    return (med, float(m[2]), float(m[3])) if m[2] else (med, med, med)
+    """'5560 [4235–7736]' -> (5560, 4235, 7736); '**27** [24–31]' -> (27, 24, 31); '1,141 [1,109–1,249]' -> (1141,
+    1109, 1249); '0.0' -> (0, 0, 0): a single number is all rounds agreeing."""
+    m = re.fullmatch(r"(?:\*\*)?([\d,.]+)(?:\*\*)?(?: \[([\d,.]+)–([\d,.]+)\])?", cell)
+    med, lo, hi = (float(x.replace(",", "")) if x else None for x in m.groups())
+    assert lo is None or lo <= med <= hi, cell
+    return (med, lo, hi) if m[2] else (med, med, med)
 
 
 def test_the_measured_policies():
@@ -240,62 +295,89 @@ def test_the_measured_policies():
     t = {r[0]: dict(zip(cols, map(ranges, r[1:]))) for r in table_rows(CH, "fcfs|priority|slo|slo \\+ reject|fair")
          if len(r) == 10}
     assert list(t) == ["fcfs", "priority", "slo", "slo + reject", "fair"]
+    text = chapter(CH)
+    rounds = int(re.search(r"bench experiment scheduling --rounds (\d+) --threads 1` runs one workload", text)[1])
+    says(CH, f"The policies run interleaved, in alternating\norder, {word(rounds)} rounds; each figure is the median of "
+             f"the {word(rounds)} with its range")
+    says(CH, f"Median\n[min–max] of {word(rounds)} rounds")
 
     def apart(col):
         """The pairs of policies whose ranges in `col` do not overlap, as (higher, lower)."""
         return {(p, q) for p in t for q in t if t[p][col][1] > t[q][col][2]}
 
-    def rng(p, col, fmt="{:.2f}"):
+    def rng(p, col, fmt="{:.1f}"):
         return "–".join(fmt.format(x) for x in t[p][col][1:])
 
-    assert apart("goodput") == {(p, q) for p in ("priority", "slo + reject") for q in ("slo", "fair")}
-    says(CH, f"The {word(len(apart('goodput')))} goodput\ndifferences that hold: priority ({rng('priority', 'goodput')}) "
-             f"and slo + reject ({rng('slo + reject', 'goodput')}) each above slo ({rng('slo', 'goodput')}) and above\n"
-             f"fair ({rng('fair', 'goodput')})")
-    says(CH, f"(fcfs {rng('fcfs', 'goodput')}, slo + reject {rng('slo + reject', 'goodput')} req/s)")
-    says(CH, f"the refusals lift slo above its own run without them ({rng('slo + reject', 'goodput')} against "
-             f"{rng('slo', 'goodput')} req/s)")
-    assert ("slo + reject", "fcfs") not in apart("goodput") and ("slo + reject", "priority") not in apart("goodput")
-    says(CH, f"chat TTFT p50 {t['slo']['ttft50'][0] / 1000:.1f} s against\npriority's {t['priority']['ttft50'][0] / 1000:.1f} s")
-    others = [p for p in t if p not in ("slo", "slo + reject")]
-    preempt = sorted(t[p]["preempt"][0] for p in others)
-    says(CH, f"**{t['slo']['preempt'][0]:.0f} preemptions** ({rng('slo', 'preempt', '{:.0f}')}) against "
-             f"{preempt[0]:.0f}–{preempt[-1]:.0f} for fcfs, priority and fair (slo + reject: "
-             f"{rng('slo + reject', 'preempt', '{:.0f}')})")
-    says(CH, f"({t['slo']['recomp'][0]} % of all computed tokens, priority {t['priority']['recomp'][0]} %)")
-    rej = t["slo + reject"]
-    says(CH, f"**slo + reject refuses {rej['rejected'][0]:.0f} % of the requests** ({rng('slo + reject', 'rejected', '{:.0f}')} %)")
-    says(CH, f"chat TTFT p50 {rej['ttft50'][0]:.0f} ms\nand p99 {rej['ttft99'][0]:.0f} ms, both ranges below every other "
-             f"policy's")
-    assert all(("slo + reject", p) not in apart(c) and (p, "slo + reject") in apart(c)
-               for c in ("ttft50", "ttft99") for p in t if p != "slo + reject")
-    batch = sorted(x for p in t if p != "slo + reject" for x in t[p]["batch_met"][1:])
-    assert rej["batch_met"] == (100, 100, 100)
-    says(CH, f"(100 % in all\nthree rounds, the others {batch[0]:.0f}–{batch[-1]:.0f} %); preemptions fall to "
-             f"{rng('slo + reject', 'preempt', '{:.0f}')} and recomputed tokens to {rng('slo + reject', 'recomp', '{:.0f}')} %")
-    refuse_nothing = [p for p in t if t[p]["rejected"][0] == 0]
-    assert all(("priority", p) not in apart("ttft99") and (p, "priority") in apart("ttft99")
-               for p in refuse_nothing if p != "priority")
-    assert t["priority"]["ttft50"][2] >= t["fair"]["ttft50"][1]  # its p50 overlaps fair's
-    says(CH, f"(p99 {t['priority']['ttft99'][0] / 1000:.1f} s, its range below theirs; its p50, "
-             f"{t['priority']['ttft50'][0] / 1000:.1f} s, overlaps fair's)")
-    assert max(t, key=lambda p: t[p]["chat_met"][0]) == "priority"
-    overlapping = [p for p in t if p != "priority" and ("priority", p) not in apart("chat_met")
-                   and (p, "priority") not in apart("chat_met")]
-    assert overlapping == ["fcfs", "slo + reject"]
-    says(CH, f"the highest median chat met-SLO share ({t['priority']['chat_met'][0]} %), though its\nrange "
-             f"({rng('priority', 'chat_met', '{:.1f}')} %) overlaps fcfs's and slo + reject's")
-    says(CH, f"({rng('fair', 'ttft50', '{:.0f}')} ms against {rng('priority', 'ttft50', '{:.0f}')}: overlapping)")
-    says(CH, f"(p99 {t['fair']['ttft99'][1] / 1000:.1f}–{t['fair']['ttft99'][2] / 1000:.1f} s against "
-             f"{t['priority']['ttft99'][1] / 1000:.1f}–{t['priority']['ttft99'][2] / 1000:.1f} s)")
-    assert max(t, key=lambda p: t[p]["ttft50"][0]) == "fcfs"
-    says(CH, f"(p50 {t['fcfs']['ttft50'][0] / 1000:.1f} s: the batch prompts' prefill time)")
-    recomp = sorted(t[p]["recomp"][0] for p in ("priority", "slo", "fair"))
-    says(CH, f"({t['fcfs']['recomp'][0]} %) than priority, slo and fair ({recomp[0]:.0f}–{recomp[-1]:.0f} %)")
-    says(CH, f"slo + reject's {rej['recomp'][0]} % ({rng('slo + reject', 'recomp', '{:.1f}')}) is as low")
-    assert apart("tok_s") == {("priority", "slo + reject"), ("fair", "slo + reject")}
-    says(CH, f"overlaps for every pair of policies but {word(len(apart('tok_s')))}: slo + reject (which served "
-             f"{rej['rejected'][0]:.0f} % fewer\nrequests) falls below priority and fair")
+    def span(ps, col, fmt="{:.0f}"):
+        """The smallest interval holding the ranges of the policies `ps`."""
+        return f"{fmt.format(min(t[p][col][1] for p in ps))}–{fmt.format(max(t[p][col][2] for p in ps))}"
+
+    fcfs, rej, others = t["fcfs"], t["slo + reject"], [p for p in t if p != "fcfs"]
+    # fcfs loses the interactive tenant
+    assert all(("fcfs", p) in apart("ttft50") for p in others)
+    says(CH, f"Its chat TTFT p50 is {fcfs['ttft50'][0]:.0f} ms, where every other policy's range lies within "
+             f"{span(others, 'ttft50')} ms; {fcfs['chat_met'][0]:.1f} %\nof chat requests meet their targets against "
+             f"{min(t[p]['chat_met'][1] for p in others):.1f} % or more, and its goodput ({rng('fcfs', 'goodput')} req/s) "
+             f"is below every\nother policy's range")
+    assert all((p, "fcfs") in apart("chat_met") for p in others)
+    assert apart("goodput") == {(p, "fcfs") for p in others}  # and no other goodput separates
+    assert fcfs["batch_met"] == (100, 100, 100)
+    assert min(t, key=lambda p: t[p]["recomp"][0]) == "fcfs"
+    says(CH, f"It serves the batch tenant perfectly ({fcfs['batch_met'][0]:.0f} %) and throws away the fewest tokens "
+             f"to\npreemption ({fcfs['recomp'][0]:.1f} %: its victim is the latest arrival")
+    # among the four others neither goodput nor the chat met-SLO share separates
+    for col in ("goodput", "chat_met"):
+        assert not {(p, q) for p, q in apart(col) if p in others and q in others}, col
+    says(CH, f"**Among the {word(len(others))} others, goodput does not separate** ({span(others, 'goodput', '{:.1f}')} "
+             f"req/s, every pair of ranges overlapping), nor\ndoes the chat met-SLO share "
+             f"({span(others, 'chat_met', '{:.1f}')} %)")
+    (chat_priority,), (batch_priority,) = ({a[4]["priority"] for a in workload(1024) if a[4]["tenant"] == tenant}
+                                           for tenant in ("interactive", "batch"))
+    says(CH, f"Told the answer (chat {chat_priority}, batch {batch_priority})")
+    # slo + reject
+    says(CH, f"**slo + reject refuses {rej['rejected'][0]:.0f} % of the requests** ({rng('slo + reject', 'rejected', '{:.0f}')} "
+             f"%), and serves what it keeps fastest: chat TTFT p50 {rej['ttft50'][0]:.0f} ms\nand p99 "
+             f"{rej['ttft99'][0]:.0f} ms, both ranges below every other policy's")
+    assert all(min(t, key=lambda p: t[p][c][0]) == "slo + reject" for c in ("ttft50", "ttft99"))
+    assert all({(p, "slo + reject") for p in t if p != "slo + reject"} <= apart(c)
+               and not any(p == "slo + reject" for p, _ in apart(c)) for c in ("ttft50", "ttft99"))
+    assert rej["batch_met"] == (100, 100, 100) and all(t[p]["rejected"] == (0, 0, 0) for p in t if p != "slo + reject")
+    says(CH, f"every batch request met its targets in all {word(rounds)} rounds")
+    assert not {pair for pair in apart("goodput") if "slo + reject" in pair and "fcfs" not in pair}
+    says(CH, "Its goodput counts the refused requests as missed, and still matches the others'")
+    richer = re.search(r"The price is throughput in tokens/s \(([\d,]+)–([\d,]+) against (.+?) ([\d,]+) or more\)", text)
+    above = named(richer[3])
+    assert (richer[1], richer[2]) == tuple(f"{x:,.0f}" for x in rej["tok_s"][1:])
+    assert richer[4] == f"{min(t[p]['tok_s'][1] for p in above):,.0f}"
+    assert {(p, "slo + reject") for p in above} <= apart("tok_s")
+    # slo preempts most
+    lower = [p for p in t if p not in ("slo", "slo + reject")]
+    assert max(t, key=lambda p: t[p]["preempt"][0]) == "slo"
+    assert {q for p, q in apart("preempt") if p == "slo"} == set(t) - {"slo"}
+    says(CH, f"**slo preempts most**: {rng('slo', 'preempt', '{:.0f}')} preemptions against {span(lower, 'preempt')} for "
+             f"{', '.join(lower[:-1])} and {lower[-1]} (slo + reject {rng('slo + reject', 'preempt', '{:.0f}')})")
+    says(CH, "under the rush (steps {}–{})".format(*the_rush(workload(1024))))
+    says(CH, f"as fcfs's ({t['slo']['recomp'][0]:.1f} % against {fcfs['recomp'][0]:.1f} %; priority and fair "
+             f"{span(['priority', 'fair'], 'recomp')} %)")
+    # fair: the longest chat tail after fcfs, and a batch met-SLO share below three others'
+    by_tail = sorted(t, key=lambda p: -t[p]["ttft99"][0])
+    assert by_tail[:2] == ["fcfs", "fair"]
+    tail = re.search(r"has the longest chat tail after fcfs \(p99 (\d+)–(\d+) ms, above (.+?) ranges\) and a batch "
+                     r"met-SLO share \(([\d.]+)–([\d.]+) %\) below (.+?) \(it overlaps (.+?), ([\d.]+)–([\d.]+) %\)", text)
+    assert tail[1] + "–" + tail[2] == rng("fair", "ttft99", "{:.0f}")
+    assert named(tail[3]) == {q for p, q in apart("ttft99") if p == "fair"} == {"priority", "slo", "slo + reject"}
+    assert tail[4] + "–" + tail[5] == rng("fair", "batch_met")
+    assert named(tail[6]) == {p for p, q in apart("batch_met") if q == "fair"} == {"slo", "slo + reject", "fcfs"}
+    overlapping = {p for p in t if p != "fair" and (p, "fair") not in apart("batch_met")
+                   and ("fair", p) not in apart("batch_met")}
+    assert named(tail[7]) == overlapping == {"priority"}
+    assert tail[8] + "–" + tail[9] == rng("priority", "batch_met")
+    # tokens/s: slo + reject's two named above and fcfs above fair, no other pair
+    rest = re.search(r"Throughput in tokens/s overlaps for every pair but slo \+ reject's two named above and (\S+) above "
+                     r"(\S+) \(([\d,]+)–([\d,]+) against ([\d,]+)–([\d,]+)\)", text)
+    assert len(above) == 2
+    assert apart("tok_s") == {(p, "slo + reject") for p in above} | {(rest[1], rest[2])}
+    assert rest.group(3, 4, 5, 6) == tuple(f"{x:,.0f}" for p in rest.group(1, 2) for x in t[p]["tok_s"][1:])
 
 
 def test_the_alert_rules():
@@ -330,26 +412,44 @@ def test_the_alert_rules():
 def test_the_blue_green_update():
     defaults = command_defaults(bluegreen, "bluegreen")
     says(CH, f"measured with SmolLM2 and {word(defaults.clients)} streaming clients in one process")
-    says(CH, f'"warmup_requests": {defaults.warmup_requests}')
     says(CH, f"(One fp32 version, weights and a {defaults.kv_cache_mib} MiB KV pool")
     assert (defaults.from_weights, defaults.to_weights) == ("fp32", "q4")  # the second row's command gives no --to
-    says(CH, f"| fp32 → {defaults.to_weights} |")
-    load, warm = (float(x) for x in re.search(r'"load_s": ([\d.]+), "warmup_requests": \d+, "warmup_s": ([\d.]+)',
-                                               chapter(CH)).groups())
-    says(CH, f"| fp32 → q4 | {load:.1f} s + {warm:.1f} s |")
-    most = max(int(n) for n in re.findall(r"\| 0 of (\d+) \|", chapter(CH)))
-    says(CH, f'a phase\'s "p99" (of at most {most} requests) lies between its two slowest TTFTs')
-    assert all(n - 2 < percentile(list(range(n)), 99) < n - 1 for n in range(2, most + 1))
-    rows = []
+    reload = re.search(r'\{"version": "(\S+)", "previous": "(\S+)", "weights": "(\w+)", "load_s": ([\d.]+), '
+                       r'"warmup_requests": (\d+), "warmup_s": ([\d.]+)\}', chapter(CH))
+    assert reload.group(1, 2, 3) == (version_name(defaults.to_weights, 2), version_name(defaults.from_weights, 1),
+                                     defaults.to_weights)
+    assert int(reload[5]) == defaults.warmup_requests
+    rows = {}
     for cells in table_rows(CH, "fp32 → (fp32|q4)"):
+        to = cells[0].split(" → ")[1]
+        assert cells[5] == "`.venv/bin/python -m nanoserve bench bluegreen --threads 1"  \
+            + ("" if to == defaults.to_weights else f" --to {to}") + "`"
         before, during = (float(x.replace(",", "")) for x in re.findall(r"[\d,]+", cells[2])[:2])
-        rss = [float(x.replace(",", "")) for x in re.findall(r"[\d,]{3,}", cells[4])]
         says(CH, f"{cells[2].split(' (')[0]} ({during / before:.1f}×)")
+        failed = re.fullmatch(r"0 of (\d+)", cells[3])
+        assert failed, f"not none failed: {cells[3]}"
+        total = int(failed[1])
+        rss = [float(x.replace(",", "")) for x in re.findall(r"[\d,]{3,}", cells[4])]
         assert abs(rss[2] - (rss[1] - rss[0])) <= 1  # the bench prints the difference of unrounded samples
         load_s, warm_s = (float(x) for x in re.findall(r"([\d.]+) s", cells[1]))
-        rows.append((during / before, load_s + warm_s, rss))
-    (r1, t1, fp32), (r2, t2, q4) = rows
-    says(CH, f"here {min(r1, r2):.1f}–{max(r1, r2):.0f}× on the\ntail")
-    says(CH, f"fp32 → fp32 also ends {fp32[0] - fp32[3]:.0f} MiB\nunder where it started ({fp32[3]:,.0f} MiB")
-    says(CH, f"{fp32[3]:,.0f} against q4's {q4[3]:,.0f} MiB: about {fp32[3] - q4[3]:.0f} MiB")
-    says(CH, f"{min(t1, t2):.0f}–{max(t1, t2):.0f} s, at +{max(fp32[2], q4[2]) / 1024:.1f} GiB of\nRSS")
+        rows[to] = dict(ratio=during / before, seconds=load_s + warm_s, rss=rss, total=total, load=load_s, warm=warm_s)
+    assert list(rows) == ["fp32", "q4"]
+    fp32, q4 = rows["fp32"], rows["q4"]
+    # the curl example is the fp32 → q4 row's reload
+    assert (f"{q4['load']:.1f}", f"{q4['warm']:.1f}") == (f"{float(reload[4]):.1f}", f"{float(reload[6]):.1f}")
+    # a phase's "p99": whatever the split of a row's requests over the phases, no phase has more than the row's
+    # total, nor fewer than a third of it at its largest; below 101 values the interpolated p99 lies strictly
+    # between the two largest
+    most = int(re.search(r'a phase\'s "p99" \(of at most (\d+) requests\) lies between its two slowest TTFTs',
+                         chapter(CH))[1])
+    assert max(-(-r["total"] // len(bluegreen.PHASES)) for r in rows.values()) <= most <= max(r["total"] for r in rows.values())
+    assert all(n - 2 < percentile(list(range(n)), 99) < n - 1 for n in range(2, max(r["total"] for r in rows.values()) + 1))
+    ratios = sorted(r["ratio"] for r in rows.values())
+    says(CH, f"every request that arrives meanwhile is slower; here {ratios[0]:.0f}–{ratios[-1]:.0f}× on the\ntail")
+    assert fp32["rss"][3] < fp32["rss"][0] and q4["rss"][3] > fp32["rss"][3]  # q4's steady state is not smaller
+    says(CH, f"fp32 → fp32 ends {fp32['rss'][0] - fp32['rss'][3]:.0f} MiB under where it started\n"
+             f"({fp32['rss'][3]:,.0f} MiB: the conversion's and first steps' heap handed back), and q4 ends at "
+             f"{q4['rss'][3]:,.0f} MiB, {q4['rss'][3] - fp32['rss'][3]:.0f} MiB above it")
+    seconds = sorted(r["seconds"] for r in rows.values())
+    says(CH, f"here {seconds[0]:.0f}–{seconds[-1]:.0f} s of load and warm-up at "
+             f"+{max(r['rss'][2] for r in rows.values()) / 1024:.1f} GiB of\nRSS")
