@@ -134,12 +134,12 @@ def test_mlperf_counts_and_limits():
     queries = mlperf.MIN_QUERIES["Server"]
     per_try = round(long / len(samples) * queries)
     says(CH, f"about {per_try} of the\n  {queries} queries are long")
-    rate = float(re.search(r"busy about λ / ([\d.]+) of the time \(the Offline rate\)", chapter(CH))[1])
+    rate = float(re.search(r"busy about λ / ([\d.]+) of the time \(the interleaved", chapter(CH))[1])
     says(CH, f"some {per_try} λ / {rate:g} long\n  prompts land beside other work, each a likely miss: at 0.25 QPS about {per_try * 0.25 / rate:.0f}")
     lowest = float(re.search(r"Only below about ([\d.]+) QPS would none", chapter(CH))[1])
-    assert abs(per_try * lowest / rate - 1) < 0.05  # where one miss is expected
-    assert 5 <= queries / lowest / 3600 < 6
-    says(CH, f"{queries} queries at that rate take five hours or more")
+    assert abs(per_try * lowest / rate - 1) < 0.1  # where one miss is expected
+    hours = round(queries / (rate / per_try) / 3600)
+    says(CH, f"{queries} queries at such a rate take\n  about {word(hours)} hours")
     ours = [float(x) for x in re.search(r"gave q4 at 64 sequences ([\d.]+) and ([\d.]+) tokens/s", chapter(CH)).groups()]
     q16 = [float(x) for x in re.search(r"q4 at 16 sequences ([\d.]+) and ([\d.]+), llama-server", chapter(CH)).groups()]
     theirs = [float(x) for x in re.search(r"llama-server\n?\s*([\d.]+) and ([\d.]+): \*\*", chapter(CH)).groups()]

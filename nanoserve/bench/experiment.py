@@ -19,7 +19,7 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
   noisy-neighbour  chapter 15: one tenant floods (four times the engine's seats), another sends short requests:
                    the victim's TTFT under priority (first come, first served) and fair
-  prefix-isolation chapter 15: with --api-keys, tenant B's TTFT for a ~1,200-token prefix tenant A sent, against
+  prefix-isolation chapter 08: with --api-keys, tenant B's TTFT for a ~1,200-token prefix tenant A sent, against
                    a cold miss and B's own hit (SmolLM2 over HTTP; nanoserve/bench/isolation.py)
   routing          chapter 16: one replica of 2 cores vs two of 1 core under round robin, power of two choices
                    and prefix affinity, users with long system prompts: TTFT mean / p99, errors, hit rate,

@@ -1,4 +1,4 @@
-"""`python -m nanoserve bench experiment prefix-isolation`: chapter 15's per-tenant prefix cache, as a tenant sees it.
+"""`python -m nanoserve bench experiment prefix-isolation`: chapter 08's per-tenant prefix cache, as a tenant sees it.
 
 With --api-keys every tenant's requests hash their blocks from a salt of their own (limits.prefix_cache_salt), so
 tenant B cannot learn from its TTFT whether tenant A sent a prompt: B's first request for A's prefix must cost
