@@ -200,3 +200,26 @@ def test_the_interference_table_and_its_reading():
     assert 0.04 < max(abs(pair[4] / c[4] - 1) for c in co) <= 0.05  # "within 5 %" (and not within 4 %)
     small, large = rows["colocated, budget 256"], rows["colocated, budget 2048"]
     says(CH, f"ITL\n  p99 {large[1] / small[1]:.1f}× worse, TTFT p50 {small[2] / large[2]:.1f}× better")
+
+
+def test_the_transfer_timeline():
+    """Section 2's overlap figures are what notebook 17's transfer timeline cell printed, and its bytes are chapter
+    04's formula."""
+    out = notebook_output(CH)
+    c, n = LlamaConfig(), 512
+    machine = re.search(r"machine: (.+?), (\d+) cores, load average ([\d.]+), torch threads (\d+)", out)
+    per_layer = re.search(r"per layer \(mean of (\d+)\): compute ([\d.]+) ms, save ([\d.]+) ms", out)
+    step = re.search(r"the prefill step: ([\d,]+) ms; the layers' compute [\d,]+ ms, the saves ([\d.]+) ms = "
+                     r"([\d.]+)% of the prefill", out)
+    overlap = re.search(r"a perfect layer-wise overlap hides the saves of layers 0-\d+: ([\d.]+) ms = ([\d.]+)% of", out)
+    assert machine and per_layer and step and overlap, "notebook 17 printed the transfer timeline"
+    layer_bytes = 2 * c.num_key_value_heads * c.head_dim * 4 * n
+    assert layer_bytes * c.num_hidden_layers == n * kv_bytes_per_token(c, "fp32")
+    assert f"= {layer_bytes:,} B (measured: True); per request {layer_bytes * c.num_hidden_layers:,} B" in out
+    says(CH, f"Notebook 17's transfer timeline cell measures it on SmolLM2 in float32 ({machine[1]}, {machine[2]} cores, "
+             f"load average {machine[3]}, torch threads {machine[4]}): a {n}-token prompt saves {layer_bytes:,} B per "
+             f"layer, 2 · {c.num_key_value_heads} · {c.head_dim} · 4 · {n} as chapter 04's formula says, "
+             f"{layer_bytes * c.num_hidden_layers:,} B per request")
+    says(CH, f"A layer computes for {per_layer[2]} ms and its save takes {per_layer[3]} ms; the {per_layer[1]} saves are "
+             f"{step[2]} ms of a {step[1]} ms prefill, {step[3]} %, and a perfect layer-wise overlap would hide all but "
+             f"the last, {overlap[1]} ms or {overlap[2]} % of the prefill")
