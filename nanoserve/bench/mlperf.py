@@ -350,10 +350,11 @@ def measure(args, sut, out_dir: str) -> int:
         from nanoserve.metrics import percentile
         from nanoserve.model import load_gguf
 
-        gaps = oracle_gaps(read_accuracy_log(out_dir), sut.samples, load_gguf()) or [0.0]
-        print(f"under the float32 oracle, teacher-forced: {sum(g > 0 for g in gaps)} of {len(gaps)} tokens not its own "
-              f"first choice; gap to its choice p99 {percentile(gaps, 99):.2f}, largest {max(gaps, default=0):.2f} "
-              f"logits" + (" (ids re-encoded from the server's text)" if args.url else ""))
+        gaps = oracle_gaps(read_accuracy_log(out_dir), sut.samples, load_gguf())
+        if gaps:  # (no answer had a token: every request failed, said below)
+            print(f"under the float32 oracle, teacher-forced: {sum(g > 0 for g in gaps)} of {len(gaps)} tokens not its "
+                  f"own first choice; gap to its choice p99 {percentile(gaps, 99):.2f}, largest {max(gaps):.2f} "
+                  f"logits" + (" (ids re-encoded from the server's text)" if args.url else ""))
         failed = len(sut.failures)
         if failed:
             print(f"{failed} requests FAILED (completed to LoadGen with what they had): {sut.failures[:3]}")
