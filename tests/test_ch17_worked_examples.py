@@ -215,7 +215,13 @@ def test_the_transfer_timeline():
     assert machine and per_layer and step and overlap, "notebook 17 printed the transfer timeline"
     layer_bytes = 2 * c.num_key_value_heads * c.head_dim * 4 * n
     assert layer_bytes * c.num_hidden_layers == n * kv_bytes_per_token(c, "fp32")
-    assert f"= {layer_bytes:,} B (measured: True); per request {layer_bytes * c.num_hidden_layers:,} B" in out
+    assert f"= {layer_bytes:,} B (the segment's layer: True); per request {layer_bytes * c.num_hidden_layers:,} B" in out
+    table = [(float(cm), float(sv)) for _, cm, sv in re.findall(rf"(\d+) +([\d.]+) +([\d.]+) +{layer_bytes:,}", out)]
+    assert len(table) == c.num_hidden_layers
+    hidden = sum(sv for _, sv in table[:-1])  # what overlap hides: every save but the last, from the table's rows
+    assert abs(hidden - float(overlap[1])) <= 0.01 * len(table) and hidden <= float(step[2])
+    sooner = float(re.search(r"overlapped [\d,.]+ ms \(([\d.]+) ms sooner\)", out)[1])
+    assert abs(sooner - float(overlap[1])) <= 0.05  # the drawn timeline gains exactly the hidden saves
     says(CH, f"Notebook 17's transfer timeline cell measures it on SmolLM2 in float32 ({machine[1]}, {machine[2]} cores, "
              f"load average {machine[3]}, torch threads {machine[4]}): a {n}-token prompt saves {layer_bytes:,} B per "
              f"layer, 2 · {c.num_key_value_heads} · {c.head_dim} · 4 · {n} as chapter 04's formula says, "
