@@ -13,6 +13,7 @@ import torch
 from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.kernels import cpu_dot
 from nanoserve.model import load_gguf
 from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf, unpermute_qk
 from nanoserve.model.quant import (KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, Int8Linear, Q4Linear, QuantLinear,
@@ -67,18 +68,31 @@ def test_q4_layers_hold_the_files_blocks_and_their_values(q4, smollm2):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("weights, max_dlogit, top1", [("q4", 2.0, 0.9), ("int8", 4.0, 0.85)])
-def test_logits_stay_near_float32(request, smollm2, tokenizer, weights, max_dlogit, top1):
+@pytest.mark.parametrize("weights, integer_dot, max_dlogit, top1", [
+    ("q4", False, 2.0, 0.9), ("q4", True, 2.5, 0.9), ("int8", False, 4.0, 0.85), ("int8", True, 4.0, 0.85)])
+def test_logits_stay_near_float32(request, smollm2, tokenizer, weights, integer_dot, max_dlogit, top1):
     """Stated tolerance (measured: see `bench quality`): on chat prompts, |Δlogit| below max_dlogit (logits
-    span about ±40) and the top-1 token of at least `top1` of all positions the same as float32's."""
+    span about ±40) and the top-1 token of at least `top1` of all positions the same as float32's. Each product
+    path: torch's kernels (bf16 activations) and cpu_dot.c's (activations rounded to int8 in blocks of 32: q4's
+    largest |Δlogit| on these prompts 2.29 vs torch's 1.03, its top-1 agreement 0.991 vs 0.973)."""
+    if integer_dot and not cpu_dot.available():
+        pytest.skip("cpu_dot.c does not build here (no gcc)")
     model = request.getfixturevalue(weights)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    loaded = [m.integer_dot for m in layers]  # the module's fixture: put back as loaded
+    for m in layers:
+        m.integer_dot = integer_dot and m.in_features % cpu_dot.QK == 0
     agree = total = 0
-    for chat in CHATS:
-        ids = torch.tensor(tokenizer.encode_chat([{"role": "user", "content": chat}]))
-        ref, got = smollm2.compute_logits(smollm2(ids)), model.compute_logits(model(ids))
-        assert (got - ref).abs().max() < max_dlogit, chat
-        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
-        total += len(ids)
+    try:
+        for chat in CHATS:
+            ids = torch.tensor(tokenizer.encode_chat([{"role": "user", "content": chat}]))
+            ref, got = smollm2.compute_logits(smollm2(ids)), model.compute_logits(model(ids))
+            assert (got - ref).abs().max() < max_dlogit, chat
+            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            total += len(ids)
+    finally:
+        for m, was in zip(layers, loaded):
+            m.integer_dot = was
     assert agree / total >= top1
 
 

@@ -329,8 +329,13 @@ def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exe
     with pytest.warns(UserWarning, match="Exercise 10.1, Exercise 10.2 not finished"):
         functions = code.module("nanoserve.model.quant")
     model, blocks = tiny_pair
-    theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions)
-    ours = quantize_model(copy.deepcopy(model), "q4", blocks)
+    # the learner's mapping is what torch's int4 kernel reads: with it the q4 layers keep that kernel, never
+    # cpu_dot.c's integer products (which read the file's d and m themselves)
+    assert not any(getattr(m, "integer_dot", False) for name, m in
+                   quantize_model(copy.deepcopy(model), "q4", blocks, functions).named_modules() if "proj" in name)
+    code.calls.clear()
+    theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions, integer_dot=False)
+    ours = quantize_model(copy.deepcopy(model), "q4", blocks, integer_dot=False)  # the same kernels, the reference's code
     set_kernel_crossover(theirs), set_kernel_crossover(ours)  # as LLM(weights="q4") serves
     assert code.calls["int4_scale_and_zero"] == 8 and code.calls["dequantize_q4"] == 8  # 2 layers x 4 products
     assert "int4_scale_and_zero, dequantize_q4" in code.describe() and "(Exercise 10.2 not finished)" in code.describe()

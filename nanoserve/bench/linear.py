@@ -20,7 +20,9 @@ o_proj, gate_up_proj, down_proj × 30, LM head), one column per way of multiplyi
 
   fp32        Linear (swap AB up to SWAP_AB_MAX_TOKENS)
   bf16        BF16Linear: bf16 weights, oneDNN's bf16 GEMM (AMX tiles on this CPU)
-  int8, q4    the integer kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
+  int8, q4    torch's integer kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), bf16 activations
+  int8 dot, q4 dot   the same weights through cpu_dot.c, llama.cpp's integer dot products with the activations
+              rounded to int8 (chapter 10; where gcc builds it)
   int8→bf16, q4→bf16   dequantize the weight for this call, then the GEMM, in quant.LARGE_STEP_DTYPE: bf16 where
               the CPU multiplies bf16 natively, else float32 (the columns are named int8→fp32, q4→fp32 there)
               (large_step_weights="dequantize"; "copy" costs what the bf16 or fp32 column does)
@@ -82,8 +84,9 @@ def random_q4_blocks(out: int, inp: int) -> torch.Tensor:
 
 
 def format_layers(weights: list[torch.Tensor], fmt: str) -> dict[str, list]:
-    """{column: layers} for one format; the integer formats give two columns, the kernel and dequantize → the
-    large-step GEMM (in quant.LARGE_STEP_DTYPE)."""
+    """{column: layers} for one format; the integer formats give three columns, torch's kernel, cpu_dot.c's
+    (where it builds) and dequantize → the large-step GEMM (in quant.LARGE_STEP_DTYPE)."""
+    from nanoserve.kernels import cpu_dot
     from nanoserve.model.layers import Linear
     from nanoserve.model.quant import LARGE_STEP_DTYPE, BF16Linear, Int8Linear, Q4Linear
 
@@ -100,10 +103,15 @@ def format_layers(weights: list[torch.Tensor], fmt: str) -> dict[str, list]:
     kernel = [make(W) for W in weights]
     for layer in kernel:
         layer.max_kernel_tokens = 1 << 30  # always the integer kernel
+    columns = {fmt: kernel}
+    if cpu_dot.available():
+        columns[f"{fmt} dot"] = [make(W) for W in weights]
+        for layer in columns[f"{fmt} dot"]:
+            layer.max_kernel_tokens, layer.integer_dot = 1 << 30, True  # always cpu_dot.c's integer products
     dequant = [make(W) for W in weights]
     for layer in dequant:
         layer.max_kernel_tokens = -1  # always dequantize → the large-step GEMM
-    return {fmt: kernel, f"{fmt}→{'bf16' if LARGE_STEP_DTYPE == torch.bfloat16 else 'fp32'}": dequant}
+    return columns | {f"{fmt}→{'bf16' if LARGE_STEP_DTYPE == torch.bfloat16 else 'fp32'}": dequant}
 
 
 def run_formats(args, config, flop_per_token_of) -> None:

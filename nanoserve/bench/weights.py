@@ -2,8 +2,9 @@
 
   memory        bytes per weight and per decode step (scales and zeros included), bytes held
   products      every Linear of the model once over a batch of T tokens, cold from memory, best of
-                --repeats: the float32 product vs each quantized kernel (bf16 activations) vs
-                dequantize-then-F.linear; at 1 token also the kernels with float32 activations.
+                --repeats: the float32 product vs each quantized layer's small-step product (torch's kernel
+                with bf16 activations, or cpu_dot.c's integers where the layers take it: quant.py) vs
+                dequantize-then-F.linear; at 1 token also torch's kernels with float32 activations.
                 This is the measurement behind QUANT_MAX_TOKENS (nanoserve/model/quant.py).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
@@ -67,6 +68,14 @@ def float32_kernel(layer, x):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scale_and_zero.float())
 
 
+def integer_dot(models: dict) -> bool:
+    """Whether the quantized models' layers take cpu_dot.c's products (quant.default_integer_dot at load)."""
+    from nanoserve.model.quant import QuantLinear
+
+    return any(getattr(m, "integer_dot", False) for model in models.values() for m in model.modules()
+               if isinstance(m, QuantLinear))
+
+
 def product_table(models: dict, tokens: list[int], repeats: int):
     from nanoserve.model.quant import LARGE_STEP_DTYPE
 
@@ -74,12 +83,13 @@ def product_table(models: dict, tokens: list[int], repeats: int):
     calls = {"fp32": ("fp32", lambda layer, x: layer(x))}
     for name in models:
         if name != "fp32":
-            calls[f"{name} kernel"] = (name, lambda layer, x: layer.kernel(x.to(torch.bfloat16)))
+            calls[f"{name} kernel"] = (name, lambda layer, x: layer.kernel(x))
             calls[f"{name} dequant"] = (name, lambda layer, x: F.linear(x.to(LARGE_STEP_DTYPE),
                                                                          layer.dequantize().to(LARGE_STEP_DTYPE)))
     dtype = str(LARGE_STEP_DTYPE).removeprefix("torch.")
     print(f"\nproducts: all {len(next(iter(layers.values())))} Linear layers "
-          f"once, ms (best of {repeats}, interleaved); kernels take bf16 activations; "
+          f"once, ms (best of {repeats}, interleaved); kernel = the layer's small-step product ("
+          f"{'cpu_dot.c, activations in int8 blocks' if integer_dot(models) else 'torch kernel, bf16 activations'}); "
           f"dequant = the weight dequantized to {dtype} + {dtype} F.linear (a large step without a kept copy: "
           f"quant.LARGE_STEP_DTYPE on this CPU)")
     print(f"{'tokens':>7s}" + "".join(f"{c:>15s}" for c in calls))
@@ -94,7 +104,7 @@ def product_table(models: dict, tokens: list[int], repeats: int):
     if quantized:
         inputs = {n: torch.randn(1, n) for n in {576, 1536, 192}}
         ms = {n: min(time_pass(layers[n], inputs, float32_kernel) for _ in range(2)) * 1e3 for n in quantized}
-        print("  1 token, the kernels with float32 activations (and scales): "
+        print("  1 token, torch's kernels with float32 activations (and scales): "
               + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
 
 

@@ -43,7 +43,7 @@ def run(args):
             n = weight_bytes(config, w)
             print(f"  {w:8s} {format_bytes(n):>10s} {n / counts['total']:13.3f} {format_bytes(n):>19s} "
                   f"{format_bytes(n / 16):>10s}")
-    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, LARGE_STEP_DTYPE, QUANT_MAX_TOKENS
+    from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, LARGE_STEP_DTYPE, QUANT_MAX_TOKENS, default_integer_dot
 
     dtype = str(LARGE_STEP_DTYPE).removeprefix("torch.")
     why = "this CPU multiplies bf16 natively" if dtype == "bfloat16" else "no bf16 instructions on this CPU"
@@ -51,3 +51,6 @@ def run(args):
           f"tokens and a {dtype} GEMM beyond ({why}), on a kept {dtype} copy\n  (KERNEL_CROSSOVER_TOKENS; LLM(kernel_crossover_tokens"
           f"=..., large_step_weights='copy'); {QUANT_MAX_TOKENS} when the weight is dequantized per step instead;\n"
           f"  measured with `python -m nanoserve bench linear --formats fp32 bf16 q4`)")
+    print("  the integer kernel: " + ("cpu_dot.c, llama.cpp's integer dot products (activations rounded to int8 "
+                                      "in blocks of 32; no native bf16 here)" if default_integer_dot()
+                                      else "torch's int8 / int4 kernels, bf16 activations"))

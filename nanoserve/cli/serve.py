@@ -149,10 +149,12 @@ def serving_format(args) -> str:
     said = f"{args.weights} weights, {pool} KV pool, {step}" + (
         "" if args.weights == "fp32" else " (--weights fp32 is the float32 reference)")
     if args.weights in ("int8", "q4"):  # chapter 10: the large steps' GEMM follows the CPU's bf16 instructions
-        from nanoserve.model.quant import LARGE_STEP_DTYPE
+        from nanoserve.model.quant import LARGE_STEP_DTYPE, default_integer_dot
 
         said += ("; large steps in bf16 (this CPU multiplies bf16)" if str(LARGE_STEP_DTYPE) == "torch.bfloat16"
                  else "; large steps in float32 (no bf16 instructions on this CPU)")
+        said += ("; small steps in cpu_dot.c's integer products" if default_integer_dot()
+                 else "; small steps in torch's integer kernels")
     return said
 
 

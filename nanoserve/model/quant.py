@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from nanoserve.kernels import cpu_dot
 from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 
 WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
@@ -162,11 +163,12 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.name = in_features, out_features, name
         self.max_kernel_tokens = QUANT_MAX_TOKENS  # set_kernel_crossover changes it
         self.large_step_copy: torch.Tensor | None = None  # large_step_weights="copy" keeps one
+        self.integer_dot = False  # small steps in cpu_dot.c's integer products instead of torch's kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out), in x's dtype
         x2 = x.reshape(-1, self.in_features)  # (num_tokens, in)
         if x2.shape[0] <= self.max_kernel_tokens:
-            y = self.kernel(x2.to(torch.bfloat16))
+            y = self.kernel(x2)
         else:  # a large step: the weight in LARGE_STEP_DTYPE (kept, or dequantized for this call only), one GEMM
             w = self.large_step_weight()
             y = F.linear(x2.to(w.dtype), w)
@@ -189,6 +191,7 @@ class Int8Linear(QuantLinear):
         super().__init__(qweight.shape[1], qweight.shape[0], name)
         self.register_buffer("qweight", qweight, persistent=False)  # (out, in) int8
         self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # (out,)
+        self.register_buffer("scale_f32", self.scale.float(), persistent=False)  # (out,) the same, for cpu_dot
         self.dequantize_int8 = dequantize  # the reference's, or exercise 10's (quantize_model's `functions`)
 
     @classmethod
@@ -196,8 +199,11 @@ class Int8Linear(QuantLinear):
                    dequantize=dequantize_int8) -> "Int8Linear":
         return cls(*quantize(weight.detach()), name, dequantize)
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) bf16 -> (num_tokens, out) bf16
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, out)
+        if self.integer_dot:
+            matmul = cpu_dot.int8_matmul_op if torch.compiler.is_compiling() else cpu_dot.int8_matmul
+            return matmul(x, self.qweight, self.scale_f32)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_int8(self.qweight, self.scale)
@@ -233,8 +239,12 @@ class Q4Linear(QuantLinear):
         self.register_buffer("scale_and_zero", scale_and_zero.contiguous().to(torch.bfloat16), persistent=False)
         self.dequantize_q4 = dequantize  # the reference's, or exercise 10's (quantize_model's `functions`)
 
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, Q4_GROUP_SIZE, self.scale_and_zero)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, in) -> (num_tokens, out)
+        if self.integer_dot:
+            matmul = cpu_dot.q4_1_matmul_op if torch.compiler.is_compiling() else cpu_dot.q4_1_matmul
+            return matmul(x, self.blocks)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, Q4_GROUP_SIZE,
+                                                           self.scale_and_zero)
 
     def unpacked(self) -> torch.Tensor:
         """The 4-bit integers (out, in) uint8 in 0..15, from the file's bytes."""
@@ -326,7 +336,15 @@ class Int8Embedding(nn.Module):
         return self.qweight[ids].float() * self.scale[ids].float()[:, None]
 
 
-def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | None = None, functions=None):
+def default_integer_dot() -> bool:
+    """Whether quantized layers take cpu_dot.c's integer products for their small steps by default: where the CPU
+    has no native bf16 (torch's kernels convert every weight there, `bench linear --formats int8 q4`) and the
+    library builds. Elsewhere torch's kernels stay (memory-bound on AMX, as measured in chapter 10)."""
+    return not native_bf16() and cpu_dot.available()
+
+
+def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | None = None, functions=None,
+                   integer_dot: bool | None = None):
     """Swap a float32 Llama's Linear layers for quantized ones, in place; returns the model.
 
     int8: every decoder Linear from its float32 weight. q4: every decoder Linear from `q4_blocks`
@@ -335,6 +353,9 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     `int4_scale_and_zero`, `dequantize_q4` (default: this one; exercise 10's file when the learner's quantizer
     serves, see `LLM(student=True)`). The layers keep the two dequantize functions: they make the large-step weight (LARGE_STEP_DTYPE) of a
     large step (LLM's copy, once at load, or a bare quantized model's, per large step).
+    integer_dot: small steps in cpu_dot.c's integer products (True) or torch's kernels (False); None:
+    default_integer_dot(). A learner's int4_scale_and_zero is what torch's int4 kernel reads, so with it the q4
+    layers keep torch's kernel: the learner's mapping serves.
     """
     from nanoserve.model.layers import Linear
 
@@ -345,6 +366,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
         return model
     if weights == "bf16":
         return bf16_model(model)
+    integer_dot = default_integer_dot() if integer_dot is None else integer_dot
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or name == "lm_head":
             continue
@@ -352,8 +374,10 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
             if name not in (q4_blocks or {}):
                 raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
             new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1, f.int4_scale_and_zero, f.dequantize_q4)
+            new.integer_dot = integer_dot and f.int4_scale_and_zero is int4_scale_and_zero
         else:
             new = Int8Linear.from_float(module.weight, name, f.quantize_int8, f.dequantize_int8)
+            new.integer_dot = integer_dot and new.in_features % cpu_dot.QK == 0  # the C code's blocks of 32
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     tied = model.lm_head.weight is model.embed_tokens.weight
@@ -361,6 +385,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     model.embed_tokens = Int8Embedding(q, scale)
     model.lm_head = (Int8Linear(q, scale, "lm_head", f.dequantize_int8) if tied
                      else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8, f.dequantize_int8))
+    model.lm_head.integer_dot = integer_dot and model.lm_head.in_features % cpu_dot.QK == 0
     return model
 
 

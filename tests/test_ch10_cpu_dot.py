@@ -1,0 +1,130 @@
+"""Chapter 10: cpu_dot.c's integer products (llama.cpp's Q4_1 x Q8_1 and int8 x Q8_1) against the same
+arithmetic written out in plain torch, in float64, from the GGUF's bytes; its error against the exact product
+within the bound activation rounding allows; its plain-C branch equal to its AVX2 one; the layers using it."""
+
+import copy
+
+import pytest
+import torch
+
+from nanoserve.kernels import cpu_dot
+from nanoserve.model.quant import Int8Linear, Q4Linear, quantize_int8
+
+pytestmark = pytest.mark.skipif(not cpu_dot.available(), reason="cpu_dot.c does not build here (no gcc)")
+
+
+def q4_1_blocks(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """Random Q4_1 blocks (out, in/32, 20): nibbles, d > 0 and m < 0 as float16 (a real layer's signs)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (out, inp // 32, 20), dtype=torch.uint8, generator=g)
+    d = (torch.rand(out, inp // 32, generator=g) * 0.01 + 1e-4).half()
+    m = (-torch.rand(out, inp // 32, generator=g) * 0.08).half()
+    blocks[..., 0:2] = d.view(torch.uint8).view(out, inp // 32, 2)
+    blocks[..., 2:4] = m.view(torch.uint8).view(out, inp // 32, 2)
+    return blocks
+
+
+def q8_1(x: torch.Tensor):
+    """x (tokens, in) -> p (tokens, in/32, 32) integers in -127..127 and dx (tokens, in/32), float64:
+    dx = max|x| / 127 per block, p = x / dx rounded to nearest (ties to even, as lrintf)."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    dx = (xb.float().abs().amax(-1) / 127).double()  # the C code computes dx in float32
+    inv = torch.where(dx > 0, (1 / dx.float()).double(), torch.zeros_like(dx))
+    p = torch.round((xb.float() * inv.float()[..., None]).double())
+    return p, dx
+
+
+def q4_1_reference(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Σ_blocks d·dx·Σ q·p + m·dx·Σ p, in float64: what gemv_q4_1 computes, by its definition."""
+    out, nb, _ = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).double()  # (out, nb)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).double()
+    qs = blocks[..., 4:].long()
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).double()  # (out, nb, 32): weights 0..15, then 16..31
+    p, dx = q8_1(x)  # (T, nb, 32), (T, nb)
+    qp = torch.einsum("onk,tnk->ton", q, p)  # (T, out, nb): one integer dot product per block
+    return (d * dx[:, None, :] * qp + m * (dx * p.sum(-1))[:, None, :]).sum(-1)
+
+
+def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    p, dx = q8_1(x)
+    qp = torch.einsum("onk,tnk->ton", q.double().view(q.shape[0], -1, 32), p)
+    return scale.double() * (dx[:, None, :] * qp).sum(-1)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 16])  # the C code multiplies tokens in tiles of 4
+def test_q4_1_matmul_is_the_block_arithmetic(tokens):
+    blocks = q4_1_blocks(48, 96)
+    x = torch.randn(tokens, 96)
+    want = q4_1_reference(x, blocks)
+    got = cpu_dot.q4_1_matmul(x, blocks).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_int8_matmul_is_the_block_arithmetic(tokens):
+    q, scale = quantize_int8(torch.randn(40, 64))
+    x = torch.randn(tokens, 64)
+    want = int8_reference(x, q, scale.float())
+    got = cpu_dot.int8_matmul(x, q, scale.float()).double()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_error_against_the_exact_product_is_the_activations_rounding():
+    """Each activation is off by at most dx/2 (half a step of its block), so |y − x·Wᵀ| ≤ Σ_i |w_i|·dx_i/2; the
+    bound is reached within a factor of a few (not zero: the activations really are rounded)."""
+    blocks = q4_1_blocks(64, 128, seed=1)
+    layer = Q4Linear(blocks, "t")
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    w = (layer.unpacked().float().view(64, 4, 32) * d[..., None] + m[..., None]).view(64, 128)  # the file's weights
+    x = torch.randn(2, 128)
+    exact = x.double() @ w.double().T
+    _, dx = q8_1(x)
+    bound = (w.double().abs().view(64, 4, 32).sum(-1)[None] * dx[:, None, :] / 2).sum(-1)  # (T, out)
+    err = (cpu_dot.q4_1_matmul(x, blocks).double() - exact).abs()
+    assert (err <= bound + 1e-6).all()
+    assert err.max() > 0.01 * bound.max()
+
+
+def test_the_plain_c_branch_computes_what_the_avx2_one_does():
+    """Built without -march=native (x86-64's baseline: no AVX2, no F16C), the same file takes its plain C loops
+    and its own float16 conversion: the same numbers up to the order of float32 additions."""
+    plain = cpu_dot.build(["-O2", "-fopenmp", "-shared", "-fPIC"])
+    blocks, x = q4_1_blocks(32, 64, seed=2), torch.randn(5, 64)
+    torch.testing.assert_close(cpu_dot.q4_1_matmul(x, blocks, plain), cpu_dot.q4_1_matmul(x, blocks), rtol=1e-5, atol=1e-6)
+    q, scale = quantize_int8(torch.randn(32, 64))
+    torch.testing.assert_close(cpu_dot.int8_matmul(x, q, scale.float(), plain), cpu_dot.int8_matmul(x, q, scale.float()),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_threads_split_rows_not_results():
+    blocks, x = q4_1_blocks(80, 64, seed=3), torch.randn(2, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_dot.q4_1_matmul(x, blocks)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_dot.q4_1_matmul(x, blocks), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_layer_takes_the_integer_products_for_small_steps_only():
+    """integer_dot on: a step of up to max_kernel_tokens rows is cpu_dot's; a larger one the large-step GEMM on
+    the dequantized weight, as without it. Off: torch's kernel, within bf16's rounding of the same product."""
+    layer = Q4Linear(q4_1_blocks(64, 96, seed=4), "t")
+    layer.max_kernel_tokens = 4
+    x = torch.randn(5, 96)
+    torch_kernel = layer(x[:4])
+    layer.integer_dot = True
+    torch.testing.assert_close(layer(x[:4]), cpu_dot.q4_1_matmul(x[:4], layer.blocks), rtol=0, atol=0)
+    large = copy.copy(layer)
+    large.integer_dot = False
+    assert torch.equal(layer(x), large(x))  # 5 rows: the GEMM either way
+    scale = torch_kernel.abs().max()
+    assert (layer(x[:4]) - torch_kernel).abs().max() < 0.02 * scale  # two roundings of x, one product
+    int8 = Int8Linear.from_float(torch.randn(48, 64), "t8")
+    int8.integer_dot = True
+    torch.testing.assert_close(int8(x[:2, :64]), cpu_dot.int8_matmul(x[:2, :64], int8.qweight, int8.scale.float()),
+                               rtol=0, atol=0)
