@@ -81,7 +81,7 @@ def register(sub):
     p.add_argument("--threads", type=checks.positive_int, default=None, metavar="N",
                    help="the engine's torch threads (default: torch's, one per core); with --disaggregated, each "
                         "engine's (default: half the cores each)")
-    # without --weights / --kv-cache-dtype: the fastest measured path (serving_format), not the reference
+    # without --weights / --kv-cache-dtype: the file's own q4 on a bf16 KV pool (serving_format), not the reference
     p.set_defaults(func=run, weights=None, kv_cache_dtype=None)
 
 
@@ -136,9 +136,12 @@ def serving_format(args) -> str:
     """Fill in --weights and --kv-cache-dtype where they were not given, and say what is served.
 
     The server serves the GGUF's own format (q4, as llama.cpp serves Q4_1 and vLLM's --dtype auto the
-    checkpoint's) on a bf16 KV pool, the fastest path `bench peers` measured (chapters 09 and 10); --weights fp32
-    is the float32 reference the course checks against. Where q4 cannot run (tensor parallelism, a q4 copy kept
-    under --degrade-under-load) the default is fp32; the Triton backend keeps the model's KV dtype."""
+    checkpoint's), whose decode step reads 95 MB of weights where float32's reads 538 MB, on a bf16 KV pool, half
+    float32's bytes per token. It is not the fastest format everywhere: that depends on the CPU and the batch (in
+    the one `bench peers` run that set bf16 and q4 weights on both pools side by side, bf16 weights on a bf16 pool
+    led at 16 requests and q4 on a float32 pool at 64: chapter 10, chapters/notes/09-retention-ledger.md).
+    --weights fp32 is the float32 reference the course checks against. Where q4 cannot run (tensor parallelism, a
+    q4 copy kept under --degrade-under-load) the default is fp32; the Triton backend keeps the model's KV dtype."""
     if args.weights is None:
         args.weights = "fp32" if args.tensor_parallel_size > 1 or args.degrade_under_load is not None else "q4"
         if args.kv_cache_dtype is None and args.weights == "q4" and args.attention_backend != "triton":

@@ -1,0 +1,237 @@
+"""Chapter 00's claims, checked rather than claimed. The worked example — the chat template's string, its 37 prompt
+ids and the ids the chapter names, the greedy reply's ids and text pieces — is computed here by the tokenizer (and,
+in the slow test, by the model through chapter 03's generate loop, as the chapter's `generate` command runs it) and
+must appear in the chapter word for word. The layering rules of section 5 are checked on every `import` statement
+in nanoserve/ (a function's lazy import included); modules loaded by name at run time (importlib, the `--student`
+switch's `modules(...)`) are not followed. tests/test_ch11_seam.py checks the seam of chapter 11 (distributed/ and
+text/ against the engine core), here not repeated."""
+
+import ast
+import json
+import re
+from functools import cache
+
+import pytest
+
+from nanoserve.cli import generate as generate_cli
+from tests.chapter_text import ROOT, chapter, command_defaults, says
+
+CH = "00"
+QUESTION = "What is the capital of France?"
+MESSAGES = [{"role": "user", "content": QUESTION}]
+
+
+# --- the worked example ------------------------------------------------------------------------------------------
+
+def quoted_reply_ids() -> list[int]:
+    """The reply's ids as the chapter prints the `generate --json` line."""
+    return json.loads(re.search(r'"token_ids": (\[[\d, ]+\])', chapter(CH))[1])
+
+
+def test_the_chat_template_string(smollm2_tokenizer):
+    text = smollm2_tokenizer.apply_chat_template(MESSAGES)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    says(CH, text)  # the ChatML block, line for line (whitespace normalised)
+
+
+def test_the_prompt_ids(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = tok.encode_chat(MESSAGES)
+    n, head, tail = len(ids), ", ".join(map(str, ids[:5])), ", ".join(map(str, ids[-4:]))
+    says(CH, f"tokenizer string ─▶ list[int] ({n} ids)")
+    says(CH, f"turns the string into {n} token ids: `[{head}, …, {tail}]`")
+    says(CH, f"all {n} prompt tokens at once")
+    says(CH, f"our {n} prompt tokens next to other requests'")
+    says(CH, f'{{"prompt_token_ids": [{head}, ..., {tail}],')
+    named = {"<|im_start|>": "is the single id", "system": "is", "\n": "the newline", " capital": "", " France": ""}
+    phrases = []
+    for text, verb in named.items():
+        (token_id,) = tok.encode(text)  # one token each
+        assert token_id in ids
+        shown = "" if text == "\n" else f"`{text}` "
+        phrases.append(f"{shown}{verb + ' ' if verb else ''}{token_id}")
+    says(CH, ", ".join(phrases))
+
+
+def test_the_reply_pieces(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = quoted_reply_ids()
+    *words, eos = ids
+    assert eos == tok.eos_token_id and tok.decode([eos]) == "<|im_end|>"
+    pieces = [tok.decode([i]) for i in words]
+    says(CH, f"first token is `{words[0]}` (`{pieces[0]}`)")
+    says(CH, "the reply arrives as " + ", ".join(f"`{p}`" for p in pieces) + f" — then id {eos}, `<|im_end|>`, "
+             "the end-of-sequence token: finish reason `stop`")
+    says(CH, f'"text": {json.dumps(tok.decode(ids, skip_special_tokens=True))}, "finish_reason": "stop"')
+
+
+@pytest.mark.slow
+def test_the_greedy_reply_is_the_models(smollm2, smollm2_tokenizer):
+    """What `generate --prompt ... --chat --temperature 0 --json` prints: its defaults, float32, the cache on."""
+    from nanoserve.generate import generate
+
+    args = command_defaults(generate_cli, "generate", "--prompt", QUESTION, "--chat", "--temperature", "0", "--json")
+    assert args.weights == "fp32" and not args.no_cache
+    tok = smollm2_tokenizer
+    out = generate(smollm2, tok.encode_chat(MESSAGES), generate_cli.sampling_params(args), tok.eos_token_id, tok,
+                   use_cache=True)
+    assert out.token_ids == quoted_reply_ids()
+    assert out.finish_reason == "stop"
+    says(CH, f'"token_ids": {out.token_ids}, "text": {json.dumps(out.text)}')
+
+
+# --- the layering rules ------------------------------------------------------------------------------------------
+
+def module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted((ROOT / "nanoserve").rglob("*.py"))}
+
+
+def parents(module: str) -> set[str]:
+    """The packages Python runs before `module`: nanoserve, nanoserve.engine, ..."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+@cache
+def import_statements(module: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(the module named, the names taken from it) for each nanoserve import in `module`'s file, anywhere in it."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{module}: a relative import"  # nanoserve imports absolutely
+            found.append((node.module, tuple(alias.name for alias in node.names)))
+    return tuple((m, names) for m, names in found if m == "nanoserve" or m.startswith("nanoserve."))
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """The nanoserve modules `module` imports: a submodule named in `from x import y` counts as y, and every
+    package above an imported module counts too (Python runs it first)."""
+    out = set()
+    for target, names in import_statements(module):
+        subs = {f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES}
+        for m in subs | ({target} if len(subs) < len(names) or not names else set()):
+            out |= {m} | parents(m)
+    return frozenset(out - {module})
+
+
+def closure(modules) -> set[str]:
+    """Every nanoserve module importing `modules` runs (their packages included)."""
+    seen, todo = set(), [m for module in modules for m in (module, *parents(module))]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += imports(m)
+    return seen
+
+
+@cache
+def under(*prefixes: str) -> list[str]:
+    """The modules of nanoserve/ under these names (a package and everything in it, or one module)."""
+    full = tuple(f"nanoserve.{p}" for p in prefixes)
+    return [m for m in MODULES if m in full or m.startswith(tuple(f + "." for f in full))]
+
+
+def is_in(module: str, *prefixes: str) -> bool:
+    return module in under(*prefixes)
+
+
+# The picture of section 5, top to bottom. A module imports nothing of a rank above its own.
+TOP = ("cli", "bench", "__main__", "cluster", "disagg.proxy", "disagg.kv_index")  # commands, fleet, proxy, router
+SERVER = ("server",)
+DRIVERS = ("engine.async_engine", "llm")  # the async engine, and the offline LLM API beside it
+BOTTOM = ("model", "kernels", "kv", "memory")  # model / kernels / kv (memory.py: their byte counts)
+SIDE = ("text", "structured", "spec_decode", "distributed", "lora", "disagg.connector", "disagg.receive",
+        "disagg.transport")
+
+
+def rank(module: str) -> int:
+    for r, group in ((4, TOP), (3, SERVER), (2, DRIVERS), (0, BOTTOM)):
+        if is_in(module, *group):
+            return r
+    return 1 if module != "nanoserve" else 0  # the engine and what sits beside it; the root package is lazy
+
+
+def test_the_check_sees_imports():
+    """The checker itself: it finds a lazy import inside a method, a `from package import module`, and the
+    imports the rules below forbid where they do exist (the server does reach the worker)."""
+    assert "nanoserve.disagg.connector" in imports("nanoserve.engine.llm_engine")  # inside a method
+    assert "nanoserve.lora.punica" in imports("nanoserve.lora.layers")  # from nanoserve.lora import punica
+    assert "nanoserve.engine.worker" in imports("nanoserve.server.versions")
+    assert rank("nanoserve.server.api_server") > rank("nanoserve.engine.async_engine") \
+        > rank("nanoserve.engine.scheduler") > rank("nanoserve.kv.block_manager")
+    assert {rank(m) for m in MODULES} == {0, 1, 2, 3, 4}
+
+
+def test_every_package_is_on_the_map():
+    section = chapter(CH)[chapter(CH).index("## 5. The layering rule"):chapter(CH).index("## 6. The vocabulary")]
+    packages = sorted(p.parent.name for p in (ROOT / "nanoserve").glob("*/__init__.py"))
+    assert len(packages) > 10
+    for package in packages:
+        assert re.search(rf"\b{package}\b", section), f"nanoserve/{package}/ is not in chapter 00's section 5"
+
+
+def test_imports_only_point_down():
+    says(CH, "The code is layered, and **imports only point down**")
+    upward = [(m, t) for m in MODULES for t in imports(m) if rank(t) > rank(m)]
+    assert not upward, f"imports that point up the picture: {upward}"
+
+
+def test_the_model_knows_nothing_about_serving():
+    says(CH, "`nanoserve/model/` imports nothing from `kv/` or `engine/`")
+    reached = closure(under("model"))
+    assert not [m for m in reached if is_in(m, "kv", "engine")]
+    assert reached <= set(under("model")) | {"nanoserve"}, "model/ reaches outside itself"
+
+
+def test_the_bottom_row_imports_only_the_bottom_row():
+    assert all(rank(t) == 0 for m in under(*BOTTOM) for t in imports(m))
+
+
+def test_the_engine_never_tokenizes():
+    says(CH, "the engine may hold a detokenizer, to produce text deltas and check stop strings, but it never tokenizes")
+    reached = closure(under("engine"))
+    assert not [m for m in reached if is_in(m, "text.tokenizer", "text.chat_template")]
+
+
+def test_the_side_packages_import_only_the_engines_config():
+    says(CH, "import at most one file of `engine/`: `engine/config.py`, the engine's settings, a leaf that imports "
+             "nothing of nanoserve but one default of `spec_decode/policy.py` (`lora/` and the connector import it)")
+    engine_imports = {m: {t for t in imports(m) if is_in(t, "engine") and t != "nanoserve.engine"}
+                      for m in under(*SIDE)}
+    multiproc = engine_imports.pop("nanoserve.distributed.multiproc")
+    assert all(found <= {"nanoserve.engine.config"} for found in engine_imports.values()), engine_imports
+    assert {m for m, found in engine_imports.items() if found} - set(under("lora")) == {"nanoserve.disagg.connector"}
+    assert any(engine_imports[m] for m in under("lora"))
+    assert closure(["nanoserve.engine.config"]) == {"nanoserve.engine.config", "nanoserve.engine", "nanoserve",
+                                                    "nanoserve.spec_decode", "nanoserve.spec_decode.policy"}
+    assert [names for m, names in import_statements("nanoserve.engine.config")] == [("DEFAULT_DISABLE_BY_BATCH_SIZE",)]
+    says(CH, "`distributed/multiproc.py`, which starts the worker processes and so imports the worker and the model "
+             "runner")
+    assert multiproc == {"nanoserve.engine.worker", "nanoserve.engine.model_runner"}
+
+
+def test_the_server_reads_the_core_only_in_its_stat_logger():
+    """Below the async engine the server imports types, constants and release_memory; only server/metrics.py reads
+    the engine's scheduler and block manager (the stat logger the async engine calls after every step)."""
+    taken = {}
+    for m in under("server"):
+        for target, names in import_statements(m):
+            if is_in(target, "engine") and not is_in(target, "engine.async_engine"):
+                taken.setdefault(target, set()).update(names)
+    assert taken == {"nanoserve.engine.llm_engine": {"RequestOutput"}, "nanoserve.engine.policies": {"SLOTargets"},
+                     "nanoserve.engine.sleep_mode": {"SLEEP_LEVELS"}, "nanoserve.engine.worker": {"release_memory"}}
+    says(CH, "only types and constants (`RequestOutput`, `SLOTargets`, `SLEEP_LEVELS`) and one function, the "
+             "worker's `release_memory`")
+    readers = {m for m in under("server") for node in ast.walk(ast.parse(MODULES[m].read_text()))
+               if isinstance(node, ast.Attribute) and node.attr in ("scheduler", "block_manager")}
+    assert readers == {"nanoserve.server.metrics"}
+    says(CH, "its Prometheus stat logger (`server/metrics.py`), which the async engine calls in the engine thread "
+             "after every step, reads the core's state directly")
