@@ -42,7 +42,7 @@ class LLM:
                  compile_mode: str = "eager", kv_tier_blocks: int = 0, kv_tier_path: str | None = None,
                  preemption_mode: str = "recompute", enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, lora_modules: dict | None = None,
-                 kv_transfer_config=None):
+                 kv_transfer_config=None, integer_dot: bool | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -61,6 +61,8 @@ class LLM:
         for those steps (2 bytes per weight more in bf16: SmolLM2 q4 holds 161 MB + 269 MB; 4 in float32) or
         "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
         a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
+        integer_dot: int8 / q4 small steps in kernels/cpu_dot.c's integer products (True) or torch's kernels (False);
+        None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, no build).
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
         scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
@@ -80,12 +82,14 @@ class LLM:
         prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
-        from nanoserve.model.quant import check_weight_format
+        from nanoserve.model.quant import check_integer_dot, check_weight_format
         from nanoserve.text.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
         if weights is not None:
             check_weight_format(weights)  # before the model loads
+        if integer_dot is not None:
+            check_integer_dot(integer_dot, weights or "fp32", tensor_parallel_size)
         if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
                                          or attention_backend == "triton" or kv_cache_dtype != "auto"
                                          or compile_mode != "eager" or speculative == "draft"):
@@ -100,7 +104,7 @@ class LLM:
             # with chapter 10 selected in `student`, the weights come from YOUR quantizer (exercises/10), and with
             # chapter 02 the model from YOUR blocks and norms (exercises/02), once finished
             quantizer = code.module("nanoserve.model.quant") if weights in ("int8", "q4") else None
-            loaded = load_gguf(path, weights or "fp32", quantizer, code.module)
+            loaded = load_gguf(path, weights or "fp32", quantizer, code.module, integer_dot)
             if weights in ("int8", "q4"):
                 from nanoserve.model.quant import set_kernel_crossover
 

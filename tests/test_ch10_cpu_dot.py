@@ -91,6 +91,7 @@ def test_the_plain_c_branch_computes_what_the_avx2_one_does():
     """Built without -march=native (x86-64's baseline: no AVX2, no F16C), the same file takes its plain C loops
     and its own float16 conversion: the same numbers up to the order of float32 additions."""
     plain = cpu_dot.build(["-O2", "-fopenmp", "-shared", "-fPIC"])
+    assert plain.cpu_dot_simd() == 0
     blocks, x = q4_1_blocks(32, 64, seed=2), torch.randn(5, 64)
     torch.testing.assert_close(cpu_dot.q4_1_matmul(x, blocks, plain), cpu_dot.q4_1_matmul(x, blocks), rtol=1e-5, atol=1e-6)
     q, scale = quantize_int8(torch.randn(32, 64))
@@ -98,16 +99,35 @@ def test_the_plain_c_branch_computes_what_the_avx2_one_does():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_threads_split_rows_not_results():
-    blocks, x = q4_1_blocks(80, 64, seed=3), torch.randn(2, 64)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_dot.q4_1_matmul(x, blocks)
-        torch.set_num_threads(2)
-        assert torch.equal(cpu_dot.q4_1_matmul(x, blocks), one)
-    finally:
-        torch.set_num_threads(threads)
+def test_the_custom_ops_declare_what_the_products_return():
+    """Inside torch.compile the products are custom ops: torch's own checks of their registration (the fake
+    shapes the compiler plans with against the real outputs)."""
+    blocks, x = q4_1_blocks(32, 64, seed=3), torch.randn(2, 64)
+    torch.library.opcheck(cpu_dot.q4_1_matmul_op, (x, blocks))
+    q, scale = quantize_int8(torch.randn(48, 64))
+    torch.library.opcheck(cpu_dot.int8_matmul_op, (x, q, scale.float()))
+    compiled = torch.compile(lambda x, b: cpu_dot.q4_1_matmul_op(x, b) * 2, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, blocks), 2 * cpu_dot.q4_1_matmul(x, blocks), rtol=0, atol=0)
+
+
+def test_raw_memory_is_read_only_as_declared():
+    """The C code reads pointers: a tensor of another dtype, shape or device is refused, not read past its end."""
+    blocks, x = q4_1_blocks(32, 64), torch.randn(1, 64)
+    with pytest.raises(ValueError, match="blocks must be torch.uint8"):
+        cpu_dot.q4_1_matmul(x, blocks[:, :1])
+    with pytest.raises(ValueError, match="divisible by 32"):
+        cpu_dot.q4_1_matmul(torch.randn(1, 40), blocks)
+    q, scale = quantize_int8(torch.randn(48, 64))
+    with pytest.raises(ValueError, match="qweight must be torch.int8"):
+        cpu_dot.int8_matmul(x, q.int(), scale.float())
+    with pytest.raises(ValueError, match="scale must be torch.float32"):
+        cpu_dot.int8_matmul(x, q, scale.float()[:40])
+
+
+def test_a_failed_build_says_why():
+    assert cpu_dot.build(["-fno-such-flag", "-shared"]) is None
+    assert "gcc failed" in cpu_dot._errors[("-fno-such-flag", "-shared")]
+    assert cpu_dot.build_error() == ""  # this CPU's own build did not fail
 
 
 def test_a_layer_takes_the_integer_products_for_small_steps_only():
@@ -128,3 +148,14 @@ def test_a_layer_takes_the_integer_products_for_small_steps_only():
     int8.integer_dot = True
     torch.testing.assert_close(int8(x[:2, :64]), cpu_dot.int8_matmul(x[:2, :64], int8.qweight, int8.scale.float()),
                                rtol=0, atol=0)
+
+
+def test_an_explicit_choice_is_refused_where_it_cannot_be_honoured():
+    from nanoserve.llm import LLM
+    from nanoserve.model.quant import check_integer_dot
+
+    with pytest.raises(ValueError, match="int8 / q4 weights"):
+        LLM(weights="fp32", integer_dot=True)  # before any model loads
+    with pytest.raises(ValueError, match="single-process"):
+        check_integer_dot(False, "q4", tensor_parallel_size=3)
+    check_integer_dot(True, "q4")  # builds here: accepted

@@ -313,6 +313,28 @@ def test_quantize_model_makes_the_weights_with_the_functions_it_is_given(tiny_pa
     assert calls == ["quantize_int8"] * 9
 
 
+def test_a_learners_q4_reading_keeps_torchs_kernel(tiny_pair, exercises):
+    """--student 10 with only 10.2 done: the learner's unpack_q4_1 makes the packed integers torch's int4 kernel
+    reads, so the q4 layers keep that kernel (cpu_dot.c reads the file's bytes itself and would bypass it); the
+    LM head's int8 rows are the reference's quantize_int8's either way, so it may take cpu_dot."""
+    import copy
+
+    from nanoserve.student import StudentCode, unfinished
+
+    path = finish("nanoserve.model.quant", ["unpack_q4_1"])
+    assert set(unfinished(path)) == {"Exercise 10.1", "Exercise 10.3"}
+    code = StudentCode("10")
+    with pytest.warns(UserWarning, match="not finished"):
+        functions = code.module("nanoserve.model.quant")
+    model, blocks = tiny_pair
+    theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions, integer_dot=True)
+    projections = [m for name, m in theirs.named_modules() if name.endswith("_proj")]
+    assert projections and not any(m.integer_dot for m in projections)
+    assert code.calls["unpack_q4_1"] == len(projections)
+    ours = quantize_model(copy.deepcopy(model), "q4", blocks, integer_dot=True)
+    assert all(m.integer_dot for name, m in ours.named_modules() if name.endswith("_proj"))
+
+
 def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exercises):
     """--student 10 with 10.3 done and 10.1, 10.2 stubbed: the learner's int4_scale_and_zero makes every q4
     layer's kernel scales and their dequantize_q4 the bf16 copy a large step multiplies, the reference's

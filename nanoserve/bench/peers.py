@@ -9,7 +9,9 @@ system in every round; each system's figure is its median round. Then, per nanos
 tokens/s and the prefill rate of one --prefill-tokens prompt.
 
 With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the attention in bf16), and with
-`--compile-mode eager buckets` each also through the compiled step (chapter 09, nanoserve/model/compiled.py);
+`--compile-mode eager buckets` each also through the compiled step (chapter 09, nanoserve/model/compiled.py), and
+with `--integer-dot on off` each int8 / q4 format with kernels/cpu_dot.c's and with torch's small-step kernels
+(chapter 10);
 every system serves one untimed warm-up round first, which is where a compiled step compiles (its time printed).
 With `--llama-bench PATH`, the batch-1 figures are taken in --rounds interleaved rounds, each with one run of
 llama.cpp's `llama-bench -m GGUF -t THREADS -n 128 -p 512` on the same GGUF, printed beside them.
@@ -35,6 +37,9 @@ def register(sub):
                    help="nanoserve's KV pool: each format runs once per dtype given (auto: float32)")
     p.add_argument("--compile-mode", nargs="+", default=["eager"], choices=["eager", "buckets", "dynamic"],
                    help="each format runs once per mode given: eager, or the compiled step (chapter 09)")
+    p.add_argument("--integer-dot", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                   help="int8 / q4 small-step kernels: each quantized format runs once per choice given (chapter 10: "
+                        "on = kernels/cpu_dot.c, off = torch's kernels)")
     p.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="llama.cpp's llama-bench: its tg128 and pp512 on the same GGUF beside the batch-1 figures")
     p.add_argument("--hf", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
@@ -107,21 +112,29 @@ def llama_bench(path: str, gguf, threads: int) -> tuple[float, float]:
     return rate["tg"], rate["pp"]
 
 
-def system_name(weights: str, kv: str, mode: str) -> str:
-    return f"nanoserve {weights}" + ("" if kv == "auto" else f", kv {kv}") + ("" if mode == "eager" else f", {mode}")
+def system_name(weights: str, kv: str, mode: str, dot: str = "auto") -> str:
+    return (f"nanoserve {weights}" + ("" if kv == "auto" else f", kv {kv}") + ("" if mode == "eager" else f", {mode}")
+            + {"auto": "", "on": ", cpu_dot", "off": ", torch kernels"}[dot])
 
 
 @torch.inference_mode()
 def run(args):
+    from nanoserve.cli.checks import UsageError
+    from nanoserve.kernels import cpu_dot
     from nanoserve.llm import LLM
     from nanoserve.model import embedded_gguf_path
     from nanoserve.text.tokenizer import Tokenizer
 
+    if args.integer_dot != ["auto"] and not {"int8", "q4"} & set(args.formats):
+        raise UsageError("--integer-dot chooses the small-step kernel of int8 / q4 weights: give --formats int8 or q4")
+    if "on" in args.integer_dot and not cpu_dot.available():
+        raise UsageError(f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
           f"--formats {' '.join(args.formats)} --kv-cache-dtype {' '.join(args.kv_cache_dtype)} "
-          f"--compile-mode {' '.join(args.compile_mode)} --hf {' '.join(args.hf)} --rounds {args.rounds} "
+          f"--compile-mode {' '.join(args.compile_mode)} --integer-dot {' '.join(args.integer_dot)} "
+          f"--hf {' '.join(args.hf)} --rounds {args.rounds} "
           f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else "")
           + (f" --llama-bench {args.llama_bench}" if args.llama_bench else ""), flush=True)
     print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
@@ -129,10 +142,12 @@ def run(args):
     tokenizer = Tokenizer.from_gguf()
     # 24 blocks of 16 tokens per request (200 + 128 tokens at most), and room for the single stream's prompt
     blocks = max(max(args.num_requests) * 24, -(-(args.prefill_tokens + 1) // 16), -(-(32 + args.decode_tokens + 1) // 16))
-    llms = {system_name(f, kv, mode):
+    dots = {"auto": None, "on": True, "off": False}
+    llms = {system_name(f, kv, mode, dot):
             LLM(weights=f, kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.num_requests),
-                compile_mode=mode)
-            for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode}
+                compile_mode=mode, integer_dot=dots[dot])
+            for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode
+            for dot in (args.integer_dot if f in ("int8", "q4") else ["auto"])}
     hf = {}
     if args.hf:
         from transformers import AutoModelForCausalLM

@@ -11,6 +11,11 @@ For each weight format, against the float32 model loaded from the same GGUF:
 
 With q4 it also runs "q4+fp32head": the same q4 layers with float32's embedding and LM head, which shows
 how much of the difference is the int8 LM head's (nanoserve/model/quant.py says why it is int8).
+
+The held-out pass is one large step (the float32 GEMM or bf16 copy of chapter 10); the greedy tokens decode in the
+small steps' kernel. A last table reads that kernel alone: each chat prompt's tokens in one pass of at most
+QUANT_MAX_TOKENS tokens (the kernel's range in a bare model), largest |Δlogit| and top-1 agreement against
+float32, once with torch's kernels and once with kernels/cpu_dot.c's integer products where it builds.
 """
 
 import math
@@ -116,3 +121,28 @@ def run(args):
     for name, r in rows.items():
         print(f"{name:12s} {r['agreement']:10.1%} {r['first_divergence']:13.1f} {r['identical']:5d}/{len(prompts):<4d} "
               f"{r['ppl']:11.3f} {r['max_dlogit']:13.3f} {r['top1']:13.1%}")
+    small_step_table(models["fp32"], formats, tokenizer, prompts)
+
+
+@torch.inference_mode()
+def small_step_table(fp32, formats: list[str], tokenizer, prompts: list[str]) -> None:
+    """Each quantized format's small-step kernels on the chat prompts' tokens, against float32 (module docstring)."""
+    from nanoserve.kernels import cpu_dot
+    from nanoserve.model import load_gguf
+    from nanoserve.model.quant import QUANT_MAX_TOKENS, default_integer_dot
+
+    kernels = {"torch's kernel": False} | ({"cpu_dot.c": True} if cpu_dot.available() else {})
+    ids = [torch.tensor(tokenizer.encode_chat([{"role": "user", "content": p}])[:QUANT_MAX_TOKENS]) for p in prompts]
+    refs = [heldout_logits(fp32, t) for t in ids]
+    print(f"\nsmall steps: {len(prompts)} chat prompts, {sum(map(len, ids))} positions, each prompt one pass "
+          f"(the default here: {'cpu_dot.c' if default_integer_dot() else 'torch' + chr(39) + 's kernel'})")
+    print(f"{'weights':12s} {'kernel':>15s} {'max |dlogit|':>13s} {'top-1 = fp32':>13s}")
+    for w in formats:
+        if w not in ("int8", "q4"):
+            continue
+        for kernel, on in kernels.items():
+            model = load_gguf(weights=w, integer_dot=on)
+            got = [heldout_logits(model, t) for t in ids]
+            worst = max((g - r).abs().max().item() for g, r in zip(got, refs))
+            agree = sum(int((g.argmax(-1) == r.argmax(-1)).sum()) for g, r in zip(got, refs))
+            print(f"{w:12s} {kernel:>15s} {worst:13.3f} {agree:7d}/{sum(map(len, ids)):<5d}")

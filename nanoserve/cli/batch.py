@@ -90,6 +90,9 @@ def add_engine_args(p):
                    help="eager: op by op (the reference); buckets / dynamic: each step's forward through torch.compile, "
                         "padded up to a few fixed token counts or with a symbolic one (chapter 09; compiled code is "
                         "cached under $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/nanoserve/inductor)")
+    p.add_argument("--integer-dot", default="auto", choices=["auto", "on", "off"],
+                   help="int8 / q4 small steps in kernels/cpu_dot.c's integer products (on) or torch's kernels (off); "
+                        "auto: cpu_dot where the CPU has no native bf16 (chapter 10)")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
@@ -107,13 +110,23 @@ def engine_kwargs(args, **extra) -> dict:
                 scheduling_policy=args.scheduling_policy or "priority", slo_ttft_ms=args.slo_ttft_ms,
                 slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
                 compile_mode=args.compile_mode, kv_tier_blocks=args.kv_tier_blocks, kv_tier_path=args.kv_tier_path,
-                preemption_mode=args.preemption_mode, **extra)
+                preemption_mode=args.preemption_mode,
+                integer_dot={"auto": None, "on": True, "off": False}[args.integer_dot], **extra)
 
 
 def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
     from nanoserve.student import parse_selection
 
+    if args.integer_dot != "auto":
+        from nanoserve.kernels import cpu_dot
+
+        if args.weights in ("fp32", "bf16"):
+            return f"--integer-dot chooses the small-step kernel of int8 / q4 weights, not of --weights {args.weights}"
+        if args.tensor_parallel_size > 1:
+            return "--integer-dot is single-process only (tensor parallelism runs float32 weights)"
+        if args.integer_dot == "on" and not cpu_dot.available():
+            return f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})"
     if args.num_speculative_tokens is not None and args.speculative is None:
         return "--num-speculative-tokens needs --speculative ngram or draft"
     if args.preemption_mode == "swap" and not args.kv_tier_blocks:

@@ -153,11 +153,14 @@ def serving_format(args) -> str:
         "" if args.weights == "fp32" else " (--weights fp32 is the float32 reference)")
     if args.weights in ("int8", "q4"):  # chapter 10: the large steps' GEMM follows the CPU's bf16 instructions
         from nanoserve.model.quant import LARGE_STEP_DTYPE, default_integer_dot
+        from nanoserve.student import parse_selection
 
         said += ("; large steps in bf16 (this CPU multiplies bf16)" if str(LARGE_STEP_DTYPE) == "torch.bfloat16"
                  else "; large steps in float32 (no bf16 instructions on this CPU)")
-        said += ("; small steps in cpu_dot.c's integer products" if default_integer_dot()
-                 else "; small steps in torch's integer kernels")
+        on = default_integer_dot() if args.integer_dot == "auto" else args.integer_dot == "on"
+        said += ("; small steps in cpu_dot.c's integer products" if on else "; small steps in torch's integer kernels")
+        if on and args.weights == "q4" and "10" in parse_selection(args.student):
+            said += " (torch's int4 kernel where your exercise 10.2 / 10.3 code reads the blocks)"
     return said
 
 

@@ -1,8 +1,9 @@
 /* Chapter 10 — the integer dot products llama.cpp decodes with, for this CPU (cpu_dot.py builds and calls it).
 
-   A decode step multiplies a few activation rows by every weight once, so its time is how fast the weights
-   stream through the core. torch's int4 and int8 kernels turn each weight into a float (or bf16) before they
-   multiply; on a CPU without native bf16 that conversion, not memory, bounds them. This file keeps the weights
+   A decode step multiplies a few activation rows by every weight once, so at best its time is how fast the
+   weights stream from memory. torch's int4 and int8 kernels turn each weight into a float (or bf16) before they
+   multiply; on a CPU without native bf16 that conversion, not memory, bounds them (chapter 10 has the arithmetic:
+   ~4 GB/s of q4 weights against float32's ~10). This file keeps the weights
    as integers: the activations are rounded to int8 too, one scale per block of 32 (llama.cpp's Q8_1), and each
    block's dot product is integer multiply-adds (AVX2's vpmaddubsw: 32 byte products, summed in pairs, in one
    instruction); floats appear once per block, to apply the scales.
@@ -15,13 +16,16 @@
 
    Shapes: x (tokens, in) float32, y (tokens, out) float32, in a multiple of 32. Each thread takes a range of
    output rows and multiplies it with every token's activations (the weights are read once per call, not once
-   per token). Without AVX2 the same arithmetic runs in plain C: same result, slower.
+   per token). Without AVX2 and FMA the same arithmetic runs in plain C: the same result, several times slower.
 */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) && defined(__FMA__)
+#define SIMD 1 /* the AVX2 branch (it multiplies-adds with FMA too) */
 #include <immintrin.h>
+#else
+#define SIMD 0
 #endif
 
 #define QK 32 /* weights per block */
@@ -48,6 +52,9 @@ static float half_to_float(uint16_t h) {
 #endif
 }
 
+/* 1 where this build took the AVX2 branch, 0 where the plain C loops (slower than torch's kernels) */
+int cpu_dot_simd(void) { return SIMD; }
+
 /* x (n,) float32 -> n/32 blocks of int8 with their scale dx and sx = dx · Σ p (rounding to nearest). */
 void quantize_q8_1(const float *x, block_q8_1 *out, int64_t n) {
     for (int64_t b = 0; b < n / QK; b++) {
@@ -66,7 +73,7 @@ void quantize_q8_1(const float *x, block_q8_1 *out, int64_t n) {
     }
 }
 
-#ifdef __AVX2__
+#if SIMD
 static inline float hsum(__m256 v) {  /* the 8 lanes added */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -85,7 +92,7 @@ static inline __m256 dot32(__m256i u, __m256i s) {
 /* One row of Q4_1 weights times nt <= TILE tokens' activations (token t's blocks at x + t * nb): y[t]. */
 static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int64_t nb, int nt, float *y) {
     float summ[TILE] = {0};  /* Σ m · sx: the part of each block that does not depend on q */
-#ifdef __AVX2__
+#if SIMD
     __m256 acc[TILE];
     for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0f);
@@ -121,7 +128,7 @@ static void dot_q4_1(const block_q4_1 *w, const block_q8_1 *x, int64_t nb, int n
 
 /* One row of int8 weights times nt <= TILE tokens' activations: y[t], before the row's scale. */
 static void dot_i8(const int8_t *w, const block_q8_1 *x, int64_t nb, int nt, float *y) {
-#ifdef __AVX2__
+#if SIMD
     __m256 acc[TILE];
     for (int t = 0; t < TILE; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {

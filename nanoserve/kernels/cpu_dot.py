@@ -7,12 +7,12 @@ are rounded to int8 in blocks of 32 (one scale each), and every block of weights
 multiply-add. The Q4_1 weights are read straight from the GGUF's blocks (d and m float16, 16 bytes of nibbles).
 
 What it costs: the activations lose precision too. A block's largest |x| maps to 127, so an element is off by
-at most dx / 2 = max|x| / 254 (bf16's rounding, the torch kernels' path, is relative to each element, 2^-9).
+at most dx / 2 = max|x| / 254 (bf16's rounding, the torch kernels' path, is relative to each element, 2^-8).
 tests/test_ch10_cpu_dot.py checks both functions against the same arithmetic in plain torch.
 
 The library is compiled once per process, into a temporary folder removed right after it is loaded (a few
-hundred ms); `available()` is False where there is no gcc or the build fails, and the layers keep torch's
-kernels. Threads: the C loops split the output rows over torch's thread count (`torch.get_num_threads()`), in
+hundred ms); `available()` is False where there is no gcc or the build fails (`build_error()` says why, and a
+warning once), and the layers keep torch's kernels; so do they where the build has no AVX2 (`simd()`). Threads: the C loops split the output rows over torch's thread count (`torch.get_num_threads()`), in
 the OpenMP runtime torch itself uses (the library links libgomp.so.1, the one torch already loaded).
 """
 
@@ -21,6 +21,7 @@ import functools
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,19 +34,29 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]  # AVX2 where 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """cpu_dot.c built for this CPU and loaded, or None where it cannot be (no gcc, a failed build)."""
-    return build(CFLAGS)
+    """cpu_dot.c built for this CPU and loaded, or None where it cannot be (no gcc, a failed build: the reason
+    in build_error(), and one warning)."""
+    lib = build(CFLAGS)
+    if lib is None:
+        warnings.warn(f"kernels/cpu_dot.c: {build_error()}; quantized layers keep torch's kernels", RuntimeWarning)
+    return lib
+
+
+_errors: dict[tuple, str] = {}  # gcc flags -> why that build failed
 
 
 def build(cflags: list[str]) -> ctypes.CDLL | None:
     """cpu_dot.c compiled with these gcc flags and loaded (without -march=native: the plain C branch)."""
     gcc = shutil.which("gcc")
     if gcc is None:
+        _errors[tuple(cflags)] = "no gcc on PATH"
         return None
     with tempfile.TemporaryDirectory(prefix="nanoserve_cpu_dot_") as tmp:
         path = Path(tmp) / "cpu_dot.so"
         done = subprocess.run([gcc, *cflags, "-o", str(path), str(SOURCE), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+            _errors[tuple(cflags)] = f"gcc failed: {last}"
             return None
         lib = ctypes.CDLL(str(path))  # mapped now: the file can go with the folder
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -53,15 +64,28 @@ def build(cflags: list[str]) -> ctypes.CDLL | None:
     lib.gemv_i8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     for f in (lib.gemv_q4_1, lib.gemv_i8):
         f.restype = None
+    lib.cpu_dot_simd.restype = ctypes.c_int
     return lib
+
+
+def build_error() -> str:
+    """Why this CPU's build failed ('' if it did not, or was not tried)."""
+    return _errors.get(tuple(CFLAGS), "")
 
 
 def available() -> bool:
     return library() is not None
 
 
+def simd() -> bool:
+    """Whether this CPU's build took the AVX2 branch."""
+    return available() and bool(library().cpu_dot_simd())
+
+
 def _args(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x as the C code reads it (contiguous float32), the output and the activations' scratch."""
+    if x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"cpu_dot multiplies (tokens, in) CPU tensors, got {tuple(x.shape)} on {x.device}")
     x = x.contiguous().float()
     tokens, inp = x.shape
     if inp % QK:
@@ -71,12 +95,19 @@ def _args(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tenso
     return x, y, scratch
 
 
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """The C code reads raw memory: refuse a tensor that is not exactly what it will read."""
+    if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape:
+        raise ValueError(f"cpu_dot: {name} must be {dtype} {shape} on the CPU, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t.contiguous()
+
+
 def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """(tokens, in) float, Q4_1 blocks (out, in/32, 20) uint8 -> (tokens, out) float32: x · Wᵀ, x in Q8_1.
     lib: a build() of the library (default: this CPU's)."""
     out = blocks.shape[0]
     x, y, scratch = _args(x, out)
-    blocks = blocks.contiguous()
+    blocks = _check("blocks", blocks, torch.uint8, (out, x.shape[1] // QK, 20))
     (lib or library()).gemv_q4_1(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), scratch.data_ptr(),
                         x.shape[0], x.shape[1], out, torch.get_num_threads())
     return y
@@ -87,7 +118,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """(tokens, in) float, int8 (out, in) with float32 scales (out,) -> (tokens, out) float32, x in Q8_1."""
     out = qweight.shape[0]
     x, y, scratch = _args(x, out)
-    qweight, scale = qweight.contiguous(), scale.contiguous().float()
+    qweight = _check("qweight", qweight, torch.int8, (out, x.shape[1]))
+    scale = _check("scale", scale, torch.float32, (out,))
     (lib or library()).gemv_i8(qweight.data_ptr(), scale.data_ptr(), x.data_ptr(), y.data_ptr(), scratch.data_ptr(),
                       x.shape[0], x.shape[1], out, torch.get_num_threads())
     return y

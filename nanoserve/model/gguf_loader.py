@@ -124,7 +124,7 @@ def our_name(gguf_name: str) -> str:
 
 
 def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=None,
-              modules=importlib.import_module) -> Llama:
+              modules=importlib.import_module, integer_dot: bool | None = None) -> Llama:
     """Build a `Llama` from a GGUF file (default: the embedded SmolLM2-135M-Instruct).
 
     weights: "fp32" (everything dequantized to float32), "int8" (chapter 10: the decoder's Linear layers
@@ -132,6 +132,7 @@ def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=N
     as they are, no float32 round trip). See nanoserve/model/quant.py; `quantizer` is the module whose
     quantize_int8 / unpack_q4_1 make the weights (default: that one). `modules(name)` gives the modules the
     model is built from (default: the reference's; `--student 01,02`: the learner's, see `Llama`).
+    integer_dot: the quantized layers' small-step kernel, see quant.quantize_model.
     """
     from gguf import GGMLQuantizationType, dequantize
 
@@ -169,4 +170,4 @@ def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=N
                and m.removesuffix(".weight") not in q4_blocks]
     if missing or unexpected:
         raise ValueError(f"{reader.data.filename}: tensors missing {missing}, unexpected {unexpected}")
-    return quantize_model(model, weights, q4_blocks, quantizer).eval()
+    return quantize_model(model, weights, q4_blocks, quantizer, integer_dot).eval()

@@ -16,7 +16,8 @@ Two formats, each a Linear that keeps its weight quantized and dequantizes insid
 
 Both kernels are fast on this CPU only with **bfloat16 activations** (with float32 ones they are slower
 than float32 MKL: `python -m nanoserve bench weights`), and they take their scales in the activation's
-dtype. So a quantized layer computes (the large-step path rounds dequantize(W) to bf16 too, below):
+dtype. So a quantized layer computes, with torch's kernels (the large-step path rounds dequantize(W) to bf16
+too, below; a CPU without native bf16 differs, see the end):
 
     bf16(x) · dequantize(W)ᵀ, accumulated in float32, rounded to bf16, returned as float32
 
@@ -35,7 +36,9 @@ All of that holds on a CPU that multiplies bf16 natively (AMX, or AVX-512 BF16).
 only: AMD's Zen 3, Intel before Cooper Lake) oneDNN emulates the bf16 GEMM, and it runs several times slower
 than float32's (`python -m nanoserve bench linear --bf16` on the machine at hand): there the large step's
 weight is float32 instead (LARGE_STEP_DTYPE: a float32 copy, 4 bytes per weight, or dequantized per call) and
-the large step multiplies float32 activations, as the oracle does. The kernels keep their bf16 activations.
+the large step multiplies float32 activations, as the oracle does. And there the small steps leave torch's
+kernels for kernels/cpu_dot.c (default_integer_dot): llama.cpp's integer dot products, the activations rounded
+to int8 in blocks of 32 instead of to bf16 (chapter 10, "Integers all the way").
 
 The embedding and LM head are Q8_0 in the GGUF (int8 in groups of 32). torch's int8 kernel has one scale
 per row only, so they are re-quantized per row (int8, one matrix shared by the lookup and the LM head):
@@ -339,8 +342,25 @@ class Int8Embedding(nn.Module):
 def default_integer_dot() -> bool:
     """Whether quantized layers take cpu_dot.c's integer products for their small steps by default: where the CPU
     has no native bf16 (torch's kernels convert every weight there, `bench linear --formats int8 q4`) and the
-    library builds. Elsewhere torch's kernels stay (memory-bound on AMX, as measured in chapter 10)."""
-    return not native_bf16() and cpu_dot.available()
+    library builds with its AVX2 branch (its plain C loops are slower than torch's kernels). Elsewhere torch's
+    kernels stay (memory-bound on AMX, as measured in chapter 10)."""
+    return not native_bf16() and cpu_dot.simd()
+
+
+def check_integer_dot(integer_dot: bool, weights: str, tensor_parallel_size: int = 1) -> None:
+    """ValueError where an explicit integer_dot cannot be honoured."""
+    if weights not in ("int8", "q4"):
+        raise ValueError(f"integer_dot chooses the small-step kernel of int8 / q4 weights, not of {weights!r}")
+    if tensor_parallel_size > 1:
+        raise ValueError("integer_dot is single-process only (tensor parallelism runs float32 weights)")
+    if integer_dot and not cpu_dot.available():
+        raise ValueError(f"integer_dot=True but kernels/cpu_dot.c does not build here: {cpu_dot.build_error()}")
+
+
+def reference_q4_mapping(f) -> bool:
+    """Whether `f`'s Q4_1 reading (unpack_q4_1, int4_scale_and_zero) is this module's: a learner's is read only by
+    torch's int4 kernel (the packed integers and its scales), which cpu_dot.c bypasses for the file's bytes."""
+    return f.unpack_q4_1 is unpack_q4_1 and f.int4_scale_and_zero is int4_scale_and_zero
 
 
 def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | None = None, functions=None,
@@ -354,8 +374,8 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     serves, see `LLM(student=True)`). The layers keep the two dequantize functions: they make the large-step weight (LARGE_STEP_DTYPE) of a
     large step (LLM's copy, once at load, or a bare quantized model's, per large step).
     integer_dot: small steps in cpu_dot.c's integer products (True) or torch's kernels (False); None:
-    default_integer_dot(). A learner's int4_scale_and_zero is what torch's int4 kernel reads, so with it the q4
-    layers keep torch's kernel: the learner's mapping serves.
+    default_integer_dot(). A learner's unpack_q4_1 or int4_scale_and_zero is what torch's int4 kernel reads, so
+    with either the q4 layers keep torch's kernel: the learner's code serves (reference_q4_mapping).
     """
     from nanoserve.model.layers import Linear
 
@@ -374,7 +394,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
             if name not in (q4_blocks or {}):
                 raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
             new = Q4Linear(q4_blocks[name], name, f.unpack_q4_1, f.int4_scale_and_zero, f.dequantize_q4)
-            new.integer_dot = integer_dot and f.int4_scale_and_zero is int4_scale_and_zero
+            new.integer_dot = integer_dot and reference_q4_mapping(f)
         else:
             new = Int8Linear.from_float(module.weight, name, f.quantize_int8, f.dequantize_int8)
             new.integer_dot = integer_dot and new.in_features % cpu_dot.QK == 0  # the C code's blocks of 32
