@@ -62,7 +62,8 @@ class LLM:
         "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
         a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
         integer_dot: int8 / q4 small steps in kernels/cpu_dot.c's integer products (True) or torch's kernels (False);
-        None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, no build).
+        None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, a model
+        given, tensor parallelism, no build); a learner's exercise 10.2 / 10.3 code keeps torch's int4 kernel.
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
         scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
@@ -89,6 +90,9 @@ class LLM:
         if weights is not None:
             check_weight_format(weights)  # before the model loads
         if integer_dot is not None:
+            if model is not None and path is None:
+                raise ValueError("integer_dot applies to the weights LLM loads from a GGUF; a model given keeps what "
+                                 "quantize_model(..., integer_dot=...) made of it")
             check_integer_dot(integer_dot, weights or "fp32", tensor_parallel_size)
         if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
                                          or attention_backend == "triton" or kv_cache_dtype != "auto"
@@ -129,7 +133,7 @@ class LLM:
             if not (model is None or path is not None) or (weights or "fp32") == "q4":
                 raise ValueError("degrade_under_load loads a q4 copy of the GGUF beside fp32 or int8 weights: "
                                  "give a GGUF path (or none) and weights 'fp32' or 'int8'")
-            degraded = load_gguf(path, "q4")
+            degraded = load_gguf(path, "q4", integer_dot=integer_dot)
         self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
         # the flat keyword arguments above (vLLM's EngineArgs), grouped by idea (nanoserve/engine/config.py)
         config = engine_config(

@@ -22,3 +22,10 @@ def test_every_rounds_prefill_computes_the_whole_prompt():
     # the same every round, hits: its first block of 16 (the block holding the last prompt token is computed)
     assert stats.hit_tokens - before == 16
     assert not engine.has_unfinished_requests()
+
+
+def test_rounds_alternate_the_order_of_the_systems():
+    from nanoserve.bench.peers import alternate
+
+    names = ["nanoserve q4", "nanoserve q4, torch kernels", "llama.cpp llama-bench"]
+    assert [alternate(names, r) for r in range(3)] == [names, names[::-1], names]

@@ -10,7 +10,8 @@ import torch
 from nanoserve.kernels import cpu_dot
 from nanoserve.model.quant import Int8Linear, Q4Linear, quantize_int8
 
-pytestmark = pytest.mark.skipif(not cpu_dot.available(), reason="cpu_dot.c does not build here (no gcc)")
+pytestmark = pytest.mark.skipif(not cpu_dot.available(), reason=f"kernels/cpu_dot.c does not build here "
+                                f"({cpu_dot.build_error()}): install gcc with OpenMP (Debian: build-essential)")
 
 
 def q4_1_blocks(out: int, inp: int, seed: int = 0) -> torch.Tensor:
@@ -126,7 +127,7 @@ def test_raw_memory_is_read_only_as_declared():
 
 def test_a_failed_build_says_why():
     assert cpu_dot.build(["-fno-such-flag", "-shared"]) is None
-    assert "gcc failed" in cpu_dot._errors[("-fno-such-flag", "-shared")]
+    assert "gcc failed" in cpu_dot.build_error(["-fno-such-flag", "-shared"])
     assert cpu_dot.build_error() == ""  # this CPU's own build did not fail
 
 
@@ -153,9 +154,12 @@ def test_a_layer_takes_the_integer_products_for_small_steps_only():
 def test_an_explicit_choice_is_refused_where_it_cannot_be_honoured():
     from nanoserve.llm import LLM
     from nanoserve.model.quant import check_integer_dot
+    from tests.tiny_model import tiny_llama
 
     with pytest.raises(ValueError, match="int8 / q4 weights"):
         LLM(weights="fp32", integer_dot=True)  # before any model loads
+    with pytest.raises(ValueError, match="a model given keeps"):
+        LLM(tiny_llama(), integer_dot=False)
     with pytest.raises(ValueError, match="single-process"):
         check_integer_dot(False, "q4", tensor_parallel_size=3)
     check_integer_dot(True, "q4")  # builds here: accepted

@@ -37,7 +37,8 @@ def test_forwarded_flags_reach_each_engine_as_given(monkeypatch):
     given = ["--disaggregated", "--model", "m.gguf", "--served-model-name", "tiny", "--api-key", "k",
              "--request-timeout", "2.5", "--metrics-need-key", "--max-num-seqs", "8", "--max-num-batched-tokens",
              "256", "--no-prefix-caching", "--student", "--weights", "int8", "--kv-cache-dtype", "bf16",
-             "--scheduling-policy", "fcfs", "--threads", "3", "--log-level", "info", "--port", "9"]
+             "--scheduling-policy", "fcfs", "--threads", "3", "--log-level", "info", "--port", "9",
+             "--integer-dot", "off"]
     args = parser.parse_args(given)
     for role in pair.ROLES:
         argv = pair.engine_command(args, parser, role)

@@ -12,7 +12,8 @@ With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the a
 `--compile-mode eager buckets` each also through the compiled step (chapter 09, nanoserve/model/compiled.py), and
 with `--integer-dot on off` each int8 / q4 format with kernels/cpu_dot.c's and with torch's small-step kernels
 (chapter 10);
-every system serves one untimed warm-up round first, which is where a compiled step compiles (its time printed).
+every system serves one untimed warm-up round first, which is where a compiled step compiles (its time printed);
+the order of the systems is reversed every other round (`alternate`).
 With `--llama-bench PATH`, the batch-1 figures are taken in --rounds interleaved rounds, each with one run of
 llama.cpp's `llama-bench -m GGUF -t THREADS -n 128 -p 512` on the same GGUF, printed beside them.
 
@@ -112,6 +113,12 @@ def llama_bench(path: str, gguf, threads: int) -> tuple[float, float]:
     return rate["tg"], rate["pp"]
 
 
+def alternate(names: list[str], round_index: int) -> list[str]:
+    """The systems' order in a round: as given in even rounds, reversed in odd ones, so no system always runs
+    first (on a warm machine) or last (after the others' heat and cache traffic)."""
+    return names if round_index % 2 == 0 else names[::-1]
+
+
 def system_name(weights: str, kv: str, mode: str, dot: str = "auto") -> str:
     return (f"nanoserve {weights}" + ("" if kv == "auto" else f", kv {kv}") + ("" if mode == "eager" else f", {mode}")
             + {"auto": "", "on": ", cpu_dot", "off": ", torch kernels"}[dot])
@@ -166,9 +173,9 @@ def run(args):
             t0 = time.perf_counter()
             job()
             print(f"  warm-up {name}: {time.perf_counter() - t0:.1f}s", flush=True)
-        for _ in range(args.rounds):
-            for name, job in jobs.items():
-                times[name].append(job())
+        for r in range(args.rounds):
+            for name in alternate(list(jobs), r):
+                times[name].append(jobs[name]())
         rates = {name: n * args.new_tokens / statistics.median(ts) for name, ts in times.items()}
         base = rates.get("transformers bf16 static")
         print(f"\n{n} requests ({sum(map(len, prompts))} prompt tokens, {n * args.new_tokens} output tokens):")
@@ -181,12 +188,12 @@ def run(args):
     singles = {name: [] for name in llms} | ({"llama.cpp llama-bench": []} if args.llama_bench else {})
     for name, llm in llms.items():  # warm-up: the batch-1 and prefill shapes
         single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer)
-    for _ in range(args.rounds):
-        for name, llm in llms.items():
-            singles[name].append(single_stream(llm, args.prefill_tokens, args.decode_tokens, tokenizer))
-        if args.llama_bench:
-            singles["llama.cpp llama-bench"].append(llama_bench(args.llama_bench, embedded_gguf_path(),
-                                                                torch.get_num_threads()))
+    for r in range(args.rounds):
+        for name in alternate(list(singles), r):
+            if name == "llama.cpp llama-bench":
+                singles[name].append(llama_bench(args.llama_bench, embedded_gguf_path(), torch.get_num_threads()))
+            else:
+                singles[name].append(single_stream(llms[name], args.prefill_tokens, args.decode_tokens, tokenizer))
     for name, runs in singles.items():
         decode, prefill = (statistics.median(r[i] for r in runs) for i in (0, 1))
         what = "tg128" if name.startswith("llama.cpp") else "decode"

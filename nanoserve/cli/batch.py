@@ -92,7 +92,8 @@ def add_engine_args(p):
                         "cached under $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/nanoserve/inductor)")
     p.add_argument("--integer-dot", default="auto", choices=["auto", "on", "off"],
                    help="int8 / q4 small steps in kernels/cpu_dot.c's integer products (on) or torch's kernels (off); "
-                        "auto: cpu_dot where the CPU has no native bf16 (chapter 10)")
+                        "auto: cpu_dot where the CPU has no native bf16 (chapter 10); a learner's exercise "
+                        "10.2 / 10.3 code keeps torch's int4 kernel")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 

@@ -10,10 +10,11 @@ What it costs: the activations lose precision too. A block's largest |x| maps to
 at most dx / 2 = max|x| / 254 (bf16's rounding, the torch kernels' path, is relative to each element, 2^-8).
 tests/test_ch10_cpu_dot.py checks both functions against the same arithmetic in plain torch.
 
-The library is compiled once per process, into a temporary folder removed right after it is loaded (a few
-hundred ms); `available()` is False where there is no gcc or the build fails (`build_error()` says why, and a
-warning once), and the layers keep torch's kernels; so do they where the build has no AVX2 (`simd()`). Threads: the C loops split the output rows over torch's thread count (`torch.get_num_threads()`), in
-the OpenMP runtime torch itself uses (the library links libgomp.so.1, the one torch already loaded).
+The library is compiled once per process, into a temporary folder removed right after it is loaded;
+`available()` is False where there is no gcc or the build fails (`build_error()` says why, and a warning once),
+and the layers keep torch's kernels; so do they where the build has no AVX2 (`simd()`). Threads: the C loops
+split the output rows over torch's thread count (`torch.get_num_threads()`), in the OpenMP runtime torch itself
+uses (the library links libgomp.so.1, the one torch already loaded).
 """
 
 import ctypes
@@ -68,9 +69,9 @@ def build(cflags: list[str]) -> ctypes.CDLL | None:
     return lib
 
 
-def build_error() -> str:
-    """Why this CPU's build failed ('' if it did not, or was not tried)."""
-    return _errors.get(tuple(CFLAGS), "")
+def build_error(cflags: list[str] = CFLAGS) -> str:
+    """Why the build with these flags (default: this CPU's) failed ('' if it did not, or was not tried)."""
+    return _errors.get(tuple(cflags), "")
 
 
 def available() -> bool:
@@ -126,8 +127,8 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 # Inside torch.compile (chapter 09's compiled step) the two products are custom ops: opaque calls in the graph
-# with the output's shape declared. Outside it they are called directly: the op's dispatch would add ~40 µs per
-# call, more than a small layer's product.
+# with the output's shape declared. Outside it they are called directly: a custom op's dispatch costs tens of µs
+# per call, as much as a small layer's product.
 @torch.library.custom_op("nanoserve::q4_1_matmul", mutates_args=())
 def q4_1_matmul_op(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return q4_1_matmul(x, blocks)

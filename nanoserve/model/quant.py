@@ -343,7 +343,7 @@ def default_integer_dot() -> bool:
     """Whether quantized layers take cpu_dot.c's integer products for their small steps by default: where the CPU
     has no native bf16 (torch's kernels convert every weight there, `bench linear --formats int8 q4`) and the
     library builds with its AVX2 branch (its plain C loops are slower than torch's kernels). Elsewhere torch's
-    kernels stay (memory-bound on AMX, as measured in chapter 10)."""
+    kernels stay: on AMX they are what chapter 10 measured, and cpu_dot.c has not been measured there."""
     return not native_bf16() and cpu_dot.simd()
 
 
@@ -386,6 +386,8 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
         return model
     if weights == "bf16":
         return bf16_model(model)
+    if integer_dot:
+        check_integer_dot(integer_dot, weights)
     integer_dot = default_integer_dot() if integer_dot is None else integer_dot
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or name == "lm_head":
