@@ -155,9 +155,21 @@ static void dot_i8(const int8_t *w, const block_q8_1 *x, int64_t nb, int nt, flo
 #endif
 }
 
-/* y[t, r] = Σ_i w[r, i] · x[t, i] for Q4_1 weights (out, in/32 blocks). xq: scratch of tokens · in/32 blocks. */
-void gemv_q4_1(const block_q4_1 *w, const float *x, float *y, block_q8_1 *xq,
-               int64_t tokens, int64_t in, int64_t out, int threads) {
+/* One row of weights (its bytes) times nt <= TILE tokens' activations: dot_q4_1 or dot_i8. */
+typedef void (*row_dot)(const void *row, const block_q8_1 *x, int64_t nb, int nt, float *y);
+
+static void q4_1_row(const void *row, const block_q8_1 *x, int64_t nb, int nt, float *y) {
+    dot_q4_1((const block_q4_1 *)row, x, nb, nt, y);
+}
+
+static void i8_row(const void *row, const block_q8_1 *x, int64_t nb, int nt, float *y) {
+    dot_i8((const int8_t *)row, x, nb, nt, y);
+}
+
+/* y[t, r] = scale[r] (1 where scale is NULL) · row r · x[t]: the tokens quantized to Q8_1 into xq (scratch of
+   tokens · in/32 blocks), then each thread a range of rows, each row met by the tokens in tiles of TILE. */
+static void gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *scale, const float *x, float *y,
+                 block_q8_1 *xq, int64_t tokens, int64_t in, int64_t out, int threads) {
     int64_t nb = in / QK;
     for (int64_t t = 0; t < tokens; t++) quantize_q8_1(x + t * in, xq + t * nb, in);
     #pragma omp parallel for num_threads(threads) schedule(static)
@@ -165,22 +177,19 @@ void gemv_q4_1(const block_q4_1 *w, const float *x, float *y, block_q8_1 *xq,
         for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
             float yt[TILE];
             int nt = tokens - t0 < TILE ? (int)(tokens - t0) : TILE;
-            dot_q4_1(w + r * nb, xq + t0 * nb, nb, nt, yt);
-            for (int t = 0; t < nt; t++) y[(t0 + t) * out + r] = yt[t];
+            dot(w + r * row_bytes, xq + t0 * nb, nb, nt, yt);
+            for (int t = 0; t < nt; t++) y[(t0 + t) * out + r] = scale ? scale[r] * yt[t] : yt[t];
         }
+}
+
+/* y[t, r] = Σ_i w[r, i] · x[t, i] for Q4_1 weights (out, in/32 blocks of 20 bytes). */
+void gemv_q4_1(const block_q4_1 *w, const float *x, float *y, block_q8_1 *xq,
+               int64_t tokens, int64_t in, int64_t out, int threads) {
+    gemv((const uint8_t *)w, (in / QK) * (int64_t)sizeof(block_q4_1), q4_1_row, NULL, x, y, xq, tokens, in, out, threads);
 }
 
 /* y[t, r] = scale[r] · Σ_i q[r, i] · x[t, i] for int8 weights (out, in) with one scale per row. */
 void gemv_i8(const int8_t *q, const float *scale, const float *x, float *y, block_q8_1 *xq,
              int64_t tokens, int64_t in, int64_t out, int threads) {
-    int64_t nb = in / QK;
-    for (int64_t t = 0; t < tokens; t++) quantize_q8_1(x + t * in, xq + t * nb, in);
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < out; r++)
-        for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
-            float yt[TILE];
-            int nt = tokens - t0 < TILE ? (int)(tokens - t0) : TILE;
-            dot_i8(q + r * in, xq + t0 * nb, nb, nt, yt);
-            for (int t = 0; t < nt; t++) y[(t0 + t) * out + r] = scale[r] * yt[t];
-        }
+    gemv((const uint8_t *)q, in, i8_row, scale, x, y, xq, tokens, in, out, threads);
 }
