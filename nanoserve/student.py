@@ -182,7 +182,9 @@ RUNGS: dict[str, dict[str, list[str]]] = {
 
 
 # chapters whose exercises a run uses only under a flag: what --student NN's notice tells the learner to add
-PLUG_IN = {"15": "under a policy that asks it: add --scheduling-policy slo or fair"}
+PLUG_IN = {"07": "with the Triton attention backend: add --attention-backend triton (attention_backend=\"triton\" "
+                  "from Python; on a CPU, with TRITON_INTERPRET=1 in the environment from the start)",
+           "15": "under a policy that asks it: add --scheduling-policy slo or fair"}
 
 
 def use_student() -> bool:

@@ -3,8 +3,9 @@
 import os
 
 # Chapter 07's kernels run on the CPU in Triton's interpreter, which must be on before triton itself is first
-# imported — transformers imports it, and a kernel launched in an interpreter switched on later cannot call the
-# tile update it is given ("Cannot call @triton.jit'd outside of the scope of a kernel").
+# imported — transformers imports it, and a kernel launched in an interpreter switched on later cannot call
+# Triton's own @triton.jit library functions, tl.zeros or tl.max ("Cannot call @triton.jit'd outside of the scope
+# of a kernel").
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # make test's two pytest-xdist workers share the machine's two cores: one thread each, for the tests and for

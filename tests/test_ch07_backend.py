@@ -98,6 +98,24 @@ def test_a_kernel_compiled_for_a_gpu_is_not_launched_on_the_cpu(monkeypatch):
         check_launchable(compiled, torch.device("cpu"))
 
 
+def test_an_interpreter_switched_on_after_triton_was_imported_names_the_fix(tmp_path):
+    """TRITON_INTERPRET=1 set after `import triton` (transformers imports it): the kernels are interpreted, but
+    Triton's own jit'd tl.zeros, defined at its import, is not; the error says to set it before triton's import."""
+    code = ("import os, torch, triton\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "from nanoserve.kernels.triton_paged_attention import paged_attention\n"
+            "from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache\n"
+            "cache, meta = PagedKVCache(1, 1, 4, 1, 16), AttentionMetadata.build([[0]], [1], [1], 4)\n"
+            "paged_attention(torch.randn(1, 1, 16), cache.k_cache[0], cache.v_cache[0], meta.block_tables,\n"
+            "                meta.seq_lens, meta.cu_seqlens_q)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: Cannot call @triton.jit'd outside of the scope of a kernel: ") and \
+        "set TRITON_INTERPRET=1 before triton itself is first imported" in last, out.stderr[-2000:]
+
+
 def test_the_torch_backend_never_imports_triton(tmp_path):
     """Without a GPU and without asking for triton, nothing of Triton is even imported."""
     code = ("import sys, torch\n"

@@ -194,6 +194,46 @@ def test_kernel_refuses_a_query_that_does_not_fit_the_pool():
         kernel().paged_attention(q, cache.k_cache[0], v_other, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
 
 
+def test_gpu_dot_minimums_are_the_pinned_triton_backends():
+    """min_dot_k is the K of Triton's nvidia backend's min_dot_size, whose M and N minimums are 1."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.compiler import min_dot_size
+
+    from nanoserve.kernels.triton_paged_attention import min_dot_k
+
+    for dtype in (torch.float8_e4m3fn, torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        operand = SimpleNamespace(scalar=SimpleNamespace(primitive_bitwidth=dtype.itemsize * 8))
+        assert min_dot_size(None)(operand, operand) == (1, 1, min_dot_k(dtype)), dtype
+
+
+def test_a_tile_too_small_for_a_gpu_dot_is_refused_on_cuda_only(monkeypatch):
+    """TILE and D_PAD are the K of the kernel's two dots: below min_dot_k an NVIDIA GPU's Triton would not compile
+    the kernel, so the launch refuses it there; the interpreter takes any size (the 7.3 tests use tiles of 4)."""
+    from nanoserve.kernels import triton_paged_attention as reference
+    from nanoserve.kernels.triton_paged_attention import check_dot_sizes, launch_config
+
+    if torch.version.hip is not None:
+        pytest.skip("a ROCm build: Triton's AMD backend has no minimum")
+    cuda = torch.device("cuda")  # naming a device needs no GPU
+    with pytest.raises(ValueError, match="TILE = 4, .* at least 8 .* pass tile >= 8"):
+        check_dot_sizes(launch_config(9, 3, 64, block_m=16, tile=4), torch.float32, cuda)
+    check_dot_sizes(launch_config(9, 3, 64, block_m=16, tile=8), torch.float32, cuda)
+    with pytest.raises(ValueError, match="TILE = 8, .* at least 16 "):
+        check_dot_sizes(launch_config(9, 3, 64, block_m=16, tile=8), torch.float16, cuda)
+    with pytest.raises(ValueError, match="D_PAD = 8, .* at least 16 "):
+        check_dot_sizes(launch_config(2, 1, 8, block_m=16), torch.bfloat16, cuda)
+    check_dot_sizes(launch_config(9, 3, 64, block_m=16, tile=4), torch.float16, torch.device("cpu"))
+    # the launch checks the tiles it is given, on the device of its tensors
+    seen = []
+    monkeypatch.setattr(reference, "check_dot_sizes", lambda cfg, dtype, device: seen.append((cfg["TILE"], dtype,
+                                                                                               device.type)))
+    cache, meta, q, k, v = make_step(1, 1, 16, 4, [3], [1])
+    reference.paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+                              meta.cu_seqlens_q, tile=4)
+    assert seen == [(4, torch.float32, "cpu")]
+
+
 @pytest.mark.exercise("7.2")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_store_kv_finds_block_and_row_in_a_pool_with_padded_blocks(dtype):
@@ -217,7 +257,8 @@ def test_store_kv_finds_block_and_row_in_a_pool_with_padded_blocks(dtype):
 @pytest.mark.parametrize("tile", [4, 32])
 def test_block_walk_across_block_sizes_and_tiles(rung, block_size, tile):
     """Tiles smaller than a block (several tiles per block) and larger (several blocks per tile), block size 1
-    (every key its own block), shuffled tables: the keys of a tile come from the blocks its table names."""
+    (every key its own block), shuffled tables: the keys of a tile come from the blocks its table names. (A tile
+    of 4 runs in the interpreter only: an NVIDIA GPU's tl.dot needs 8 keys or more, see min_dot_k.)"""
     compare(*make_step(2, 2, 16, block_size, [1, 6, 21, 37], [1, 1, 5, 37], seed=block_size), tile=tile)
 
 

@@ -615,6 +615,16 @@ def test_student_15_under_a_policy_that_asks_nothing_says_which_flag_plugs_it_in
     assert "--scheduling-policy" not in fair.student.describe()
 
 
+def test_student_07_with_the_torch_backend_says_which_flag_plugs_it_in(tiny):
+    """--student 07 with the torch attention backend (the CPU's default): none of chapter 07's kernels run, and the
+    notice names the flag (and, on a CPU, the interpreter) that would make them run."""
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="07"))
+    assert engine.attention_backend == "torch"
+    lines = engine.student.describe().splitlines()
+    assert "  (no exercise of chapter 07 plugs into this run: grade them with make grade CH=NN)" in lines
+    assert any("add --attention-backend triton" in line and "TRITON_INTERPRET=1" in line for line in lines), lines
+
+
 def test_finished_17_receives_into_its_own_slots(exercises):
     """--student 17, rung 17.1: the decode engine plans each transferred prompt's load with the learner's
     num_tokens_to_receive and receive_slots; its greedy tokens are a colocated engine's."""

@@ -28,7 +28,9 @@ def online_softmax_step(scores, v, m_i, l_i, acc):
     scores (BLOCK_M, TILE) float32, already scaled and masked (-inf where a row may not see a key);
     v (TILE, D_PAD) the tile's values; m_i, l_i (BLOCK_M,) the running max and sum of exp(score - m_i);
     acc (BLOCK_M, D_PAD) the running sum of exp(score - m_i) · v. Returns the new (m_i, l_i, acc).
-    A row that sees no key of the tile (all -inf) keeps its m_i, l_i and acc.
+    A row that sees no key of the tile (all -inf) keeps its m_i, l_i and acc once it has seen a key (m_i
+    finite). Before that, m_i and the tile's max are both -inf, and exp(-inf - -inf) is NaN: the kernel
+    never gets there, since its tile 0 holds key 0, which every row sees.
 
     One row, D = 1, starting from m = -inf, l = 0, acc = 0:
         tile 1: scores [1, 2],    v [1, 3]   ->  m = 2, l = e^-1 + 1 = 1.368,  acc = e^-1 · 1 + 3 = 3.368

@@ -9,7 +9,8 @@ On a CUDA device — decode steps (one query per sequence) over batch x context,
 
 Achieved bandwidth = bytes that must move (every sequence's K and V, the queries, the output) / kernel
 time, against the device's peak (a table below, or --peak-gbs). The systems are timed alternately, each
-with triton.testing.do_bench (the L2 cache flushed before every run).
+with triton.testing.do_bench (the L2 cache flushed before every run), in 3 rounds, the second in the
+reverse order; each system keeps its fastest round (do_bench's median of the round).
 
 On a CPU there is no bandwidth to measure: with TRITON_INTERPRET=1 it runs the kernels on the chapter's
 test shapes in the interpreter instead — a sanity check (parity with torch) and the interpreter's time
@@ -122,8 +123,9 @@ def run_gpu(args):
 
             err = (triton_paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
             times = {f: float("inf") for f in (triton_paged, torch_paged, sdpa)}
-            for _ in range(3):  # alternating rounds: drifts in clock or neighbours hit every system alike
-                for f in times:
+            for round_ in range(3):  # alternating rounds: drifts in clock or neighbours hit every system alike,
+                order = list(times)  # and no system is always the first (or the last) of a round
+                for f in order[::-1] if round_ % 2 else order:
                     times[f] = min(times[f], triton.testing.do_bench(f, warmup=5, rep=20, return_mode="median"))
             moved = 2 * k.nbytes + 2 * q.nbytes  # K, V read once; q read, out written
             t = times[triton_paged] * 1e-3

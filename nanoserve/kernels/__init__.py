@@ -2,5 +2,6 @@
 
 Import `nanoserve.kernels.backend` freely: it imports no Triton. The `triton_*` modules define
 Triton kernels, so on a CPU TRITON_INTERPRET=1 must be set before they are imported — and before triton
-itself is first imported by anything (transformers does), or a kernel cannot call the jit function it is given.
+itself is first imported by anything (transformers does), or a kernel cannot call Triton's own @triton.jit
+library functions (tl.zeros, tl.max, tl.sum), which triton defines when it is imported.
 """

@@ -5,8 +5,11 @@
 
 Default: "triton" on a CUDA device, "torch" on the CPU. On the CPU, Triton runs only in its
 interpreter (numpy, one program after the other), and only if TRITON_INTERPRET=1 is in the
-environment when the kernels are *defined* — `@triton.jit` reads it at import time. This module
-imports no Triton, so asking for a backend never compiles anything for a GPU that is not there.
+environment before triton is first imported (by anything: transformers imports it). `@triton.jit`
+reads it when a function is defined, and Triton's own library functions (tl.zeros, tl.max, tl.sum) are
+@triton.jit functions defined at triton's import: defined without it, the interpreter cannot call them
+from a kernel. This module imports no Triton, so asking for a backend never compiles anything for a
+GPU that is not there.
 """
 
 import contextlib
@@ -39,21 +42,29 @@ def resolve_attention_backend(name: str | None, device: torch.device | str = "cp
     return name
 
 
+# the fix for a Triton that was imported before TRITON_INTERPRET=1 was set (transformers imports triton)
+INTERPRETER_FIX = ("set TRITON_INTERPRET=1 before triton itself is first imported by anything (transformers imports "
+                   "it): at the start of the process, e.g. TRITON_INTERPRET=1 python ...")
+# what the interpreter raises when a kernel calls a compiled-mode jit function: Triton's own tl.zeros, tl.max,
+# tl.sum, ... when triton was imported before TRITON_INTERPRET=1 was set
+LATE_INTERPRETER = "Cannot call @triton.jit'd outside of the scope of a kernel"
+
+
 def check_launchable(kernel, device: torch.device) -> None:
     """Refuse to launch a compiled kernel on CPU tensors: Triton would try to build it for a GPU."""
     from triton.runtime.jit import JITFunction  # InterpretedFunction, what TRITON_INTERPRET=1 makes, is not one
 
     if device.type == "cpu" and isinstance(kernel, JITFunction):
         raise RuntimeError(f"{kernel.__name__} was defined without Triton's interpreter, so it cannot run on the CPU: "
-                           "set TRITON_INTERPRET=1 before nanoserve.kernels' Triton modules are first imported "
-                           "(at the start of the process)")
+                           + INTERPRETER_FIX)
 
 
 @contextlib.contextmanager
 def stub_errors_unwrapped():
     """An exercise stub's NotImplementedError raised inside a kernel, as itself: Triton's interpreter wraps
     every error of a program in an InterpreterError (once per nested jit call), which would hide from the
-    grader and the learner that a rung is simply not written yet."""
+    grader and the learner that a rung is simply not written yet. And the interpreter's "Cannot call
+    @triton.jit'd outside of the scope of a kernel" (LATE_INTERPRETER), which names no fix, with the fix."""
     try:
         yield
     except Exception as error:
@@ -62,6 +73,10 @@ def stub_errors_unwrapped():
             cause = cause.__cause__
         if isinstance(cause, NotImplementedError) and cause is not error:
             raise cause from None
+        if isinstance(cause, RuntimeError) and LATE_INTERPRETER in str(cause) and interpreter_requested():
+            raise RuntimeError(f"{LATE_INTERPRETER}: Triton's interpreter was switched on after triton was first "
+                               "imported, so its own @triton.jit library functions (tl.zeros, tl.max, tl.sum) were "
+                               "defined for a GPU and a kernel cannot call them; " + INTERPRETER_FIX) from error
         raise
 
 

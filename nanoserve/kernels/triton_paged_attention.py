@@ -150,9 +150,11 @@ def query_blocks(cu_seqlens_q: list[int], block_q: int) -> tuple[torch.Tensor, t
 def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int | None = None,
                   tile: int = 64) -> dict:
     """Tile sizes: BLOCK_M = BLOCK_Q · G_PAD rows per program, TILE keys per loop iteration, each a power of
-    two (tl.arange needs it). block_m None: 16 on a GPU (tl.dot wants M >= 16; a decode fills only G of
-    the rows, and more rows would cost registers, not bandwidth), 64 in the interpreter (its cost is per
-    program and per op, hardly per row: fewer, larger programs run faster there).
+    two (tl.arange needs it). block_m None: 16 on a GPU (the tensor cores multiply tiles of 16 rows, and
+    Triton pads a dot with fewer rows up to them, see min_dot_k; a decode fills only G of the rows, and
+    more rows would cost registers, not bandwidth), 64 in the interpreter (its cost is per program and per
+    op, hardly per row: fewer, larger programs run faster there). The rows have no lower limit; the dots'
+    shared axis does, on an NVIDIA GPU: see min_dot_k.
 
     >>> launch_config(num_heads=9, num_kv_heads=3, head_dim=64, block_m=16)  # SmolLM2: G = 3 padded to 4
     {'G': 3, 'HEAD_DIM': 64, 'G_PAD': 4, 'D_PAD': 64, 'BLOCK_Q': 4, 'TILE': 64}
@@ -162,6 +164,32 @@ def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int
     g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     return dict(G=num_heads // num_kv_heads, HEAD_DIM=head_dim, G_PAD=g_pad, D_PAD=triton.next_power_of_2(head_dim),
                 BLOCK_Q=max(block_m, g_pad) // g_pad, TILE=tile)
+
+
+def min_dot_k(dtype: torch.dtype) -> int:
+    """The least K (the axis a tl.dot sums over) Triton compiles for an NVIDIA GPU with inputs of `dtype`:
+    its nvidia backend's min_dot_size gives (M, N, K) >= (1, 1, 16) for 16-bit inputs, (1, 1, 8) for 32-bit
+    (and 32 for 8-bit, 4 for 64-bit); M and N have no limit ("For small M/N ... we can still use tensorcores
+    with padding"). The kernel's dots sum over D_PAD (q·kᵀ) and over TILE (p·v, p cast to the pool's dtype).
+    The interpreter has no such limit.
+
+    >>> min_dot_k(torch.float32), min_dot_k(torch.float16), min_dot_k(torch.bfloat16)
+    (8, 16, 16)
+    """
+    return {1: 32, 2: 16, 4: 8, 8: 4}[dtype.itemsize]
+
+
+def check_dot_sizes(cfg: dict, dtype: torch.dtype, device: torch.device) -> None:
+    """On an NVIDIA GPU, refuse a TILE or a padded head dim below min_dot_k(dtype), which Triton would not
+    compile; the CPU's interpreter (and a ROCm GPU, whose Triton backend has no minimum) take any size."""
+    if torch.device(device).type != "cuda" or torch.version.hip is not None:
+        return
+    least = min_dot_k(dtype)
+    for name in ("TILE", "D_PAD"):
+        if cfg[name] < least:
+            raise ValueError(f"paged_attention: {name} = {cfg[name]}, but tl.dot on an NVIDIA GPU sums over at "
+                             f"least {least} values for {dtype} inputs (the kernel's dots sum over TILE and D_PAD)"
+                             + (f": pass tile >= {least}" if name == "TILE" else ""))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -198,6 +226,7 @@ def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, c
         raise ValueError(f"paged_attention: k_cache and v_cache need the same strides, the last 1: "
                          f"{k_cache.stride()} and {v_cache.stride()}")
     cfg = launch_config(H, Hkv, D, block_m, tile)
+    check_dot_sizes(cfg, k_cache.dtype, q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if query_block_index is None:
         query_block_index = query_blocks(cu_seqlens_q.tolist(), cfg["BLOCK_Q"])
