@@ -98,6 +98,12 @@ def test_a_kernel_compiled_for_a_gpu_is_not_launched_on_the_cpu(monkeypatch):
         check_launchable(compiled, torch.device("cpu"))
 
 
+def run_without_interpreter(code: str, cwd) -> subprocess.CompletedProcess:
+    """`python -c code` in a fresh process whose environment has no TRITON_INTERPRET, this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd)
+
+
 def test_an_interpreter_switched_on_after_triton_was_imported_names_the_fix(tmp_path):
     """TRITON_INTERPRET=1 set after `import triton` (transformers imports it): the kernels are interpreted, but
     Triton's own jit'd tl.zeros, defined at its import, is not; the error says to set it before triton's import."""
@@ -108,8 +114,7 @@ def test_an_interpreter_switched_on_after_triton_was_imported_names_the_fix(tmp_
             "cache, meta = PagedKVCache(1, 1, 4, 1, 16), AttentionMetadata.build([[0]], [1], [1], 4)\n"
             "paged_attention(torch.randn(1, 1, 16), cache.k_cache[0], cache.v_cache[0], meta.block_tables,\n"
             "                meta.seq_lens, meta.cu_seqlens_q)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    out = run_without_interpreter(code, tmp_path)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("RuntimeError: Cannot call @triton.jit'd outside of the scope of a kernel: ") and \
@@ -127,8 +132,7 @@ def test_the_torch_backend_never_imports_triton(tmp_path):
             "e.add_request('a', [1, 2, 3], SamplingParams(max_tokens=2))\n"
             "while e.has_unfinished_requests(): e.step()\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    out = run_without_interpreter(code, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
 
