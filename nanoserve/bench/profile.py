@@ -45,7 +45,7 @@ PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "LoRA", "s
 GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading blocks out of the pool
 # inside a compiled step's graphs (no Python method runs there to label): the products, by their op
 PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
-               "aten::_weight_int8pack_mm"}
+               "aten::_weight_int8pack_mm", "nanoserve::q4_1_matmul", "nanoserve::int8_matmul"}  # the last two: cpu_dot.c
 
 
 def register(sub):
