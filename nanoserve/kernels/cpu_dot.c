@@ -21,6 +21,7 @@
 */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #define SIMD 1 /* the AVX2 branch (it multiplies-adds with FMA too) */
@@ -166,11 +167,14 @@ static void i8_row(const void *row, const block_q8_1 *x, int64_t nb, int nt, flo
     dot_i8((const int8_t *)row, x, nb, nt, y);
 }
 
-/* y[t, r] = scale[r] (1 where scale is NULL) · row r · x[t]: the tokens quantized to Q8_1 into xq (scratch of
-   tokens · in/32 blocks), then each thread a range of rows, each row met by the tokens in tiles of TILE. */
-static void gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *scale, const float *x, float *y,
-                 block_q8_1 *xq, int64_t tokens, int64_t in, int64_t out, int threads) {
+/* y[t, r] = scale[r] (1 where scale is NULL) · row r · x[t]: the tokens quantized to Q8_1 (tokens · in/32 blocks,
+   a few KB per token), then each thread a range of rows, each row met by the tokens in tiles of TILE.
+   Returns 0, or -1 where the activations' blocks could not be allocated (y untouched). */
+static int gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *scale, const float *x, float *y,
+                 int64_t tokens, int64_t in, int64_t out, int threads) {
     int64_t nb = in / QK;
+    block_q8_1 *xq = malloc((size_t)(tokens * nb) * sizeof(block_q8_1));
+    if (!xq) return -1;
     for (int64_t t = 0; t < tokens; t++) quantize_q8_1(x + t * in, xq + t * nb, in);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < out; r++)
@@ -180,16 +184,17 @@ static void gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *
             dot(w + r * row_bytes, xq + t0 * nb, nb, nt, yt);
             for (int t = 0; t < nt; t++) y[(t0 + t) * out + r] = scale ? scale[r] * yt[t] : yt[t];
         }
+    free(xq);
+    return 0;
 }
 
 /* y[t, r] = Σ_i w[r, i] · x[t, i] for Q4_1 weights (out, in/32 blocks of 20 bytes). */
-void gemv_q4_1(const block_q4_1 *w, const float *x, float *y, block_q8_1 *xq,
-               int64_t tokens, int64_t in, int64_t out, int threads) {
-    gemv((const uint8_t *)w, (in / QK) * (int64_t)sizeof(block_q4_1), q4_1_row, NULL, x, y, xq, tokens, in, out, threads);
+int gemv_q4_1(const block_q4_1 *w, const float *x, float *y, int64_t tokens, int64_t in, int64_t out, int threads) {
+    return gemv((const uint8_t *)w, (in / QK) * (int64_t)sizeof(block_q4_1), q4_1_row, NULL, x, y, tokens, in, out, threads);
 }
 
 /* y[t, r] = scale[r] · Σ_i q[r, i] · x[t, i] for int8 weights (out, in) with one scale per row. */
-void gemv_i8(const int8_t *q, const float *scale, const float *x, float *y, block_q8_1 *xq,
-             int64_t tokens, int64_t in, int64_t out, int threads) {
-    gemv((const uint8_t *)q, in, i8_row, scale, x, y, xq, tokens, in, out, threads);
+int gemv_i8(const int8_t *q, const float *scale, const float *x, float *y, int64_t tokens, int64_t in, int64_t out,
+            int threads) {
+    return gemv((const uint8_t *)q, in, i8_row, scale, x, y, tokens, in, out, threads);
 }

@@ -29,7 +29,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_dot.c")
 QK = 32  # weights (and activations) per block
-Q8_1_BLOCK_BYTES = 40  # float dx, float sx, 32 int8: one block of quantized activations (scratch)
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]  # AVX2 where the CPU has it
 
 
@@ -61,11 +60,10 @@ def build(cflags: list[str]) -> ctypes.CDLL | None:
             return None
         lib = ctypes.CDLL(str(path))  # mapped now: the file can go with the folder
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gemv_q4_1.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.gemv_i8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    for f in (lib.gemv_q4_1, lib.gemv_i8):
-        f.restype = None
-    lib.cpu_dot_simd.restype = ctypes.c_int
+    lib.gemv_q4_1.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.gemv_i8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    for f in (lib.gemv_q4_1, lib.gemv_i8, lib.cpu_dot_simd):
+        f.restype = ctypes.c_int
     return lib
 
 
@@ -83,34 +81,38 @@ def simd() -> bool:
     return available() and bool(library().cpu_dot_simd())
 
 
-def _args(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x as the C code reads it (contiguous float32), the output and the activations' scratch."""
+def _args(x: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the C code reads it (contiguous float32) and the output. A decode step's product is tens of
+    microseconds, so the common case (x already so) costs no op at all."""
     if x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"cpu_dot multiplies (tokens, in) CPU tensors, got {tuple(x.shape)} on {x.device}")
-    x = x.contiguous().float()
-    tokens, inp = x.shape
-    if inp % QK:
-        raise ValueError(f"cpu_dot needs in_features divisible by {QK}, got {inp}")
-    y = torch.empty(tokens, out_features)
-    scratch = torch.empty(tokens * (inp // QK) * Q8_1_BLOCK_BYTES, dtype=torch.uint8)
-    return x, y, scratch
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.contiguous().float()
+    if x.shape[1] % QK:
+        raise ValueError(f"cpu_dot needs in_features divisible by {QK}, got {x.shape[1]}")
+    return x, torch.empty(x.shape[0], out_features)
+
+
+def _done(status: int) -> None:
+    if status != 0:  # the C code's malloc of the activations' int8 blocks failed
+        raise MemoryError("cpu_dot: no memory for the activations' int8 blocks")
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     """The C code reads raw memory: refuse a tensor that is not exactly what it will read."""
-    if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != shape:
+    if t.device.type != "cpu" or t.dtype != dtype or t.shape != shape:
         raise ValueError(f"cpu_dot: {name} must be {dtype} {shape} on the CPU, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return t.contiguous()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def q4_1_matmul(x: torch.Tensor, blocks: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """(tokens, in) float, Q4_1 blocks (out, in/32, 20) uint8 -> (tokens, out) float32: x · Wᵀ, x in Q8_1.
     lib: a build() of the library (default: this CPU's)."""
     out = blocks.shape[0]
-    x, y, scratch = _args(x, out)
+    x, y = _args(x, out)
     blocks = _check("blocks", blocks, torch.uint8, (out, x.shape[1] // QK, 20))
-    (lib or library()).gemv_q4_1(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), scratch.data_ptr(),
-                        x.shape[0], x.shape[1], out, torch.get_num_threads())
+    _done((lib or library()).gemv_q4_1(blocks.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], out,
+                                       torch.get_num_threads()))
     return y
 
 
@@ -118,11 +120,11 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """(tokens, in) float, int8 (out, in) with float32 scales (out,) -> (tokens, out) float32, x in Q8_1."""
     out = qweight.shape[0]
-    x, y, scratch = _args(x, out)
+    x, y = _args(x, out)
     qweight = _check("qweight", qweight, torch.int8, (out, x.shape[1]))
     scale = _check("scale", scale, torch.float32, (out,))
-    (lib or library()).gemv_i8(qweight.data_ptr(), scale.data_ptr(), x.data_ptr(), y.data_ptr(), scratch.data_ptr(),
-                      x.shape[0], x.shape[1], out, torch.get_num_threads())
+    _done((lib or library()).gemv_i8(qweight.data_ptr(), scale.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0],
+                                     x.shape[1], out, torch.get_num_threads()))
     return y
 
 
