@@ -17,10 +17,10 @@ chunking, …) is judged rung by rung instead: the learner's finished rungs serv
 stubbed is swapped for the reference's functions (a swapped module-level function calls the learner's
 finished ones: chapter 01's reference attention masks with the learner's causal_mask); and under a
 graded test of rung 6.2 the grader takes the learner's 6.2 with the reference's other rungs, so every
-rung is graded on its own. A rung
-can span files (chapter 05's 5.3 is slot_mapping in block_manager.py and AttentionMetadata.build in
-paged_attention.py): in a real run a learner's file that imports a function of another exercise module of
-its chapter is given that module's version as the run serves it, so the learner's files call each other.
+rung is graded on its own. A rung can span files (chapter 05's 5.3 is slot_mapping in block_manager.py
+and AttentionMetadata.build in paged_attention.py): in a real run a learner's file that imports a function
+of another exercise module of its chapter is given that module's version as the run serves it, so the
+learner's files call each other.
 
     code = StudentCode("05")               # True = every chapter; "05,06"; ["05"]; False = none
     allocator = code.module("nanoserve.kv.block_allocator").BlockAllocator(64)
