@@ -65,16 +65,17 @@ def generate(model, prompt_token_ids: list[int], params: SamplingParams, eos_tok
     """Generate after `prompt_token_ids` until a stop condition. With a `tokenizer` the output has
     text, and `on_text(delta)` is called as text becomes final (for streaming to a terminal).
     `use_cache` keeps past keys and values in a NaiveKVCache (chapter 04): the same tokens, faster.
-    `modules(name)` gives the sampler, detokenizer, stop check and cache: the reference's, or with
-    `StudentCode("03,04").module` your finished exercises (`generate --student`, nanoserve/student.py)."""
+    `modules(name)` gives the sampler, detokenizer, stop check, cache and the cache's attention: the reference's,
+    or with `StudentCode("01,03,04").module` your finished exercises (`generate --student`, nanoserve/student.py)."""
     sampling, stop = modules("nanoserve.sampling"), modules("nanoserve.text.stop")
     max_model_len = model.config.max_position_embeddings
     check_prompt_fits(len(prompt_token_ids), max_model_len)
     cache = None
     if use_cache:  # reserved up front for the longest this request can get
         max_len = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
-        naive = modules("nanoserve.kv.naive")
-        cache = naive.NaiveKVCache(model.config, max_len, dtype=model.norm.weight.dtype)  # the activations' dtype
+        naive, attention = modules("nanoserve.kv.naive"), modules("nanoserve.model.attention")
+        cache = naive.NaiveKVCache(model.config, max_len, dtype=model.norm.weight.dtype,  # the activations' dtype
+                                   attention=attention.scaled_dot_product_attention)
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need text: pass a tokenizer")
     generator = make_generator(params)

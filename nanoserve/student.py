@@ -14,17 +14,19 @@ falls back as a whole (with a warning that names Exercise 5.1). Nothing is probe
 
 A file that holds a ladder of exercises (RUNGS: chapter 06's scheduler is 6.1 admission, 6.2
 chunking, …) is judged rung by rung instead: the learner's finished rungs serve and each rung still
-stubbed is swapped for the reference's functions; and under a graded test of rung 6.2 the grader
-takes the learner's 6.2 with the reference's other rungs, so every rung is graded on its own. A rung
-can span files (chapter 05's 5.3 is slot_mapping in block_manager.py and AttentionMetadata.build in
-paged_attention.py): in a real run a learner's file that imports a function of another exercise module of
-its chapter is given that module's version as the run serves it, so the learner's files call each other.
+stubbed is swapped for the reference's functions (a swapped module-level function calls the learner's
+finished ones: chapter 01's reference attention masks with the learner's causal_mask); and under a
+graded test of rung 6.2 the grader takes the learner's 6.2 with the reference's other rungs, so every
+rung is graded on its own. A rung can span files (chapter 05's 5.3 is slot_mapping in block_manager.py
+and AttentionMetadata.build in paged_attention.py): in a real run a learner's file that imports a function
+of another exercise module of its chapter is given that module's version as the run serves it, so the
+learner's files call each other.
 
     code = StudentCode("05")               # True = every chapter; "05,06"; ["05"]; False = none
     allocator = code.module("nanoserve.kv.block_allocator").BlockAllocator(64)
     print(code.describe())                 # whose code runs, from which file
     ...                                    # serve requests
-    print(code.proof())                    # how often the learner's functions were called
+    print(code.proof())                    # how often the learner's functions were called, and which were not
 
 Registering a new exercise (chapters 07, 08, …) is two edits, both obvious:
   1. add `"nanoserve.x.y": "NN-slug/y.py"` to STUDENT_FILES below (the grader and the API check
@@ -42,6 +44,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import types
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -104,6 +107,11 @@ STUDENT_FILES = {
 # functions are swapped for the reference's (with_reference) where the learner has not done that rung yet
 # (serving), or is being graded on another rung (grading).
 RUNGS: dict[str, dict[str, list[str]]] = {
+    "nanoserve.model.attention": {
+        "1.1": ["causal_mask"],
+        "1.2": ["split_heads", "merge_heads", "repeat_kv"],
+        "1.3": ["scaled_dot_product_attention"],
+    },
     "nanoserve.memory": {
         "4.2": ["kv_bytes_per_token", "kv_bytes_per_sequence"],
         "4.3": ["memory_plan"],
@@ -226,17 +234,34 @@ def with_reference(mod: ModuleType, module: str, rungs) -> ModuleType:
     """Swap the reference's functions in for those of `rungs` ("6.1", …) in the learner's `mod`, in place.
 
     A method goes into the learner's class (which mirrors the reference's, attributes and all); a
-    module-level function replaces the learner's name, so the learner's other functions call it.
+    module-level function replaces the learner's name, so the learner's other functions call it. Such a
+    function calls, in turn, the learner's module-level functions of the other rungs: the reference's
+    scaled_dot_product_attention (1.3 not done) masks with the learner's causal_mask (1.1 done).
     """
+    if not rungs:
+        return mod
     reference = importlib.import_module(module)
-    for rung in rungs:
-        for qualname in RUNGS[module][rung]:
-            owner, ref_owner, attr = mod, reference, qualname
-            if "." in qualname:
-                cls, attr = qualname.split(".")
-                owner, ref_owner = getattr(mod, cls), getattr(reference, cls)
-            setattr(owner, attr, inspect.getattr_static(ref_owner, attr))
+    swapped = {qualname for rung in rungs for qualname in RUNGS[module][rung]}
+    # the reference's names, but the learner's for the module-level functions of the rungs that stay theirs
+    scope = {**vars(reference), **{name: getattr(mod, name) for ladder in RUNGS[module].values() for name in ladder
+                                   if "." not in name and name not in swapped and hasattr(mod, name)}}
+    for qualname in swapped:
+        owner, ref_owner, attr = mod, reference, qualname
+        if "." in qualname:
+            cls, attr = qualname.split(".")
+            owner, ref_owner = getattr(mod, cls), getattr(reference, cls)
+        fn = inspect.getattr_static(ref_owner, attr)
+        if owner is mod and inspect.isfunction(fn) and fn.__globals__ is vars(reference):
+            fn = scope[attr] = _with_globals(fn, scope)
+        setattr(owner, attr, fn)
     return mod
+
+
+def _with_globals(fn, scope: dict):
+    """`fn`'s code, looking its global names up in `scope` instead of its own module."""
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
 
 
 def chapters() -> list[str]:
@@ -424,12 +449,31 @@ class StudentCode:
         return "\n".join(lines)
 
     def proof(self, served: str = "") -> str:
-        """One line: how often the learner's code was called in this run (then `served`, what it achieved)."""
+        """How often the learner's code was called in this run (then `served`, what it achieved); and, on a second
+        line, what of it the run loaded but never called (chapter 01's split_heads: the model splits its own heads)."""
         if not any(isinstance(use, tuple) for use in self.used.values()):
             return "--student: none of your code ran (every exercise fell back to the reference)"
         public = [(name, n) for name, n in self.calls.most_common() if not name.split(".")[-1].startswith("_")]
         counts = ", ".join(f"{name} ×{n}" for name, n in public) or "no calls yet"
-        return f"--student: your code served: {counts}" + (f"; {served}" if served else "")
+        idle = self.never_called()
+        return f"--student: your code served: {counts}" + (f"; {served}" if served else "") + \
+            (f"\n--student: yours, never called in this run: {', '.join(idle)}" if idle else "")
+
+    def never_called(self) -> list[str]:
+        """The learner's functions and classes, as describe() names them, that this run has not called once. A
+        class counts as called when any of its methods was; what is not counted (chapter 07's @triton.jit
+        kernels run inside the compiled kernel, not as Python calls) is left out."""
+        idle = []
+        for module, use in self.used.items():
+            if not isinstance(use, tuple):
+                continue
+            for qualname in use[1]:
+                obj = functools.reduce(getattr, qualname.split("."), self.modules[module])
+                counted = inspect.isfunction(obj) or (
+                    inspect.isclass(obj) and any(inspect.isfunction(m) for m in vars(obj).values()))
+                if counted and not any(name == qualname or name.startswith(qualname + ".") for name in self.calls):
+                    idle.append(qualname)
+        return idle
 
 
 def _short(path: Path) -> str:

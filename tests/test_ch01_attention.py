@@ -1,4 +1,9 @@
-"""Chapter 01: attention, checked against torch's own SDPA, transformers' RoPE and tiny cases by hand."""
+"""Chapter 01: attention, checked against torch's own SDPA, transformers' RoPE and tiny cases by hand.
+
+Graded: 1.1 the causal mask, 1.2 heads and grouped-query sharing, 1.3 attention. Each graded test asks
+`attention()` for its module: under `make grade CH=01`, the learner's rung under test with the reference's
+other rungs (nanoserve/student.py, RUNGS), so a slip in the mask does not fail the tests of 1.3.
+"""
 
 import math
 
@@ -12,8 +17,11 @@ from nanoserve.model import LlamaConfig
 from nanoserve.model.rope import apply_rope, rope_cos_sin
 from nanoserve.student import implementation
 
-attention = implementation("nanoserve.model.attention")
 NEG = float("-inf")
+
+
+def attention():
+    return implementation("nanoserve.model.attention")
 
 
 # --- Exercise 1.1: the causal mask ------------------------------------------------------------
@@ -23,7 +31,7 @@ def test_causal_mask_square_by_hand():
     expected = torch.tensor([[0.0, NEG, NEG],
                              [0.0, 0.0, NEG],
                              [0.0, 0.0, 0.0]])
-    assert torch.equal(attention.causal_mask(3, 3), expected)
+    assert torch.equal(attention().causal_mask(3, 3), expected)
 
 
 @pytest.mark.exercise("1.1")
@@ -31,33 +39,47 @@ def test_causal_mask_queries_are_the_last_positions():
     # 2 new queries on top of 2 cached keys: they sit at positions 2 and 3.
     expected = torch.tensor([[0.0, 0.0, 0.0, NEG],
                              [0.0, 0.0, 0.0, 0.0]])
-    assert torch.equal(attention.causal_mask(2, 4), expected)
-    assert torch.equal(attention.causal_mask(1, 5), torch.zeros(1, 5))  # decode sees everything
+    mask = attention().causal_mask
+    assert torch.equal(mask(2, 4), expected)
+    assert torch.equal(mask(1, 5), torch.zeros(1, 5))  # decode sees everything
+
+
+@pytest.mark.exercise("1.1")
+def test_causal_mask_is_in_the_dtype_asked_for():
+    mask = attention().causal_mask
+    assert mask(2, 4).dtype == torch.float32  # the default
+    for dtype in (torch.bfloat16, torch.float16):
+        half = mask(2, 4, dtype=dtype)  # bf16 scores + a float32 mask would be float32 scores
+        assert half.dtype == dtype
+        assert torch.equal(half.float(), torch.tensor([[0.0, 0.0, 0.0, NEG], [0.0, 0.0, 0.0, 0.0]]))
 
 
 @pytest.mark.exercise("1.1")
 def test_causal_mask_rejects_more_queries_than_keys():
     with pytest.raises(ValueError, match="3 queries"):
-        attention.causal_mask(3, 2)
+        attention().causal_mask(3, 2)
 
 
 # --- Exercise 1.2: heads — split, merge, and grouped-query sharing -----------------------------
 
 @pytest.mark.exercise("1.2")
 def test_split_heads_layout_by_hand():
+    heads_of = attention()
     x = torch.arange(12.0).view(1, 2, 6)  # B=1, T=2, 3 heads of D=2
-    heads = attention.split_heads(x, num_heads=3)
+    heads = heads_of.split_heads(x, num_heads=3)
     assert heads.shape == (1, 3, 2, 2)
     assert heads[0, 1].tolist() == [[2.0, 3.0], [8.0, 9.0]]  # head 1 = columns 2:4 of both tokens
-    assert torch.equal(attention.merge_heads(heads), x)
+    assert torch.equal(heads_of.merge_heads(heads), x)
+    with pytest.raises(ValueError):
+        heads_of.split_heads(torch.zeros(1, 2, 7), num_heads=3)  # 7 features do not make 3 heads
 
 
 @pytest.mark.exercise("1.2")
 def test_repeat_kv_matches_repeat_interleave():
+    repeat_kv = attention().repeat_kv
     kv = torch.randn(2, 3, 5, 4)  # (B, Hkv, S, D)
-    out = attention.repeat_kv(kv, 3)
-    assert torch.equal(out, kv.repeat_interleave(3, dim=1))  # query head h reads kv head h // 3
-    assert attention.repeat_kv(kv, 1) is kv or torch.equal(attention.repeat_kv(kv, 1), kv)
+    assert torch.equal(repeat_kv(kv, 3), kv.repeat_interleave(3, dim=1))  # query head h reads kv head h // 3
+    assert torch.equal(repeat_kv(kv, 1), kv)
 
 
 # --- Exercise 1.3: scaled dot-product attention -----------------------------------------------
@@ -68,7 +90,7 @@ def test_attention_tiny_case_by_hand():
     q = torch.tensor([[[[1.0], [2.0]]]])  # (1, 1, 2, 1)
     k = torch.tensor([[[[1.0], [0.0]]]])
     v = torch.tensor([[[[10.0], [20.0]]]])
-    out = attention.scaled_dot_product_attention(q, k, v, causal=True)
+    out = attention().scaled_dot_product_attention(q, k, v, causal=True)
     # row 1: scores [2·1, 2·0] / √1 = [2, 0] → weights [e²/(e²+1), 1/(e²+1)]
     w = math.exp(2) / (math.exp(2) + 1)
     expected = torch.tensor([[[[10.0], [w * 10 + (1 - w) * 20]]]])
@@ -87,8 +109,25 @@ def test_attention_matches_torch_sdpa(B, Hkv, groups, T, extra, D, causal):
     # torch's reference: a boolean "may attend" mask, built from tril with the cache offset
     allowed = torch.ones(T, S, dtype=torch.bool).tril(diagonal=extra) if causal else None
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-    out = attention.scaled_dot_product_attention(q, k, v, causal=causal)
+    out = attention().scaled_dot_product_attention(q, k, v, causal=causal)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("1.3")
+def test_attention_in_bfloat16_stays_bfloat16():
+    sdpa = attention().scaled_dot_product_attention
+    g = torch.Generator().manual_seed(0)
+    for T, S in [(6, 6), (3, 8), (1, 9)]:  # a prompt, a chunk on top of a cache, decode
+        q = torch.randn(2, 9, T, 64, generator=g).bfloat16()  # SmolLM2's heads: 9 query, 3 K/V, D = 64
+        k, v = torch.randn(2, 2, 3, S, 64, generator=g).bfloat16()
+        out = sdpa(q, k, v, causal=True)
+        assert out.dtype == torch.bfloat16, (T, S)
+        # the same bf16 numbers in float32 through torch's SDPA. bf16 keeps 8 significant bits (steps of 0.4 %)
+        # and the softmax's exp and sums in bf16 lose a few more: outputs of size ~1 agree to a few hundredths
+        allowed = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)
+        expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
+                                                  enable_gqa=True)
+        torch.testing.assert_close(out.float(), expected, atol=5e-2, rtol=0)
 
 
 @pytest.mark.exercise("1.3")
@@ -96,18 +135,29 @@ def test_attention_is_numerically_stable():
     q = torch.full((1, 1, 2, 4), 300.0)  # q·k = 360,000: exp() of that overflows without the max trick
     k = torch.full((1, 1, 2, 4), 300.0)
     v = torch.randn(1, 1, 2, 4)
-    out = attention.scaled_dot_product_attention(q, k, v, causal=True)
+    out = attention().scaled_dot_product_attention(q, k, v, causal=True)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[0, 0, 1], v[0, 0].mean(0))  # equal scores → equal weights
 
 
 @pytest.mark.exercise("1.3")
 def test_attention_rejects_mismatched_shapes_naming_them():
-    q = torch.randn(1, 4, 3, 8)
-    with pytest.raises(ValueError, match=r"\(1, 4, 3, 8\).*\(1, 3, 3, 8\)"):
-        attention.scaled_dot_product_attention(q, torch.randn(1, 3, 3, 8), torch.randn(1, 3, 3, 8))  # 4 % 3 != 0
-    with pytest.raises(ValueError, match=r"\(1, 2, 3, 4\)"):
-        attention.scaled_dot_product_attention(q, torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))  # D differs
+    sdpa = attention().scaled_dot_product_attention
+
+    def message(q, k, v) -> str:
+        with pytest.raises(ValueError) as error:
+            sdpa(torch.randn(q), torch.randn(k), torch.randn(v))
+        return str(error.value)
+
+    q = (1, 4, 3, 8)
+    for k, v, why in [((1, 3, 3, 8), (1, 3, 3, 8), "4 query heads cannot share 3 K/V heads"),
+                      ((1, 2, 3, 4), (1, 2, 3, 4), "D differs"),
+                      ((2, 2, 3, 8), (2, 2, 3, 8), "B differs"),
+                      ((1, 2, 2, 8), (1, 2, 2, 8), "3 queries cannot be the last of 2 keys"),
+                      ((1, 2, 3, 8), (1, 2, 5, 8), "k and v differ")]:
+        text = message(q, k, v)
+        for shape in {q, k, v}:  # in any order
+            assert str(shape) in text, (why, text)
 
 
 # --- RoPE (reference only): against transformers ------------------------------------------------

@@ -67,7 +67,6 @@ BAD = [
     (["generate", "--prompt", "x", "--max-tokens", "0"], ["--max-tokens", "integer > 0"]),
     (["generate", "--prompt", "x", "--gguf", "{d}/missing.gguf"], ["--gguf", "no such file"]),
     (["generate", "--prompt", "hi " * 9000], ["--prompt", "exceeds the model's context of 8192"]),
-    (["generate", "--prompt", "x", "--student", "01"], ["--student 01", "add --no-cache"]),
     (["generate", "--prompt", "x", "--student", "05"], ["--student 05", "chapters 01-04 only"]),
     (["generate", "--prompt", "x", "--no-cache", "--student", "04"], ["--student 04", "--no-cache leaves out"]),
     (["chat", "--temperature", "-0.5"], ["--temperature must be"]),

@@ -51,6 +51,19 @@ def test_a_failure_says_which_test_and_why(repo):
     assert "Traceback" not in out.stdout + out.stderr
 
 
+def test_a_slip_in_one_rung_of_a_ladder_fails_that_rung_only(repo):
+    """Chapter 01's mask (1.1) with the classic bug, no cache offset, and 1.2 and 1.3 right: only tests of 1.1 fail,
+    for 1.3's attention is graded with the reference's mask."""
+    source = (ROOT / "nanoserve/model/attention.py").read_text()
+    buggy = source.replace("offset = num_keys - num_queries", "offset = 0")
+    assert buggy != source
+    (repo / "exercises/01-attention/attention.py").write_text(buggy)
+    result = json.loads(grade(repo, "01", "--json").stdout)
+    (passed_1, total_1), *others = (result["by_exercise"][rung] for rung in ("1.1", "1.2", "1.3"))
+    assert 0 < passed_1 < total_1 and all(passed == total for passed, total in others), result["by_exercise"]
+    assert {failure["exercise"] for failure in result["failures"]} == {"1.1"}
+
+
 def test_json_prints_only_json(repo):
     out = grade(repo, "05", "--json")
     result = json.loads(out.stdout)

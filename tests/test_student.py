@@ -154,6 +154,58 @@ def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys)
     assert f"DecoderBlock.forward ×{calls['DecoderBlock.forward']}" in engine.student_proof()
 
 
+OFFSET = "offset = num_keys - num_queries"  # the line of chapter 01's causal_mask that the classic bug drops
+
+
+def generate_with(model, student) -> tuple[list[int], StudentCode]:
+    """`generate --student NN` on `model`: chapter 03's loop with chapter 04's cache, greedy, 10 tokens."""
+    from nanoserve.generate import generate
+
+    code = StudentCode(student)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return generate(model, PROMPTS[0], params, 0, use_cache=True, modules=code.module).token_ids, code
+
+
+def test_finished_01_attends_inside_chapter_04s_cache_where_the_offset_counts(tiny, exercises):
+    """`generate --student 01`: chapter 04's cache calls the learner's attention on the prompt (T = S), then on one
+    query against every cached key (T = 1 < S), so the mask's offset serves; the classic bug (offset = 0) leaves the
+    first token right (the prompt is T = S) and changes the rest."""
+    expected, _ = generate_with(tiny, student=False)
+    path = exercises("nanoserve.model.attention")
+    tokens, code = generate_with(tiny, student="01")
+    assert tokens == expected
+    passes = len(expected) * tiny.config.num_hidden_layers  # the prompt, then a token at a time: 10 passes per layer
+    assert dict(code.calls) == {"scaled_dot_product_attention": passes, "causal_mask": passes, "repeat_kv": 2 * passes}
+    assert code.proof().splitlines() == [
+        f"--student: your code served: repeat_kv ×{2 * passes}, scaled_dot_product_attention ×{passes}, "
+        f"causal_mask ×{passes}",
+        "--student: yours, never called in this run: split_heads, merge_heads"]  # the model splits heads itself
+    assert OFFSET in path.read_text()
+    path.write_text(path.read_text().replace(OFFSET, "offset = 0"))
+    buggy, _ = generate_with(tiny, student="01")
+    assert buggy[0] == expected[0] and buggy != expected
+
+
+@pytest.mark.parametrize("rung, calls_per_pass", [("1.1", {"causal_mask": 1}), ("1.2", {"repeat_kv": 2}),
+                                                  ("1.3", {"scaled_dot_product_attention": 1})],
+                         ids=["1.1", "1.2", "1.3"])
+def test_a_finished_01_rung_serves_alone(tiny, exercises, rung, calls_per_pass):
+    """One rung of chapter 01 done, two still stubs: the reference's attention runs in chapter 04's cache with the
+    learner's rung — the learner's causal_mask (1.1) or repeat_kv (1.2) inside the reference's
+    scaled_dot_product_attention, or the learner's (1.3) with the reference's mask and heads — token for token."""
+    ladder = RUNGS["nanoserve.model.attention"]
+    expected, _ = generate_with(tiny, student=False)
+    finish("nanoserve.model.attention", ladder[rung])
+    with pytest.warns(UserWarning, match=r"not finished in exercises/01-attention/attention\.py: the reference's "):
+        tokens, code = generate_with(tiny, student="01")
+    assert tokens == expected
+    passes = len(expected) * tiny.config.num_hidden_layers
+    assert dict(code.calls) == {name: n * passes for name, n in calls_per_pass.items()}
+    lines = code.describe().splitlines()
+    assert f"  yours      {', '.join(ladder[rung])}  from exercises/01-attention/attention.py" in lines
+    assert sum(line.startswith("  reference  ") for line in lines) == 2  # the other two rungs
+
+
 def test_finished_06_serves_and_untouched_05_falls_back(tiny, exercises):
     exercises("nanoserve.engine.scheduler")
     exercises("nanoserve.engine.model_runner")
@@ -391,7 +443,7 @@ def test_memory_cli_runs_the_learners_finished_rung(exercises, capsys):
     assert out == expected  # 113 sequences, from the learner's kv_bytes_per_sequence
     assert "  yours      kv_bytes_per_token, kv_bytes_per_sequence  from exercises/04-kv-cache/memory.py" in err
     assert "  reference  memory_plan  (Exercise 4.3 not finished)" in err
-    assert "kv_bytes_per_sequence ×1" in err
+    assert "kv_bytes_per_sequence ×2" in err  # the CLI's call, and the reference memory_plan's call of the learner's
 
 
 @pytest.mark.slow
@@ -420,6 +472,33 @@ def test_generate_cli_runs_the_learners_chapter_03_and_says_so(smollm2, smollm2_
     assert any(line.startswith("  reference  nanoserve.text.detokenizer  (") for line in lines)
     proof = [line for line in err.splitlines() if line.startswith("--student: your code served:")]
     assert len(proof) == 1 and "sample ×6" in proof[0] and "check_stop ×6" in proof[0]
+
+
+@pytest.mark.slow
+def test_generate_cli_serves_chapter_01_as_its_readme_says(smollm2, smollm2_tokenizer, exercises, monkeypatch,
+                                                           capsys):
+    """The command of exercises/01-attention/README.md, with the reference as the learner's file, prints what the
+    README quotes (the reply, then the report), line for line; with the classic bug (offset = 0) the reply changes
+    to the one the README quotes."""
+    import re
+    import shlex
+
+    import nanoserve.model
+    from nanoserve.cli import checks, main
+
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest, **kw: smollm2)  # (path, weights, modules=)
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: smollm2_tokenizer)
+    readme = (Path(__file__).resolve().parent.parent / "exercises/01-attention/README.md").read_text()
+    args = shlex.split(re.search(r"python -m nanoserve (generate .* --student 01)\n", readme).group(1))
+    quoted = re.search(r"```\n([^`]*--student: your code served: [^`]*)```", readme).group(1)
+    path = exercises("nanoserve.model.attention")
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out + err == quoted  # on a terminal: the reply (stdout), then the report (stderr)
+    path.write_text(path.read_text().replace(OFFSET, "offset = 0"))
+    assert main(args) == 0
+    buggy = capsys.readouterr().out.rstrip("\n")
+    assert buggy != out.rstrip("\n") and f"`{buggy}`" in readme
 
 
 def test_finished_12_feeds_the_live_page(tiny, exercises):

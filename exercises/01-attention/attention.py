@@ -10,11 +10,12 @@ import math
 import torch
 
 
-def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
+def causal_mask(num_queries: int, num_keys: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exercise 1.1. Additive mask (T, S): 0.0 where query i may attend key j, -inf where not.
 
     The queries are the LAST num_queries of num_keys positions (a KV cache holds the earlier
     ones), so query i sits at position num_keys - num_queries + i and sees keys 0 .. that position.
+    The mask is on `device` and of `dtype` (the scores' dtype: bf16 scores plus a bf16 mask stay bf16).
     Raise ValueError (mentioning "<num_queries> queries") if num_queries > num_keys.
 
     >>> causal_mask(2, 3)
@@ -27,7 +28,7 @@ def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Exercise 1.2. (B, T, num_heads * D) -> (B, num_heads, T, D); head h owns columns h*D:(h+1)*D.
 
-    Raise ValueError if the width is not a multiple of num_heads.
+    Raise ValueError if the width is not a multiple of num_heads (a width of 7 and 3 heads, say).
 
     >>> split_heads(torch.arange(12.0).view(1, 2, 6), num_heads=3)[0, 1]   # head 1 of both tokens
     tensor([[2., 3.],
@@ -56,10 +57,13 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """Exercise 1.3. softmax(Q Kᵀ / √D + mask) V with grouped-query heads.
 
-    q: (B, H, T, D), k and v: (B, Hkv, S, D), H a multiple of Hkv, T <= S. Returns (B, H, T, D).
+    q: (B, H, T, D), k and v: (B, Hkv, S, D), H a multiple of Hkv, T <= S. Returns (B, H, T, D) in q's
+    dtype (bf16 in, bf16 out; float32 in, float32 out).
     - Query head h reads K/V head h // (H / Hkv). With causal=True the T queries are the last T of the S
       positions (causal_mask(T, S)); with causal=False every query sees every key.
-    - Raise ValueError naming the shapes (e.g. "(1, 4, 3, 8)") if they do not fit together.
+    - Raise ValueError if the shapes do not fit together: q, k or v not 4-D, k and v of different shapes, a
+      different B or D in q and k, H not a multiple of Hkv, or T > S. Its message names the shapes as tuples,
+      in any order: q's and k's (e.g. "(1, 4, 3, 8)" and "(1, 3, 3, 8)"), and v's where it differs from k's.
     - Stay finite for any finite scores, however large (q·k of 360,000 included): equal scores, equal weights.
     - The point is to write the softmax yourself; the tests check only the numbers (against PyTorch's own
       F.scaled_dot_product_attention), so F.softmax would pass too.

@@ -10,6 +10,8 @@ What the constructor sets up for you:
     self.max_len     positions the cache can hold
     self.num_cached  positions 0 .. num_cached-1 hold K/V of earlier forward passes;
                      `advance(N)` adds N after each forward pass (not your job in __call__)
+    self.attention   chapter 01's scaled_dot_product_attention(q, k, v, causal) on (B, H, T, D) and
+                     (B, Hkv, S, D): the reference's, or yours under `generate --student 01,04`
 
 How the tests drive it:
 
@@ -23,7 +25,6 @@ How the tests drive it:
 import torch
 
 from nanoserve.kv.naive import NaiveKVCache as ReferenceNaiveKVCache
-from nanoserve.model.attention import scaled_dot_product_attention  # noqa: F401  (you will want it)
 
 
 class NaiveKVCache(ReferenceNaiveKVCache):
@@ -38,7 +39,8 @@ class NaiveKVCache(ReferenceNaiveKVCache):
           positions num_cached .. num_cached+N-1; every other position is as it was; num_cached is unchanged
           (the caller advances it once per forward pass, after all layers);
         - output row i is query i's attention over the keys and values of positions 0 .. num_cached + i
-          (S = num_cached + N keys in all), exactly what chapter 01's attention computes for that row;
+          (S = num_cached + N keys in all), exactly what chapter 01's attention (self.attention) computes for
+          that row;
         - num_cached + N > max_len raises ValueError naming both numbers (the tokens needed, and max_len),
           before anything is written.
 

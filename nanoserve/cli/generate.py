@@ -3,15 +3,16 @@
     python -m nanoserve generate --prompt "What is the capital of France?" --chat --temperature 0
     python -m nanoserve generate --prompt "Once upon a time" --max-tokens 20 --seed 1 --json
     python -m nanoserve generate --prompt "Once upon a time" --no-cache --student 01,02,03
-    python -m nanoserve generate --prompt "Hi" --chat --student 02,03,04    # your exercises of chapters 02-04
+    python -m nanoserve generate --prompt "Hi" --chat --student 01,02,03,04    # your exercises of chapters 01-04
 
 Without --chat the prompt is raw text to continue; with --chat it is one user message, rendered
 with the model's chat template. The text streams to the terminal as it is generated; --json
 prints one JSON object at the end instead. The loop is chapter 03's with chapter 04's KV cache;
 --no-cache makes it chapter 03's loop as written, recomputing the whole sequence every step.
 --student builds the model from your exercises/02 files (blocks, norms, the model), runs your exercises/01
-attention in every layer (with --no-cache: with the cache, chapter 04's attention runs), and your sampler,
-detokenizer and stop check (03) and KV cache (04, without --no-cache).
+attention in every layer (with the cache, chapter 04's cache calls it: the queries are the last of the cached
+keys, so your mask's offset matters; with --no-cache the model calls it on the whole sequence), and your
+sampler, detokenizer and stop check (03) and KV cache (04, without --no-cache).
 """
 
 import json
@@ -47,10 +48,10 @@ def register(sub):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(p)
     p.add_argument("--student", nargs="?", const=True, default=False, type=checks.chapters, metavar="CHAPTERS",
-                   help="run YOUR finished exercises instead of the reference: 02 (RMSNorm, the block, the model), "
-                        "01 (the attention, with --no-cache), 03 (sampler, detokenizer, stop check), 04 (the KV "
-                        "cache, without --no-cache); alone: those of 01-04 that this run uses. An unfinished one "
-                        "falls back to the reference with a warning")
+                   help="run YOUR finished exercises instead of the reference: 01 (the attention), 02 (RMSNorm, the "
+                        "block, the model), 03 (sampler, detokenizer, stop check), 04 (the KV cache, without "
+                        "--no-cache); alone: those of 01-04 that this run uses. An unfinished one falls back to "
+                        "the reference with a warning")
     p.set_defaults(func=run)
 
 
@@ -62,14 +63,11 @@ def run(args):
     from nanoserve.student import StudentCode, parse_selection
 
     if args.student is True:  # bare --student: the chapters of 01-04 this loop runs
-        args.student = "01,02,03" if args.no_cache else "02,03,04"
+        args.student = "01,02,03" if args.no_cache else "01,02,03,04"
     chosen = parse_selection(args.student)
     if not chosen <= {"01", "02", "03", "04"}:
         raise checks.UsageError(f"--student {args.student}: generate runs chapters 01-04 only (batch and serve run "
                                 f"the engine's chapters)")
-    if "01" in chosen and not args.no_cache:
-        raise checks.UsageError("--student 01 runs your attention where the model attends without a cache: "
-                                "add --no-cache (with the cache, chapter 04's attention runs)")
     if "04" in chosen and args.no_cache:
         raise checks.UsageError("--student 04 runs your KV cache, which --no-cache leaves out: drop one of them")
     params = sampling_params(args)

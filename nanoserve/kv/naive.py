@@ -16,7 +16,8 @@ Layout, for every layer, K and V of every position the request may ever reach:
     reserved whether the request stops after 10 tokens or after 2048 (chapter 05 fixes that).
 
 The cache is an AttentionFn (see nanoserve/model/block.py): the model calls it once per layer with
-that layer's new q, k, v; the caller says when the forward pass is over.
+that layer's new q, k, v; the caller says when the forward pass is over. It attends with chapter 01's
+scaled_dot_product_attention, or with the one it is given (`generate --student 01`: the learner's).
 
     cache = NaiveKVCache(model.config, max_len=len(prompt) + max_tokens)
     hidden = model(prompt, cache.positions(len(prompt)), cache)    # prefill
@@ -24,6 +25,8 @@ that layer's new q, k, v; the caller says when the forward pass is over.
     hidden = model(next_id, cache.positions(1), cache)              # decode: next_id is (1,)
     cache.advance(1)
 """
+
+from typing import Callable
 
 import torch
 
@@ -34,12 +37,15 @@ from nanoserve.model.config import LlamaConfig
 class NaiveKVCache:
     """K and V of one request, for every layer and up to `max_len` positions."""
 
-    def __init__(self, config: LlamaConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, config: LlamaConfig, max_len: int, dtype: torch.dtype = torch.float32, device=None,
+                 attention: Callable[..., torch.Tensor] = scaled_dot_product_attention):
         if not 1 <= max_len <= config.max_position_embeddings:
             raise ValueError(
                 f"max_len {max_len} must be between 1 and the model's context of {config.max_position_embeddings} tokens"
             )
         self.max_len = max_len
+        # chapter 01's attention, whoever wrote it: here the queries are the last N of S keys, the mask's offset at work
+        self.attention = attention
         self.num_cached = 0  # positions 0 .. num_cached-1 hold K/V of finished forward passes
         self.kv = torch.zeros(  # (layers, 2, max_len, Hkv, D)
             config.num_hidden_layers, 2, max_len, config.num_key_value_heads, config.head_dim, dtype=dtype, device=device
@@ -71,7 +77,7 @@ class NaiveKVCache:
         self.kv[layer_idx, 1, start:end] = v
         keys, values = self.kv[layer_idx, 0, :end], self.kv[layer_idx, 1, :end]  # (S, Hkv, D) each
         # (N, H, D) -> (1, H, N, D) and (S, Hkv, D) -> (1, Hkv, S, D): chapter 01's batched layout.
-        out = scaled_dot_product_attention(
+        out = self.attention(
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], causal=True
         )
         return out[0].transpose(0, 1)  # (N, H, D)

@@ -23,11 +23,12 @@ import math
 import torch
 
 
-def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
+def causal_mask(num_queries: int, num_keys: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Additive mask (T, S): 0 where query i may attend key j, -inf where it may not.
 
     The queries are the last `num_queries` positions of `num_keys`, so
     query i sits at absolute position `num_keys - num_queries + i`.
+    `dtype` is the scores' dtype: a float32 mask added to bf16 scores would promote them to float32.
 
     >>> causal_mask(2, 3)
     tensor([[0., 0., -inf],
@@ -38,7 +39,7 @@ def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
     offset = num_keys - num_queries
     q_pos = torch.arange(num_queries, device=device)[:, None] + offset  # (T, 1)
     k_pos = torch.arange(num_keys, device=device)[None, :]  # (1, S)
-    mask = torch.zeros(num_queries, num_keys, device=device)
+    mask = torch.zeros(num_queries, num_keys, device=device, dtype=dtype)
     return mask.masked_fill(k_pos > q_pos, float("-inf"))
 
 
@@ -93,7 +94,7 @@ def scaled_dot_product_attention(
 
     scores = q @ k.transpose(-1, -2) / math.sqrt(D)  # (B, H, T, S)
     if causal:
-        scores = scores + causal_mask(T, S, device=q.device)
+        scores = scores + causal_mask(T, S, device=q.device, dtype=scores.dtype)  # bf16 scores stay bf16
     # Numerically stable softmax: subtracting the row max changes nothing mathematically
     # (it cancels in the ratio) but keeps exp() from overflowing.
     scores = scores - scores.amax(dim=-1, keepdim=True)
