@@ -6,6 +6,7 @@ most ~20 snapshots a second; the key when the server has one; and nothing left s
 viewer goes, nor a stream that holds up a graceful shutdown.
 """
 
+import asyncio
 import json
 import threading
 import time
@@ -18,7 +19,10 @@ from nanoserve.engine.config import CacheConfig, EngineConfig
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import Llama, LlamaConfig
+from nanoserve.server.engine_view import MAX_EVENT_STREAMS
+from nanoserve.server.limits import Tenant
 from tests.engine_view_server import start_server
+from tests.test_ch08_server import assert_openai_error
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +144,51 @@ def test_events_need_the_key_when_there_is_one(tiny):
         with httpx.stream("GET", url(server, "/engine/events"), headers={"Authorization": "Bearer sekret"}) as r:
             assert r.status_code == 200 and next(snapshots(r))["step"] == 0
         assert httpx.get(url(server, "/engine")).status_code == 200  # the page itself holds no data
+    finally:
+        server.stop()
+
+
+def test_a_tenants_streams_opened_at_once_past_the_limit_get_429(tiny):
+    """Three streams of one tenant opened at the same moment: MAX_EVENT_STREAMS (2) stream, the third is refused
+    with a 429 in OpenAI's error format (not a 200 with nothing in it), and the server goes on serving: once the
+    two close, the tenant streams again and its completions run."""
+    assert MAX_EVENT_STREAMS == 2
+    server = start_server(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4))),
+                          api_keys={"key-a": Tenant("a")})
+    key = {"Authorization": "Bearer key-a"}
+    try:
+        async def open_three():
+            answered, go_on = [], asyncio.Event()
+
+            async def one(http):
+                async with http.stream("GET", "/engine/events", headers=key) as r:
+                    first = None
+                    if r.status_code == 200:  # hold the stream open until all three have their answer
+                        first = await anext(line async for line in r.aiter_lines() if line.startswith("data: "))
+                    else:
+                        await r.aread()
+                    answered.append(r)
+                    if len(answered) == 3:
+                        go_on.set()
+                    await asyncio.wait_for(go_on.wait(), 30)
+                    return r, first
+
+            async with httpx.AsyncClient(base_url=url(server, ""), timeout=30) as http:
+                return await asyncio.gather(*[one(http) for _ in range(3)])
+
+        replies = asyncio.run(open_three())
+        streamed = [json.loads(first[len("data: "):]) for r, first in replies if r.status_code == 200]
+        refused = [r for r, _ in replies if r.status_code != 200]
+        assert len(streamed) == 2 and all(snap["step"] == 0 for snap in streamed)
+        (r,) = refused
+        assert "2 engine event streams open" in assert_openai_error(r, 429)["message"]
+        assert r.headers["retry-after"] == "1"
+        # both streams closed: their slots are back, the tenant streams again, and requests are served
+        with httpx.stream("GET", url(server, "/engine/events"), headers=key, timeout=30) as again:
+            assert again.status_code == 200 and next(snapshots(again))["step"] == 0
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        done = httpx.post(url(server, "/v1/completions"), json=body, headers=key, timeout=60)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
     finally:
         server.stop()
 
