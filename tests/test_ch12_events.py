@@ -1,9 +1,11 @@
 """Chapter 12 — GET /engine/events through httpx, on a real server with a tiny random model (token ids in).
 
 What a viewer receives must be the engine's own story: every step exactly once (as a step record),
-every request that finished, owners that are the running requests, and an empty pool once idle; at
-most ~20 snapshots a second; the key when the server has one; and nothing left subscribed when the
-viewer goes, nor a stream that holds up a graceful shutdown.
+every request that finished, owners that are the running requests, and an empty pool once idle; the key
+when the server has one; a tenant's streams past its limit refused; and nothing left subscribed when the
+viewer goes, nor a stream that holds up a graceful shutdown. (The throttle, at most ~20 snapshots a second, is
+tested on a fake clock in test_ch12_event_feed.py: here the steps are paced slower than it, so that every step
+gets a snapshot of its own.)
 """
 
 import asyncio
@@ -108,8 +110,6 @@ def test_a_burst_seen_step_by_step(server):
     assert sum(1 for s in snaps if s["steps"]) == len(steps)  # one snapshot per step (in_lockstep)
     assert any(s["running"] for s in snaps)
     assert set(snaps[-1]["pool"]["owners"]) <= {"free", "cached"} and snaps[-1]["pool"]["num_free"] == 24
-    times = [first["time"]] + [s["time"] for s in snaps]
-    assert min(b - a for a, b in zip(times, times[1:])) >= 0.04  # throttled to ~20 a second
     deadline = time.monotonic() + 10
     while feed.watched and time.monotonic() < deadline:  # the viewer left: its subscription goes with it
         time.sleep(0.05)

@@ -28,7 +28,8 @@ from nanoserve.engine.sequence import child_seq_id
 from nanoserve.metrics import percentile
 
 MAX_STEPS_PER_SNAPSHOT = 256  # step records kept between two snapshots; older ones are counted, not kept
-HISTORY_STEPS = 240  # step records a viewer gets when it connects (the page's timeline holds as many)
+HISTORY_STEPS = 240  # step records a viewer gets when it connects (the page's KV chart draws as many, its
+# step timeline the newest 120)
 LATENCY_WINDOW = 20  # finished requests in the snapshot's latency figures
 
 
@@ -63,7 +64,8 @@ def encode_pool(owners: list[str]) -> dict:
 
 def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: int, num_prompt_tokens: int) -> str:
     """"decode" when the step computes exactly one generated token, the sequence's last; else "prefill"
-    (a prompt chunk, or the recompute of a preempted sequence, which re-prefills its outputs too).
+    (a prompt chunk, or the recompute of a preempted sequence, which re-prefills its outputs too; one the prefix
+    cache covers up to its last token computes only that one: a decode).
 
     >>> step_kind(10, 1, 11, 10), step_kind(0, 8, 10, 10), step_kind(9, 1, 10, 10)
     ('decode', 'prefill', 'prefill')

@@ -16,7 +16,8 @@ nothing. At shutdown the stream ends, so an open page never holds up the drain; 
 With tenants (--api-keys, chapter 08) a stream is a request like any other: it passes the tenant's rate limit,
 a tenant holds at most MAX_EVENT_STREAMS open at once (429 past that), and it sees its own requests only
 (tenant_view): the others' ids become "other", and the prefix cache's figures are not there (they would tell
-it that another tenant sent the same prompt). An operator key (`role = "operator"` in the keys file) sees
+it that another tenant sent the same prompt). The engine's load stays whole: the step records, the latency p50s and
+the pool's usage are everyone's. An operator key (`role = "operator"` in the keys file) sees
 everything.
 """
 
