@@ -155,6 +155,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "9.4": ["arrival_times"],
         "9.5": ["open_loop"],
     },
+    "nanoserve.engine.snapshot": {
+        "12.1": ["block_owners"],
+        "12.2": ["step_kind"],
+    },
     "nanoserve.engine.event_feed": {
         "12.3": ["Subscription.put", "Subscription.take"],
         "12.4": ["EventFeed.emit_if_due"],

@@ -1,11 +1,14 @@
 """Chapter 12 — GET /engine/events through httpx, on a real server with a tiny random model (token ids in).
 
 What a viewer receives must be the engine's own story: every step exactly once (as a step record),
-every request that finished, owners that are the running requests, and an empty pool once idle; at
-most ~20 snapshots a second; the key when the server has one; and nothing left subscribed when the
-viewer goes, nor a stream that holds up a graceful shutdown.
+every request that finished, owners that are the running requests, and an empty pool once idle; the key
+when the server has one; a tenant's streams past its limit refused; and nothing left subscribed when the
+viewer goes, nor a stream that holds up a graceful shutdown. (The throttle, at most ~20 snapshots a second, is
+tested on a fake clock in test_ch12_event_feed.py: here the steps are paced slower than it, so that every step
+gets a snapshot of its own.)
 """
 
+import asyncio
 import json
 import threading
 import time
@@ -18,7 +21,10 @@ from nanoserve.engine.config import CacheConfig, EngineConfig
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.model import Llama, LlamaConfig
+from nanoserve.server.engine_view import MAX_EVENT_STREAMS
+from nanoserve.server.limits import Tenant
 from tests.engine_view_server import start_server
+from tests.test_ch08_server import assert_openai_error
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +110,6 @@ def test_a_burst_seen_step_by_step(server):
     assert sum(1 for s in snaps if s["steps"]) == len(steps)  # one snapshot per step (in_lockstep)
     assert any(s["running"] for s in snaps)
     assert set(snaps[-1]["pool"]["owners"]) <= {"free", "cached"} and snaps[-1]["pool"]["num_free"] == 24
-    times = [first["time"]] + [s["time"] for s in snaps]
-    assert min(b - a for a, b in zip(times, times[1:])) >= 0.04  # throttled to ~20 a second
     deadline = time.monotonic() + 10
     while feed.watched and time.monotonic() < deadline:  # the viewer left: its subscription goes with it
         time.sleep(0.05)
@@ -140,6 +144,51 @@ def test_events_need_the_key_when_there_is_one(tiny):
         with httpx.stream("GET", url(server, "/engine/events"), headers={"Authorization": "Bearer sekret"}) as r:
             assert r.status_code == 200 and next(snapshots(r))["step"] == 0
         assert httpx.get(url(server, "/engine")).status_code == 200  # the page itself holds no data
+    finally:
+        server.stop()
+
+
+def test_a_tenants_streams_opened_at_once_past_the_limit_get_429(tiny):
+    """Three streams of one tenant opened at the same moment: MAX_EVENT_STREAMS (2) stream, the third is refused
+    with a 429 in OpenAI's error format (not a 200 with nothing in it), and the server goes on serving: once the
+    two close, the tenant streams again and its completions run."""
+    assert MAX_EVENT_STREAMS == 2
+    server = start_server(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4))),
+                          api_keys={"key-a": Tenant("a")})
+    key = {"Authorization": "Bearer key-a"}
+    try:
+        async def open_three():
+            answered, go_on = [], asyncio.Event()
+
+            async def one(http):
+                async with http.stream("GET", "/engine/events", headers=key) as r:
+                    first = None
+                    if r.status_code == 200:  # hold the stream open until all three have their answer
+                        first = await anext(line async for line in r.aiter_lines() if line.startswith("data: "))
+                    else:
+                        await r.aread()
+                    answered.append(r)
+                    if len(answered) == 3:
+                        go_on.set()
+                    await asyncio.wait_for(go_on.wait(), 30)
+                    return r, first
+
+            async with httpx.AsyncClient(base_url=url(server, ""), timeout=30) as http:
+                return await asyncio.gather(*[one(http) for _ in range(3)])
+
+        replies = asyncio.run(open_three())
+        streamed = [json.loads(first[len("data: "):]) for r, first in replies if r.status_code == 200]
+        refused = [r for r, _ in replies if r.status_code != 200]
+        assert len(streamed) == 2 and all(snap["step"] == 0 for snap in streamed)
+        (r,) = refused
+        assert "2 engine event streams open" in assert_openai_error(r, 429)["message"]
+        assert r.headers["retry-after"] == "1"
+        # both streams closed: their slots are back, the tenant streams again, and requests are served
+        with httpx.stream("GET", url(server, "/engine/events"), headers=key, timeout=30) as again:
+            assert again.status_code == 200 and next(snapshots(again))["step"] == 0
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        done = httpx.post(url(server, "/v1/completions"), json=body, headers=key, timeout=60)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
     finally:
         server.stop()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanoserve.engine.event_feed import EventFeed, Subscription
-from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine import snapshot as reference
 from nanoserve.engine.snapshot import SnapshotBuilder, encode_pool
@@ -141,6 +141,127 @@ def test_preemption_then_abort(tiny):
     engine.abort_request("b")
     s = step()
     assert s["aborted"] == ["b"] and s["finished"] == [] and s["waiting"] == []
+
+
+@pytest.mark.exercise("12.2")
+def test_a_recompute_the_prefix_cache_covers_to_its_last_token_is_a_decode(tiny):
+    """block_size 4, 8 blocks, three 3-token prompts with 8 tokens each (11 tokens: 3 blocks each, 9 > 8). The
+    preempted request's full blocks stay cached, so its recompute hits all its tokens but the last: it computes
+    one generated token, a decode's work, and is shown as a decode."""
+    rules = SimpleNamespace(block_owners=reference.block_owners,
+                            step_kind=implementation("nanoserve.engine.snapshot").step_kind)
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8, block_size=4)))
+    _, step = stepper(engine, rules)
+    for rid in "abc":
+        engine.add_request(rid, [ord(rid)] * 3, params(8))
+    for _ in range(6):  # positions 0..7: two blocks each, 6 of 8 held
+        s = step()
+    # step 7: position 8 needs a third block each, 2 are free: c (the latest) is preempted, its 9 tokens wait; its
+    # two full blocks (positions 0..7) go back to the pool cached
+    s = step()
+    assert s["preempted"] == ["c"] and [(w["id"], w["computed"], w["total"]) for w in s["waiting"]] == [("c", 0, 9)]
+    # step 8: a and b take their 8th token and finish; c needs 3 blocks, and only its own 2 cached ones are not held
+    s = step()
+    assert [f["id"] for f in s["finished"]] == ["a", "b"] and [w["id"] for w in s["waiting"]] == ["c"]
+    # step 9: c is back: positions 0..7 hit its cached blocks (8 tokens), position 8 is computed — its last token, a
+    # generated one: a decode, not a prefill
+    s = step()
+    assert s["prefix"]["hit_tokens"] == 8
+    assert brief(s["running"]) == [("c", "running", 1, "decode", 9, 10)]
+    assert [r[2:5] + [r[6]] for r in s["steps"]] == [[0, 1, 1, 1]]
+
+
+def test_n_3_forks_decode_and_finish(tiny):
+    """One request with n = 3: block_size 4, 12 blocks, a 6-token prompt, 4 tokens per completion. Its forks are
+    decodes like its own sequence, every completion's tokens count, and all three finish (none is an abort)."""
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=12, block_size=4)))
+    _, step = stepper(engine)
+    engine.add_request("r", [1, 2, 3, 4, 5, 6], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4,
+                                                               ignore_eos=True))
+    # step 1: the prompt (6 tokens, blocks 0 and 1) once; the three first tokens are drawn from its logits, and
+    # r#1, r#2 fork holding r's two blocks: 3 new tokens from one sequence's prefill
+    s = step()
+    assert [r[2:5] + [r[6], r[7]] for r in s["steps"]] == [[6, 0, 1, 3, 0.1667]]
+    assert brief(s["running"]) == [("r", "running", 6, "prefill", 6, 7), ("r#1", "running", 0, None, 6, 7),
+                                   ("r#2", "running", 0, None, 6, 7)]
+    assert owners(s) == ["shared:3", "shared:3"] + ["free"] * 10
+    # step 2: each computes position 6, in the shared last block: r and r#1 copy it into blocks 2 and 3 on
+    # their first write, r#2 keeps it; block 0 (full, read only) stays shared. 3 decodes, 3 new tokens
+    s = step()
+    assert [r[2:5] + [r[6], r[7]] for r in s["steps"]] == [[0, 3, 3, 3, 0.3333]]
+    assert brief(s["running"]) == [(i, "running", 1, "decode", 7, 8) for i in ("r", "r#1", "r#2")]
+    assert owners(s) == ["shared:3", "r#2", "r", "r#1"] + ["free"] * 8
+    # step 3: position 7 fills those blocks; step 4: position 8 takes a block each, and the 4th tokens end all three
+    s = step()
+    assert [r[2:5] + [r[6]] for r in s["steps"]] == [[0, 3, 3, 3]]
+    s = step()
+    assert [r[2:5] + [r[6], r[7]] for r in s["steps"]] == [[0, 3, 3, 3, 0.0]]
+    assert [(f["id"], f["reason"], f["output"]) for f in s["finished"]] == [("r", "length", 4), ("r#1", "length", 4),
+                                                                            ("r#2", "length", 4)]
+    assert s["aborted"] == [] and s["running"] == [] and set(owners(s)) <= {"free", "cached"}
+    assert s["tenants"] == {"r": None, "r#1": None, "r#2": None}
+
+
+def test_a_verification_step_is_a_decode_and_counts_its_accepted_tokens(tiny):
+    """Chapter 14's n-gram speculation (k = 4): a 12-token prompt [1 2 3] x 4, 16 tokens out, greedy. The test's
+    model (N(0, 1) embeddings, tied head) repeats its last token, so it writes 3 3 3 ...; prompt lookup proposes
+    what followed the first earlier occurrence of the longest suffix. By hand, step by step:
+
+        step  tokens' tail     longest earlier suffix  proposals    verified       new tokens
+        1     prompt                                   -            (prefill 12)   1: 3
+        2     ... 1 2 3 3      [3] at 2                [1 2 3 1]    1 rejected     1: the correction 3
+        3     ... 2 3 3 3      [3 3] at 11             [3]          accepted       2: 3 + the bonus 3
+        4     ... 3 3 3 3      [3 3 3 3] at 11         [3]          accepted       2
+        5     (18 tokens)      [3 3 3 3] at 11         [3 3 3]      all            4
+        6     (22 tokens)      [3 3 3 3] at 11         [3 3 3 3]    all            5 (15 out: 1 left)
+        7     (27 tokens)      -                       none: 0 left to propose     1
+
+    Every verification computes 1 + k tokens after the prompt: a decode, whatever it accepts."""
+    engine = LLMEngine(tiny, engine_config(num_blocks=64, block_size=4, speculative="ngram",
+                                           num_speculative_tokens=4, speculative_disable_by_batch_size=None))
+    _, step = stepper(engine)
+    engine.add_request("r", [1, 2, 3] * 4, params(16))
+    records, kinds = [], []
+    while engine.has_unfinished_requests():
+        s = step()
+        records += [r[2:5] + [r[6]] for r in s["steps"]]  # prefill, decode, sequences, new tokens
+        kinds += [(seq["scheduled"], seq["kind"]) for seq in s["running"]] or [None]
+        finished = s["finished"]
+    assert records == [[12, 0, 1, 1], [0, 5, 1, 1], [0, 2, 1, 2], [0, 2, 1, 2], [0, 4, 1, 4], [0, 5, 1, 5],
+                       [0, 1, 1, 1]]
+    assert kinds == [(12, "prefill"), (5, "decode"), (2, "decode"), (2, "decode"), (4, "decode"), (5, "decode"), None]
+    assert [(f["id"], f["output"]) for f in finished] == [("r", 16)]
+    assert engine.spec_stats.num_draft_tokens == 4 + 1 + 1 + 3 + 4 and engine.spec_stats.num_accepted_tokens == 9
+
+
+class Untouchable:
+    """Stands in for a queue that must not be read: any look at it raises."""
+
+    def _touched(self, *args):
+        raise AssertionError("observe_step read a queue")
+
+    __iter__ = __len__ = __contains__ = __getitem__ = __getattr__ = _touched
+
+
+def test_observing_a_step_reads_no_queue(tiny):
+    """A watched step between two snapshots costs a look at each scheduled sequence and each output: it reads
+    neither the waiting queue nor the table of every sequence, which grow under overload; the snapshot does."""
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=1)))
+    builder = SnapshotBuilder(engine)
+    for i in range(3):  # one seat: a runs, b and c wait
+        engine.add_request("abc"[i], [1, 2, 3], params(2))
+    outputs = engine.step()
+    scheduler = engine.scheduler
+    queues = scheduler.seqs, scheduler.waiting, scheduler.running
+    scheduler.seqs = scheduler.waiting = scheduler.running = Untouchable()
+    try:
+        record = builder.observe_step(engine.last_scheduler_output, outputs, 0.001)
+    finally:
+        scheduler.seqs, scheduler.waiting, scheduler.running = queues
+    assert record[2:5] == [3, 0, 1]
+    s = builder.snapshot()
+    assert [w["id"] for w in s["waiting"]] == ["b", "c"] and brief(s["running"]) == [("a", "running", 3, "prefill", 3, 4)]
 
 
 def test_encode_pool_round_trips():

@@ -60,16 +60,56 @@ def test_make_serves_pool():
     says(CH, f"on a {fp32:,}-block pool (SmolLM2's\n1 GiB in float32)")
 
 
+def test_the_quoted_pool_runs_out_under_the_pages_burst():
+    """The chapter's small pool, under the page's Burst as engine.js sends it (its default count and max tokens, the
+    chat message it writes, 5 at a time: a browser's 6 connections less the event stream), every reply running to
+    its max tokens (EOS ignored: SmolLM2's replies mostly do, at 48): the pool fills and requests are preempted."""
+    from nanoserve.text.tokenizer import Tokenizer
+
+    html = (ROOT / "nanoserve/server/static/engine.html").read_text()
+    count = int(re.search(r'id="burst-n"[^>]*value="(\d+)"', html)[1])
+    max_tokens = int(re.search(r'id="max-tokens"[^>]*value="(\d+)"', html)[1])
+    js = (ROOT / "nanoserve/server/static/engine.js").read_text()
+    assert "chatBody(`Request ${i + 1}: tell me a story.`, false)" in js
+    says(CH, "so 5 burst requests run at a\ntime")
+    num_blocks = int(re.search(r"start the server with `--num-blocks (\d+)` to see the pool run out", chapter(CH))[1])
+    block_size = serve_defaults().block_size
+    tokenizer = Tokenizer.from_gguf()
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": f"Request {i + 1}: tell me a story."}])
+               for i in range(count)]
+    engine = LLMEngine(tiny_llama(vocab_size=49152), EngineConfig(cache_config=CacheConfig(num_blocks=num_blocks,
+                                                                                       block_size=block_size)))
+    queue, in_flight, preempted = list(enumerate(prompts)), 0, []
+    with torch.inference_mode():
+        while queue or engine.has_unfinished_requests():
+            while queue and in_flight < 5:
+                i, prompt = queue.pop(0)
+                engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                in_flight += 1
+            in_flight -= sum(out.finished for out in engine.step())
+            preempted += engine.last_scheduler_output.preempted_seq_ids
+    # by hand: 39-token prompts whose first 16 tokens (one block, of 26 alike) are shared; five of them hold
+    # 1 + 5 x 3 = 16 blocks from 49 to 64 tokens each, and a 65th token (the 26th generated) asks for a fifth block
+    assert [len(p) for p in prompts] == [39] * count and (count, max_tokens, block_size, num_blocks) == (8, 48, 16, 16)
+    alike = next(i for i in range(39) if len({p[i] for p in prompts}) > 1)
+    assert alike // block_size == 1
+    says(CH, "The Burst's chats have 39 prompt tokens each, the first 16 (one block) the same for all")
+    says(CH, f"the Burst preempts {len(preempted)} times")
+    assert len(preempted) == 4
+
+
 def test_the_feeds_constants():
-    says(CH, f"the step timeline\nstarts with the last {HISTORY_STEPS} steps")
+    says(CH, f"the page starts with the last {HISTORY_STEPS} step records")
+    drawn = int(re.search(r"state\.steps\.slice\(-(\d+)\)", (ROOT / "nanoserve/server/static/engine.js").read_text())[1])
+    says(CH, f"the step timeline draws the newest {drawn} of them, the KV-usage chart all {HISTORY_STEPS}")
     says(CH, f"over the last {LATENCY_WINDOW}\nfinished requests")
     says(CH, f"a `deque(maxlen={HISTORY_STEPS})` that drops its oldest")
     feed = EventFeed()
     assert feed.history.maxlen == HISTORY_STEPS
     rate = round(1 / feed.min_interval)
     says(CH, f"at most once per `min_interval` = {feed.min_interval * 1000:.0f} ms (R = {rate} a second)")
-    says(CH, f"the share of the engine's time is `min({rate}/s, 1/step time) × 0.5 ms`: at most {rate * 0.5 / 1000:.0%}"
-             .replace("%", " %"))
+    says(CH, f"the share of the engine's time is `min({rate}/s, 1/step time) × the time of a snapshot`: about "
+             f"{rate * 0.5 / 1000:.0%} at 0.5 ms a snapshot".replace("%", " %"))
     says(CH, f"a tenant holds at most {word(MAX_EVENT_STREAMS)} streams at once")
 
 
@@ -89,9 +129,9 @@ def test_the_snapshot_of_step_2(scripted):
     assert f'"running": [{running[:-1].rsplit(", ", 1)[0]}' in quoted or f'"running": [{running}' in quoted
     owners, blocks = snap["pool"]["owners"], snap["pool"]["blocks"]
     assert f'"pool": {{"owners": {json.dumps(owners)}, "blocks": {json.dumps(blocks)}, ...}}' in quoted
-    step, _, prefill, decode, seqs, _, sampled, usage = snap["steps"][0]
+    step, _, prefill, decode, seqs, _, new_tokens, usage = snap["steps"][0]
     quoted_step = re.search(r'"steps": \[\[(.*?)\]\]', quoted)[1].split(", ")
-    assert [quoted_step[i] for i in (0, 2, 3, 4, 6, 7)] == [str(v) for v in (step, prefill, decode, seqs, sampled, usage)]
+    assert [quoted_step[i] for i in (0, 2, 3, 4, 6, 7)] == [str(v) for v in (step, prefill, decode, seqs, new_tokens, usage)]
     assert f'"tenants": {json.dumps(snap["tenants"])}' in quoted
     assert re.search(rf'"latency": {{"requests": {snap["latency"]["requests"]}, ', quoted)
     # the times are the notebook run's: what its cell printed, rounded as the chapter writes them
@@ -99,6 +139,8 @@ def test_the_snapshot_of_step_2(scripted):
     time, ms = re.search(r"steps \[\[2, ([\d.]+), \d+, \d+, \d+, ([\d.]+),", out).groups()
     ttft, tpot = re.search(r'"ttft_p50": ([\d.]+), "tpot_p50": ([\d.]+)', out).groups()
     assert quoted_step[1] == time and quoted_step[5] == f"{float(ms):.1f}"
+    snap_time = re.search(r"snapshot of step 2: \d+ bytes of JSON step 2 time ([\d.]+) config", out)[1]
+    assert quoted.startswith(f', "time": {snap_time},')  # the snapshot's own time, not only its step record's
     assert f'"ttft_p50": {float(ttft):.3f}, "tpot_p50": {float(tpot):.4f}' in quoted
 
 

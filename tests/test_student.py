@@ -501,35 +501,56 @@ def test_generate_cli_serves_chapter_01_as_its_readme_says(smollm2, smollm2_toke
     assert buggy != out.rstrip("\n") and f"`{buggy}`" in readme
 
 
-def test_finished_12_feeds_the_live_page(tiny, exercises):
-    """--student 12: the async engine's event feed is the learner's (12.3, 12.4) and draws the pool and the step
-    timeline with the learner's block_owners and step_kind (12.1, 12.2): snapshot for snapshot, what the
-    reference's feed sends for the same schedule (times aside)."""
+@pytest.mark.parametrize("rungs", [["12.1"], ["12.2"], ["12.3"], ["12.4"], ["12.1", "12.2", "12.3", "12.4"]])
+def test_finished_12_feeds_the_live_page(tiny, exercises, rungs):
+    """--student 12, rung by rung: the async engine's event feed is the learner's where 12.3 / 12.4 are finished,
+    and draws the pool and the step timeline with the learner's block_owners (12.1) and step_kind (12.2) where
+    finished; each unfinished rung is the reference's. Snapshot for snapshot, the feed sends what the reference's
+    sends for the same schedule (times aside), and each finished function of the learner's served every step."""
     from nanoserve.engine.async_engine import AsyncLLMEngine
     from nanoserve.engine.event_feed import EventFeed
 
-    exercises("nanoserve.engine.snapshot")
-    finish("nanoserve.engine.event_feed", ["Subscription.put", "Subscription.take", "EventFeed.emit_if_due"])
+    files = {"nanoserve.engine.snapshot": [], "nanoserve.engine.event_feed": []}
+    for module, ladder in files.items():
+        for rung in rungs:
+            ladder += student.RUNGS[module].get(rung, [])
+        finish(module, ladder)
     config = dict(num_blocks=11, block_size=4, max_num_batched_tokens=16)
-    engines = [LLMEngine(tiny, engine_config(**config, student="12")), LLMEngine(tiny, engine_config(**config))]
-    feeds = [AsyncLLMEngine(engines[0]).event_feed, EventFeed()]
-    assert type(feeds[0]).__module__ == "student_nanoserve_engine_event_feed"
-    subs = [feed.subscribe() for feed in feeds]
-    for engine, feed in zip(engines, feeds):
-        feed.min_interval = 0  # a snapshot after every step, on both sides
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    seen = [[], []]
-    while engines[1].has_unfinished_requests():
-        for engine, feed, sub, got in zip(engines, feeds, subs, seen):
-            outputs = engine.step()
-            feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
-            snap = sub.take()
-            got.append((snap["pool"], [r[:1] + r[2:5] + r[6:] for r in snap["steps"]], snap["preempted"]))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        engines = [LLMEngine(tiny, engine_config(**config, student="12")), LLMEngine(tiny, engine_config(**config))]
+        feeds = [AsyncLLMEngine(engines[0]).event_feed, EventFeed()]
+        subs = [feed.subscribe() for feed in feeds]
+        for engine, feed in zip(engines, feeds):
+            feed.min_interval = 0  # a snapshot after every step, on both sides
+            for i, prompt in enumerate(PROMPTS):
+                engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        seen = [[], []]
+        while engines[1].has_unfinished_requests():
+            for engine, feed, sub, got in zip(engines, feeds, subs, seen):
+                outputs = engine.step()
+                feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
+                snap = sub.take()
+                got.append((snap["pool"], [r[:1] + r[2:5] + r[6:] for r in snap["steps"]], snap["preempted"]))
     assert seen[0] == seen[1] and any(preempted for _, _, preempted in seen[0])  # 5 requests on 11 blocks preempt
-    calls = engines[0].student.calls
-    assert calls["block_owners"] == calls["EventFeed.emit_if_due"] == calls["Subscription.put"] == len(seen[0])
-    assert calls["step_kind"] >= len(seen[0]) and calls["Subscription.take"] == len(seen[0])
+    ours = files["nanoserve.engine.event_feed"]
+    assert type(feeds[0]).__module__ == ("student_nanoserve_engine_event_feed" if ours else "nanoserve.engine.event_feed")
+    calls, steps = engines[0].student.calls, len(seen[0])
+    lines = engines[0].student.describe().splitlines()
+    for module, done in files.items():
+        path = f"exercises/{STUDENT_FILES[module]}"
+        if not done:  # no rung of the file finished: the reference's module, whole
+            assert any(line.startswith(f"  reference  {module}  ({path} still raises") for line in lines)
+            continue
+        (yours,) = [line for line in lines if line.startswith("  yours      ") and line.endswith(f"  from {path}")]
+        for rung, names in student.RUNGS[module].items():
+            if rung in rungs:  # the learner's served, every step (step_kind: once per scheduled sequence)
+                assert all(name in yours for name in names)
+                assert all(calls[name] >= steps if name == "step_kind" else calls[name] == steps for name in names)
+            else:  # the reference's ran in its place, and the run says so
+                assert not set(names) & set(calls)
+                assert f"  reference  {', '.join(names)}  (Exercise {rung} not finished)" in lines
+    assert len(rungs) < 4 or not any("not finished" in str(w.message) for w in warned)  # all four: no fallback
 
 
 SCHEMA_13 = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},

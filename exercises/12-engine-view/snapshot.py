@@ -3,8 +3,9 @@
 This file mirrors two functions of nanoserve/engine/snapshot.py; the rest of the snapshot builder
 (queues, events, step records) is given and calls yours once they are written.
 
-Run `make grade CH=12` to grade them, and `python -m nanoserve serve --student --num-blocks 64`, then
-open http://127.0.0.1:8000/engine, to watch the page draw the pool with your code.
+Run `make grade CH=12` to grade them, and `python -m nanoserve serve --student 12 --num-blocks 16`, then
+open http://127.0.0.1:8000/engine, to watch the page draw the pool with your code (each function serves as soon as it
+is written; the other is the reference's until then).
 """
 
 
@@ -25,7 +26,8 @@ def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blo
 def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: int, num_prompt_tokens: int) -> str:
     """"decode" when the step computes exactly one token, the sequence's last one, and that token was
     generated (its position is >= num_prompt_tokens); "prefill" otherwise: a prompt chunk, or the
-    recompute of a preempted sequence (which prefills its generated tokens again).
+    recompute of a preempted sequence (which prefills its generated tokens again; one the prefix cache covers up to
+    its last token computes only that one: a decode).
 
     The counts are the sequence's before the step: tokens [num_computed_before, num_computed_before +
     num_scheduled) are computed, out of num_tokens_before (prompt + generated so far).

@@ -1,7 +1,9 @@
 """`python -m nanoserve bench engine-view`: what the live page (chapter 12) costs the engine, side by side.
 
 One seeded workload (random prompt ids, EOS ignored) through the same engine three ways, interleaved
-round by round so the machine's drift hits all three alike:
+round by round in rotating order so the machine's drift hits all three alike, after a warm-up run of the whole
+workload: every measured run finds the prompts' full blocks in the prefix cache (mostly decode steps, short ones:
+the worst case for the feed's share), none is the cold first run:
 
   no feed     the bare loop: step(), step(), ...                       (the engine before chapter 12)
   page closed the loop AsyncLLMEngine runs: each step timed and handed to EventFeed.record, nobody subscribed
@@ -91,7 +93,9 @@ def run(args):
     systems = {"no feed": {}, "page closed": {"feed": closed}, "page open": {"feed": open_feed, "viewer": viewer}}
     best = {name: None for name in systems}
     names = list(systems)
-    run_once(engine, workload[:2])  # warm-up
+    # warm-up: the whole workload once, so that every measured run finds the same prefix cache (its prompts' full
+    # blocks cached by the run before), the first one included: none is a cold run
+    run_once(engine, workload)
     for r in range(args.rounds):
         for name in names[r % 3:] + names[:r % 3]:  # rotate the order: none always goes first
             result = run_once(engine, workload, **systems[name])

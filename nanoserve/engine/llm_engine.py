@@ -650,11 +650,13 @@ class LLMEngine:
 
     def _trim_proposals(self, out: SchedulerOutput) -> None:
         """Keep the proposals the scheduler gave budget to (a step short of tokens verifies fewer; a
-        preempted sequence none)."""
+        preempted sequence none), and note them in the step's plan."""
         for seq in self.scheduler.seqs.values():
             if seq.spec_token_ids:
                 n = out.num_scheduled_tokens.get(seq.seq_id, 0)
                 del seq.spec_token_ids[max(0, seq.num_computed_tokens + n - seq.num_tokens):]
+                if seq.spec_token_ids:
+                    out.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def _accept(self, out: SchedulerOutput, sampled: dict, now: float) -> dict[str, int]:
         """Turn each verified sequence's [accepted..., correction or bonus] into what update_from_output

@@ -81,6 +81,10 @@ class SchedulerOutput:
     # chapter 17: the KV connector's loads and saves for this step (a KVConnectorMetadata, set by the engine
     # like blocks_to_copy from the connector's scheduler side; the worker side carries them out)
     kv_connector_metadata: object = None
+    # chapter 14: the proposals each sequence verifies this step, after its one known token (set by the engine
+    # like blocks_to_copy, once the budget has trimmed them; vLLM's name): what the step computes, kept past
+    # the verification that clears seq.spec_token_ids
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -24,10 +24,12 @@ import sys
 import time
 from collections import deque
 
+from nanoserve.engine.sequence import child_seq_id
 from nanoserve.metrics import percentile
 
 MAX_STEPS_PER_SNAPSHOT = 256  # step records kept between two snapshots; older ones are counted, not kept
-HISTORY_STEPS = 240  # step records a viewer gets when it connects (the page's timeline holds as many)
+HISTORY_STEPS = 240  # step records a viewer gets when it connects (the page's KV chart draws as many, its
+# step timeline the newest 120)
 LATENCY_WINDOW = 20  # finished requests in the snapshot's latency figures
 
 
@@ -62,7 +64,8 @@ def encode_pool(owners: list[str]) -> dict:
 
 def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: int, num_prompt_tokens: int) -> str:
     """"decode" when the step computes exactly one generated token, the sequence's last; else "prefill"
-    (a prompt chunk, or the recompute of a preempted sequence, which re-prefills its outputs too).
+    (a prompt chunk, or the recompute of a preempted sequence, which re-prefills its outputs too; one the prefix
+    cache covers up to its last token computes only that one: a decode).
 
     >>> step_kind(10, 1, 11, 10), step_kind(0, 8, 10, 10), step_kind(9, 1, 10, 10)
     ('decode', 'prefill', 'prefill')
@@ -71,20 +74,33 @@ def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: i
     return "decode" if last_token_only and num_computed_before >= num_prompt_tokens else "prefill"
 
 
+def output_seq_id(out) -> str:
+    """The sequence a RequestOutput is of: the request's own for completion 0, a fork's (n > 1) for the others."""
+    return child_seq_id(out.request_id, out.index) if out.index else out.request_id
+
+
 def step_record(engine, scheduler_output, outputs, step_seconds: float, t0: float, step_kind=step_kind):
     """One step summed up for the timeline, and what it gave each scheduled sequence:
 
-        ([step, time since t0 (s), prefill tokens, decode tokens, sequences, step ms, tokens sampled, KV usage],
+        ([step, time since t0 (s), prefill tokens, decode tokens, sequences, step ms, new tokens, KV usage],
          {seq id: (tokens computed, "prefill" | "decode")})
 
-    Work: one look at each scheduled sequence (at most max_num_seqs), none at the pool or the history."""
-    sampled = {out.request_id for out in outputs if out.new_token_ids}
+    New tokens: the output tokens the step added, every completion's (n > 1: the forks' first ones too) and every
+    accepted proposal (chapter 14). A verification computes the sequence's last token and its k proposals: a
+    decode, its 1 + k tokens counted as decode tokens.
+    Work: one look at each scheduled sequence and each output (at most max_num_seqs), none at the pool or the
+    history."""
+    new = {output_seq_id(out): len(out.new_token_ids) for out in outputs}
+    proposals = scheduler_output.scheduled_spec_decode_tokens
     num_prefill = num_decode = 0
     kinds = {}
     for seq in scheduler_output.scheduled_seqs:
         n = scheduler_output.num_scheduled_tokens[seq.seq_id]
-        got = seq.seq_id in sampled  # the step's new token is already counted in num_tokens
-        kind = step_kind(seq.num_computed_tokens - n, n, seq.num_tokens - got, seq.num_prompt_tokens)
+        k = len(proposals.get(seq.seq_id, ()))
+        num_tokens_before = seq.num_tokens - new.get(seq.seq_id, 0)  # the step's new tokens are in num_tokens
+        # a verification started one short of its known tokens (its counter is reset to the accepted ones since)
+        computed_before = num_tokens_before - 1 if k else seq.num_computed_tokens - n
+        kind = step_kind(computed_before, n - k, num_tokens_before, seq.num_prompt_tokens)
         kinds[seq.seq_id] = (n, kind)
         if kind == "decode":
             num_decode += n
@@ -92,7 +108,7 @@ def step_record(engine, scheduler_output, outputs, step_seconds: float, t0: floa
             num_prefill += n
     bm = engine.block_manager
     record = [engine.num_steps, round(time.time() - t0, 4), num_prefill, num_decode,
-              len(scheduler_output.scheduled_seqs), round(step_seconds * 1000, 3), len(sampled),
+              len(scheduler_output.scheduled_seqs), round(step_seconds * 1000, 3), sum(new.values()),
               round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)]
     return record, kinds
 
@@ -113,12 +129,12 @@ class SnapshotBuilder:
         self.rules = rules if rules is not None else sys.modules[__name__]
         self.step = engine.num_steps  # the engine's own count: a page opened mid-run shows the same
         self.t0 = time.time() if t0 is None else t0
-        self._live = self._tenants()  # ids alive after the last observed step -> their tenant
-        self._gone: dict[str, str | None] = {}  # ids that left since the last snapshot -> their tenant
+        # ids alive at the last snapshot, and those scheduled since -> their tenant
+        self._live: dict[str, str | None] = self._tenants()
         self._stats_seen = self._stats()
         self._reset_events()
         self._last_step: dict[str, tuple[int, str]] = {}  # seq id -> (tokens, kind) of the latest step
-        self.recent: deque = deque(maxlen=LATENCY_WINDOW)  # (ttft, tpot) of the last finished requests, seconds
+        self.recent: deque = deque(maxlen=LATENCY_WINDOW)  # (ttft, tpot) of the last finished completions, seconds
 
     def _tenants(self) -> dict[str, str | None]:
         return {seq_id: seq.tenant for seq_id, seq in self.engine.scheduler.seqs.items()}
@@ -132,29 +148,28 @@ class SnapshotBuilder:
         self.dropped_steps = 0
         self.preempted: list[str] = []
         self.finished: list[dict] = []
-        self.aborted: list[str] = []
-
-    def _note_gone(self, finished_ids: set[str]) -> None:
-        """Ids that left the engine without finishing in a step were aborted (between steps)."""
-        live = self._tenants()
-        self.aborted.extend(sorted(set(self._live) - set(live) - finished_ids))
-        self._gone.update({seq_id: t for seq_id, t in self._live.items() if seq_id not in live})
-        self._live = live
+        self._ended: set[str] = set()  # the ids in self.finished
 
     def observe_step(self, scheduler_output, outputs, step_seconds: float) -> list:
         """After LLMEngine.step(): record the step's tokens and events. `outputs` are the step's RequestOutputs.
-        Returns the step's record (step_record)."""
+        Returns the step's record (step_record). Work: a look at each scheduled sequence and each output, none at
+        the queues (a long waiting queue costs nothing here) or the pool."""
         record, self._last_step = step_record(self.engine, scheduler_output, outputs, step_seconds, self.t0,
                                               self.rules.step_kind)
         self.step = record[0]
-        finished = [out for out in outputs if out.finished]
-        for out in finished:
+        for seq in scheduler_output.scheduled_seqs:
+            self._live[seq.seq_id] = seq.tenant
+        for out in outputs:
+            if out.finish_reason is None:  # each completion (n > 1) ends on its own; `finished` marks the last
+                continue
+            seq_id = output_seq_id(out)
             m = out.metrics
-            self.finished.append({"id": out.request_id, "reason": out.finish_reason, "ttft": m.get("ttft"),
+            self.finished.append({"id": seq_id, "reason": out.finish_reason, "ttft": m.get("ttft"),
                                   "tpot": m.get("tpot"), "e2e": m.get("e2e"), "output": len(out.token_ids)})
             self.recent.append((m.get("ttft"), m.get("tpot")))
+            self._ended.add(seq_id)
+            self._live.setdefault(seq_id, self._live.get(out.request_id))  # a fork that ended the step it was made
         self.preempted.extend(scheduler_output.preempted_seq_ids)
-        self._note_gone({out.request_id for out in finished})
         self.steps.append(record)
         if len(self.steps) > MAX_STEPS_PER_SNAPSHOT:
             self.steps.popleft()
@@ -177,9 +192,13 @@ class SnapshotBuilder:
         return {"requests": len(both), "ttft_p50": p50(t for t, _ in both), "tpot_p50": p50(t for _, t in both)}
 
     def snapshot(self) -> dict:
-        """The engine now, plus what happened since the previous snapshot (then forgotten)."""
-        self._note_gone(set())
+        """The engine now, plus what happened since the previous snapshot (then forgotten). An id that was alive
+        at the last snapshot or scheduled since, is gone now and did not finish in a step was aborted (between
+        steps); one that came and went between two snapshots without ever being scheduled is not seen."""
         engine, scheduler, bm = self.engine, self.engine.scheduler, self.engine.block_manager
+        live = self._tenants()
+        gone = {seq_id: tenant for seq_id, tenant in self._live.items() if seq_id not in live}
+        aborted = sorted(set(gone) - self._ended)
         running = [_seq_view(seq, *self._last_step.get(seq.seq_id, (0, None))) for seq in scheduler.running]
         waiting = [_seq_view(seq) for seq in scheduler.waiting]
         # a finished block keeps its K/V (and its hash) until the allocator hands it out again
@@ -194,15 +213,15 @@ class SnapshotBuilder:
             "config": {"block_size": bm.block_size, "num_blocks": bm.num_blocks, "max_num_seqs": cfg.max_num_seqs,
                        "max_num_batched_tokens": cfg.max_num_batched_tokens},
             "running": running, "waiting": waiting,
-            "preempted": self.preempted, "finished": self.finished, "aborted": self.aborted,
+            "preempted": self.preempted, "finished": self.finished, "aborted": aborted,
             "prefix": {"queried_tokens": queried, "hit_tokens": hit, "hit_blocks": hit_blocks, "evicted_blocks": evicted},
             "pool": {**encode_pool(owners), "num_free": bm.get_num_free_blocks(),
                      "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
             "steps": list(self.steps), "dropped_steps": self.dropped_steps,
             "latency": self.latency(),
             # chapter 08's tenants: whose each id above is (None: no tenant), so a server can show a tenant its own
-            "tenants": {**self._gone, **self._live},
+            "tenants": {**gone, **live},
         }
-        self._gone = {}
+        self._live = live
         self._reset_events()
         return snap

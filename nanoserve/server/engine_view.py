@@ -16,7 +16,8 @@ nothing. At shutdown the stream ends, so an open page never holds up the drain; 
 With tenants (--api-keys, chapter 08) a stream is a request like any other: it passes the tenant's rate limit,
 a tenant holds at most MAX_EVENT_STREAMS open at once (429 past that), and it sees its own requests only
 (tenant_view): the others' ids become "other", and the prefix cache's figures are not there (they would tell
-it that another tenant sent the same prompt). An operator key (`role = "operator"` in the keys file) sees
+it that another tenant sent the same prompt). The engine's load stays whole: the step records, the latency p50s and
+the pool's usage are everyone's. An operator key (`role = "operator"` in the keys file) sees
 everything.
 """
 
@@ -24,6 +25,7 @@ from importlib.resources import files
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from nanoserve.server.protocol import APIError, error_body, finite_json
 
@@ -56,6 +58,30 @@ def tenant_view(snap: dict, tenant: str) -> dict:
             "tenants": {i: t for i, t in owner.items() if t == tenant}}
 
 
+def hold_stream(open_streams: dict[str, int], who: str | None):
+    """Count one more stream of `who` (None: nobody's, nothing counted); returns its release, which counts it
+    once however often it is called.
+
+        >>> streams = {}
+        >>> release = hold_stream(streams, "a"); streams
+        {'a': 1}
+        >>> release(); release(); streams
+        {'a': 0}
+    """
+    if who is None:
+        return lambda: None
+    open_streams[who] = open_streams.get(who, 0) + 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            open_streams[who] -= 1
+
+    return release
+
+
 def add_engine_view(app: FastAPI, state, viewer) -> None:
     """viewer(request) -> (who, scope): passes the request's key and limits (raises APIError otherwise); `who` is
     the tenant whose streams count (None: nobody's), `scope` the tenant whose view it gets (None: everything)."""
@@ -78,18 +104,12 @@ def add_engine_view(app: FastAPI, state, viewer) -> None:
         who, scope = seen
         if state.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
-        full = f"tenant {who!r} already has {MAX_EVENT_STREAMS} engine event streams open"
         if who is not None and open_streams.get(who, 0) >= MAX_EVENT_STREAMS:
-            raise APIError(429, full, headers={"Retry-After": "1"})
+            raise APIError(429, f"tenant {who!r} already has {MAX_EVENT_STREAMS} engine event streams open",
+                           headers={"Retry-After": "1"})
+        release = hold_stream(open_streams, who)  # no await since the check: streams opened at once cannot all pass
 
         async def lines():
-            # counted once the stream runs (a client gone before it starts never held one); streams opened at
-            # the same moment all passed the check above, so it is made again here
-            if who is not None and open_streams.get(who, 0) >= MAX_EVENT_STREAMS:
-                yield f"data: {json.dumps(error_body(full, 429))}\n\n"
-                return
-            if who is not None:
-                open_streams[who] = open_streams.get(who, 0) + 1
             try:
                 yield ": nanoserve engine events\n\n"
                 async for snap in state.engine.watch(keepalive=1.0):
@@ -99,8 +119,9 @@ def add_engine_view(app: FastAPI, state, viewer) -> None:
                         snap = tenant_view(snap, scope)
                     yield ": ping\n\n" if snap is None else f"data: {finite_json(snap, separators=(',', ':'))}\n\n"
             finally:
-                if who is not None:
-                    open_streams[who] -= 1
+                release()
 
-        return StreamingResponse(lines(), media_type="text/event-stream",
+        # released when the stream ends, and again after the response (a no-op then): a client gone before the
+        # stream began never ran its `finally`
+        return StreamingResponse(lines(), media_type="text/event-stream", background=BackgroundTask(release),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

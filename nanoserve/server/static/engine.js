@@ -37,7 +37,7 @@ function colour(owner) {
 function describe(owner) {
   if (owner === "free") return "free";
   if (owner === "cached") return "cached: free, but a prefix hit can reuse it (evicted last)";
-  if (owner.startsWith("shared:")) return `shared by ${owner.slice(7)} block tables (prefix hit)`;
+  if (owner.startsWith("shared:")) return `shared by ${owner.slice(7)} block tables (a prefix hit, or the completions of one n > 1 request)`;
   return "held by " + owner;
 }
 
@@ -187,7 +187,7 @@ function drawFigures(snap) {
   $("last-n").textContent = lat.requests;
   $("ttft").textContent = lat.ttft_p50 != null ? ms(lat.ttft_p50) : "–";
   $("tpot").textContent = lat.tpot_p50 != null ? ms(lat.tpot_p50) : "–";
-  // tokens sampled in the last 5 s of steps, per second
+  // output tokens (every completion's, accepted proposals included) in the last 5 s of steps, per second
   const steps = state.steps;
   if (steps.length) {
     const end = steps[steps.length - 1][1];
