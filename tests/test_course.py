@@ -1,6 +1,7 @@
 """The README agrees with the course it describes: its chapter table with chapters/, notebooks/, tests/ and
 exercises/; its exercises paragraph with the rungs the tests grade; its `--student` paragraph with the exercise
-modules (nanoserve/student.py) that the product's code actually asks for."""
+modules (nanoserve/student.py) that the product's code actually asks for; and every exercise file of several rungs is
+a ladder in student.RUNGS, so its rungs serve and are graded one by one."""
 
 import ast
 import re
@@ -101,3 +102,35 @@ def test_student_paragraph_names_where_every_chapter_serves():
     served = served_chapters()
     assert named == served, f"README --student paragraph names {sorted(named)}; the code serves {sorted(served)}"
     assert graded_only == set(student.chapters()) - served, "chapters whose exercises serve nowhere"
+
+
+def stub_rungs(relative: str) -> dict[str, list[str]]:
+    """An exercise file's rungs as its stubs label them: "12.1" -> the qualnames whose docstring starts
+    "Exercise 12.1" (or whose NotImplementedError names it)."""
+    rungs: dict[str, list[str]] = {}
+
+    def walk(node, prefix=""):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                label = re.match(r"Exercises? (\d+\.\d+)", ast.get_docstring(child) or "") or re.search(
+                    r"NotImplementedError\(\s*f?[\"']Exercise (\d+\.\d+)", ast.unparse(child))
+                if label:
+                    rungs.setdefault(label.group(1), []).append(prefix + child.name)
+
+    walk(ast.parse((student.EXERCISES / relative).read_text()))
+    return rungs
+
+
+def test_a_file_of_several_rungs_serves_and_grades_them_one_by_one():
+    """A learner's finished rung serves beside the reference's unfinished ones, and is graded alone, only where
+    student.RUNGS lists the file's rungs: every exercise file whose stubs belong to two rungs or more is
+    there, with exactly the functions its stubs label."""
+    for module, relative in student.STUDENT_FILES.items():
+        labelled = stub_rungs(relative)
+        if len(labelled) < 2:
+            continue
+        assert module in student.RUNGS, f"{relative} holds rungs {sorted(labelled)}: list them in student.RUNGS"
+        listed = {rung: sorted(names) for rung, names in student.RUNGS[module].items()}
+        assert listed == {rung: sorted(names) for rung, names in labelled.items()}, relative
