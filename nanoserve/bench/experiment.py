@@ -242,7 +242,7 @@ def chunked_prefill(args, model, tokenizer) -> dict:
         x["ttft_ms_by_prompt_len"] = {n: min(run["ttft_ms_by_prompt_len"][n] for run in results[name]) for n in lengths}
     print(f"lone prompts: TTFT, best of {args.rounds} round(s); 4 streams decoding when a 2048-token prompt arrives: "
           f"the round with the smallest worst ITL (every round's in brackets)")
-    print(f"{'':28s}" + "".join(f"TTFT {n:>5d} tok" for n in lengths) + "   max ITL of 4 streams   long prompt TTFT  steps")
+    print(f"{'':28s}" + "".join(f"{f'TTFT {n} tok':>14s}" for n in lengths) + "   max ITL of 4 streams   long prompt TTFT  steps")
     for name, x in best.items():
         every = ", ".join(f"{run['max_stream_itl_ms']:.0f}" for run in results[name])
         print(f"{name:28s}" + "".join(f"{x['ttft_ms_by_prompt_len'][n]:11.0f} ms" for n in lengths)
