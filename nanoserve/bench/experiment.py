@@ -559,10 +559,11 @@ def concurrency(args, model, tokenizer) -> dict:
     runs = [max(results[c], key=lambda x: x["output_throughput"]) for c in args.concurrency]
     print(f"best of {args.rounds} interleaved round(s), by output tokens/s:")
     for x in runs:
-        print(f"  {x['concurrency']:3d} clients: {x['output_throughput']:7.1f} out tok/s  "
-              f"{x['request_throughput']:5.2f} req/s  TTFT p50 / p90 / p99 {x['ttft_ms']['median']:7.0f} / "
-              f"{x['ttft_ms']['p90']:7.0f} / {x['ttft_ms']['p99']:7.0f} ms  TPOT p50 / p99 {x['tpot_ms']['median']:6.0f} / "
-              f"{x['tpot_ms']['p99']:6.0f} ms", flush=True)
+        ttft, tpot = x["ttft_ms"], x["tpot_ms"]
+        print(f"  {x['concurrency']:3d} clients: {x['output_throughput']:7.1f} out tok/s  {x['request_throughput']:5.2f} "
+              f"req/s  TTFT mean / p50 / p90 / p99 {ttft['mean']:.0f} / {ttft['median']:.0f} / {ttft['p90']:.0f} / "
+              f"{ttft['p99']:.0f} ms  TPOT mean / p50 / p99 {tpot['mean']:.0f} / {tpot['median']:.0f} / {tpot['p99']:.0f} ms",
+              flush=True)
 
     def figure(plt):
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
