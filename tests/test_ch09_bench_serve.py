@@ -120,6 +120,23 @@ def test_against_stand_in(stand_in, tmp_path, capsys):
     assert "Serving Benchmark Result" in io.out and "Successful requests:" in io.out
 
 
+def test_the_warm_up_is_none_of_the_measured_prompts(stand_in, tmp_path, capsys):
+    """A warm-up that re-sent a measured prompt would leave its blocks in the server's prefix cache: that request
+    would then be measured on a cache hit. The warm-ups are prompts of their own, and every measured prompt is
+    sent once."""
+    from nanoserve.bench.prompts import course_prompts
+
+    url, state = stand_in
+    state.update(bodies=[])
+    rc, io = bench(["--url", url, "--num-prompts", "5", "--warmup", "2", "--output-len", "3"], capsys)
+    assert rc == 0, io.err
+    warm, measured = state["bodies"][:2], state["bodies"][2:]
+    assert sorted(map(json.dumps, (b["messages"] for b in measured))) == sorted(
+        json.dumps(item["messages"]) for item in course_prompts(5, 0))
+    assert warm[0]["messages"] != warm[1]["messages"]
+    assert not any(b["messages"] == m["messages"] for b in warm for m in measured)
+
+
 def test_failures_are_counted_and_shown(stand_in, tmp_path, capsys):
     url, _ = stand_in
     data = tmp_path / "prompts.jsonl"
@@ -197,6 +214,7 @@ def test_student_of_another_chapter_is_refused(capsys):
     (["--url", "http://x", "--request-rate", "0"], "--request-rate must be > 0"),
     (["--url", "http://x", "--burstiness", "-1"], "--burstiness must be > 0"),
     (["--url", "http://x", "--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    (["--url", "http://x", "--warmup", "-1"], "--warmup must be >= 0"),
     (["--url", "http://x", "--dataset", "/no/such.jsonl"], "not 'course', 'random' or an existing JSONL file"),
     (["--url", "http://x", "--goodput", "latency:5"], "unknown SLO 'latency'"),
     (["--url", "http://x", "--goodput", "ttft:fast"], "expected NAME:MILLISECONDS"),

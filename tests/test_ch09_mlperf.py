@@ -4,7 +4,9 @@ token and an end for each, the accuracy log holding the ids), never the speed.""
 
 import pytest
 
-mlperf_loadgen = pytest.importorskip("mlperf_loadgen")
+mlperf_loadgen = pytest.importorskip(
+    "mlperf_loadgen", reason="MLPerf's LoadGen is missing: `make setup` installs it (requirements.txt), or "
+                             "`.venv/bin/pip install mlcommons-loadgen`")
 
 from nanoserve.bench import mlperf  # noqa: E402
 from nanoserve.bench.mlperf_data import load_samples  # noqa: E402

@@ -35,6 +35,30 @@ def test_breakdown_of_a_real_step_on_a_tiny_model():
         assert x["parts_ms"]["LoRA"] == 0  # no adapter, no gather
 
 
+def test_each_shape_is_timed_warm(monkeypatch):
+    """The ms column is each shape's run after a warm-up, never its first: on a fake clock a step costs 1 s the
+    first time its token count runs and 0.1 s after, so a prefill timed cold would print 1000 ms, not 100."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4, enable_prefix_caching=False),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=4)))
+    clock, seen, real_step = [0.0], set(), engine.step
+
+    def step():
+        outputs = real_step()
+        tokens = engine.last_scheduler_output.total_num_scheduled_tokens
+        clock[0] += 0.1 if tokens in seen else 1.0
+        seen.add(tokens)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+    result = profile.profile_batch(SimpleNamespace(engine=engine, model=model), batch=3, prompt_len=8, decode_steps=2,
+                                   seed=0)
+    assert seen == {24, 3}  # a prefill of 3 × 8 tokens, decodes of 3
+    assert result["prefill"]["step_ms"] == pytest.approx(100) and result["decode"]["step_ms"] == pytest.approx(100)
+
+
 def test_the_lora_share_is_its_gathers(tiny_adapters):
     """Chapter 19: with adapters mixed in the batch, LoRAMapping.apply's time is the LoRA part, taken out of the
     ranges around it; a batch of the base model alone on the same engine spends none there."""

@@ -43,19 +43,27 @@ def request_latencies(record: RequestRecord) -> dict:
 # ---- 9.2: percentiles -------------------------------------------------------------------------
 def percentile(values: list[float], p: float) -> float:
     """Linear interpolation between the nearest ranks of the sorted values: rank = p / 100 · (n - 1).
-    ValueError for no values or p outside [0, 100]."""
+    ValueError for no values or p outside [0, 100].
+
+    percentile([4, 1, 3, 2], 90) == 3.7     (sorted [1, 2, 3, 4]; rank 2.7: 3 + 0.7 · (4 - 3))
+    percentile([5.0], 99) == 5.0"""
     raise NotImplementedError("Exercise 9.2: percentile")
 
 
 def stats(values: list[float], percentiles=PERCENTILES) -> dict[str, float | None]:
-    """{"mean", "median", "p50", "p90", "p99"} (one "pNN" per entry of `percentiles`); all None for []."""
+    """{"mean", "median", "p50", "p90", "p99"} (one "pNN" per entry of `percentiles`); all None for [].
+
+    stats([1, 2, 3, 4]) == {"mean": 2.5, "median": 2.5, "p50": 2.5, "p90": 3.7, "p99": 3.97} (to rounding)"""
     raise NotImplementedError("Exercise 9.2: stats")
 
 
 # ---- 9.3: goodput and the summary of a run --------------------------------------------------------
 def meets_slos(latencies: dict, slos: dict[str, float]) -> bool:
     """Whether every SLO in {"ttft" | "tpot" | "e2e": seconds} holds (value <= limit). A None TTFT or E2E fails,
-    a None TPOT (one token) passes; an unknown SLO name is a ValueError."""
+    a None TPOT (one token) passes; an unknown SLO name is a ValueError.
+
+    meets_slos({"ttft": 0.4, "tpot": 0.05, "e2e": 2.0}, {"ttft": 0.5, "tpot": 0.04}) is False   (TPOT over)
+    meets_slos({"ttft": 0.4, "tpot": None, "e2e": 0.4}, {"ttft": 0.5, "tpot": 0.04}) is True    (one token)"""
     raise NotImplementedError("Exercise 9.3: meets_slos")
 
 

@@ -13,7 +13,8 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
   prefix-caching   requests sharing a system prompt (174 common tokens), prefix caching on / off: TTFT and throughput
   block-size       8 / 16 / 32 tokens per block: the slots wasted in partly filled blocks vs tokens/s
   dtype            float32 vs bfloat16 weights and KV on this CPU: tokens/s and greedy agreement
-  concurrency      through HTTP: throughput, TTFT and TPOT vs the number of concurrent clients (1 -> 64)
+  concurrency      through HTTP: throughput, TTFT and TPOT vs the number of concurrent clients (1, 4, 16, 64;
+                   the server's prefix cache off: every level re-sends the same prompts)
   servers          through HTTP: `bench serve` against several servers, interleaved round by round
   scheduling       chapter 15: a bursty two-tenant workload under each scheduling policy (fcfs, priority, slo,
                    slo + reject, fair): TTFT / TPOT p50 / p99, goodput, % meeting SLO, rejected, KV use
@@ -43,6 +44,7 @@ Systems compared are interleaved, the order alternating (A, B, then B, A, ...), 
 this machine drifts.
 """
 
+import argparse
 import importlib
 import json
 import os
@@ -59,43 +61,74 @@ EXPERIMENTS = ["chunked-prefill", "prefill-budget", "overload", "prefix-caching"
                "returning-users", "kv-crossover", "kv-dtypes", "swap-vs-recompute", "sleep"]
 
 
-# disagg-interference's own flags and their defaults (another experiment refuses them)
 KV_ROUTING_REPLICAS, KV_ROUTING_BLOCKS = 3, 96  # kv-routing's fleet: replicas, and KV blocks in each one's pool
 INTERFERENCE_DEFAULTS = {"streams": 8, "long_prompts": 6, "long_len": 1024, "long_every": 3.0, "budgets": [256, 512, 2048]}
+
+# The flags each experiment reads (--out-dir: every one). Any other flag given is refused, even at its default value:
+# a flag an experiment dropped would let the reader believe the run was what it was not.
+_ENGINE = {"threads", "rounds", "output_len"}  # the experiments that drive engines in this process
+USES = {
+    "chunked-prefill": _ENGINE, "prefill-budget": _ENGINE, "overload": {"threads", "output_len"},
+    "prefix-caching": _ENGINE, "block-size": _ENGINE, "dtype": _ENGINE,
+    "concurrency": _ENGINE | {"url", "concurrency"},  # --threads: only for the server it starts itself (no --url)
+    "servers": {"url", "rounds", "num_prompts", "output_len"},
+    "scheduling": _ENGINE, "noisy-neighbour": {"threads", "rounds"}, "prefix-isolation": {"threads", "rounds"},
+    "routing": {"rounds", "num_users", "output_len"},  # each replica has its cores: --threads would set none of them
+    "kv-routing": _ENGINE | {"num_users", "replicas", "num_blocks", "workload", "student"},
+    "disagg-interference": {"rounds", "output_len", *INTERFERENCE_DEFAULTS},  # its servers run 2 threads in all
+    "returning-users": _ENGINE | {"num_users"}, "kv-crossover": {"threads", "rounds"}, "kv-dtypes": {"threads"},
+    "swap-vs-recompute": _ENGINE, "sleep": {"threads", "rounds", "weights", "kv_cache_mib"},
+}
+
+
+class Given(argparse.Action):
+    """Stores a flag's value (appending, for --url) and records that the flag was given (args.given)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.dest == "url":
+            values = [*(getattr(namespace, "url") or []), values]
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
 def register(sub):
     p = sub.add_parser("experiment", help="one of chapter 09's experiments: JSON + figure (see its help)")
     p.add_argument("name", choices=EXPERIMENTS)
     p.add_argument("--out-dir", default="results/experiments")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per system (the best is kept)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--url", action="append", default=None,
+    p.add_argument("--rounds", type=int, default=2, action=Given, help="interleaved rounds per system (the best is kept)")
+    p.add_argument("--threads", type=int, default=None, action=Given, help="torch threads (default: torch's)")
+    p.add_argument("--url", default=None, action=Given,
                    help="concurrency / servers: a server to measure (repeat for servers; NAME=URL names it). "
-                        "concurrency without --url starts nanoserve in this process")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    p.add_argument("--num-prompts", type=int, default=16, help="servers: requests per round")
-    p.add_argument("--num-users", type=int, default=8, help="routing, returning-users, kv-routing: users")
-    p.add_argument("--replicas", type=int, default=KV_ROUTING_REPLICAS, help="kv-routing: replicas (engines in this process)")
-    p.add_argument("--num-blocks", type=int, default=KV_ROUTING_BLOCKS, help="kv-routing: KV blocks per replica")
-    p.add_argument("--workload", default=None, help="kv-routing: shared-prompts (one application's system prompt, "
-                                                    "every user's; the default) or per-user (a system prompt each)")
-    p.add_argument("--student", default=None, metavar="CHAPTERS",
+                        "concurrency without --url starts nanoserve in this process, its prefix cache off")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], action=Given)
+    p.add_argument("--num-prompts", type=int, default=16, action=Given, help="servers: requests per round")
+    p.add_argument("--num-users", type=int, default=8, action=Given, help="routing, returning-users, kv-routing: users")
+    p.add_argument("--replicas", type=int, default=KV_ROUTING_REPLICAS, action=Given,
+                   help="kv-routing: replicas (engines in this process)")
+    p.add_argument("--num-blocks", type=int, default=KV_ROUTING_BLOCKS, action=Given, help="kv-routing: KV blocks per replica")
+    p.add_argument("--workload", default=None, action=Given,
+                   help="kv-routing: shared-prompts (one application's system prompt, every user's; the default) or "
+                        "per-user (a system prompt each)")
+    p.add_argument("--student", default=None, metavar="CHAPTERS", action=Given,
                    help="kv-routing: your finished exercises route (\"17\": the KV index and score, exercise 17)")
     d = INTERFERENCE_DEFAULTS
-    p.add_argument("--streams", type=int, default=d["streams"],
+    p.add_argument("--streams", type=int, default=d["streams"], action=Given,
                    help="disagg-interference: clients streaming while long prompts arrive")
-    p.add_argument("--long-prompts", type=int, default=d["long_prompts"], help="disagg-interference: long prompts per round")
-    p.add_argument("--long-len", type=int, default=d["long_len"], help="disagg-interference: tokens of each long prompt")
-    p.add_argument("--long-every", type=float, default=d["long_every"], metavar="S",
+    p.add_argument("--long-prompts", type=int, default=d["long_prompts"], action=Given,
+                   help="disagg-interference: long prompts per round")
+    p.add_argument("--long-len", type=int, default=d["long_len"], action=Given,
+                   help="disagg-interference: tokens of each long prompt")
+    p.add_argument("--long-every", type=float, default=d["long_every"], metavar="S", action=Given,
                    help="disagg-interference: seconds between long prompts (the first S seconds in)")
-    p.add_argument("--budgets", type=int, nargs="+", default=d["budgets"],
+    p.add_argument("--budgets", type=int, nargs="+", default=d["budgets"], action=Given,
                    help="disagg-interference: the colocated engine's chunked-prefill budgets (max_num_batched_tokens)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (each experiment has its default)")
-    p.add_argument("--weights", nargs="+", type=weight_format, default=None,
+    p.add_argument("--output-len", type=int, default=None, action=Given,
+                   help="output tokens per request (each experiment has its default)")
+    p.add_argument("--weights", nargs="+", type=weight_format, default=None, action=Given,
                    help="sleep: the weights formats served, each on `serve`'s KV dtype for it (default: fp32 q4)")
-    p.add_argument("--kv-cache-mib", type=positive_int, default=None, help="sleep: the KV pool (default 1024, serve's)")
-    p.set_defaults(func=run)
+    p.add_argument("--kv-cache-mib", type=positive_int, default=None, action=Given,
+                   help="sleep: the KV pool (default 1024, serve's)")
+    p.set_defaults(func=run, given=frozenset())
 
 
 # ---- driving the engine --------------------------------------------------------------------------------------
@@ -198,17 +231,23 @@ def chunked_prefill(args, model, tokenizer) -> dict:
         records, trace = drive(engine, arrivals)
         gaps = [(t, g * 1000) for i in range(4) for t, g in zip(records[f"s{i}"].chunk_times[1:], itl(records[f"s{i}"].chunk_times))]
         long = records["long"]
+        steps = sum(1 for row in trace if row["step"] >= 12 and row["t"] <= long.chunk_times[0])  # its prefill's steps
         return {"ttft_ms_by_prompt_len": lone, "stream_itl_ms": gaps, "max_stream_itl_ms": max(g for _, g in gaps),
-                "long_prompt_arrived_s": long.start, "long_prompt_ttft_ms": ttft(long.start, long.chunk_times) * 1000}
+                "long_prompt_arrived_s": long.start, "long_prompt_ttft_ms": ttft(long.start, long.chunk_times) * 1000,
+                "long_prompt_prefill_steps": steps}
 
     results = interleaved(args.rounds, configs, measure)
     best = {name: dict(min(runs, key=lambda x: x["max_stream_itl_ms"])) for name, runs in results.items()}
     for name, x in best.items():
         x["ttft_ms_by_prompt_len"] = {n: min(run["ttft_ms_by_prompt_len"][n] for run in results[name]) for n in lengths}
-    print(f"{'':28s}" + "".join(f"TTFT {n:>5d} tok" for n in lengths) + "   max ITL of 4 streams   long prompt TTFT")
+    print(f"lone prompts: TTFT, best of {args.rounds} round(s); 4 streams decoding when a 2048-token prompt arrives: "
+          f"the round with the smallest worst ITL (every round's in brackets)")
+    print(f"{'':28s}" + "".join(f"{f'TTFT {n} tok':>14s}" for n in lengths) + "   max ITL of 4 streams   long prompt TTFT  steps")
     for name, x in best.items():
+        every = ", ".join(f"{run['max_stream_itl_ms']:.0f}" for run in results[name])
         print(f"{name:28s}" + "".join(f"{x['ttft_ms_by_prompt_len'][n]:11.0f} ms" for n in lengths)
-              + f"   {x['max_stream_itl_ms']:10.0f} ms   {x['long_prompt_ttft_ms']:12.0f} ms")
+              + f"   {x['max_stream_itl_ms']:7.0f} ms ({every})   {x['long_prompt_ttft_ms']:9.0f} ms  "
+              + f"{x['long_prompt_prefill_steps']:5d}")
 
     def figure(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -381,13 +420,18 @@ def prefix_caching(args, model, tokenizer) -> dict:
     return {"results": results, "best": best}, figure
 
 
-def block_size(args, model, tokenizer) -> dict:
+BLOCK_SIZE_POOL = 64 << 20  # block-size's pool, in bytes: the same for every block size
+
+
+def block_size(args, model, tokenizer, budget: int = BLOCK_SIZE_POOL) -> dict:
+    """The same 64 MiB pool cut into blocks of 8, 16 or 32 tokens. For SmolLM2's float32 KV it is far too small for
+    the 24 requests at once (the command prints both sizes), so the scheduler preempts, and how often depends on
+    the block size: the rows differ in the tokens they compute, not only in their blocks."""
     from nanoserve.bench.offline import make_workload
     from nanoserve.metrics import summarize
 
     workload = make_workload(24, (20, 200), (16, args.output_len or 64), 0, model.config.vocab_size)
     arrivals = [(0, str(i), p, n) for i, (p, n) in enumerate(workload)]
-    budget = 64 << 20  # the same bytes for every block size
 
     def measure(name, bs, r):
         engine = engine_for(model, block_size=bs, kv_cache_memory=budget, enable_prefix_caching=False)
@@ -395,14 +439,21 @@ def block_size(args, model, tokenizer) -> dict:
         waste = [1 - row["tokens_held"] / (row["blocks_used"] * bs) for row in trace if row["blocks_used"]]
         s = summarize(list(records.values()), trace[-1]["t"])
         return {"output_throughput": s["output_throughput"], "tpot_ms": s["tpot_ms"]["median"],
-                "mean_waste": _mean(waste), "seconds": trace[-1]["t"]}
+                "mean_waste": _mean(waste), "seconds": trace[-1]["t"], "num_blocks": engine.block_manager.num_blocks,
+                **{k: trace[-1][k] for k in ("preemptions", "recomputed_tokens", "computed_tokens")}}
 
     results = interleaved(args.rounds, {f"block {bs}": bs for bs in (8, 16, 32)}, measure)
     best = {name: max(runs, key=lambda x: x["output_throughput"]) for name, runs in results.items()}
-    print("24 requests (prompts 20-200, outputs 16-64) at once, the same 64 MiB pool")
+    need = sum(len(p) + n for p, n in workload)
+    print(f"24 requests (prompts 20-200, outputs 16-64) at once, {need} tokens at their ends; the same "
+          f"{budget / 2**20:g} MiB pool")
     for name, x in best.items():
-        print(f"  {name:9s} {x['output_throughput']:7.1f} out tok/s  median TPOT {x['tpot_ms']:6.1f} ms  "
+        rounds = " / ".join(f"{run['output_throughput']:.1f}" for run in results[name])
+        print(f"  {name:9s} {x['output_throughput']:7.1f} out tok/s (best of {rounds})  median TPOT {x['tpot_ms']:6.1f} ms  "
               f"slots wasted in partly filled blocks {x['mean_waste']:.1%}")
+        print(f"            {x['num_blocks']} blocks ({x['num_blocks'] * int(name.split()[1])} tokens): "
+              f"{x['preemptions']} preemptions, {x['recomputed_tokens']} tokens recomputed, "
+              f"{x['computed_tokens']} computed in all")
 
     def figure(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -476,26 +527,43 @@ def _greedy_agreement(models: dict, workload, n: int) -> float:
 
 
 def concurrency(args, model, tokenizer) -> dict:
+    """Each level C: max(4, 2C) requests of the prompt set, at most C in flight. The levels re-send the same
+    prompts, so a prefix cache would answer a later level from an earlier one's blocks: the server this starts runs
+    with its prefix cache off, and one given with --url must too (`serve --no-prefix-caching`). The levels are
+    interleaved round by round (the order alternating); each keeps its round of the highest tokens/s."""
     from nanoserve.bench.serve import measure, serve_args
 
     server = None
     if args.url:
         url = args.url[0].split("=", 1)[-1]
+        print(f"{url} must serve with its prefix cache off (nanoserve: serve --no-prefix-caching): the levels re-send "
+              f"the same prompts")
     else:
-        server, url = start_server(model, tokenizer)
+        server, url = start_server(model, tokenizer, enable_prefix_caching=False)
     n_out = args.output_len or 32
+
+    def one(c, _, r):
+        result = measure(serve_args(url, num_prompts=max(4, 2 * c), max_concurrency=c, output_len=n_out,
+                                    ignore_eos=True, no_progress=True), _metrics())
+        print(f"  round {r + 1} {c:3d} clients: {result['output_throughput']:7.1f} out tok/s  TTFT p50 "
+              f"{result['ttft_ms']['median']:7.0f} p99 {result['ttft_ms']['p99']:7.0f} ms  TPOT p50 "
+              f"{result['tpot_ms']['median']:6.0f} ms", flush=True)
+        return {"concurrency": c, **{k: result[k] for k in ("output_throughput", "request_throughput", "ttft_ms",
+                                                             "tpot_ms", "itl_ms", "failed")}}
+
     try:
-        runs = []
-        for c in args.concurrency:
-            result = measure(serve_args(url, num_prompts=max(4, 2 * c), max_concurrency=c, output_len=n_out,
-                                        ignore_eos=True, no_progress=True), _metrics())
-            runs.append({"concurrency": c, **{k: result[k] for k in ("output_throughput", "request_throughput",
-                                                                      "ttft_ms", "tpot_ms", "itl_ms", "failed")}})
-            print(f"  {c:3d} clients: {result['output_throughput']:7.1f} out tok/s  TTFT p50 {result['ttft_ms']['median']:7.0f} "
-                  f"p99 {result['ttft_ms']['p99']:7.0f} ms  TPOT p50 {result['tpot_ms']['median']:6.0f} ms", flush=True)
+        results = interleaved(args.rounds, {c: c for c in args.concurrency}, one)
     finally:
         if server is not None:
             server.stop()
+    runs = [max(results[c], key=lambda x: x["output_throughput"]) for c in args.concurrency]
+    print(f"best of {args.rounds} interleaved round(s), by output tokens/s:")
+    for x in runs:
+        ttft, tpot = x["ttft_ms"], x["tpot_ms"]
+        print(f"  {x['concurrency']:3d} clients: {x['output_throughput']:7.1f} out tok/s  {x['request_throughput']:5.2f} "
+              f"req/s  TTFT mean / p50 / p90 / p99 {ttft['mean']:.0f} / {ttft['median']:.0f} / {ttft['p90']:.0f} / "
+              f"{ttft['p99']:.0f} ms  TPOT mean / p50 / p99 {tpot['mean']:.0f} / {tpot['median']:.0f} / {tpot['p99']:.0f} ms",
+              flush=True)
 
     def figure(plt):
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
@@ -508,10 +576,10 @@ def concurrency(args, model, tokenizer) -> dict:
         for ax in axes:
             ax.set_xscale("log", base=2), ax.set_xlabel("concurrent clients")
         axes[1].legend(), axes[2].legend()
-        fig.suptitle(f"through HTTP, {n_out} output tokens per request")
+        fig.suptitle(f"through HTTP, {n_out} output tokens per request, best of {args.rounds} interleaved round(s)")
         return fig
 
-    return {"url": url, "runs": runs}, figure
+    return {"url": url, "results": results, "runs": runs}, figure
 
 
 def start_server(model, tokenizer, **engine_config):
@@ -597,39 +665,33 @@ def run(args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def refuse(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    unused = sorted(args.given - USES[args.name])
+    if unused:
+        flags = ", ".join("--" + f.replace("_", "-") for f in sorted(USES[args.name] | {"out_dir"}))
+        return refuse(f"{args.name} does not use --{unused[0].replace('_', '-')} (its flags: {flags})")
+    if args.name == "concurrency" and args.url and "threads" in args.given:
+        return refuse("concurrency --url measures a server of its own: give --threads to that server, not here")
+    if args.name == "concurrency" and args.url and len(args.url) > 1:
+        return refuse("concurrency measures one server: give --url once")
     if args.rounds < 1:
-        print("error: --rounds must be >= 1", file=sys.stderr)
-        return 2
-    if args.name != "kv-routing" and (args.replicas, args.num_blocks) != (KV_ROUTING_REPLICAS, KV_ROUTING_BLOCKS):
-        print("error: --replicas and --num-blocks apply to kv-routing only", file=sys.stderr)
-        return 2
+        return refuse("--rounds must be >= 1")
     if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
-        print("error: kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1", file=sys.stderr)
-        return 2
+        return refuse("kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1")
     if args.name == "disagg-interference" and (
             min(args.streams, args.long_prompts, args.long_len, *args.budgets, args.output_len or 1) < 1
             or not args.long_every > 0):
-        print("error: disagg-interference needs --streams, --long-prompts, --long-len, --budgets and --output-len "
-              ">= 1 and --long-every > 0", file=sys.stderr)
-        return 2
-    given = [k for k, v in INTERFERENCE_DEFAULTS.items() if getattr(args, k) != v]
-    if given and args.name != "disagg-interference":
-        print(f"error: --{given[0].replace('_', '-')} applies to disagg-interference only", file=sys.stderr)
-        return 2
-    if args.student is not None and args.name != "kv-routing":
-        print("error: --student applies to kv-routing only", file=sys.stderr)
-        return 2
+        return refuse("disagg-interference needs --streams, --long-prompts, --long-len, --budgets and --output-len "
+                      ">= 1 and --long-every > 0")
     if args.workload is not None:
         workloads = importlib.import_module("nanoserve.bench.kv_routing").WORKLOADS
-        if args.name != "kv-routing" or args.workload not in workloads:
-            print(f"error: --workload applies to kv-routing only, and is one of {', '.join(workloads)}", file=sys.stderr)
-            return 2
-    if (args.weights is not None or args.kv_cache_mib is not None) and args.name != "sleep":
-        print("error: --weights and --kv-cache-mib apply to sleep only", file=sys.stderr)
-        return 2
+        if args.workload not in workloads:
+            return refuse(f"--workload is one of {', '.join(workloads)}")
     if args.name == "servers" and (not args.url or len(args.url) < 2):
-        print("error: servers needs two or more --url NAME=URL", file=sys.stderr)
-        return 2
+        return refuse("servers needs two or more --url NAME=URL")
     if args.threads:
         torch.set_num_threads(args.threads)
     from nanoserve.model import load_gguf
@@ -640,14 +702,18 @@ def run(args):
     if args.name in ("routing", "sleep", "disagg-interference"):  # the replicas, each served format (sleep) or the servers load the model
         model, tokenizer = None, Tokenizer.from_gguf()
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
-    print(f"command: {command}\nthreads: {torch.get_num_threads()}")
+    load_before = os.getloadavg()[0]
+    print(f"command: {command}\nthreads: {torch.get_num_threads()}; load average {load_before:.1f}")
     result, figure = RUNNERS[args.name](args, model, tokenizer)
+    load_after = os.getloadavg()[0]
+    print(f"load average at the end: {load_after:.1f}")
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, args.name)
     with open(path + ".json", "w") as f:
         json.dump({"experiment": args.name, "command": command, "threads": torch.get_num_threads(),
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, **result}, f, indent=1)
+                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                   "load_average": [load_before, load_after], **result}, f, indent=1)
     fig = figure(plt)
     fig.tight_layout()
     fig.savefig(path + ".png", dpi=110)

@@ -12,10 +12,14 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   sampling          argmax / sampling of the next tokens (chapter 03)
   scheduler/Python  schedule(), input preparation, the attention metadata, and Python between the ops
 
-How: for the profile only, the methods of those parts are wrapped in `record_function` ranges (the code
-itself is not changed). A part's time is its ranges' time minus the labelled ranges nested inside them;
-whatever of the step no range claims is Python bookkeeping. The profiler adds a few microseconds per op, so
-the step time without it is measured too (same steps, unprofiled) and printed beside.
+How: for the profile only, `labelled()` replaces each of those methods on its class with a wrapper that runs it
+inside a `record_function` range, and puts the originals back when the profile ends: what the methods compute
+does not change, only their timing is recorded. (A profiler's instrument, and deliberate: torch's forward hooks
+could label the nn.Modules, but the scheduler's, the runner's and the KV pool's methods have no hook, so one
+mechanism labels them all.) A part's time is its ranges' time minus the labelled ranges nested inside them;
+whatever of the step no range claims is Python bookkeeping. The profiler adds a few microseconds per op, so the
+step time without it is measured too and printed beside: each batch's steps run three times, first untimed (a
+warm-up: lazy set-up and first allocations), then timed without the profiler, then under it.
 
 The roofline: the same command measures this machine's read bandwidth (sum of a 256 MiB tensor) and its
 float32 GEMM peak (a 2048³ matmul). A step must read every weight once (and the K/V it attends to), and do
@@ -94,7 +98,8 @@ def labelled_methods():
 
 @contextlib.contextmanager
 def labelled():
-    """Wrap each labelled method in a record_function range named 'ns|part|Owner.method'; undone on exit."""
+    """For the profile only: replace each labelled method on its class with a wrapper that runs it in a
+    record_function range named 'ns|part|Owner.method'; the originals are put back on exit."""
     originals = []
     for owner, name, part in labelled_methods():
         fn = owner.__dict__[name]
@@ -208,8 +213,10 @@ def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int
         for seq_id in list(engine.scheduler.seqs):
             engine.abort_request(seq_id)
 
-    # unprofiled: the honest step times (and a warm-up of every shape)
-    add_batch("warm")
+    add_batch("warm")  # every shape once, untimed: its first run pays for lazy set-up and first allocations
+    steps(1 + decode_steps)
+    finish()
+    add_batch("timed")  # unprofiled: the honest step times
     prefill_s = steps(1)[0]
     decode_s = min(steps(decode_steps))
     finish()

@@ -45,7 +45,8 @@ def register(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs in ms, any of ttft:MS tpot:MS e2el:MS; goodput = requests/s meeting all of them")
-    p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before the run")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests sent (and not counted) before the run, each a prompt of its own (warmup_item)")
     p.add_argument("--result-json", default=None, help="write the summary and per-request figures here")
     p.add_argument("--student", nargs="?", const="09", default=False, metavar="09",
                    help="measure and report with YOUR code (exercises/09-measuring: metrics.py, load.py)")
@@ -83,6 +84,8 @@ def check_args(args) -> None:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
     if args.input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if args.student and args.student.strip().zfill(2) != "09":
         raise ValueError(f"--student {args.student}: bench serve runs chapter 09's exercises only (--student 09)")
     if not args.url.startswith(("http://", "https://")):
@@ -116,6 +119,15 @@ async def first_model(client, url: str) -> str:
     return models[0]["id"]
 
 
+WARMUP_TOKENS = 16
+
+
+def warmup_item(i: int) -> dict:
+    """The i-th warm-up request: a prompt of its own, none of the measured ones (a measured prompt sent first
+    would find its blocks in the server's prefix cache when it is measured)."""
+    return {"messages": [{"role": "user", "content": f"Warm-up request {i + 1}, not measured: say hello."}]}
+
+
 async def benchmark(args, items: list[dict], count_tokens, load=None) -> dict:
     """Send every item on its schedule; return the raw results: records, texts, client waits, duration.
     load: the module of arrival_times and open_loop (nanoserve.bench.load, or the learner's)."""
@@ -131,7 +143,8 @@ async def benchmark(args, items: list[dict], count_tokens, load=None) -> dict:
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10), limits=limits) as client:
         model = args.model or await first_model(client, args.url)
         bodies = [request_body(item, model, args.endpoint, item["max_tokens"], args.ignore_eos) for item in items]
-        for body in bodies[:args.warmup]:  # the first request pays for connections and lazy set-up: not counted
+        for i in range(args.warmup):  # the first request pays for connections and lazy set-up: not counted
+            body = request_body(warmup_item(i), model, args.endpoint, WARMUP_TOKENS, args.ignore_eos)
             record, _ = await send(client, args.url, body, count_tokens)
             if not record.success:
                 raise ValueError(f"the warm-up request failed: {record.error}")

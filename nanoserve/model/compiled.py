@@ -21,7 +21,7 @@ Two things a compiled graph cannot do, and what is done instead:
     step. So the flat batch is padded up to the next of a few fixed sizes, BUCKETS (vLLM's CUDA-graph
     capture sizes are the same idea); a step larger than the largest bucket (a prefill chunk) runs eagerly,
     where the products dominate and op dispatch is a small share. dynamic=True (one graph with a symbolic
-    token count) is the other route; `bench peers --compile` measures both.
+    token count) is the other route; `bench peers --compile-mode buckets dynamic` measures both.
 
 The padding rows: token id 0 at position 0. They go through the products and norms like any row (a row never
 mixes with another there), and `PaddedAttention` hands the attention only the first N rows, so they are
