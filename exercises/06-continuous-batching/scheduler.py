@@ -22,13 +22,18 @@ Each rung is graded alone (`make grade CH=06 EX=6.2`): while you work on one, th
 runs for the others. What you have:
 
     self.config.max_num_seqs, .max_num_batched_tokens, .enable_chunked_prefill
-    self.waiting, self.running     lists of Sequence, each kept sorted by urgency
-                                   (priority, then arrival_time): index 0 is the most urgent
+    self.waiting, self.running     lists of Sequence. `schedule()` has the policy order both, most urgent
+                                   first, at the start of every step (the running set before
+                                   schedule_running, the waiting queue before schedule_waiting): there,
+                                   index 0 is the most urgent. The default policy's urgency is _urgency
+                                   (priority, then arrival_time), chapter 15's have their own. Between
+                                   steps self.waiting stays in _urgency order (insort); self.running
+                                   need not be sorted
     self.block_manager             chapter 05's BlockManager (lookup_prefix, free, ...)
     self._allocate(seq, n)         grow seq's block table to cover tokens [0, n); None if the pool is short
                                    (all or nothing: on None nothing changed)
     self._schedule(out, seq, n)    record "seq computes n tokens this step" in the SchedulerOutput
-    bisect.insort(self.running, seq, key=_urgency)     keep a queue sorted when you add to it
+    bisect.insort(self.waiting, seq, key=_urgency)     keep the waiting queue sorted when you add to it
 
 A Sequence gives you num_tokens, num_computed_tokens, token_ids, num_seats, status, seq_id,
 num_preemptions, scheduled_time. README.md has the design questions to answer before each rung.
@@ -53,8 +58,9 @@ class Scheduler(ReferenceScheduler):
           - the running set never holds more than `max_num_seqs` seats (a sequence takes `seq.num_seats`:
             n for a request with n completions, 1 otherwise);
           - an admitted sequence skips what the prefix cache already holds (6.4), computes as many tokens
-            as 6.2 allows from there, has blocks for them, is RUNNING, sits in `self.running` in urgency
-            order, is in `out` with its token count, and those tokens are off the budget;
+            as 6.2 allows from there, has blocks for them, is RUNNING, is in `self.running` (where in it does
+            not matter: the policy orders the running set at the start of the next step), is in `out` with its
+            token count, and those tokens are off the budget;
           - its `scheduled_time` is when it was *first* admitted (chapter 09 measures queueing time from it:
             a preempted sequence coming back keeps its first one);
           - a sequence that is not admitted is left exactly as it was (it holds no new blocks).

@@ -270,16 +270,19 @@ BUDGETS = {"chunked, budget 256": (True, 256), "chunked, budget 512": (True, 512
 
 
 def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int = 96, long_len: int = 1024,
-                 long_arrivals=(8, 28, 48, 68), long_output: int = 16, rounds: int = 2) -> dict:
-    """Chapter 06's trade-off, measured: `num_streams` short requests decode while prompts of `long_len`
-    tokens arrive at the given steps (= when the streams have sampled that many tokens: every step decodes
-    each stream once, whatever the budget). For each {name: (chunked, max_num_batched_tokens)}, interleaved
+                 long_arrivals=(8, 28, 48, 68), long_output: int = 16, rounds: int = 2, stream_len: int = 32) -> dict:
+    """Chapter 06's trade-off, measured: `num_streams` requests (prompts of `stream_len` tokens) decode while
+    prompts of `long_len` tokens arrive at the given steps (= when the streams have sampled that many tokens:
+    every step decodes each stream once, whatever the budget). For each {name: (chunked, max_num_batched_tokens)}, interleaved
     over `rounds`: the streams' inter-token gaps and the long prompts' TTFT (ms), from the least disturbed
-    round (the shortest). Returns {name: {"itl_ms": stats, "ttft_ms": stats, "gaps": [(step, ms)], ...}}."""
+    round (the shortest), and two counts the clock does not touch: the most tokens one step computed (what a
+    stream's worst gap waits for) and, per long prompt, the steps from its arrival to its first token.
+    Returns {name: {"itl_ms": stats, "ttft_ms": stats, "gaps": [(step, ms)], "max_step_tokens": int,
+    "long_ttft_steps": [int], ...}}."""
     from nanoserve.metrics import itl, stats, ttft
 
     vocab, rng = model.config.vocab_size, random.Random(0)
-    streams = [random_prompt(rng, 32, vocab) for _ in range(num_streams)]
+    streams = [random_prompt(rng, stream_len, vocab) for _ in range(num_streams)]
     longs = [random_prompt(rng, long_len, vocab) for _ in long_arrivals]
     arrivals = ([(0, f"s{i}", p, stream_output) for i, p in enumerate(streams)]
                 + [(step, f"long{i}", p, long_output) for i, (step, p) in enumerate(zip(long_arrivals, longs))])
@@ -293,9 +296,12 @@ def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int 
         gaps = [(step_at[t], g * 1000) for i in range(num_streams)
                 for t, g in zip(records[f"s{i}"].chunk_times[1:], itl(records[f"s{i}"].chunk_times))]
         firsts = [ttft(records[f"long{i}"].start, records[f"long{i}"].chunk_times) * 1000 for i in range(len(longs))]
+        first_steps = [step_at[records[f"long{i}"].chunk_times[0]] - arrival + 1
+                       for i, arrival in enumerate(long_arrivals)]  # its arrival step is the first
         return {"itl_ms": stats([g for _, g in gaps]), "max_itl_ms": max(g for _, g in gaps),
                 "ttft_ms": stats(firsts), "seconds": trace[-1]["t"], "steps": len(trace), "gaps": gaps,
-                "long_arrival_steps": list(long_arrivals)}
+                "long_arrival_steps": list(long_arrivals), "max_step_tokens": max(row["num_tokens"] for row in trace),
+                "long_ttft_steps": first_steps}
 
     results = interleaved(rounds, budgets, measure)
     return {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
@@ -325,6 +331,7 @@ def budget_figure(plt, best: dict, title: str):
     b.set(ylabel="ms", yscale="log", title="ITL of the streams vs TTFT of the long prompts")
     b.legend(fontsize=8)
     fig.suptitle(title)
+    fig.tight_layout()  # the title above the panels' own
     return fig
 
 

@@ -1,11 +1,12 @@
 """`python -m nanoserve bench linear`: the model's matrix products, x · Wᵀ vs (W · xᵀ)ᵀ, by batch size.
 
-Every linear layer of SmolLM2 (30 layers × q, k, v, o, gate, up, down, then the LM head) is run once
-over a batch of `tokens` rows, both ways, alternating, best of --repeats:
+Every weight matrix of SmolLM2 as the model multiplies it (30 layers × the fused qkv_proj, o_proj, the fused
+gate_up_proj and down_proj, then the LM head: 121 matrices, nanoserve/model/stacked.py) is run once over a
+batch of `tokens` rows, both ways, alternating, best of --repeats after a warm-up round:
 
   x·Wᵀ       F.linear(x, W): what nn.Linear does
   (W·xᵀ)ᵀ    nanoserve.model.layers.swap_ab(x, W), what nanoserve's `Linear` does up to
-             SWAP_AB_MAX_TOKENS tokens (the crossover this benchmark shows)
+             SWAP_AB_MAX_TOKENS tokens (the crossover this benchmark measures)
 
 --bf16 adds a third column, x·Wᵀ with weights and inputs in bfloat16 (oneDNN's bf16 kernels, on AMX /
 AVX512-BF16 where the CPU has them), timed in the same alternating rounds: where chapter 09's bf16 slowdown
@@ -48,14 +49,6 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def model_weights(config) -> list[torch.Tensor]:
-    """Random float32 weights with the model's shapes, (out, in) each, LM head last."""
-    H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
-    shapes = [(q, H), (kv, H), (kv, H), (H, q), (I, H), (I, H), (H, I)] * config.num_hidden_layers
-    return [torch.randn(shape) for shape in shapes + [(config.vocab_size, H)]]
-
-
 def linear_pass(weights, inputs, product) -> float:
     """Seconds to multiply every weight by its input (inputs: in_features -> (tokens, in_features))."""
     t0 = time.perf_counter()
@@ -65,7 +58,8 @@ def linear_pass(weights, inputs, product) -> float:
 
 
 def fused_weights(config, fused: bool = True) -> list[torch.Tensor]:
-    """As model_weights, with q, k, v stacked into one matrix and gate, up into one (the model's layout)."""
+    """Random float32 weights, (out, in) each, LM head last: the model's layout (q, k, v stacked into one matrix,
+    gate and up into one), or with fused=False each projection apart (what --fused compares)."""
     H, I, D = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
     shapes = [(q + 2 * kv, H), (H, q), (2 * I, H), (H, I)] if fused else [(q, H), (kv, H), (kv, H), (H, q),
@@ -173,7 +167,7 @@ def run(args):
         return run_formats(args, LlamaConfig(), lambda layers: 2 * sum(l.in_features * l.out_features for l in layers))
     if args.fused:
         return run_fused(args, LlamaConfig())
-    weights = model_weights(LlamaConfig())  # SmolLM2-135M's shapes
+    weights = fused_weights(LlamaConfig())  # SmolLM2-135M's shapes, fused as the model runs them
     flop_per_token = 2 * sum(W.numel() for W in weights)
     bf16 = [W.bfloat16() for W in weights] if args.bf16 else None
     print(f"command: python -m nanoserve bench linear --tokens {' '.join(map(str, args.tokens))} --repeats {args.repeats}"

@@ -97,8 +97,8 @@ def measure(base_model, ranks, mixes, num_requests: int, prompt_len: int, new_to
 
     def run_round(name, system, r):
         engine, workload = system
-        seconds, _, steps, _, records = run_nanoserve(engine, workload)
-        return {"seconds": seconds, "output_tokens": sum(rec.output_tokens for rec in records), "steps": steps}
+        run = run_nanoserve(engine, workload)
+        return {"seconds": run.seconds, "output_tokens": sum(rec.output_tokens for rec in run.records), "steps": run.steps}
 
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-lora-") as tmp:
         merged = copy.deepcopy(base_model)

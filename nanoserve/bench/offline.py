@@ -5,49 +5,111 @@ EOS ignored) through three systems:
 
   nanoserve       every request submitted at once; continuous batching, paged KV, chunked prefill
   one at a time   chapter 04's generate loop with its contiguous KV cache, request after request
-  HF static       transformers' generate on static, left-padded batches of --hf-batch-size: a batch
-                  runs until its longest request is done, and only requested tokens count
+  HF static       transformers' generate (float32) on static, left-padded batches of --hf-batch-size
+                  (default: --max-num-seqs, nanoserve's seats): a batch runs until its longest request is
+                  done, and only requested tokens count
 
-The baselines are slow, so by default they run on the first --sequential-requests / --hf-requests
-requests of the workload; their tokens/s are then compared with nanoserve's tokens/s on the whole
-workload (output tokens per second of wall time, the same measure for all three). nanoserve's TTFT,
-TPOT, ITL and E2E percentiles (chapter 09's definitions, nanoserve/metrics.py) are printed beside its
-tokens/s; every request arrives at once, so TTFT includes the time queued behind the others' prefills.
+Output tokens per second of wall time, the same measure for all three. A ratio to nanoserve is printed
+only for a baseline that served every request of the workload: with --sequential-requests / --hf-requests
+N smaller than the workload, the baseline times the first N requests alone, a different workload, and
+only its tokens/s are printed. nanoserve's TTFT, TPOT, ITL and E2E percentiles (chapter 09's definitions,
+nanoserve/metrics.py) are printed beside its tokens/s, with its schedule: engine steps, sequences per
+step, and the step that first scheduled the last request (every request arrives at once, so TTFT includes
+the time queued behind the others' prefills). The HF line counts its decode rows and prompt tokens, the
+padded ones too.
 
-This machine's speed drifts by tens of per cent over minutes, so the one-at-a-time requests do not
-run after nanoserve's run but inside it: one between every few engine steps, each system's time
-summed on its own clock. Both are then timed across the same minutes and the drift cancels out of
-their ratio (pausing between steps changes nothing for the engine: its requests all arrived at once).
+This machine's speed drifts by tens of per cent over minutes, so the baselines do not run after
+nanoserve's run but inside it: their jobs (one request, or one static batch) run between nanoserve's
+engine steps, spread over the run, each system's time summed on its own clock (pausing between steps
+changes nothing for the engine: its requests all arrived at once). Every system serves one small
+workload first, untimed (warm-up). With --rounds R the whole run repeats R times, the baselines' order
+reversed every other round, each round's requests under a cache salt of their own (no round finds the
+last one's prompts in the prefix cache); each system's figures are from its median round.
+
+The engine flags (nanoserve/cli/batch.py) configure nanoserve. The `command:` line prints every flag that
+is not at its default, and the header the weights and KV pool each system ran with. Refused, before the
+model loads: tensor parallelism with the one-at-a-time baseline (chapter 04's loop would run rank 0's
+shard alone), and --weights other than fp32 with the HF baseline (transformers runs the float32 model).
 """
 
+import argparse
 import random
+import shlex
+import statistics
 import time
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
-from nanoserve.bench.model import timed
+from nanoserve.cli import checks
 from nanoserve.metrics import summarize
 
 
-def register(sub):
+def add_arguments(p) -> None:
     from nanoserve.cli.batch import add_engine_args
 
-    p = sub.add_parser("offline", help="continuous batching vs one-at-a-time vs HF static batches (chapter 06)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--num-requests", type=checks.positive_int, default=16)
+    p.add_argument("--prompt-len", type=checks.positive_int, nargs=2, default=[32, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=checks.positive_int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sequential-requests", type=int, default=8,
-                   help="run the one-at-a-time baseline on the first N requests (-1: all, 0: skip it)")
-    p.add_argument("--hf-requests", type=int, default=16,
-                   help="run the HF static-batch baseline on the first N requests (-1: all, 0: skip it)")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--sequential-requests", type=checks.count_or_all, default=-1,
+                   help="run the one-at-a-time baseline on every request (-1), none (0) or the first N (its tokens/s "
+                        "alone: no ratio)")
+    p.add_argument("--hf-requests", type=checks.count_or_all, default=-1,
+                   help="run the HF static-batch baseline on every request (-1), none (0) or the first N (its "
+                        "tokens/s alone: no ratio)")
+    p.add_argument("--hf-batch-size", type=checks.positive_int, default=None,
+                   help="requests per HF static batch (default: --max-num-seqs, as many seats as nanoserve has)")
+    p.add_argument("--rounds", type=checks.positive_int, default=1,
+                   help="repeat the whole run; each system's figures are its median round")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, = the cores). On a machine shared with other jobs, 1 thread "
                         "avoids the oversubscription that makes 2 threads up to 10x slower")
     add_engine_args(p)
+
+
+def register(sub):
+    p = sub.add_parser("offline", help="continuous batching vs one-at-a-time vs HF static batches (chapter 06)")
+    add_arguments(p)
     p.set_defaults(func=run)
+
+
+def check_args(args) -> str | None:
+    """What this benchmark cannot honour, in words, or None; asked before the model loads."""
+    for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+        if low > high:
+            return f"{flag} {low} {high}: MIN is larger than MAX"
+    if args.tensor_parallel_size > 1 and args.sequential_requests:
+        return ("--tensor-parallel-size runs nanoserve's other ranks in worker processes, and the one-at-a-time "
+                "baseline would run chapter 04's loop on rank 0's shard alone: give --sequential-requests 0")
+    if args.weights != "fp32" and args.hf_requests:
+        return (f"the HF static baseline runs transformers' float32 model, not --weights {args.weights}: give "
+                "--hf-requests 0 (bench peers compares the weight formats with transformers)")
+    return None
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run: this benchmark's own flags, and every engine flag not at its default."""
+    from nanoserve.cli.batch import add_engine_args
+
+    engine = argparse.ArgumentParser()
+    add_engine_args(engine)
+    engine_flags = {a.dest for a in engine._actions}  # noqa: SLF001 — argparse's list of actions
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    words = []
+    for action in p._actions:  # noqa: SLF001
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value is None or (
+                action.dest in engine_flags and value == action.default):
+            continue
+        flag = max(action.option_strings, key=len)
+        if value is True:
+            words.append(flag)
+        elif value is not False:
+            words.append(" ".join([flag, *(shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value]))]))
+    return "python -m nanoserve bench offline " + " ".join(words)
 
 
 def make_workload(num_requests: int, prompt_len, output_len, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -63,33 +125,58 @@ def params(num_output_tokens: int):
     return SamplingParams(temperature=0, max_tokens=num_output_tokens, ignore_eos=True)
 
 
-def run_nanoserve(engine, workload, side_jobs=(), every: int = 1):
-    """(seconds nanoserve took to finish every request, seconds of the side jobs, engine steps, preemptions,
-    one RequestRecord per request). workload: [(prompt ids, output tokens[, add_request kwargs])].
+class OfflineRun(NamedTuple):
+    seconds: float  # nanoserve's, side jobs left out
+    side_seconds: dict  # {name: seconds of that list of side jobs, on its own clock}
+    steps: int
+    preemptions: int
+    records: list  # one RequestRecord per request
+    scheduled: int  # sequences scheduled, summed over the steps (a sequence in a step counts once)
+    last_admitted: int  # the step that first scheduled the last request to start
 
-    side_jobs: callables run one after step 1, 1 + every, 1 + 2·every, ... (any left over at the end), each
-    timed on a clock of its own, which nanoserve's seconds leave out. The records are stamped on nanoserve's
+
+def run_nanoserve(engine, workload, side_jobs: dict | None = None, every: dict | None = None) -> OfflineRun:
+    """nanoserve serving `workload`, [(prompt ids, output tokens[, add_request kwargs])], submitted at once.
+
+    side_jobs: {name: [callables]}; list `name`'s jobs run one after engine step 1, 1 + every[name],
+    1 + 2·every[name], ... (any left over at the end), in the dict's order where two fall after the same step,
+    each timed on its name's clock, which nanoserve's seconds leave out. The records are stamped on nanoserve's
     clock too (wall time minus the side jobs so far), so their TTFT and TPOT are not inflated by the pauses.
     The engine ends empty.
     """
     from nanoserve.metrics import RequestRecord
 
-    jobs, side_seconds = list(side_jobs), 0.0
+    queues = {name: list(jobs) for name, jobs in (side_jobs or {}).items()}
+    side = dict.fromkeys(queues, 0.0)
     t0 = time.perf_counter()
     records = {str(i): RequestRecord(start=0.0, prompt_tokens=len(prompt)) for i, (prompt, *_) in enumerate(workload)}
     for i, (prompt, n, *kwargs) in enumerate(workload):
         engine.add_request(str(i), prompt, params(n), **(kwargs[0] if kwargs else {}))
-    steps = preemptions = 0
+    steps = preemptions = scheduled = last_admitted = 0
+    started: set[str] = set()
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        stamp_outputs(records, outputs, time.perf_counter() - t0 - side_seconds)  # on nanoserve's clock
+        stamp_outputs(records, outputs, time.perf_counter() - t0 - sum(side.values()))  # on nanoserve's clock
         steps += 1
-        preemptions += len(engine.last_scheduler_output.preempted_seq_ids)
-        if jobs and (steps - 1) % every == 0:
-            side_seconds += timed(jobs.pop(0), 1)
-    seconds = time.perf_counter() - t0 - side_seconds
-    side_seconds += sum(timed(job, 1) for job in jobs)
-    return seconds, side_seconds, steps, preemptions, list(records.values())
+        plan = engine.last_scheduler_output
+        preemptions += len(plan.preempted_seq_ids)
+        scheduled += len(plan.scheduled_seqs)
+        if {s.seq_id for s in plan.scheduled_seqs} - started:
+            started |= {s.seq_id for s in plan.scheduled_seqs}
+            last_admitted = steps
+        for name, jobs in queues.items():
+            if jobs and (steps - 1) % every[name] == 0:
+                side[name] += timed(jobs.pop(0))
+    seconds = time.perf_counter() - t0 - sum(side.values())
+    for name, jobs in queues.items():
+        side[name] += sum(timed(job) for job in jobs)
+    return OfflineRun(seconds, side, steps, preemptions, list(records.values()), scheduled, last_admitted)
+
+
+def timed(job) -> float:
+    t0 = time.perf_counter()
+    job()
+    return time.perf_counter() - t0
 
 
 def stamp_outputs(records: dict, outputs, now: float) -> None:
@@ -110,17 +197,42 @@ def one_at_a_time_jobs(model, workload) -> list:
 
 
 @torch.inference_mode()
+def hf_static_batch(hf_model, batch) -> None:
+    """One static batch through transformers' generate: left-padded, run until its longest member is done."""
+    width = max(len(p) for p, _ in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+    longest = max(n for _, n in batch)  # a static batch runs until its longest member is done
+    hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                      do_sample=False, pad_token_id=0)
+
+
+def hf_static_jobs(hf_model, workload, batch_size: int) -> list:
+    """One job per static batch of `batch_size` requests, in order."""
+    return [partial(hf_static_batch, hf_model, workload[b:b + batch_size]) for b in range(0, len(workload), batch_size)]
+
+
 def run_hf_static(hf_model, workload, batch_size: int) -> float:
-    t0 = time.perf_counter()
-    for b in range(0, len(workload), batch_size):
-        batch = workload[b:b + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-        longest = max(n for _, n in batch)  # a static batch runs until its longest member is done
-        hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                          do_sample=False, pad_token_id=0)
-    return time.perf_counter() - t0
+    """Seconds for every static batch of the workload, one after the other."""
+    return sum(timed(job) for job in hf_static_jobs(hf_model, workload, batch_size))
+
+
+def static_rows(workload, batch_size: int) -> tuple[int, int, int]:
+    """(decode steps, decode rows, prompt tokens computed) of static batches: each batch runs its longest output's
+    steps with every member a row, and its prompts are left-padded to its longest."""
+    batches = [workload[b:b + batch_size] for b in range(0, len(workload), batch_size)]
+    longest = [max(n for _, n in batch) for batch in batches]
+    return (sum(longest), sum(len(batch) * n for batch, n in zip(batches, longest)),
+            sum(len(batch) * max(len(p) for p, _ in batch) for batch in batches))
+
+
+def load_hf_model():
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.model import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
 def report(name: str, workload, seconds: float) -> float:
@@ -132,6 +244,17 @@ def report(name: str, workload, seconds: float) -> float:
     return rate
 
 
+def compare(label: str, batch, workload, ours: list[float], theirs: list[float]) -> None:
+    """A baseline's line under its row: nanoserve's ratio if it served the same requests as nanoserve, else why there
+    is none. ours, theirs: output tokens/s per round; the ratio is of the median rounds', each round's beside it."""
+    if len(batch) < len(workload):
+        print(f"    (the first {len(batch)} of {len(workload)} requests: not nanoserve's workload, so no ratio)")
+        return
+    per_round = " ".join(f"{a / b:.2f}x" for a, b in zip(ours, theirs))
+    print(f"    nanoserve / {label}: {statistics.median_high(ours) / statistics.median_high(theirs):.2f}x output "
+          f"tokens/s" + (f" (each round: {per_round})" if len(ours) > 1 else ""))
+
+
 def print_latencies(summary: dict, indent: str = "") -> None:
     """TTFT / TPOT / ITL / E2E rows (ms) of a metrics.summarize() result."""
     print(f"{indent}{'ms':6s}" + "".join(f"{k:>10s}" for k in ("mean", "median", "p90", "p99")))
@@ -141,49 +264,87 @@ def print_latencies(summary: dict, indent: str = "") -> None:
             f"{row[k]:10.1f}" if row[k] is not None else f"{'-':>10s}" for k in ("mean", "median", "p90", "p99")))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def run(args):
     from nanoserve.cli.batch import llm_from_args
 
+    problem = check_args(args)
+    if problem is not None:
+        raise checks.UsageError(problem)
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = llm_from_args(args)
-    model = llm.model
+    try:
+        measure(args, llm)
+    finally:
+        llm.close()
+
+
+def measure(args, llm) -> None:
+    model, engine = llm.model, llm.engine
     workload = make_workload(args.num_requests, args.prompt_len, args.output_len, args.seed, model.config.vocab_size)
+    outputs = [n for _, n in workload]
     subset = lambda n: workload if n < 0 else workload[:n]  # noqa: E731
+    sequential, hf_batch = subset(args.sequential_requests), subset(args.hf_requests)
+    hf_size = args.hf_batch_size or args.max_num_seqs
+    hf_model = load_hf_model() if hf_batch else None
 
-    run_nanoserve(llm.engine, make_workload(4, (8, 16), (2, 4), 1, model.config.vocab_size))  # warm up
-    print("command: python -m nanoserve bench offline " + " ".join([
-        f"--num-requests {args.num_requests}", f"--prompt-len {args.prompt_len[0]} {args.prompt_len[1]}",
-        f"--output-len {args.output_len[0]} {args.output_len[1]}", f"--seed {args.seed}",
-        f"--sequential-requests {args.sequential_requests}", f"--hf-requests {args.hf_requests}",
-        f"--hf-batch-size {args.hf_batch_size}", f"--max-num-seqs {args.max_num_seqs}",
-        f"--max-num-batched-tokens {args.max_num_batched_tokens}"] + ([f"--threads {args.threads}"] if args.threads else [])))
-    print(f"threads: {torch.get_num_threads()}, float32, KV pool: {llm.engine.block_manager.num_blocks} blocks "
-          f"of {args.block_size} tokens")
+    def baseline_jobs(batch_of_sequential, batch_of_hf) -> dict:
+        """{name: its jobs} of the baselines that run (fresh callables: a round pops them)."""
+        jobs = {"one at a time": one_at_a_time_jobs(model, batch_of_sequential),
+                "HF static": hf_static_jobs(hf_model, batch_of_hf, hf_size) if batch_of_hf else []}
+        return {name: j for name, j in jobs.items() if j}
+
+    warm = make_workload(4, (8, 16), (2, 4), 1, model.config.vocab_size)  # every system once, untimed
+    run_nanoserve(engine, warm)
+    for job in sum(baseline_jobs(warm[:1] if sequential else [], warm if hf_batch else []).values(), []):
+        job()
+
+    print("command: " + command_line(args))
+    kv, weights = engine.config.cache_config.kv_cache_dtype, getattr(model, "weight_format", "fp32")
+    print(f"threads: {torch.get_num_threads()}; nanoserve: weights {weights}, KV pool "
+          f"{dtype_name(next(model.parameters()).dtype) if kv == 'auto' else kv}, {engine.block_manager.num_blocks} "
+          f"blocks of {args.block_size} tokens, {args.max_num_seqs} seats"
+          + (f"; one at a time: weights {weights}, a contiguous {dtype_name(model.norm.weight.dtype)} cache"
+             if sequential else "") + ("; HF static: transformers, float32" if hf_batch else ""))
     print(f"workload: {len(workload)} requests, {sum(len(p) for p, _ in workload):,} prompt tokens (longest "
-          f"{max(len(p) for p, _ in workload)}), {sum(n for _, n in workload):,} output tokens (longest "
-          f"{max(n for _, n in workload)})")
-    sequential = subset(args.sequential_requests) if args.sequential_requests else []
-    # spread the sequential requests over the run, which takes at least as many steps as the longest output
-    every = max(1, max(n for _, n in workload) // max(1, len(sequential)))
-    seconds, sequential_seconds, steps, preemptions, records = run_nanoserve(
-        llm.engine, workload, one_at_a_time_jobs(model, sequential), every)
-    ours = report("nanoserve (continuous)", workload, seconds)
-    print(f"    {steps} engine steps, {preemptions} preemptions")
-    print_latencies(summarize(records, seconds), "    ")
-    if sequential:
-        rate = report("one at a time (ch04 cache)", sequential, sequential_seconds)
-        print(f"    nanoserve / one at a time: {ours / rate:5.1f}x output tokens/s "
-              f"(its requests ran between nanoserve's steps, one every {every} steps)")
-    if args.hf_requests:
-        from transformers import AutoModelForCausalLM
+          f"{max(len(p) for p, _ in workload)}), {sum(outputs):,} output tokens (longest {max(outputs)}); "
+          f"{args.rounds} round{'s' if args.rounds > 1 else ''} after a warm-up")
+    # spread each baseline's jobs over the run, which takes at least as many steps as the longest output and as the
+    # output tokens over the seats
+    least_steps = max(max(outputs), -(-sum(outputs) // args.max_num_seqs))
+    every = {name: max(1, least_steps // len(jobs)) for name, jobs in baseline_jobs(sequential, hf_batch).items()}
+    runs = []
+    for r in range(args.rounds):
+        jobs = baseline_jobs(sequential, hf_batch)
+        order = list(jobs) if r % 2 == 0 else list(jobs)[::-1]  # which goes first when two fall after one step
+        salted = [(p, n, {"cache_salt": f"round-{r}"}) for p, n in workload]
+        runs.append(run_nanoserve(engine, salted, {name: jobs[name] for name in order}, every))
 
-        from nanoserve.model import embedded_gguf_path
+    def rounds(seconds: list[float]) -> str:
+        return f"; rounds: {' '.join(f'{s:.1f} s' for s in seconds)}" if len(seconds) > 1 else ""
 
-        path = embedded_gguf_path()
-        hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        batch = subset(args.hf_requests)
-        rate = report(f"HF static batches of {args.hf_batch_size}", batch, run_hf_static(hf_model, batch, args.hf_batch_size))
-        print(f"    nanoserve / HF static: {ours / rate:5.1f}x output tokens/s")
-    if min(args.sequential_requests, args.hf_requests) >= 0 and min(args.sequential_requests, args.hf_requests) < len(workload):
-        print(f"  (a baseline that ran on the first N of {len(workload)} requests is compared by tokens/s, not seconds)")
+    seconds = [x.seconds for x in runs]
+    median = runs[seconds.index(statistics.median_low(seconds))]
+    report("nanoserve (continuous)", workload, median.seconds)
+    print(f"    {median.steps} engine steps, {median.preemptions} preemptions, {median.scheduled / median.steps:.1f} "
+          f"sequences per step on average, the last request first scheduled in step {median.last_admitted}"
+          + rounds(seconds))
+    print_latencies(summarize(median.records, median.seconds), "    ")
+    for name, batch, label in (("one at a time", sequential, "one at a time (ch04 cache)"),
+                               ("HF static", hf_batch, f"HF static batches of {hf_size}")):
+        if not batch:
+            continue
+        side = [x.side_seconds[name] for x in runs]
+        report(label, batch, statistics.median_low(side))
+        if name == "HF static":
+            steps, rows, padded = static_rows(batch, hf_size)
+            useful = sum(n for _, n in batch)
+            print(f"    {steps} decode steps, {rows:,} rows for {useful:,} requested tokens ({useful / rows:.0%} of "
+                  f"the rows useful); {padded:,} prompt tokens computed for {sum(len(p) for p, _ in batch):,} (each "
+                  f"batch padded to its longest)")
+        print(f"    its jobs ran between nanoserve's steps, one every {every[name]} steps{rounds(side)}")
+        compare(name, batch, workload, [sum(outputs) / s for s in seconds], [sum(n for _, n in batch) / s for s in side])

@@ -66,6 +66,11 @@ def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "an integer >= 0")
 
 
+def count_or_all(text: str) -> int:
+    """A count of items to take, 0 for none, or -1 for all of them."""
+    return _number(int, text, lambda v: v >= -1, "-1 (all), 0 (none) or a count")
+
+
 def positive_float(text: str) -> float:
     return _number(float, text, lambda v: v > 0, "a number > 0")
 

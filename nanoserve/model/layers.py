@@ -8,7 +8,14 @@ from nanoserve.model.stacked import stack_parts
 
 
 # Up to this many tokens a product is computed "swap AB" (see `linear`): all decode steps of the
-# default engine (64 running sequences at most), not the prefill chunks.
+# default engine (64 running sequences at most), not the prefill chunks. Chosen from one run of
+# `bench linear` on the course CPU with the projections still unfused (swapped 2.35x faster at 4 tokens,
+# 1.20x at 16, 1.12x at 64); other runs there gave 1.1-1.5x at 16 but 1.0-1.35x at 64, and 1.00x in the
+# engine's decode steps of 17-64 sequences: at 64 tokens the gain was within the noise. Not re-derived for
+# the fused qkv_proj and gate_up_proj the model runs now: three runs on a shared 2-core AMD EPYC (chapter
+# 06, section 8) gave 1.26-1.39x at 4 tokens, 0.77-1.13x at 1 and 16 (noise) and 0.80-1.00x at 64 (no gain,
+# perhaps a loss). Kept, as no quiet measurement of the fused shapes supports another value; `bench linear`
+# on the CPU at hand says where its crossover is.
 SWAP_AB_MAX_TOKENS = 64
 
 
@@ -28,13 +35,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         F.linear(x, W)   SGEMM(T,N, m=out,    n=tokens, k=in)   the weight is operand A
         swap_ab(x, W)    SGEMM(T,N, m=tokens, n=out,    k=in)   the tokens are operand A
 
-    A decode step has few tokens (one per running sequence) and wide weights, and on the course's
-    CPU the swapped call multiplies all of SmolLM2's weights 2.35x faster at 4 tokens, 1.20x at 16 and
-    1.12x at 64, while from 256 tokens on (prefill) it is slower (`python -m nanoserve bench linear`,
-    the run chapter 06 quotes). GPU GEMM kernels play
-    the same trick on decode-sized batches under the same name (vLLM's CUTLASS FP8 GEMMs have swap-AB
-    configurations for small batches), so that the tiny dimension lands where the kernel's tiles can
-    afford it. Which form wins is a property of the library and the hardware: measure before you copy it.
+    A decode step has few tokens (one per running sequence) and wide weights, and MKL may pick a better
+    kernel for the swapped call: `python -m nanoserve bench linear` times both over all of the model's
+    matrices. At 4 tokens the swapped call was faster in every run chapter 06 quotes; from 16 tokens on the
+    difference is within the noise, and from 256 tokens on (prefill) it is usually slower (SWAP_AB_MAX_TOKENS
+    above says which runs). GPU GEMM kernels play the same trick on decode-sized batches under the same
+    name (vLLM's CUTLASS FP8 GEMMs have swap-AB configurations for small batches), so that the tiny
+    dimension lands where the kernel's tiles can afford it. Which form wins is a property of the library,
+    the hardware and the shapes: measure before you copy it.
     """
     x2 = x.reshape(-1, x.shape[-1])  # (num_tokens, in)
     if x2.shape[0] > SWAP_AB_MAX_TOKENS:
