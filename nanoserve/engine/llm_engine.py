@@ -186,6 +186,8 @@ class LLMEngine:
                                           # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
                                           spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
                                           kv_quant=student.module("nanoserve.kv.kv_quant"),
+                                          # chapter 03's sample_batch draws every token (the learner's, exercise 3.1)
+                                          sampling=student.module("nanoserve.sampling"),
                                           lora_config=lora, kv_connector=kv_worker, model_loader=model_loader,
                                           **lora_code)])
         if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
