@@ -22,6 +22,7 @@ import torch
 
 from nanoserve.kv.naive import NaiveKVCache
 from nanoserve.sampling import SamplingParams, make_generator
+from nanoserve.text.output_text import add_token_to_output
 
 
 @dataclass
@@ -88,14 +89,9 @@ def generate(model, prompt_token_ids: list[int], params: SamplingParams, eos_tok
     while finish_reason is None:
         token_id = sampling.sample(next_token_logits(model, prompt_token_ids + token_ids, cache), params, generator)
         token_ids.append(token_id)
-        new_text = ""
-        if detokenizer is not None and not stop.is_stop_token(token_id, params, eos_token_id):
-            new_text = detokenizer.add(token_id)
-        finish_reason, text = stop.check_stop(token_ids, text + new_text, params, eos_token_id, len(new_text))
-        if finish_reason is None and len(prompt_token_ids) + len(token_ids) >= max_model_len:
-            finish_reason = "length"  # the context is full
-        if finish_reason is not None and detokenizer is not None and len(text) == len(detokenizer.text):
-            text += detokenizer.flush()  # not cut at a stop string: bytes of an unfinished character become '�'
+        # detokenize (no text for a stop token), check_stop, flush at the finish: the engine's step too
+        finish_reason, text = add_token_to_output(token_ids, text, params, eos_token_id, detokenizer, stop,
+                                                  context_full=len(prompt_token_ids) + len(token_ids) >= max_model_len)
         if on_text is not None:
             final = len(text) if finish_reason else max(streamed, len(text) - hold_back)
             if final > streamed:

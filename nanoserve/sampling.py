@@ -238,7 +238,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 def sample_batch(logits: torch.Tensor, params_list: list[SamplingParams], generators: list) -> list[int]:
     """One token per row of `logits` (B, vocab); row i uses params_list[i] and generators[i], so a
-    seeded request draws the same tokens whatever else is in the batch."""
+    seeded request draws the same tokens whatever else is in the batch, and in whatever order. The engine's
+    sampler (nanoserve/engine/sampler.py) calls it with each sequence's rows, after their penalties and min-p."""
     if not logits.shape[0] == len(params_list) == len(generators):
         raise ValueError(f"logits has {logits.shape[0]} rows but {len(params_list)} params and {len(generators)} generators")
     return [sample(row, p, g) for row, p, g in zip(logits, params_list, generators)]

@@ -27,7 +27,8 @@ def stream(tokenizer, ids, skip_special_tokens=True):
 
 
 @pytest.mark.exercise("3.2")
-@pytest.mark.parametrize("first_byte,length", [(0x41, 1), (0xC3, 2), (0xE4, 3), (0xF0, 4), (0xBD, 0)])
+@pytest.mark.parametrize("first_byte,length", [(0x41, 1), (0x7F, 1), (0xC3, 2), (0xDF, 2), (0xE4, 3), (0xEF, 3),
+                                               (0xF0, 4), (0xF7, 4), (0xBD, 0), (0x80, 0), (0xF8, 0), (0xFF, 0)])
 def test_utf8_char_len(first_byte, length):
     assert detok.utf8_char_len(first_byte) == length
 
@@ -65,6 +66,9 @@ def test_special_tokens_skipped_or_kept(tok):
     ids = tok.encode("<|im_start|>assistant\nHi!<|im_end|>")
     assert "".join(stream(tok, ids, skip_special_tokens=True)[0]) == "assistant\nHi!"
     assert "".join(stream(tok, ids, skip_special_tokens=False)[0]) == "<|im_start|>assistant\nHi!<|im_end|>"
+    # the default skips them, so it matches decode(ids, skip_special_tokens=True) — not decode's own default
+    d = detok.IncrementalDetokenizer(tok)
+    assert "".join(d.add(i) for i in ids) + d.flush() == tok.decode(ids, skip_special_tokens=True) != tok.decode(ids)
 
 
 # Random ids hit the interesting cases often: about 1 token in 6 of this vocabulary is part of a

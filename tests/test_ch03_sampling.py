@@ -148,3 +148,50 @@ def test_batch_rows_do_not_depend_on_their_neighbours():
     in_batch = [sampling.sample_batch(logits, params, [g_other, g, None])[1] for _ in range(10)]
     assert alone == in_batch and len(set(alone)) > 1
     assert sampling.sample_batch(logits, [SamplingParams(temperature=0)] * 3, [None] * 3) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.exercise("3.1")
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1], [1, 3]])
+def test_a_seeded_row_draws_the_same_in_any_order(order):
+    """Ten steps of a batch whose rows are the requests in `order`: each request draws exactly what it draws in a
+    batch of its own, wherever its row is and whoever shares the batch."""
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(seed=7), SamplingParams(seed=8, temperature=0.8, top_k=20), SamplingParams(temperature=0),
+              SamplingParams(seed=9, top_p=0.9)]
+
+    def draws(rows: list[int]) -> dict[int, list[int]]:
+        generators = {i: make_generator(params[i]) for i in rows}
+        out = {i: [] for i in rows}
+        for _ in range(10):
+            tokens = sampling.sample_batch(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+            for i, token in zip(rows, tokens):
+                out[i].append(token)
+        return out
+
+    together = draws(order)
+    for i in order:
+        assert together[i] == draws([i])[i]
+    assert all(len(set(together[i])) > 1 for i in order if not params[i].greedy)  # the seeded rows really draw
+
+
+# ---------------------------------------------------------------- the stated errors (exercise 3.1)
+
+@pytest.mark.exercise("3.1")
+def test_probabilities_refuses_temperature_0():
+    with pytest.raises(ValueError):
+        sampling.probabilities(LOGITS, SamplingParams(temperature=0))  # greedy has no distribution
+
+
+@pytest.mark.exercise("3.1")
+@pytest.mark.parametrize("shape", [(1, 4), (2, 4), ()])
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_sample_refuses_logits_that_are_not_1d(shape, temperature):
+    with pytest.raises(ValueError):
+        sampling.sample(torch.zeros(shape), SamplingParams(temperature=temperature), None)
+
+
+@pytest.mark.exercise("3.1")
+@pytest.mark.parametrize("rows, params, generators", [(2, 1, 2), (2, 2, 1), (1, 2, 2), (3, 2, 3)])
+def test_sample_batch_refuses_lengths_that_differ(rows, params, generators):
+    with pytest.raises(ValueError):
+        sampling.sample_batch(torch.zeros(rows, 4), [SamplingParams()] * params, [None] * generators)

@@ -475,6 +475,22 @@ def test_terminal_chat_through_the_server_keeps_the_conversation(engine, tokeniz
                               f"assistant> {second.message.content}{end[second.finish_reason]}")
 
 
+def test_terminal_chat_through_the_server_sends_top_k(engine, tokenizer):
+    """`chat --url ... --top-k 1` sends top_k (an extra field of the request): at temperature 1 the reply is then
+    the greedy one; dropped, a seeded draw from the tiny model's flat distribution would be another."""
+    from nanoserve.cli.chat import remote_reply
+    from nanoserve.sampling import SamplingParams
+
+    with serving(engine, tokenizer, model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+
+        def reply(**params):
+            return remote_reply(client, "tiny", SamplingParams(max_tokens=8, seed=3, **params))(HI, lambda text: None)
+
+        greedy, top_1, free = reply(temperature=0), reply(temperature=1.0, top_k=1), reply(temperature=1.0)
+    assert top_1 == greedy != free
+
+
 def test_finished_08_rungs_serve_through_student_08(engine, tokenizer, exercises, capsys):
     """`serve --student 08`: the learner's finished files (here the reference, copied in) answer the requests —
     8.1's params, 8.2's stream, 8.3's bridge, 8.4's limiter — and the run says so; an unfinished one falls back."""

@@ -72,6 +72,13 @@ BAD = [
     (["chat", "--temperature", "-0.5"], ["--temperature must be"]),
     (["chat", "--top-p", "0"], ["--top-p"]),
     (["chat", "--max-tokens", "-1"], ["--max-tokens"]),
+    # a flag chat's back end cannot honour: the local model's with --url, a server's without (nothing connects)
+    (["chat", "--url", "http://127.0.0.1:9/v1", "--no-cache"], ["--no-cache is for the local model", "drop it or --url"]),
+    (["chat", "--url", "http://127.0.0.1:9/v1", "--weights", "fp32"], ["--weights is for the local model"]),
+    (["chat", "--url", "http://127.0.0.1:9/v1", "--gguf", "{d}/not.gguf", "--weights", "int8"],
+     ["--gguf, --weights are for the local model"]),
+    (["chat", "--model", "smollm2"], ["--model is for an OpenAI-compatible server", "give its --url"]),
+    (["chat", "--api-key", "k", "--model", "m"], ["--model, --api-key are for an OpenAI-compatible server"]),
     (["serve", "--port", "70000"], ["--port must be in [0, 65535]"]),
     (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
     (["serve", "--rate-limit", "-1"], ["--rate-limit"]),

@@ -428,6 +428,42 @@ def test_finished_03_and_04_run_the_generate_loop(tiny, exercises):
         assert any(line.startswith("  yours ") and line.endswith(file) for line in lines), (file, lines)
 
 
+def test_finished_03_draws_every_token_of_the_engine(tiny, exercises):
+    """`batch --student 03`: the engine hands every sequence's rows to the learner's sample_batch (one call per
+    sequence and step; a request with n = 2 draws both first tokens in one call) — greedy, seeded and filtered,
+    penalised and min-p requests alike — and every completion gets the reference engine's tokens exactly. The
+    learner's sampler is the exercise's, which knows nothing of min-p: the engine applies it before the call."""
+    path = exercises("nanoserve.sampling")
+    line = "    logits = min_p_filter(logits, params.min_p)"
+    assert line in path.read_text()
+    path.write_text("".join(l for l in path.read_text().splitlines(keepends=True) if not l.startswith(line)))
+    requests = {"greedy": dict(temperature=0), "filtered": dict(temperature=0.9, top_k=40, top_p=0.9, seed=5),
+                # a few tokens stand out (the bias) and min-p keeps only the top two: without it, the other 253 win
+                "min-p": dict(temperature=1.0, min_p=0.3, logit_bias={3: 4.0, 5: 3.0, 9: 2.0}, presence_penalty=0.1,
+                              seed=6),
+                "pair": dict(temperature=1.0, seed=7, n=2)}
+
+    def run(student) -> tuple[LLMEngine, dict]:
+        engine = LLMEngine(tiny, engine_config(num_blocks=64, block_size=4, student=student))
+        for i, (name, params) in enumerate(requests.items()):
+            engine.add_request(name, PROMPTS[i], SamplingParams(max_tokens=6, ignore_eos=True, **params))
+        tokens = {}
+        while engine.has_unfinished_requests():
+            tokens.update({(out.request_id, out.index): out.token_ids for out in engine.step() if out.finish_reason})
+        return engine, tokens
+
+    _, expected = run(False)
+    with pytest.warns(UserWarning, match=r"Exercise 3\.2 not finished"):  # the detokenizer: the reference's
+        engine, tokens = run("03")
+    assert tokens == expected and len(tokens) == 5
+    assert len({tuple(t) for t in tokens.values()}) == 5  # the draws differ: the seeds and filters were used
+    assert set(tokens["min-p", 0]) <= {3, 5}  # min-p applied: without it the other 253 tokens hold most mass
+    calls = engine.student.calls
+    assert calls["probabilities"] > 0 and calls["min_p_filter"] == 0  # the learner's sampler never applied min-p
+    # 6 tokens each for 3 requests, and the pair's 2 first tokens in one call, then 5 more each: 29 calls, 30 rows
+    assert calls["sample_batch"] == 3 * 6 + 1 + 2 * 5 and calls["sample"] == 3 * 6 + 2 + 2 * 5
+
+
 def test_memory_cli_runs_the_learners_finished_rung(exercises, capsys):
     """`memory --student 04` with 4.2 done and 4.3 still a stub: the learner's KV bytes, the reference's plan."""
     from nanoserve.cli import main

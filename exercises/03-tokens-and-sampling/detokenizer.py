@@ -7,23 +7,28 @@ The tokenizer you get has `id_to_bytes` (each token's raw bytes) and `special_id
 
 
 def utf8_char_len(first_byte: int) -> int:
-    """Exercise 3.2. How many bytes the UTF-8 character starting with `first_byte` has:
+    """Exercise 3.2. How many bytes the UTF-8 character starting with `first_byte` (0-255) has:
     0xxxxxxx -> 1, 110xxxxx -> 2, 1110xxxx -> 3, 11110xxx -> 4; 0 for a continuation byte
-    10xxxxxx (and for 11111xxx, which never starts a character)."""
-    raise NotImplementedError("Exercise 3.2: read the character length from the first byte's high bits")
+    10xxxxxx (and for 11111xxx, which never starts a character).
+
+    >>> utf8_char_len(0xE4), utf8_char_len(0xBD), utf8_char_len(0xF8)   # '你' starts E4; BD continues; F8 is none
+    (3, 0, 0)
+    """
+    raise NotImplementedError("Exercise 3.2: write utf8_char_len")
 
 
 def incomplete_tail_len(data: bytes) -> int:
-    """Exercise 3.2. How many bytes at the end of `data` are the start of a character still
-    waiting for continuation bytes (0, 1, 2 or 3).
+    """Exercise 3.2. How many bytes at the end of `data` are the beginning of a character that more bytes
+    could still complete: 1, 2 or 3 when data ends inside a character whose first byte is among its last 3
+    bytes and which is shorter than that first byte announces; else 0 (data ends with a complete character,
+    is empty, or ends with bytes that no later byte can turn into one character).
 
-    Walk back at most 3 bytes over continuation bytes (10xxxxxx) to the last byte that is not one;
-    if the character it starts needs more bytes than are there, they are the incomplete tail.
-
-    >>> incomplete_tail_len("a你".encode()[:-1])   # b'a\\xe4\\xbd'
+    >>> incomplete_tail_len("a你".encode()[:-1])   # b'a\\xe4\\xbd': E4 announces 3 bytes, 2 are there
     2
+    >>> incomplete_tail_len("a你".encode()), incomplete_tail_len(b"\\x80\\x80\\x80")
+    (0, 0)
     """
-    raise NotImplementedError("Exercise 3.2: find the last start byte and compare its length to what follows")
+    raise NotImplementedError("Exercise 3.2: write incomplete_tail_len")
 
 
 class IncrementalDetokenizer:
@@ -31,16 +36,21 @@ class IncrementalDetokenizer:
         """Exercise 3.2. Keep `tokenizer` and `skip_special_tokens`, and start with two attributes
         the tests read: `self.pending = b""` (the bytes of a character that is not complete yet)
         and `self.text = ""` (everything emitted so far)."""
-        raise NotImplementedError("Exercise 3.2: store the tokenizer and the option; pending bytes and text start empty")
+        raise NotImplementedError("Exercise 3.2: write IncrementalDetokenizer.__init__")
 
     def add(self, token_id: int) -> str:
-        """Exercise 3.2. Take one token; return the text it completes (possibly '') and append it
-        to self.text. Skip special tokens when skip_special_tokens. Keep an incomplete character's
-        bytes in self.pending; decode the rest with errors="replace" (invalid bytes become '�',
-        exactly as the full decode does)."""
-        raise NotImplementedError("Exercise 3.2: pending + token bytes; emit all but the incomplete tail")
+        """Exercise 3.2. Take one token; return the text it completes (possibly '') and append it to self.text.
+        A special token adds nothing when skip_special_tokens. No piece ever holds part of a character that
+        a later token could complete: those bytes wait in self.pending (at most 3).
+        Invariant: the pieces of add, then flush(), concatenate to exactly
+        tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) — invalid bytes included, which
+        become '�' just as there.
+
+        ' 你' is the tokens 'Ġ' (20), 'ä½' (E4 BD), 'ł' (A0): add returns ' ', then '' (E4 BD wait), then '你'.
+        """
+        raise NotImplementedError("Exercise 3.2: write IncrementalDetokenizer.add")
 
     def flush(self) -> str:
         """Exercise 3.2. The stream is over: decode what is pending (errors="replace"), append it
         to self.text, clear pending and return it."""
-        raise NotImplementedError("Exercise 3.2: decode and emit the pending bytes")
+        raise NotImplementedError("Exercise 3.2: write IncrementalDetokenizer.flush")

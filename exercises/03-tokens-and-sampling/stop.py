@@ -17,7 +17,7 @@ def is_stop_token(token_id: int, params: SamplingParams, eos_token_id: int) -> b
     >>> is_stop_token(2, SamplingParams(), 2), is_stop_token(2, SamplingParams(ignore_eos=True), 2)
     (True, False)
     """
-    raise NotImplementedError("Exercise 3.3: EOS (unless ignored) or a stop token id")
+    raise NotImplementedError("Exercise 3.3: write is_stop_token")
 
 
 def find_stop_string(text: str, params: SamplingParams, num_new_chars: int | None = None) -> int | None:
@@ -32,7 +32,7 @@ def find_stop_string(text: str, params: SamplingParams, num_new_chars: int | Non
     >>> find_stop_string("STOP abcdef", SamplingParams(stop=["STOP"]), num_new_chars=1) is None
     True
     """
-    raise NotImplementedError("Exercise 3.3: search only where a stop string could end in the new text")
+    raise NotImplementedError("Exercise 3.3: write find_stop_string")
 
 
 def check_stop(token_ids: list[int], text: str, params: SamplingParams, eos_token_id: int,
@@ -50,4 +50,4 @@ def check_stop(token_ids: list[int], text: str, params: SamplingParams, eos_toke
     >>> check_stop([5, 9], "Hello.\\nUser: more", SamplingParams(stop=["\\nUser:"]), 2)
     ('stop', 'Hello.')
     """
-    raise NotImplementedError("Exercise 3.3: stop token, then stop string, then max_tokens")
+    raise NotImplementedError("Exercise 3.3: write check_stop")

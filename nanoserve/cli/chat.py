@@ -9,12 +9,16 @@ Two back ends, the same loop:
 - local (default): the embedded model in this process, chapter 03's loop with chapter 04's KV
   cache (`--no-cache` shows how slow it is without one);
 - `--url http://127.0.0.1:8000/v1`: any OpenAI-compatible server — `make serve` (chapter 08), vLLM,
-  llama.cpp — through the official `openai` client, streaming.
+  llama.cpp — through the official `openai` client, streaming. Every sampling flag goes with the request
+  (`--top-k` as the extra field `top_k`, which nanoserve, vLLM and llama.cpp take).
+A flag its back end cannot honour is refused: --gguf, --weights and --no-cache set up the local model, which
+--url does not run; --model and --api-key are for a server.
 """
 
 import os
 import sys
 
+from nanoserve.cli.checks import UsageError
 from nanoserve.cli.generate import add_sampling_args, sampling_params
 
 
@@ -23,12 +27,11 @@ def register(sub):
     add_sampling_args(p)
     p.add_argument("--url", help="an OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default=None, help="with --url: the model to ask for (default: the server's first)")
-    p.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                   help="with --url: the server's API key (default: $NANOSERVE_API_KEY)")
+    p.add_argument("--api-key", default=None, help="with --url: the server's API key (default: $NANOSERVE_API_KEY)")
     # greedy by default: the most likely reply, the same every time ("What is 2+2?" -> "The answer to this
     # classic math problem is 4."); at generate's 0.7 a 135M model wanders off ("Your math is very
-    # important..."). --temperature 0.7 for variety
-    p.set_defaults(func=run, max_tokens=256, temperature=0.0)
+    # important..."). --temperature 0.7 for variety. No default --weights: given with --url, it is refused.
+    p.set_defaults(func=run, max_tokens=256, temperature=0.0, weights=None)
 
 
 def chat_loop(lines, write, reply) -> None:
@@ -79,7 +82,8 @@ def remote_reply(client, model: str, params):
         try:
             stream = client.chat.completions.create(
                 model=model, messages=messages, stream=True, max_tokens=params.max_tokens,
-                temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+                temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                extra_body={"top_k": params.top_k} if params.top_k > 0 else None)  # not in OpenAI's API
             for chunk in stream:
                 for choice in chunk.choices:
                     if choice.delta.content:
@@ -106,12 +110,22 @@ def read_lines(interactive: bool):
         yield line
 
 
+def refuse_unused_flags(args) -> None:
+    """A UsageError naming the flags given that this back end cannot honour (before anything connects or loads)."""
+    if args.url:
+        given = [f for f, v in (("--gguf", args.gguf), ("--weights", args.weights), ("--no-cache", args.no_cache)) if v]
+        why, fix = "the local model, which --url does not run", "drop {them} or --url"
+    else:
+        given = [f for f, v in (("--model", args.model), ("--api-key", args.api_key)) if v is not None]
+        why, fix = "an OpenAI-compatible server", "give its --url or drop {them}"
+    if given:
+        one = len(given) == 1
+        raise UsageError(f"{', '.join(given)} {'is' if one else 'are'} for {why}: {fix.format(them='it' if one else 'them')}")
+
+
 def run(args):
-    try:
-        params = sampling_params(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    refuse_unused_flags(args)
+    params = sampling_params(args)  # a bad value: a UsageError, one line
     interactive = sys.stdin.isatty()
 
     def write(text):
@@ -120,7 +134,7 @@ def run(args):
     if args.url:
         import openai
 
-        client = openai.OpenAI(base_url=args.url, api_key=args.api_key or "none")
+        client = openai.OpenAI(base_url=args.url, api_key=args.api_key or os.environ.get("NANOSERVE_API_KEY") or "none")
         try:
             model = args.model or client.models.list().data[0].id
         except openai.APIError as e:
@@ -134,7 +148,7 @@ def run(args):
 
         if interactive:
             print("loading the model ...", flush=True)
-        reply = local_reply(load_gguf(args.gguf, args.weights), Tokenizer.from_gguf(args.gguf), params,
+        reply = local_reply(load_gguf(args.gguf, args.weights or "fp32"), Tokenizer.from_gguf(args.gguf), params,
                             use_cache=not args.no_cache)
         banner = "nanoserve chat: SmolLM2-135M-Instruct."
     if interactive:

@@ -33,7 +33,8 @@ from nanoserve.model.compiled import COMPILE_MODES
 from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
 from nanoserve.structured.manager import StructuredOutputManager
-from nanoserve.text.stop import check_stop, is_stop_token
+from nanoserve.text.output_text import add_token_to_output
+from nanoserve.text.stop import is_stop_token
 from nanoserve.student import StudentCode
 
 
@@ -185,6 +186,8 @@ class LLMEngine:
                                           # chapter 14's acceptance rules (the learner's, exercises 14.2-14.3)
                                           spec_acceptance=student.module("nanoserve.spec_decode.acceptance"),
                                           kv_quant=student.module("nanoserve.kv.kv_quant"),
+                                          # chapter 03's sample_batch draws every token (the learner's, exercise 3.1)
+                                          sampling=student.module("nanoserve.sampling"),
                                           lora_config=lora, kv_connector=kv_worker, model_loader=model_loader,
                                           **lora_code)])
         if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
@@ -617,7 +620,7 @@ class LLMEngine:
         for n in range(first + 1, seq.num_output_tokens + 1):
             if self.config.degrade_under_load is not None:
                 self.token_precisions.setdefault(seq.seq_id, []).append(self.precision)
-            status, delta = self._check_stop(seq, seq.output_token_ids[n - 1], n)
+            status, delta = self._check_stop(seq, n)
             new_text += delta
             if status is not None:
                 del seq.output_token_ids[n:], seq.token_times[n:]
@@ -720,18 +723,14 @@ class LLMEngine:
         elif self.degraded and waiting <= threshold // 2:
             self.degraded = False
 
-    def _check_stop(self, seq: Sequence, token_id: int, num_output: int | None = None) -> tuple[SequenceStatus | None, str]:
-        """(finish status or None, the text delta to emit), by chapter 03's rules (nanoserve/text/stop.py):
-        EOS and stop ids stop without text, a stop string stops and is cut off, max_tokens is "length".
+    def _check_stop(self, seq: Sequence, num_output: int | None = None) -> tuple[SequenceStatus | None, str]:
+        """(finish status or None, the text delta to emit) for the newest output token, by chapter 03's rules
+        (nanoserve/text/output_text.py, the generate loop's step too): EOS and stop ids stop without text, a stop
+        string stops and is cut off, max_tokens is "length".
         num_output: check as if the output ended after that many tokens (None: all of them)."""
-        params = seq.sampling_params
-        detok = self.detokenizers.get(seq.seq_id)
-        stop_token = is_stop_token(token_id, params, self.eos_token_id)
-        new_text = detok.add(token_id) if detok is not None and not stop_token else ""
         old_text = self.texts[seq.seq_id]
-        reason, text = check_stop(seq.output_token_ids[:num_output], old_text + new_text, params, self.eos_token_id, len(new_text))
-        if reason is not None and detok is not None and len(text) == len(detok.text):
-            text += detok.flush()  # not cut at a stop string: an unfinished character's bytes become '�'
+        reason, text = add_token_to_output(seq.output_token_ids[:num_output], old_text, seq.sampling_params,
+                                           self.eos_token_id, self.detokenizers.get(seq.seq_id))
         # A stop string may begin inside text already streamed: the delta is then empty, and the
         # final text is still cut right (chapter 08 holds text back while it could start a stop string).
         self.texts[seq.seq_id] = text

@@ -41,6 +41,7 @@ from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs
+import nanoserve.sampling as reference_sampling
 from nanoserve.sampling import make_generator
 from nanoserve.spec_decode import acceptance
 from nanoserve.spec_decode.verify import verify_and_sample
@@ -86,16 +87,18 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model, kv_cache: PagedKVCache, attention=PagedAttention, degraded_model=None,
-                 metadata=AttentionMetadata, spec_acceptance=acceptance):
+                 metadata=AttentionMetadata, spec_acceptance=acceptance, sampling=reference_sampling):
         """attention: cls(kv_cache, metadata) -> AttentionFn (nanoserve.kernels.backend.attention_class);
         metadata: the class whose build() describes a step (chapter 05's, or the learner's); spec_acceptance:
-        chapter 14's acceptance module, whose rules verify proposals (the learner's, exercises 14.2-14.3)."""
+        chapter 14's acceptance module, whose rules verify proposals (the learner's, exercises 14.2-14.3);
+        sampling: chapter 03's module, whose sample_batch draws every token (the learner's, exercise 3.1)."""
         self.model = model
         self.degraded_model = degraded_model  # chapter 10: the quantized copy, for steps under overload
         self.kv_cache = kv_cache
         self.attention = attention
         self.metadata = metadata
         self.spec_acceptance = spec_acceptance
+        self.sampling = sampling
         self.device = kv_cache.k_cache[0].device
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request
@@ -207,12 +210,15 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples
         its first token n times from its one row of logits: completion i under child_seq_id(request_id, i),
-        with its own generator (the engine forks it). The drawing itself is nanoserve/engine/sampler.py's.
+        with its own generator (the engine forks it). The drawing itself is nanoserve/engine/sampler.py's, which
+        hands the rows to chapter 03's sample_batch (self.sampling's).
         grammar_bitmask (chapter 13): the constrained rows' masks, applied first, to those rows only.
 
-        One sequence whose draw raises (its generator, its penalties, its numbers) fails alone: it lands in
-        `failed` with no token, and every other sequence of the batch gets its token as if it were not there
-        (each row reads only its own logits, params and generator)."""
+        The draw is made sequence by sequence — one sample_batch call per sequence, over its one row, or its n rows
+        for a request with n > 1 completions — so that one sequence whose draw raises (its generator, its
+        penalties, its numbers) fails alone: it lands in `failed` with no token, and every other sequence of the
+        batch gets its token as if it were not there (each row reads only its own logits, params and generator).
+        One call for the whole step would lose the tokens of every sequence when one row raised."""
         if grammar_bitmask is not None:
             grammar_bitmask.apply(seqs, logits)  # disallowed tokens -> -inf, before penalties / greedy / temperature
         logits = logits.float()  # once for the step, not once per sequence
@@ -229,7 +235,7 @@ class ModelRunner:
                         self.generators[seq_id] = None if p.greedy else make_generator(p)
                     ids.append(seq_id)
                     rows.append(SampleRow(row, p, self.generators[seq_id], seq.prompt_token_ids, seq.output_token_ids))
-                tokens, logprobs = sample_rows(logits, rows)
+                tokens, logprobs = sample_rows(logits, rows, self.sampling)
             except Exception as e:  # noqa: BLE001 — this sequence's failure, not the batch's
                 sampled.failed[seq.seq_id] = e
                 continue

@@ -5,12 +5,17 @@
 
     per row:  raw logits ──logprobs?──▶ log_softmax: the token's and the top-k  ("raw logprobs", as vLLM's default)
                  │
-                 └──▶ logit_bias, repetition / frequency / presence penalties (nanoserve/sampling.py)
-                      ──▶ greedy argmax, or temperature, min-p, top-k, top-p, one draw with the row's generator
+                 └──▶ logit_bias, repetition / frequency / presence penalties, min-p (nanoserve/sampling.py)
+    the rows, stacked (num_rows, vocab) ──▶ chapter 03's sample_batch: row i greedy, or temperature, top-k, top-p
+                                            and one draw with row i's own generator
 
 Everything is per row: a request's penalties read only its own prompt and output tokens, its draw uses
 only its own generator, so what it gets does not depend on who else is in the batch. Several rows may
 read the same logits row (a prompt with n > 1 draws its n first tokens from its one row, chapter 06).
+The draw is chapter 03's `sample_batch`, from the module the engine was given: the learner's under
+`--student 03`. Chapter 03's sampler knows nothing of min-p (chapter 08's addition), so min-p is applied
+here, at the request's temperature, and the row goes on with min_p = 0: exactly what
+nanoserve.sampling.probabilities would draw from with it.
 
 The logprobs are those of the model's distribution, before any penalty, temperature or filter: vLLM's
 default (`logprobs_mode="raw_logprobs"`; "processed_logprobs" would be after them). A client that asks for
@@ -22,11 +27,13 @@ it is left out of the top alternatives — OpenAI's top_logprobs "may be fewer t
 ever reaches a response.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import ModuleType
 
 import torch
 
-from nanoserve.sampling import SamplingParams, apply_penalties, sample
+import nanoserve.sampling as reference_sampling
+from nanoserve.sampling import SamplingParams, apply_penalties, min_p_filter
 
 
 @dataclass
@@ -74,18 +81,21 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list
     return out
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """(token per row, its TokenLogprob or None where the request did not ask for logprobs)."""
+def sample_rows(logits: torch.Tensor, rows: list[SampleRow],
+                sampling: ModuleType = reference_sampling) -> tuple[list[int], list[TokenLogprob | None]]:
+    """(token per row, its TokenLogprob or None where the request did not ask for logprobs). sampling: the module
+    whose sample_batch draws (chapter 03's; the learner's under --student 03)."""
     logits = logits.float()
-    tokens, logprobs = [], []
+    ready, params = [], []
     for r in rows:
-        raw = logits[r.row]
-        p = r.params
-        row = apply_penalties(raw, p, r.prompt_token_ids, r.output_token_ids)
-        token = int(torch.argmax(row)) if p.greedy else sample(row, p, r.generator)
-        tokens.append(token)
-        if p.logprobs is None:
-            logprobs.append(None)
-        else:
-            logprobs.append(token_logprobs(torch.log_softmax(raw, -1)[None], [token], p.logprobs)[0])
+        row, p = apply_penalties(logits[r.row], r.params, r.prompt_token_ids, r.output_token_ids), r.params
+        if p.min_p and not p.greedy:  # the tokens min-p drops at this temperature become -inf, and stay so
+            row = row.masked_fill(min_p_filter(row / p.temperature, p.min_p) == float("-inf"), float("-inf"))
+            p = replace(p, min_p=0.0)
+        ready.append(row)
+        params.append(p)
+    tokens = sampling.sample_batch(torch.stack(ready), params, [r.generator for r in rows])  # (num_rows, vocab) -> ids
+    logprobs = [None if r.params.logprobs is None else
+                token_logprobs(torch.log_softmax(logits[r.row], -1)[None], [token], r.params.logprobs)[0]
+                for r, token in zip(rows, tokens)]
     return tokens, logprobs

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+import nanoserve.sampling as reference_sampling
 from nanoserve.engine.model_runner import ModelRunner, SampledTokens
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sleep_mode import SleepingWeights
@@ -74,7 +75,8 @@ class Worker:
     def __init__(self, model, dtype: torch.dtype | None = None, attention_backend: str = "torch",
                  paged_attention=None, degraded_model=None, paged_kv=None, model_runner_class=ModelRunner,
                  store_kv=None, compile_mode: str = "eager", spec_acceptance=acceptance, kv_quant=None,
-                 lora_config=None, lora_manager_class=None, punica=None, kv_connector=None, model_loader=None):
+                 lora_config=None, lora_manager_class=None, punica=None, kv_connector=None, model_loader=None,
+                 sampling=reference_sampling):
         """attention_backend: "torch" or "triton" (resolved by the engine: resolve_attention_backend);
         paged_attention, store_kv: the Triton kernel modules for "triton" (None: the reference); paged_kv: chapter 05's
         paged_attention module, whose AttentionMetadata (and PagedAttention, for "torch") the steps use —
@@ -88,7 +90,8 @@ class Worker:
         lora_manager_class, punica: the LoRAModelManager class and the module of its bgmv / sgmv (the learner's
         under --student 19; None: the reference's); kv_connector: chapter 17's KV connector, its worker side
         (nanoserve/disagg/connector.py), or None; model_loader: a function that builds `model` again from its file
-        (chapter 19's sleep level 2 wakes with it; None: level 2 is refused)."""
+        (chapter 19's sleep level 2 wakes with it; None: level 2 is refused); sampling: chapter 03's sampling module,
+        whose sample_batch draws the tokens (the learner's under --student 03)."""
         keep_freed_host_memory()
         self.model = model.eval()
         self.lora_manager = None
@@ -114,6 +117,7 @@ class Worker:
         self.kv_config = replace(model.config, num_key_value_heads=model.layers[0].self_attn.num_kv_heads)
         self.model_runner_class = model_runner_class
         self.spec_acceptance = spec_acceptance
+        self.sampling = sampling
         # what the runner calls: the model itself, or its compiled forward (the same weights)
         self.step_model = self.model if compile_mode == "eager" else CompiledModel(self.model, compile_mode)
         self.step_degraded = (degraded_model if compile_mode == "eager" or degraded_model is None
@@ -136,7 +140,7 @@ class Worker:
         cache = (QuantizedKVCache(*shape, self.dtype, self.model_dtype, self.device, self.kv_quant) if self.quantized
                  else PagedKVCache(*shape, self.dtype, self.device))
         self.model_runner = self.model_runner_class(self.step_model, cache, self.attention, self.step_degraded,
-                                                    self.metadata, self.spec_acceptance)
+                                                    self.metadata, self.spec_acceptance, self.sampling)
         if self.kv_connector is not None:  # it loads before and saves after each decoder layer
             self.kv_connector.register_kv_caches(cache, self.model.layers)
 

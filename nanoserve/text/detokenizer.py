@@ -13,8 +13,10 @@ So we keep the bytes that do not yet form a whole character and emit only comple
 
 UTF-8 tells from the first byte how long a character is: 0xxxxxxx = 1 byte, 110xxxxx = 2,
 1110xxxx = 3, 11110xxx = 4; continuation bytes are 10xxxxxx. The pieces returned by `add`,
-followed by `flush()`, concatenate to exactly `tokenizer.decode(all_ids)` — invalid bytes
-included, which both turn into U+FFFD the same way.
+followed by `flush()`, concatenate to exactly `tokenizer.decode(all_ids, skip_special_tokens=s)`
+with the detokenizer's own `s` (it skips special tokens by default, as vLLM does; `decode` keeps
+them by default, as transformers does) — invalid bytes included, which both turn into U+FFFD
+the same way.
 """
 
 

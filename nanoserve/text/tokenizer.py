@@ -22,7 +22,7 @@ character is 3 bytes and an emoji 4, and byte-level BPE can split them across to
 
 from pathlib import Path
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from nanoserve.text.chat_template import render_chat_template
@@ -74,7 +74,6 @@ class Tokenizer:
         bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
         self._hf = HFTokenizer(bpe)
         self._hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
-        self._hf.decoder = decoders.ByteLevel()
         self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(self.special_ids)])
 
         # Every token as raw bytes: undo the byte -> character table (special tokens are plain UTF-8).
