@@ -176,7 +176,7 @@ def test_the_interference_experiment():
              f"one every {d['long_every']:g} s, each asking {LONG_OUTPUT} tokens")
     budgets = d["budgets"]
     says(CH, f"at chapter 06's budgets, {budgets[0]}, {budgets[1]} and {budgets[2]:,} tokens per step")
-    says("06", f"`max_num_batched_tokens` {budgets[0]}, {budgets[1]} and {budgets[2]}")
+    says("06", f"budgets {budgets[0]}, {budgets[1]} and {budgets[2]} and chunking off")  # its full-size prefill-budget run
     assert budgets[-1] >= d["long_len"]
     says(CH, f"{budgets[-1]:,} tokens put a whole {d['long_len']:,}-token prompt in one step")
     per_token = kv_bytes_per_token(LlamaConfig(), "fp32")
