@@ -1,7 +1,6 @@
 """Chapter 17: prefill and decode in two OS processes (`serve --kv-role`), joined by `python -m nanoserve
 proxy`, answering the openai client with the float32 oracle's greedy text; nothing left behind after aborts."""
 
-import glob
 import os
 import subprocess
 import sys
@@ -44,6 +43,19 @@ def running(url: str) -> float:
     raise AssertionError("no nanoserve:num_requests_running")
 
 
+def staged(*procs: subprocess.Popen) -> set[str]:
+    """The KV segments these processes hold mapped (/proc/PID/maps): theirs alone, not those that tests of other
+    files, running at the same time under xdist, stage in the same /dev/shm."""
+    names = set()
+    for proc in procs:
+        try:
+            with open(f"/proc/{proc.pid}/maps") as maps:
+                names.update(line.split(maxsplit=5)[5].strip() for line in maps if "/dev/shm/nskv_" in line)
+        except FileNotFoundError:  # it has exited
+            pass
+    return names
+
+
 def settles(condition, timeout: float = 30.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -64,8 +76,9 @@ def disagg():
         procs.append(decode)
         proxy, proxy_url = start("proxy", "--prefill", prefill_url, "--decode", decode_url)
         procs.append(proxy)
-        yield proxy_url, prefill_url, decode_url
+        yield proxy_url, prefill_url, decode_url, prefill, decode
     finally:
+        held = staged(*procs)  # at a clean shutdown the prefill engine unlinks what it still stages
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -73,11 +86,11 @@ def disagg():
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    assert not glob.glob("/dev/shm/nskv_*"), "the prefill engine freed every staged segment"
+    assert not [name for name in held if os.path.exists(name)], "the prefill engine freed every staged segment"
 
 
 def test_two_processes_answer_with_the_oracles_greedy_text(disagg, smollm2, smollm2_tokenizer):
-    proxy_url, _, _ = disagg
+    proxy_url = disagg[0]
     client = openai.OpenAI(base_url=proxy_url + "/v1", api_key="none")
     prompts = ["The capital of France is", "Write a haiku about the sea.\n"]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -95,7 +108,7 @@ def test_two_processes_answer_with_the_oracles_greedy_text(disagg, smollm2, smol
 
 
 def test_errors_reach_the_client_and_aborts_leave_no_blocks(disagg):
-    proxy_url, prefill_url, decode_url = disagg
+    proxy_url, prefill_url, decode_url, prefill, decode = disagg
     client = openai.OpenAI(base_url=proxy_url + "/v1", api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:  # the prefill engine's own 400, passed on
         client.completions.create(model=MODEL, prompt="x" * 40000, max_tokens=4)
@@ -109,4 +122,4 @@ def test_errors_reach_the_client_and_aborts_leave_no_blocks(disagg):
         next(iter(stream))
         stream.close()
     assert settles(lambda: running(decode_url) == 0 and usage(decode_url) == 0 and usage(prefill_url) == 0)
-    assert settles(lambda: not glob.glob("/dev/shm/nskv_*")), "every staged segment was released"
+    assert settles(lambda: not staged(prefill, decode)), "every staged segment was released"
