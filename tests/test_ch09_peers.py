@@ -29,3 +29,20 @@ def test_rounds_alternate_the_order_of_the_systems():
 
     names = ["nanoserve q4", "nanoserve q4, torch kernels", "llama.cpp llama-bench"]
     assert [alternate(names, r) for r in range(3)] == [names, names[::-1], names]
+
+
+def test_every_multi_request_round_computes_every_prompt():
+    """The warm-up, each round and a larger --num-requests (whose prompts begin with the smaller's) serve the same
+    prompts: no call may find another's blocks in the prefix cache (transformers computes every prompt)."""
+    from nanoserve.bench.peers import nanoserve_job, text_requests
+
+    engine = LLMEngine(tiny_llama(), engine_config(num_blocks=64, block_size=16), eos_token_id=-1)
+    tokenizer = SimpleNamespace(encode=lambda text: [ord(c) % 256 for c in text])
+    small, large = text_requests(tokenizer, 2, (40, 60)), text_requests(tokenizer, 3, (40, 60))
+    assert large[:2] == small  # the same seed: the larger set begins with the smaller
+    stats, llm = engine.block_manager.stats, SimpleNamespace(engine=engine)
+    jobs = [nanoserve_job(llm, small, 4)] * 3 + [nanoserve_job(llm, large, 4)] * 2  # warm-up + 2 rounds, then 3
+    for job in jobs:
+        assert job() > 0
+    assert stats.hit_tokens == 0
+    assert stats.queried_tokens == 3 * sum(map(len, small)) + 2 * sum(map(len, large))

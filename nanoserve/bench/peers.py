@@ -20,6 +20,7 @@ llama.cpp's `llama-bench -m GGUF -t THREADS -n 128 -p 512` on the same GGUF, pri
 Output tokens per second of wall time; the ratio column is against transformers bf16, the strongest peer.
 """
 
+import itertools
 import json
 import random
 import statistics
@@ -70,10 +71,14 @@ def text_requests(tokenizer, num_requests: int, lengths=(20, 200), seed: int = 0
 
 
 def nanoserve_job(llm, prompts, new_tokens):
+    """A callable serving `prompts` once, returning its seconds. Every call salts the prompts' cache afresh:
+    the warm-up, each round and the next --num-requests (whose prompts begin with the last one's) serve the
+    same prompts, and a prefix-cache hit would time a prefill nanoserve skipped while transformers computes it."""
     from nanoserve.bench.offline import run_nanoserve
 
-    workload = [(p, new_tokens) for p in prompts]
-    return lambda: run_nanoserve(llm.engine, workload)[0]
+    calls = itertools.count()
+    return lambda: run_nanoserve(llm.engine, [(p, new_tokens, {"cache_salt": f"call-{next(calls)}-{len(prompts)}"})
+                                              for p in prompts])[0]
 
 
 def hf_job(hf_model, prompts, new_tokens):
