@@ -12,7 +12,7 @@ head h reads kv head h // (H // Hkv).
 """
 
 import torch  # noqa: F401  (you will want it)
-from torch.nn import functional as F  # noqa: F401  (F.scaled_dot_product_attention(..., enable_gqa=True))
+from torch.nn import functional as F  # noqa: F401  (F.scaled_dot_product_attention)
 
 from nanoserve.kv.block_manager import cdiv, slot_mapping  # noqa: F401  (--student: your slot_mapping, 5.3)
 from nanoserve.kv.paged_attention import DECODE_GROUP, PagedKVCache, num_blocks_for_budget  # noqa: F401  (given)
@@ -49,8 +49,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     position order.
 
     cache (Hkv, num_blocks, block_size, D), block_table (>= cdiv(seq_len, block_size),) long -> (Hkv, seq_len, D):
-    position p is row p % block_size of block block_table[p // block_size]. One index op, no Python loop
-    over positions: index the block axis with the whole table, merge (blocks, block_size), cut the tail.
+    position p is row p % block_size of block block_table[p // block_size]; the rows past seq_len in the last
+    block, and any table entries past the blocks seq_len needs, are not returned. The engine calls this in
+    every layer for every prefill: no Python loop over positions.
 
         cache = torch.arange(6.).view(1, 3, 2, 1)      1 kv head, 3 blocks of 2 slots, D = 1
         gather_kv(cache, torch.tensor([2, 0]), 3)    -> [[[4.], [5.], [0.]]]   (block 2, then block 0's first)
@@ -64,8 +65,11 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     its K/V in the pool (gather_kv). Returns (T, H, D).
 
     mask: the (T, seq_len) additive causal mask with its offset (causal_mask(T, seq_len)), or None for a
-    whole prompt (T == seq_len): then is_causal=True. F.scaled_dot_product_attention wants 4-d inputs
-    (batch, heads, T or S, D) and does GQA with enable_gqa=True.
+    whole prompt (T == seq_len), which must be causal all the same: query t sees positions 0 .. t. Query
+    head h reads kv head h // (H // Hkv); K/V are not repeated per query head.
+
+        T = 2 queries of a seq_len = 5 sequence are its positions 3 and 4: the first sees positions 0..3,
+        the second 0..4.
     """
     raise NotImplementedError("Exercise 5.5: attend one sequence's queries to its gathered K/V")
 
@@ -86,37 +90,37 @@ class PagedAttention:
         raise NotImplementedError("Exercise 5.5: plan the step (decode groups, and the sequences one at a time)")
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Exercise 5.5. First store this step's k, v at their slots (self.cache.store_kv with the metadata's
-        slot_mapping): a sequence attends to its own new tokens too. Then fill out (N, H, D): each decode
-        group's rows (group.tokens) with group.attend(q[group.tokens], k_cache, v_cache), and every other
-        sequence's rows with attend_sequence."""
+        """Exercise 5.5. Layer layer_idx's attention for the whole flat batch: q (N, H, D), k, v (N, Hkv, D)
+        -> (N, H, D). Afterwards the layer's pool holds this step's k, v at the metadata's slot_mapping, and
+        row t of the output is token t's query attended over its own sequence's positions up to its own — this
+        step's new tokens included, nobody else's. Each row is computed once: by the decode group that holds
+        it (DecodeGroup, 5.6) or by attend_sequence."""
         raise NotImplementedError("Exercise 5.5: store the new K/V, then attend every sequence")
 
 
 class DecodeGroup:
-    """Decoding sequences (one query each) attended all at once: one gather of whole blocks into a padded
-    (Hkv, num_seqs, max_blocks · block_size, D) tensor, a padding mask, one batched attention call."""
+    """Decoding sequences (one query each) attended all at once: one padded gather, one batched attention call."""
 
     def __init__(self, cache: PagedKVCache, metadata: ReferenceAttentionMetadata, seqs: list[int]):
-        """Exercise 5.6. For the sequences `seqs` (indices into the metadata), once per step:
-          - self.tokens: each one's query row in the flat batch (its cu_seqlens_q entry), a long tensor;
-          - the tile ids of one gather: view a layer's pool as (Hkv · num_blocks, block_size, D) tiles; block
-            b of kv head j is tile j · num_blocks + b. Take every sequence's table cut to MB = the longest
-            sequence's block count, and list the tiles head by head, then sequence by sequence, then block
-            (Hkv · Sd · MB ids): one index_select then yields (Hkv, Sd, C, D) with C = MB · block_size;
-          - the padding mask: position c >= seq_len of sequence s must get no weight — an additive
-            (Sd, 1, 1, C) mask, 0 where allowed and -inf at padding, in the pool's dtype.
+        """Exercise 5.6. The Sd decoding sequences `seqs` (indices into the metadata, one query each, any
+        order), built once per step; attend then runs in every layer, so whatever does not depend on the
+        layer (which blocks to read, what to hide) is worked out here, once.
 
-            Hkv = 2, num_blocks = 10, tables [[4], [7, 1]], seq_lens [3, 6], block_size 4
-            MB = 2, tiles [4, 0, 7, 1, 14, 10, 17, 11]   (sequence 0's table padded with block 0)
-            padding: sequence 0 positions [3, 8), sequence 1 positions [6, 8)
+        self.tokens: a long tensor (Sd,), each sequence's query row in the flat batch, in the order of seqs.
+
+            tables [[3, 4], [1], [5, 6, 7]], seq_lens [4, 2, 5], query_lens [1, 2, 1]   (cu_seqlens_q [0, 1, 3, 4])
+            DecodeGroup(cache, meta, [2, 0]).tokens.tolist()  ->  [3, 0]
         """
-        raise NotImplementedError("Exercise 5.6: the tile ids of the gather and the padding mask")
+        raise NotImplementedError("Exercise 5.6: work out the group's gather and what it must hide, once per step")
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Exercise 5.6. One query per sequence, all sequences at once. q: (Sd, H, D) -> (Sd, H, D).
+        """Exercise 5.6. One query per sequence, all sequences at once: q (Sd, H, D), row i the query of
+        seqs[i], against one layer's pool -> (Sd, H, D). Row i equals plain attention of that query over its
+        sequence's seq_len positions, read through its block table, and over nothing else: the sequences'
+        contexts differ in length, and whatever a shorter one's batch is padded with (another sequence's
+        block, garbage) gets no weight. One gather for K and one for V serve the whole group, whatever Sd
+        is: no Python loop over the sequences.
 
-        Gather keys and values (Hkv, Sd, C, D) with one index_select each; then one
-        F.scaled_dot_product_attention over (Sd, Hkv, G, D) queries (G = H // Hkv query heads share a kv
-        head) against (Sd, Hkv, C, D) keys, with the padding mask."""
+            seq_lens [3, 6], block_size 4: sequence 0 reads its 3 positions (1 block), sequence 1 its 6 (2 blocks)
+        """
         raise NotImplementedError("Exercise 5.6: gather the group's blocks, attend with the padding mask")
