@@ -1,6 +1,7 @@
 """Chapter 05, exercise 5.4 (graded): the block manager's allocate_slots — hand-computed block tables
 (prefix hits, pinning before allocating, registration of full blocks, copy-on-write after a fork), and a
-hypothesis state machine that runs hundreds of random allocate / grow / fork / free steps against invariants."""
+hypothesis state machine that runs some sixty random sequences of up to forty allocate / grow / fork / free steps
+each (STATE_MACHINE_SETTINGS) against invariants."""
 
 import copy
 
