@@ -120,13 +120,16 @@ def test_the_pool_bytes():
 def test_the_two_layouts_gather_sizes():
     c, KiB = SMOL, 1024
     chunk, tile = 16 * c.num_key_value_heads * c.head_dim * 4, 16 * c.head_dim * 4
-    says(CH, f"Its gather moves one {chunk // KiB} KiB chunk per block (all {word(c.num_key_value_heads)} kv heads) "
-             f"where heads-first moves {word(c.num_key_value_heads)} {tile // KiB} KiB tiles")
+    says(CH, f"block-major as one {chunk // KiB} KiB chunk per block (all {word(c.num_key_value_heads)} kv heads), "
+             f"heads-first as {word(c.num_key_value_heads)} {tile // KiB} KiB tiles")
     says(CH, f"each a contiguous `16 · {c.head_dim}` floats")
-    # the layout timings: three runs in a row, block-major vs heads-first, and their ratio
-    runs = re.search(r"three runs in a row on a shared machine: (.*?) ms\)", chapter(CH)).group(1)
-    ratios = [float(bm) / float(hf) for bm, hf in re.findall(r"([\d.]+) vs ([\d.]+)", runs)]
-    says(CH, f"**{statistics.median(ratios):.2f}× the heads-first time** at one torch thread")
+    says(CH, f"whole rows of one head ({c.head_dim} floats, {c.head_dim * 4} B")
+    # the layout timings are runs of their own; the lead the text derives from them is arithmetic
+    runs = re.search(r"gave block-major \*\*(.*?)×\*\*", chapter(CH)).group(1)
+    ratios = [float(r) for r in re.findall(r"[\d.]+", runs)]
+    assert len(ratios) == 6 and "Six runs in a row" in chapter(CH)
+    assert min(ratios) < 1 < max(ratios)  # "the sign flips"
+    says(CH, "The sign flips from one run to the next")
 
 
 def test_a_python_loop_over_the_decodes():
@@ -202,9 +205,15 @@ def test_bench_paged_kv_part_3_the_decode_step():
     # the timings are one run's; the ratios and rates the chapter derives from them are arithmetic
     t = re.search(r"batched ([\d.]+) ms, looped over sequences ([\d.]+) ms \(([\d.]+)x\)", chapter(CH))
     assert f"{float(t[2]) / float(t[1]):.1f}" == t[3]
-    says(CH, f"**{t[1]} ms batched vs {float(t[2]):.1f} ms** looping over the sequences ({t[3]}×)")
-    for ms, rate in re.findall(r"(\d+) ms = (\d+) tokens/s", chapter(CH)):
+    says(CH, f"**{t[1]} ms batched vs {float(t[2]):.1f} ms** looping over the sequences ({t[3]}×) in the run above")
+    ratios = re.search(r"looped took (.*?)× the batched time \(median ([\d.]+)×\)", chapter(CH))
+    runs = [float(r) for r in re.findall(r"[\d.]+", ratios[1])]
+    assert len(runs) == 6 and t[3] in ratios[1] and f"{statistics.median(runs):.1f}" == ratios[2]
+    rates = re.findall(r"batched (\d+) ms = (\d+) tokens/s, looped (\d+) ms = (\d+) tokens/s", chapter(CH))
+    assert len(rates) == 1
+    for ms, rate in (rates[0][:2], rates[0][2:]):
         assert round(64 / (int(ms) / 1000)) == int(rate), (ms, rate)
+        says(CH, f"{int(ms):,}")
 
 
 def test_bench_paged_kv_part_4_a_memory_cap():
@@ -227,6 +236,9 @@ def test_bench_paged_kv_part_4_a_memory_cap():
              f"against paging's {paged['mean_running']:.1f} (peak {paged['peak_running']}): {ratio:.2f}× the requests "
              f"and {speed:.2f}× the output tokens/s**. Paging pays for it with **{paged['preemptions']} preemptions**")
     assert reserved["preemptions"] == 0  # "reserving never preempts"
+    assert paged["output_tokens"] == reserved["output_tokens"]  # "the same output tokens"
+    says(CH, f"the same output tokens in **{paged['steps']} steps instead of {reserved['steps']}**, "
+             f"{reserved['steps'] / paged['steps']:.2f}× fewer")
     says(CH, f"the whole 2048-token context, {2048 // 16} blocks — and would not fit a single request in this pool")
     assert 2048 // 16 > num_blocks
 

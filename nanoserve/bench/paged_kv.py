@@ -12,11 +12,12 @@
      real chat template, one after another through a BlockManager: hit rate and blocks saved.
   3. speed: one decode step of --max-num-seqs sequences — one layer's attention, batched
      (PagedAttention) vs a Python loop over sequences; the decode gather + attention from our heads-first
-     pool vs the same from a block-major pool (vLLM's layout); then the whole SmolLM2 forward pass.
+     pool vs the same from a block-major pool (vLLM's layout), both gathering into buffers allocated once;
+     then the whole SmolLM2 forward pass. Each pair: warmed up, alternated in both orders, best of the rounds.
   4. with --memory-cap-mib N: the real engine on SmolLM2 in a pool of N MiB, paging (BlockManager) vs
      reserving prompt + max_tokens at admission (kv/reservation.py), the same requests, stepped in
-     lockstep (one step of each in turn, each on its own clock): requests running at once, preemptions,
-     output tokens/s.
+     lockstep (one step of each in turn, the two taking turns at going first, each on its own clock): requests
+     running at once, preemptions and steps (exact: they do not depend on the clock), output tokens/s (timed).
 """
 
 import sys
@@ -118,15 +119,24 @@ def decode_batch(config: LlamaConfig, num_seqs: int, mean_context: int, block_si
     return cache, AttentionMetadata.build(tables, seq_lens, [1] * num_seqs, block_size)
 
 
-def block_major_attend(group, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+def block_major_buffers(group, k_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather buffers for block_major_attend, allocated once like DecodeGroup's own: (Sd · MB, block_size, Hkv, D)."""
+    blocks = len(group.tiles) // k_pool.shape[2]
+    shape = (blocks, *k_pool.shape[1:])
+    return torch.empty(shape, dtype=k_pool.dtype), torch.empty(shape, dtype=k_pool.dtype)
+
+
+def block_major_attend(group, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       buffers: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """DecodeGroup.attend on a block-major pool, (num_blocks, block_size, Hkv, D) as vLLM lays it out: one
-    gather of whole blocks (every head at once), then attention on a (Sd, Hkv, C, D) view whose rows of one
-    head are Hkv · D floats apart. q: (Sd, H, D) -> (Sd, H, D)."""
+    gather of whole blocks (every head at once) into preallocated buffers (block_major_buffers), as
+    DecodeGroup.attend gathers into its own, then attention on a (Sd, Hkv, C, D) view whose rows of one head
+    are Hkv · D floats apart. q: (Sd, H, D) -> (Sd, H, D)."""
     Sd, H, D = q.shape
     Hkv = k_pool.shape[2]
     blocks = group.tiles[: len(group.tiles) // Hkv]  # kv head 0's tiles are the block ids themselves: (Sd · MB,)
-    keys = k_pool.index_select(0, blocks).view(Sd, -1, Hkv, D).transpose(1, 2)  # (Sd, Hkv, C, D), strided
-    values = v_pool.index_select(0, blocks).view(Sd, -1, Hkv, D).transpose(1, 2)
+    keys = torch.index_select(k_pool, 0, blocks, out=buffers[0]).view(Sd, -1, Hkv, D).transpose(1, 2)  # (Sd, Hkv, C, D)
+    values = torch.index_select(v_pool, 0, blocks, out=buffers[1]).view(Sd, -1, Hkv, D).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(q.view(Sd, Hkv, H // Hkv, D), keys, values,
                                                            attn_mask=group.mask)
     return out.reshape(Sd, H, D)
@@ -163,8 +173,10 @@ def under_memory_cap(model, num_blocks: int, block_size: int, workload) -> dict:
     for engine in engines.values():
         for i, (prompt, n) in enumerate(workload):
             engine.add_request(str(i), prompt, greedy(n))
+    order = list(engines.items())
     while any(e.has_unfinished_requests() for e in engines.values()):
-        for name, engine in engines.items():
+        order.reverse()  # the two engines take turns at stepping first, so neither always runs after the other
+        for name, engine in order:
             if not engine.has_unfinished_requests():
                 continue
             x, t0 = stats[name], time.perf_counter()
@@ -183,11 +195,16 @@ def under_memory_cap(model, num_blocks: int, block_size: int, workload) -> dict:
 
 
 def interleaved_best(fns: dict, repeats: int) -> dict:
-    """Best wall time of each function, alternating them so a noisy neighbour hurts all alike."""
+    """Best wall time of each function after one untimed warm-up call each, alternating them and the order
+    they run in (A B, B A, ...) so that a noisy neighbour, and running second, hurt all alike."""
+    for fn in fns.values():
+        fn()
     best = {name: float("inf") for name in fns}
+    order = list(fns.items())
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, fn in order:
             best[name] = min(best[name], timed(fn, 1))
+        order.reverse()
     return best
 
 
@@ -268,7 +285,8 @@ def run(args):
     # the same decode gather + attention from vLLM's block-major layout: the same numbers, permuted
     k_pool, v_pool = (c[0].permute(1, 2, 0, 3).contiguous() for c in (cache.k_cache, cache.v_cache))  # (nb, bs, Hkv, D)
     heads_first = lambda group, qg: group.attend(qg, cache.k_cache[0], cache.v_cache[0])  # noqa: E731
-    block_major = lambda group, qg: block_major_attend(group, qg, k_pool, v_pool)  # noqa: E731
+    buffers = {group: block_major_buffers(group, k_pool) for group in batched.decode_groups}
+    block_major = lambda group, qg: block_major_attend(group, qg, k_pool, v_pool, buffers[group])  # noqa: E731
     assert (decode_attention(batched, q, heads_first) - decode_attention(batched, q, block_major)).abs().max() < 1e-4
     t = interleaved_best({"heads-first": lambda: decode_attention(batched, q, heads_first),
                           "block-major": lambda: decode_attention(batched, q, block_major)}, repeats=20)
