@@ -22,8 +22,8 @@ causal mask and its offset (a whole prompt, with no prefix, needs no mask tensor
 
 The attention math itself is torch's fused `F.scaled_dot_product_attention` (on CPU a flash-attention
 kernel: the (T, S) scores never exist whole, GQA without repeat_kv copies). It computes what chapter
-01 wrote out — the tests check it against attention written out in the test — 4x faster on a
-512-token prompt; this chapter's subject is where K/V live, not the softmax.
+01 wrote out — the tests check it against attention written out in the test — in one fused call;
+this chapter's subject is where K/V live, not the softmax.
 """
 
 from dataclasses import dataclass
@@ -152,7 +152,7 @@ class PagedAttention:
         # the rest (prefill chunks), one by one: (first token, last token + 1, context length, its block
         # table, its (T, S) causal mask). A whole prompt (T = S) gets None and goes to the kernel as
         # is_causal, which skips the key blocks above the diagonal instead of reading a mask that hides them
-        # (a 512-token prompt's attention ~20 % faster); a chunk on top of a cached prefix needs the mask.
+        # (about half a prompt's scores never computed); a chunk on top of a cached prefix needs the mask.
         self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)],
                           None if q_len == seq_lens[i] else causal_mask(q_len, seq_lens[i]).to(cache.k_cache[0].dtype))
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
