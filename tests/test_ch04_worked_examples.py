@@ -120,3 +120,20 @@ def test_the_score_matrix_of_a_prefill():
     says(CH, f"{H} × {T} × {T} × 4 B = {scores // MIB} MiB per layer for a {T}-token prefill of SmolLM2 — "
              f"{['', 'once', 'twice', 'three times'][round(scores / kv)]} the {kv / MIB:.0f} MiB of its whole fp32 KV cache")
     assert activation_bytes(SMOL, T) < scores  # the fused kernel's estimate never stores them
+
+
+def test_the_repeat_kv_copy_of_a_decode_step():
+    """Chapter 01's attention copies the cache's 3 K/V heads to 9 at every decode step: repeat_kv of the cache's
+    transposed slice is a new tensor, not a view of the cache, and its bytes are what the text computes."""
+    from nanoserve.model.attention import repeat_kv
+
+    H, Hkv, D, L, S = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim, SMOL.num_hidden_layers, 1024
+    cache = NaiveKVCache(SMOL, max_len=S)
+    keys = cache.kv[0, 0, :S].transpose(0, 1)[None]  # (1, Hkv, S, D): what the cache hands the attention
+    copy = repeat_kv(keys, H // Hkv)
+    assert copy.shape == (1, H, S, D)
+    assert copy.untyped_storage().data_ptr() != cache.kv.untyped_storage().data_ptr()  # materialised, not a view
+    per_layer = 2 * copy.numel() * copy.element_size()  # K and V
+    weights = parameter_counts(SMOL)["total"] * 4
+    says(CH, f"2 × {H} × {S} × {D} × 4 B = {per_layer / MIB:.1f} MiB per layer, {L * per_layer / MIB:.0f} MiB per "
+             f"step, written and then read again — next to the {weights / MIB:.0f} MiB of fp32 weights")
