@@ -180,3 +180,31 @@ def test_generate_with_cache_fills_the_context_exactly(tiny_untied):
 def test_prompt_longer_than_context_names_both_lengths(tiny_untied, use_cache):
     with pytest.raises(ValueError, match=r"(?s)600.*512"):
         generate(tiny_untied, [1] * 600, GREEDY, eos_token_id=0, use_cache=use_cache)
+
+
+def test_the_benchmark_alternates_which_path_goes_first_even_with_one_round():
+    """`bench kv-cache --rounds 1` must not always run the uncached path first: the order turns by context too."""
+    from nanoserve.bench.kv_cache import path_order
+
+    one_round = [path_order(context, 0) for context in range(4)]
+    assert one_round == [(False, True), (True, False)] * 2
+    assert [path_order(0, r) for r in range(3)] == [(False, True), (True, False), (False, True)]
+
+
+def test_the_benchmarks_attention_timer_times_decode_steps_only(tiny):
+    """The timer the benchmark hands the cache is chapter 01's attention itself, and it adds up decode calls only:
+    a prefill of 5 tokens adds nothing, each one-token step adds the time of one call per layer."""
+    from nanoserve.bench.kv_cache import DecodeAttentionTimer
+    from nanoserve.model.attention import scaled_dot_product_attention
+
+    timer = DecodeAttentionTimer()
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    torch.testing.assert_close(timer(q, k, k), scaled_dot_product_attention(q, k, k))
+    assert timer.seconds == 0  # 5 queries: a prefill
+    cache = NaiveKVCache(tiny.config, 8, attention=timer)
+    ids = torch.arange(6)
+    tiny(ids[:5], cache.positions(5), cache)
+    cache.advance(5)
+    assert timer.seconds == 0
+    tiny(ids[5:], cache.positions(1), cache)
+    assert timer.seconds > 0

@@ -87,10 +87,10 @@ def test_the_smollm2_and_70b_plans():
              f"{smol.weights / MIB:.0f} MiB of weights and {smol.activations / MIB:.0f} MiB of activations")
     big = memory_plan(KNOWN_CONFIGS["llama-3-70b"], 80 * GiB, 4096)
     assert big.num_sequences == 0
-    says(CH, f"({big.weights / 1e9:.0f} GB of weights; the command says so)")
+    says(CH, f"({big.weights / GiB:.1f} GiB of weights; the command says so)")
 
 
-def test_the_reservation_waste():
+def test_the_reservation_waste(capsys):
     prompt, output = request_lengths(1000, 2048, seed=0)
     used = prompt + output
     per_token = kv_bytes_per_token(SMOL, "fp32")
@@ -99,13 +99,19 @@ def test_the_reservation_waste():
     waste = reservation_waste(used, 2048)
     says(CH, f"waste = 1 - used / reserved = {waste:.1%}")
     says(CH, f"**{waste:.1%} of the reserved cache is never used.**")
-    # the same bytes on the 80 GiB device of section 5, Llama-3-8B
-    plan, mean = memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, 4096), round(used.float().mean().item())
-    per_request = 2048 * plan.kv_per_token
-    at_max, at_mean = int(plan.kv_budget // per_request), int(plan.kv_budget // (mean * plan.kv_per_token))
-    says(CH, f"{at_max} requests at 2048 reserved tokens ({per_request / MIB:.0f} MiB) each. Were each request to hold "
-             f"only the {mean} tokens it uses on average, the same bytes would hold about {at_mean} — the same "
-             f"device, {at_mean / at_max:.1f} times the batch")
+    # the same device as section 5, Llama-3-8B, planned for 2048-token requests: the command the text names
+    args = ["memory", "--model", "llama-3-8b", "--device-gb", "80", "--seq-len", "2048", "--dtype", "bf16"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    plan, mean = memory_plan(KNOWN_CONFIGS["llama-3-8b"], 80 * GiB, 2048), round(used.float().mean().item())
+    assert f"left for the KV cache {plan.kv_budget:,.0f} B" in " ".join(printed.split())
+    assert f"concurrent sequences of 2048 tokens: {plan.num_sequences} " in printed
+    at_mean = int(plan.kv_budget // (mean * plan.kv_per_token))
+    says(CH, f"`.venv/bin/python -m nanoserve memory {' '.join(args[1:])}` leaves Llama-3-8B "
+             f"{plan.kv_budget / GiB:.1f} GiB for its cache (the activations now sized for a 2048-token prefill): "
+             f"{plan.num_sequences} requests at 2048 reserved tokens ({plan.kv_per_sequence / MIB:.0f} MiB) each. Were "
+             f"each request to hold only the {mean} tokens it uses on average, the same bytes would hold about "
+             f"{at_mean} — the same device, {at_mean / plan.num_sequences:.1f} times the batch")
 
 
 def test_the_score_matrix_of_a_prefill():
@@ -114,3 +120,20 @@ def test_the_score_matrix_of_a_prefill():
     says(CH, f"{H} × {T} × {T} × 4 B = {scores // MIB} MiB per layer for a {T}-token prefill of SmolLM2 — "
              f"{['', 'once', 'twice', 'three times'][round(scores / kv)]} the {kv / MIB:.0f} MiB of its whole fp32 KV cache")
     assert activation_bytes(SMOL, T) < scores  # the fused kernel's estimate never stores them
+
+
+def test_the_repeat_kv_copy_of_a_decode_step():
+    """Chapter 01's attention copies the cache's 3 K/V heads to 9 at every decode step: repeat_kv of the cache's
+    transposed slice is a new tensor, not a view of the cache, and its bytes are what the text computes."""
+    from nanoserve.model.attention import repeat_kv
+
+    H, Hkv, D, L, S = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim, SMOL.num_hidden_layers, 1024
+    cache = NaiveKVCache(SMOL, max_len=S)
+    keys = cache.kv[0, 0, :S].transpose(0, 1)[None]  # (1, Hkv, S, D): what the cache hands the attention
+    copy = repeat_kv(keys, H // Hkv)
+    assert copy.shape == (1, H, S, D)
+    assert copy.untyped_storage().data_ptr() != cache.kv.untyped_storage().data_ptr()  # materialised, not a view
+    per_layer = 2 * copy.numel() * copy.element_size()  # K and V
+    weights = parameter_counts(SMOL)["total"] * 4
+    says(CH, f"2 × {H} × {S} × {D} × 4 B = {per_layer / MIB:.1f} MiB per layer, {L * per_layer / MIB:.0f} MiB per "
+             f"step, written and then read again — next to the {weights / MIB:.0f} MiB of fp32 weights")

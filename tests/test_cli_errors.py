@@ -103,6 +103,8 @@ BAD = [
     (["memory", "--reserve", "-0.1"], ["--reserve"]),
     (["memory", "--model", "gpt-5"], ["invalid choice", "llama-3-8b", "smollm2-135m"]),
     (["memory", "--seq-len", "100000"], ["100000", "context"]),
+    (["memory", "--student", "05"], ["--student 05", "chapter 04's exercises only"]),
+    (["memory", "--student", "04,06"], ["--student 04,06", "chapter 04's exercises only"]),
     (["info", "--gguf", "{d}/missing.gguf"], ["no such file"]),
     (["info", "--gguf", "{d}/not.gguf"], ["not a GGUF file"]),
     (["bench", "no-such-bench"], ["invalid choice", "offline"]),

@@ -464,22 +464,38 @@ def test_finished_03_draws_every_token_of_the_engine(tiny, exercises):
     assert calls["sample_batch"] == 3 * 6 + 1 + 2 * 5 and calls["sample"] == 3 * 6 + 2 + 2 * 5
 
 
-def test_memory_cli_runs_the_learners_finished_rung(exercises, capsys):
-    """`memory --student 04` with 4.2 done and 4.3 still a stub: the learner's KV bytes, the reference's plan."""
+@pytest.mark.parametrize("finished, yours, fallback, calls", [
+    # the CLI and the reference's memory_plan call kv_bytes_per_sequence once each, and kv_bytes_per_token once
+    # each directly and once each through kv_bytes_per_sequence
+    (["4.2"], "kv_bytes_per_token, kv_bytes_per_sequence", "memory_plan  (Exercise 4.3",
+     "kv_bytes_per_token ×4, kv_bytes_per_sequence ×2"),
+    # the learner's memory_plan makes the plan, on the reference's 4.2 beneath it
+    (["4.3"], "memory_plan", "kv_bytes_per_token, kv_bytes_per_sequence  (Exercise 4.2", "memory_plan ×1"),
+    (["4.2", "4.3"], "kv_bytes_per_token, kv_bytes_per_sequence, memory_plan", None,
+     "kv_bytes_per_token ×4, kv_bytes_per_sequence ×2, memory_plan ×1"),
+], ids=["4.2", "4.3", "4.2+4.3"])
+def test_memory_cli_runs_the_learners_finished_rungs(finished, yours, fallback, calls, exercises, capsys):
+    """`memory --student 04` with some rungs finished: the learner's functions make the plan the CLI prints (the
+    reference's numbers: 113 sequences), an unfinished rung falls back with a warning, and stderr says which."""
     from nanoserve.cli import main
 
     args = ["memory", "--model", "llama-3-8b", "--device-gb", "80", "--seq-len", "4096"]
     assert main(args) == 0
     expected = capsys.readouterr().out
-    path = finish("nanoserve.memory", RUNGS["nanoserve.memory"]["4.2"])
-    assert set(unfinished(path)) == {"Exercise 4.3"}
-    with pytest.warns(UserWarning, match=r"Exercise 4\.3 not finished in exercises/04-kv-cache/memory\.py"):
-        assert main(args + ["--student", "04"]) == 0
+    path = finish("nanoserve.memory", [name for rung in finished for name in RUNGS["nanoserve.memory"][rung]])
+    assert set(unfinished(path)) == {f"Exercise {rung}" for rung in ("4.2", "4.3") if rung not in finished}
+    if fallback:
+        with pytest.warns(UserWarning, match=r"Exercise 4\.[23] not finished in exercises/04-kv-cache/memory\.py"):
+            assert main(args + ["--student", "04"]) == 0
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every rung is the learner's: nothing falls back
+            assert main(args + ["--student", "04"]) == 0
     out, err = capsys.readouterr()
-    assert out == expected  # 113 sequences, from the learner's kv_bytes_per_sequence
-    assert "  yours      kv_bytes_per_token, kv_bytes_per_sequence  from exercises/04-kv-cache/memory.py" in err
-    assert "  reference  memory_plan  (Exercise 4.3 not finished)" in err
-    assert "kv_bytes_per_sequence ×2" in err  # the CLI's call, and the reference memory_plan's call of the learner's
+    assert out == expected
+    assert f"  yours      {yours}  from exercises/04-kv-cache/memory.py" in err
+    assert (f"  reference  {fallback}" in err) if fallback else "  reference  " not in err
+    assert f"--student: your code served: {calls}\n" in err, err
 
 
 @pytest.mark.slow

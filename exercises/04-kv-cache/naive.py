@@ -47,4 +47,5 @@ class NaiveKVCache(ReferenceNaiveKVCache):
         Example: num_cached = 41, N = 1 (a decode step) -> K/V written at position 41, the query attends to
         42 keys. num_cached = 0, N = 41 (the prefill) -> plain causal attention over the 41 tokens.
         """
-        raise NotImplementedError("Exercise 4.1: write k/v at num_cached.. of this layer, then attend over all cached keys")
+        raise NotImplementedError("Exercise 4.1: return (N, H, D), row i attending over positions 0 .. num_cached + i "
+                                  "of this layer, this call's k/v included")

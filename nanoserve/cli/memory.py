@@ -11,7 +11,7 @@ from nanoserve.cli.checks import UsageError, chapters, fraction, positive_float,
 from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, paged_memory_plan, parameter_counts,
                               weight_bytes)
 from nanoserve.model.known_configs import KNOWN_CONFIGS
-from nanoserve.student import StudentCode
+from nanoserve.student import StudentCode, parse_selection
 
 
 def register(sub):
@@ -29,7 +29,8 @@ def register(sub):
                         "prints it), to see what the pool holds in practice")
     p.add_argument("--student", nargs="?", const=True, default=False, type=chapters, metavar="CHAPTERS",
                    help="compute the KV bytes and the plan with YOUR finished exercises 4.2-4.3 (exercises/04-kv-cache/"
-                        "memory.py); an unfinished rung falls back to the reference with a warning")
+                        "memory.py): --student 04, or alone; an unfinished rung falls back to the reference with a "
+                        "warning")
     p.set_defaults(func=run)
 
 
@@ -37,6 +38,10 @@ def run(args):
     formats = args.weights
     if args.kv_fill is not None and not 0 < args.kv_fill <= 1:
         raise UsageError(f"--kv-fill must be in (0, 1], got {args.kv_fill}")
+    if args.student is True:  # bare --student: the one chapter whose exercises this command runs
+        args.student = "04"
+    if parse_selection(args.student) - {"04"}:
+        raise UsageError(f"--student {args.student}: memory runs chapter 04's exercises only (--student 04)")
     config = KNOWN_CONFIGS[args.model]
     code = StudentCode(args.student)
     memory = code.module("nanoserve.memory")  # the reference, or with --student 04 your exercises 4.2-4.3
