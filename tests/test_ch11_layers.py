@@ -3,6 +3,7 @@ rank's shard is run by hand. The reference is the whole layer (an nn.Linear, an 
 heads, counts worked out by hand. Graded: 11.1 split_heads, 11.2 column-, 11.3 row-parallel, 11.4 the
 vocabulary (each rung alone: the reference stands in for the others)."""
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -195,3 +196,95 @@ def test_finished_rungs_of_exercise_11_build_the_shards(exercises):
     ids = torch.tensor([3, 1, 4, 1, 5])
     with torch.no_grad():
         torch.testing.assert_close(shard.compute_logits(shard(ids)), full.compute_logits(full(ids)))
+
+
+def write_float_llama_gguf(path, config, dtype):
+    """A tiny Llama as a GGUF of unquantized matrices (dtype np.float32 or np.float16; the norms float32), written
+    with the gguf package as llama.cpp's converter lays it out. Returns its matrices by GGUF name, as float32."""
+    from gguf import GGUFWriter
+
+    h, D, H, Hkv, I = (config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+                       config.intermediate_size)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (config.vocab_size, h), "output.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (H * D, h), f"blk.{i}.attn_k.weight": (Hkv * D, h),
+                       f"blk.{i}.attn_v.weight": (Hkv * D, h), f"blk.{i}.attn_output.weight": (h, H * D),
+                       f"blk.{i}.ffn_gate.weight": (I, h), f"blk.{i}.ffn_up.weight": (I, h),
+                       f"blk.{i}.ffn_down.weight": (h, I)})
+    matrices = {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
+    w = GGUFWriter(str(path), "llama")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(I)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_head_count(H)
+    w.add_head_count_kv(Hkv)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    for name, m in matrices.items():
+        w.add_tensor(name, m)
+    for name in ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(config.num_hidden_layers)
+                                          for n in ("attn", "ffn")]:
+        w.add_tensor(name, rng.standard_normal(h).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {name: m.astype(np.float32) for name, m in matrices.items()}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_float_gguf_shards_by_columns_too(tmp_path, dtype):
+    """An F32 / F16 GGUF at TP 2: every rank reads its own slice, the row-parallel layers' by columns. Each rank's
+    shard equals the matrices written (o_proj, down_proj: their column halves) and the shard the whole model's
+    state gives (every weight); the whole model is the TP 1 loader's."""
+    from nanoserve.distributed.shard import load_shard_from_gguf, load_shard_from_state, shard_llama
+    from nanoserve.model.gguf_loader import load_gguf
+
+    config = LlamaConfig.tiny(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+    path = tmp_path / "tiny-float.gguf"
+    written = write_float_llama_gguf(path, config, dtype)
+    full = load_gguf(path)
+    for tp in ranks(2):
+        shard = load_shard_from_gguf(path, tp)
+        o, d = 64 // 2, 96 // 2  # each rank's columns of o_proj (64 inputs) and down_proj (96)
+        for i, block in enumerate(shard.layers):
+            assert np.array_equal(block.self_attn.o_proj.weight.detach().numpy(),
+                                  written[f"blk.{i}.attn_output.weight"][:, tp.rank * o:(tp.rank + 1) * o])
+            assert np.array_equal(block.mlp.down_proj.weight.detach().numpy(),
+                                  written[f"blk.{i}.ffn_down.weight"][:, tp.rank * d:(tp.rank + 1) * d])
+        expected = load_shard_from_state(shard_llama(full.config, tp), full.state_dict()).state_dict()
+        assert expected.keys() == shard.state_dict().keys()
+        for name, weight in shard.state_dict().items():
+            assert torch.equal(weight, expected[name]), name
+
+
+def test_shards_are_built_without_initialising_only_in_their_own_thread():
+    """shard_llama builds inside SkipInit, which skips torch.nn.init in the thread that entered it and nowhere
+    else: an nn.Embedding built meanwhile in another thread gets its usual seeded normal_() weights."""
+    import threading
+
+    from nanoserve.distributed.shard import SkipInit
+
+    torch.manual_seed(0)
+    usual = torch.nn.Embedding(50, 4).weight.detach().clone()
+    inside, built = threading.Event(), threading.Event()
+
+    def build_a_shard():
+        with SkipInit():
+            inside.set()
+            built.wait(10)  # stay inside while the other thread builds its embedding
+
+    shard_thread = threading.Thread(target=build_a_shard)
+    shard_thread.start()
+    assert inside.wait(10)
+    torch.manual_seed(0)
+    meanwhile = torch.nn.Embedding(50, 4).weight.detach().clone()
+    built.set()
+    shard_thread.join()
+    assert torch.equal(meanwhile, usual)
+    torch.manual_seed(0)
+    with SkipInit():
+        torch.nn.Embedding(50, 4)  # inside: not initialised, so no random number is drawn
+    assert torch.equal(torch.randn(50, 4), usual)

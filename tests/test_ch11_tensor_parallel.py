@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from nanoserve.distributed.parallel_state import STEP, WorkerError
+from nanoserve.distributed.parallel_state import STEP, STEP_FIELDS, WorkerError
 from nanoserve.engine.worker import Worker
 from nanoserve.llm import LLM
 from nanoserve.model import Llama, LlamaConfig
@@ -217,6 +217,8 @@ def test_pack_step_sizes_and_round_trip_by_hand():
     assert set(fields) == set(want)
     for name, tensor in want.items():
         assert torch.equal(fields[name], tensor.long()), name
+    # the contract's layout, which the other ranks' unpack_step reads: every field of STEP_FIELDS in that order
+    assert torch.equal(payload, torch.cat([want[name].long().flatten() for name in STEP_FIELDS]))
     assert m.slot_mapping.tolist() == [21, 12, 13, 14, 24]  # worked by hand: block · 4 + offset
 
 

@@ -3,7 +3,7 @@
 
 `tp` has `.rank`, `.size`, `.all_reduce(x)` (the sum over the ranks, on every rank) and `.gather(x)` (rank 0
 gets every rank's x side by side along the last dim, in rank order; the other ranks get None). Read chapter
-11, section 4, first. Grade with `make grade CH=11 EX=11.4`.
+11, section 2, first. Grade with `make grade CH=11 EX=11.4`.
 """
 
 import torch

@@ -4,8 +4,8 @@
      each TP size a fresh group), rank 0's time inside all_reduce (waiting for the slowest rank
      included) and the bytes all-reduced per layer per token. The model is SmolLM2-135M-sized with
      12 query / 6 KV heads and random weights, because SmolLM2's own 9 heads do not split 2 ways
-     (`--real` measures the real SmolLM2 at TP 1 and 3). On 2 cores, TP cannot be faster: the ranks
-     share the same cores and memory bus, so splitting the work only adds the all-reduces.
+     (`--real` measures the real SmolLM2 at TP 1 and 3). With every rank on the same core (`taskset -c 0`)
+     the arithmetic is the same at every TP size and the all-reduces come on top (chapter 11, section 5).
   2. Modelled: nanoserve.distributed.cost_model for Llama-3-8B / 70B at TP 1, 2, 4, 8 on H100s with
      NVLink or PCIe; `--plot FILE` draws the step times.
 """
@@ -28,8 +28,8 @@ def register(sub):
     p.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                   help="torch threads in all, split over the ranks (at least 1 each); on a shared machine 1 is "
-                        "steadier: threads that wait for a busy core spin, and TP 1's two threads suffer most")
+                   help="torch threads in all, split over the ranks (at least 1 each); 1 gives every rank, at every "
+                        "TP size, one thread (chapter 11, section 5)")
     p.add_argument("--real", action="store_true", help="the real SmolLM2 (at the sizes that split 9 heads: 1, 3)")
     p.add_argument("--model-only", action="store_true", help="skip the measurement, print the GPU model")
     p.add_argument("--context", type=int, default=4096, help="GPU model: tokens of context per sequence")

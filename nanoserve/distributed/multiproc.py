@@ -14,7 +14,8 @@ Faults never hang: a worker that raises sends its traceback down its pipe and ex
 closes its gloo sockets, so rank 0's next collective fails within moments ("Connection closed by peer")
 instead of waiting out a timeout; a worker killed outright closes them too. The Executor then calls
 `WorkerProcesses.fail`: it names the rank and the cause, kills what is left, and marks the group dead.
-The processes talk only through pipes (socket pairs) and gloo's TCP sockets: no shared memory.
+The processes talk only through one-way pipes (multiprocessing's Pipe(duplex=False): an os.pipe) and gloo's
+TCP sockets: no shared memory.
 
 Several machines (chapter 16): the standard launcher starts one process per node instead of the spawn,
 

@@ -10,9 +10,9 @@ the worker and the model runner are the same code with and without tensor parall
     receive              ranks > 0 wait for the next command           multiproc.worker_loop
 
 A step travels as integers only (`pack_step`): token ids, positions, slot mapping, block tables,
-query starts, the rows to sample, and the blocks to copy before the step writes (copy-on-write after a
-fork: every rank holds its slice of every block, so every rank copies) — a few hundred bytes. No Sequence, no SamplingParams, no
-activation crosses the wire: the other ranks need to know *what* to compute, not *why*; rank 0,
+sequence lengths, query starts, the rows to sample, and the blocks to copy before the step writes
+(copy-on-write after a fork: every rank holds its slice of every block, so every rank copies) — a few
+hundred bytes. No Sequence, no SamplingParams, no activation crosses the wire: the other ranks need to know *what* to compute, not *why*; rank 0,
 which owns the requests, alone samples. That is why the scheduler deals in integers only.
 """
 

@@ -20,12 +20,12 @@ tokens. With replication (n > Hkv) the saving stops at Hkv: every rank holds one
 """
 
 import io
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from nanoserve.distributed.linear import MergedColumnParallelLinear
 from nanoserve.model.config import LlamaConfig
@@ -91,7 +91,7 @@ def shard_llama(config: LlamaConfig, tp, linear_layers=None) -> Llama:
     from nanoserve.distributed.linear import QKVParallelLinear
     split = linear_layers.split_heads(config, tp.size)
     h, D, kv_shard = config.hidden_size, config.head_dim, split.kv_shard(tp.rank, tp.size)
-    with torch.device("meta"), _no_embedding_init():
+    with torch.device("meta"), SkipInit():
         model = Llama(config)
     model.embed_tokens = linear_layers.VocabParallelEmbedding(config.vocab_size, h, tp)
     model.lm_head = linear_layers.ParallelLMHead(config.vocab_size, h, tp)
@@ -111,16 +111,18 @@ def shard_llama(config: LlamaConfig, tp, linear_layers=None) -> Llama:
     return model.eval()
 
 
-@contextmanager
-def _no_embedding_init():
-    """nn.Embedding initialises with normal_(), which on the meta device goes through torch's Python
-    decompositions and imports its compiler: 5 s per process here, for weights that are overwritten anyway."""
-    reset = nn.Embedding.reset_parameters
-    nn.Embedding.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Embedding.reset_parameters = reset
+class SkipInit(TorchFunctionMode):
+    """Inside `with SkipInit():`, torch.nn.init's functions return their tensor untouched.
+
+    Why: nn.Embedding initialises with normal_(), which on the meta device goes through torch's Python
+    decompositions and imports its compiler: 5 s per process here, for weights that are loaded next anyway.
+    A torch-function mode (public: torch.overrides) sees every torch call made in this thread inside the
+    `with`, and nothing else: no class of torch's is changed, so other threads build their layers as usual."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":  # normal_, uniform_, kaiming_uniform_, ...
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def sharded_parameters(model: Llama):
@@ -159,9 +161,10 @@ def state_bytes(model: Llama) -> bytes:
 def read_gguf_slice(tensor, dim: int | None, offset: int = 0, size: int = 0) -> np.ndarray:
     """Dequantize only rows (dim 0) or columns (dim 1) [offset, offset + size) of a GGUF matrix (out, in).
 
-    Quantized rows are stored one after another, each as in/32 blocks (Q4_1: 20 bytes per 32 weights), so a
-    slice of rows is a slice of the byte array, and a slice of columns that starts and ends on a block
-    boundary is a slice of each row's blocks: nothing outside the slice is dequantized.
+    Quantized rows are stored one after another, each as in/32 blocks (Q4_1: 20 bytes per 32 weights; the
+    K-quants: 256 weights per block), so a slice of rows is a slice of the byte array, and a slice of columns
+    that starts and ends on a block boundary is a slice of each row's blocks: nothing outside the slice is
+    dequantized. An unquantized matrix (F32, F16) is the same with blocks of one weight.
     """
     from gguf import GGML_QUANT_SIZES, dequantize
 
@@ -172,7 +175,9 @@ def read_gguf_slice(tensor, dim: int | None, offset: int = 0, size: int = 0) -> 
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         if offset % block or size % block:
             raise ValueError(f"{tensor.name}: columns {offset}:{offset + size} do not fall on {block}-weight blocks")
-        data = data.reshape(data.shape[0], -1, block_bytes)[:, offset // block:(offset + size) // block]
+        # gguf gives a quantized matrix as bytes (out, in/block · block_bytes) but an F32 / F16 one as floats
+        # (out, in): viewed as bytes, both are rows of blocks
+        data = data.view(np.uint8).reshape(data.shape[0], -1, block_bytes)[:, offset // block:(offset + size) // block]
         data = data.reshape(data.shape[0], -1)
     return dequantize(np.ascontiguousarray(data), qtype).astype(np.float32)
 
