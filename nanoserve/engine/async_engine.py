@@ -14,8 +14,11 @@ worlds meet at two thread-safe points:
     event loop  ──add / abort──▶  inbox (a list under a lock)  ──drained at each step boundary──▶  LLMEngine
     event loop  ◀──RequestOutput── each request's asyncio.Queue ◀──call_soon_threadsafe──  engine thread
 
-Only the engine thread ever touches the LLMEngine, so the engine itself needs no lock. An abort is
-an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
+(the `added` future that tells add_request the engine took the request comes back the second way too).
+Only the engine thread ever steps the LLMEngine or changes its state, so the engine needs no lock: the event
+loop only reads single values (the context length, the vocabulary, the sleep level, which the engine thread
+checks again) and compiles grammars in chapter 13's cache, which has a lock of its own. An abort is an inbox
+entry too: it takes effect at the next step boundary, and its KV blocks are free then.
 When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
 A step that raises fails the requests that were in it (their streams raise) and the loop goes on; a
 sequence whose own draw raises fails alone (LLMEngine gives its output an `error`), the batch goes on.
