@@ -248,6 +248,36 @@ def test_full_queue_is_503_with_retry_after_before_any_tokenizing(tiny, tokenize
     assert_pool_whole(engine)
 
 
+def test_queue_bound_counts_requests_not_their_n_completions(tiny, tokenizer):
+    """--max-waiting-requests counts requests: an n = 4 request running as 4 sequences is one request with a seat,
+    and the n = 1 request behind it (no seat left of 4) is the one waiting, so the next one is refused."""
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=256, block_size=16),
+                                          scheduler_config=SchedulerConfig(max_num_seqs=4)), tokenizer)
+    slow_steps(engine)
+    with serving(engine, tokenizer, model_name="tiny", max_waiting_requests=1) as (url, server):
+        async_engine = server.state.engine
+
+        def until(condition):
+            deadline = time.monotonic() + 10
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert condition()
+
+        body = chat_body(max_tokens=400, ignore_eos=True, stream=True, temperature=1.0, seed=0)
+        with httpx.Client() as a, httpx.Client() as b, \
+                a.stream("POST", f"{url}/v1/chat/completions", json={**body, "n": 4}) as four:
+            until(lambda: len(engine.scheduler.running) == 4)  # forked: its 4 completions take every seat
+            assert (async_engine.num_requests_running, async_engine.num_requests_waiting) == (1, 0)
+            with b.stream("POST", f"{url}/v1/chat/completions", json=body) as one:
+                assert four.status_code == one.status_code == 200
+                until(lambda: async_engine.num_requests_waiting == 1)
+                assert len(engine.scheduler.waiting) == 1 and async_engine.num_requests_running == 1
+                r = httpx.post(f"{url}/v1/chat/completions", json=chat_body())
+                error = assert_openai_error(r, 503)
+                assert "1 requests are waiting (max 1)" in error["message"]
+    assert_pool_whole(engine)
+
+
 @pytest.mark.exercise("8.4")
 def test_rate_limit_is_429_with_retry_after(engine, tokenizer):
     limits = implementation("nanoserve.server.limits")
@@ -295,6 +325,15 @@ MALFORMED = [  # (body, expected status, expected param or None)
     (chat_body(stop=5), 400, "stop"),
     (chat_body(stop=[""]), 400, "stop"),
     (chat_body(n=0), 400, "n"),
+    (chat_body(presence_penalty=2.5), 400, "presence_penalty"),
+    (chat_body(frequency_penalty="x"), 400, "frequency_penalty"),
+    (chat_body(logit_bias={"1": 101}), 400, "logit_bias"),
+    (chat_body(logprobs="yes"), 400, "logprobs"),
+    (chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (chat_body(min_p=1.5), 400, "min_p"),
+    (chat_body(repetition_penalty=0), 400, "repetition_penalty"),
+    (chat_body(stop_token_ids=["2"]), 400, "stop_token_ids[0]"),
+    (chat_body(timeout=0), 400, "timeout"),
     (chat_body(stream="yes"), 400, "stream"),
     (chat_body(stream_options={"include_usage": "yes"}), 400, "stream_options.include_usage"),
     (chat_body(ignore_eos="no"), 400, "ignore_eos"),

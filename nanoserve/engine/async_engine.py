@@ -14,8 +14,11 @@ worlds meet at two thread-safe points:
     event loop  ──add / abort──▶  inbox (a list under a lock)  ──drained at each step boundary──▶  LLMEngine
     event loop  ◀──RequestOutput── each request's asyncio.Queue ◀──call_soon_threadsafe──  engine thread
 
-Only the engine thread ever touches the LLMEngine, so the engine itself needs no lock. An abort is
-an inbox entry too: it takes effect at the next step boundary, and its KV blocks are free then.
+(the `added` future that tells add_request the engine took the request comes back the second way too).
+Only the engine thread ever steps the LLMEngine or changes its state, so the engine needs no lock: the event
+loop only reads single values (the context length, the vocabulary, the sleep level, which the engine thread
+checks again) and compiles grammars in chapter 13's cache, which has a lock of its own. An abort is an inbox
+entry too: it takes effect at the next step boundary, and its KV blocks are free then.
 When nothing is left to do the thread sleeps on an Event (no spinning); an add or an abort wakes it.
 A step that raises fails the requests that were in it (their streams raise) and the loop goes on; a
 sequence whose own draw raises fails alone (LLMEngine gives its output an `error`), the batch goes on.
@@ -71,9 +74,10 @@ class AsyncLLMEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        # snapshots the engine thread publishes after every step (read by the server without a lock)
-        self.num_requests_running = 0
-        self.num_requests_waiting = 0
+        # snapshots the engine thread publishes at every step boundary (read by the server without a lock), in
+        # requests: an n > 1 request's completions are as many sequences in the scheduler's queues but one request
+        self.num_requests_running = 0  # requests with a completion in the running set
+        self._num_scheduled_waiting = 0  # requests in the scheduler with none (see num_requests_waiting)
         self.lora_names: tuple[str, ...] = tuple(getattr(engine, "lora_ids", ()))  # chapter 19: adapters loaded
         self.lora_enabled = getattr(getattr(engine, "config", None), "lora_config", None) is not None
         # chapter 12: snapshots for the live page, nearly off while nobody watches (--student 12: the learner's feed)
@@ -250,14 +254,21 @@ class AsyncLLMEngine:
         with self._lock:
             return len(self._streams)
 
+    @property
+    def num_requests_waiting(self) -> int:
+        """Requests handed over that have no completion running yet: still in the inbox, or in the scheduler's
+        waiting queue (preempted ones too). An n > 1 request counts once. What --max-waiting-requests bounds."""
+        with self._lock:
+            return len(self._inbox_adds) + self._num_scheduled_waiting
+
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
             self._wakeup.clear()  # before draining: an add that lands after this sets it again
             self._run_calls()
             self._drain_inbox()
+            self._publish()  # the adds just left the inbox: num_requests_waiting counts them in the scheduler now
             if not self.engine.has_unfinished_requests():
-                self._publish()
                 self._wakeup.wait(self.event_feed.flush(self.engine))  # a viewer gets the idle state too
                 continue
             self.engine.last_scheduler_output = None
@@ -350,7 +361,10 @@ class AsyncLLMEngine:
 
     def _publish(self) -> None:
         scheduler = self.engine.scheduler
-        self.num_requests_running, self.num_requests_waiting = len(scheduler.running), len(scheduler.waiting)
+        running = {seq.request_id for seq in scheduler.running}
+        # a request some of whose completions were preempted still has a seat: it is not waiting
+        waiting = {seq.request_id for seq in scheduler.waiting} - running
+        self.num_requests_running, self._num_scheduled_waiting = len(running), len(waiting)
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

@@ -238,8 +238,7 @@ def build_app(state: ServerState) -> FastAPI:
     def check_queue() -> None:
         # the decision is exercise 8.4's; with no bound (always so for chapter 16's fleets, whose queues are not
         # here) there is nothing to count
-        waiting = (0 if cfg.max_waiting_requests is None
-                   else state.engine.num_unfinished_requests() - state.engine.num_requests_running)
+        waiting = 0 if cfg.max_waiting_requests is None else state.engine.num_requests_waiting
         state.limits.check_queue(waiting, cfg.max_waiting_requests, cfg.retry_after_s)
 
     async def read_body(request: Request) -> bytes:

@@ -1,4 +1,4 @@
-"""Chapter 08 — rate limits and tenant quotas: token buckets, one per verified API key (or client address).
+"""Chapter 08 — rate limits and tenant quotas: token buckets, one per verified API key's tenant (or client address).
 
 Each bucket holds up to `burst` tokens and refills at `rate` tokens per second; a request takes
 one. With rate=2, burst=3: three requests at once pass, the fourth is refused (429) and told to

@@ -2,7 +2,9 @@
 
 vLLM's metric names under a `nanoserve:` prefix, so dashboards built for one read the other:
 
-    nanoserve:num_requests_running / num_requests_waiting      gauges: the scheduler's two queues
+    nanoserve:num_requests_running / num_requests_waiting      gauges: the scheduler's two queues, in sequences
+                                                               (an n > 1 request's forked completions count one
+                                                               each, like vLLM's child requests)
     nanoserve:kv_cache_usage_perc                              gauge: fraction of KV blocks held (0..1)
     nanoserve:kv_cache_fragmentation                           gauge: slots of held blocks that hold no token,
                                                                over all slots of held blocks (0..1; chapter 15)
@@ -55,6 +57,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 disable_created_metrics()  # no `_created` twin of every counter: the scrape reads as the table above
 
 PREFIX = "nanoserve:"
+# the two queue gauges count sequences, not requests (the server's --max-waiting-requests counts requests)
+RUNNING_DOC = "Sequences in the running set (they hold KV blocks): an n > 1 request's completions count one each."
+WAITING_DOC = "Sequences waiting to be scheduled, preempted ones too: an n > 1 request counts once until it forks."
 # seconds: from a fast decode step on a quiet machine to a long queue under overload
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 
@@ -96,8 +101,8 @@ class PrometheusStatLogger:
         def histogram(name, doc):
             return Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, **label).labels(model_name)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running set (they hold KV blocks).")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (preempted ones too).")
+        self.num_requests_running = gauge("num_requests_running", RUNNING_DOC)
+        self.num_requests_waiting = gauge("num_requests_waiting", WAITING_DOC)
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
         self.kv_cache_fragmentation = gauge("kv_cache_fragmentation",
                                             "Allocated KV slots holding no token / allocated KV slots (0..1).")
@@ -151,8 +156,8 @@ class PrometheusStatLogger:
         # the same values under another server's names: vLLM's, for a fleet's endpoint picker
         self.compat = {} if compat is None else {
             name: Gauge(f"{compat}:{name}", f"{doc} (= nanoserve:{name})", **label).labels(model_name)
-            for name, doc in (("num_requests_running", "Requests in the running set."),
-                              ("num_requests_waiting", "Requests waiting to be scheduled."),
+            for name, doc in (("num_requests_running", RUNNING_DOC),
+                              ("num_requests_waiting", WAITING_DOC),
                               ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)."))}
         self.lora_info = None if compat is None else Gauge(
             f"{compat}:lora_requests_info", "Running and waiting requests' LoRA adapters (value: time of the step).",

@@ -11,7 +11,6 @@ FastAPI's default 422:
 """
 
 import json
-import json
 import math
 from functools import cached_property
 from typing import Literal
