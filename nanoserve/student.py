@@ -20,7 +20,10 @@ graded test of rung 6.2 the grader takes the learner's 6.2 with the reference's 
 rung is graded on its own. A rung can span files (chapter 05's 5.3 is slot_mapping in block_manager.py
 and AttentionMetadata.build in paged_attention.py): in a real run a learner's file that imports a function
 of another exercise module of its chapter is given that module's version as the run serves it, so the
-learner's files call each other.
+learner's files call each other. So a file whose given code builds objects of a class from another file of
+its chapter (chapter 02's block.py builds its norms from layers.py's RMSNorm) serves even before its own rung
+is done: the reference's functions run in the learner's file, whose norms are then the learner's finished
+RMSNorm, not the reference's.
 
     code = StudentCode("05")               # True = every chapter; "05,06"; ["05"]; False = none
     allocator = code.module("nanoserve.kv.block_allocator").BlockAllocator(64)
@@ -111,6 +114,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
         "1.1": ["causal_mask"],
         "1.2": ["split_heads", "merge_heads", "repeat_kv"],
         "1.3": ["scaled_dot_product_attention"],
+    },
+    # one rung, listed so that a stubbed block.py still builds its norms from a finished 2.1 (see _load)
+    "nanoserve.model.block": {
+        "2.2": ["DecoderBlock.forward"],
     },
     "nanoserve.memory": {
         "4.2": ["kv_bytes_per_token", "kv_bytes_per_sequence"],
@@ -419,7 +426,8 @@ class StudentCode:
         todo = unfinished(path)
         rungs = [exercise.removeprefix("Exercise ") for exercise in todo]
         ladder = set(RUNGS.get(name, {}))
-        if todo and (not set(rungs) <= ladder or set(rungs) == ladder):  # not a ladder, or no rung done yet
+        # the reference runs for a file that is not a ladder, or has no rung done and builds on none of the learner's
+        if todo and (not set(rungs) <= ladder or set(rungs) == ladder and not self._builds_on_yours(name)):
             stubs = "; ".join(f"{exercise} ({', '.join(names) if len(names) <= 3 else f'{len(names)} functions'})"
                               for exercise, names in todo.items())
             self.used[name] = f"{_short(path)} still raises NotImplementedError in {stubs}"
@@ -430,9 +438,25 @@ class StudentCode:
         swapped = {qualname for rung in rungs for qualname in RUNGS[name][rung]}
         self.used[name] = (path, defined_names(mod, swapped), rungs)
         if rungs:
+            beside = "with your other rungs" if set(rungs) != ladder else \
+                "in your file, whose given code builds on your finished files of the chapter"
             warnings.warn(f"{', '.join(todo)} not finished in {_short(path)}: the reference's "
-                          f"{', '.join(sorted(swapped))} runs instead, with your other rungs", stacklevel=3)
+                          f"{', '.join(sorted(swapped))} runs instead, {beside}", stacklevel=3)
         return with_reference(mod, name, rungs)
+
+    def _builds_on_yours(self, name: str) -> bool:
+        """Whether the learner's file of `name` imports a class that this run serves as the learner's own from
+        another exercise file of its chapter (block.py's RMSNorm, from a finished layers.py): its given code then
+        builds the learner's objects."""
+        chapter = STUDENT_FILES[name][:2]
+        for node in ast.walk(ast.parse(student_path(name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != name \
+                    and STUDENT_FILES.get(node.module, "")[:2] == chapter:
+                served = self.module(node.module)
+                if any(inspect.isclass(obj := getattr(served, alias.name, None)) and obj.__module__ == served.__name__
+                       != node.module for alias in node.names):
+                    return True
+        return False
 
     def describe(self, runs: str = "the engine runs", idle: bool = True) -> str:
         """Whose code runs: one line per module the run asked for (idle: and the chapters none of it is from)."""
@@ -440,7 +464,8 @@ class StudentCode:
         for name, use in self.used.items():
             if isinstance(use, tuple):
                 path, names, rungs = use
-                lines.append(f"  yours      {', '.join(names)}  from {_short(path)}")
+                lines.append(f"  yours      {', '.join(names) or 'no rung yet: the given code, built on your files'}"
+                             f"  from {_short(path)}")
                 for rung in rungs:
                     lines.append(f"  reference  {', '.join(RUNGS[name][rung])}  (Exercise {rung} not finished)")
             else:

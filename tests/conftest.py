@@ -84,8 +84,9 @@ def smollm2_tokenizer():
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """The independent oracle: transformers' LlamaForCausalLM, loading the very same GGUF itself
-    (its own dequantizer, its own un-permutation of Q/K)."""
+    """The independent oracle: transformers' LlamaForCausalLM, loading the very same GGUF itself (its own
+    un-permutation of Q/K, its own names, its own forward pass). It dequantizes with the same gguf.dequantize as
+    load_gguf, so the decoding is checked apart, by hand (test_gguf_blocks_decode_by_hand_to_the_loaded_weights)."""
     from transformers import AutoModelForCausalLM
 
     from nanoserve.model import embedded_gguf_path

@@ -74,7 +74,9 @@ def test_decoder_block_matches_transformers(num_tokens):
     ours = randomize(block.DecoderBlock(TINY, layer_idx=0), seed=num_tokens)
     theirs = modeling_llama.LlamaDecoderLayer(hf_config(TINY), layer_idx=0)
     theirs.load_state_dict(ours.state_dict())
-    positions = torch.arange(3, 3 + num_tokens)  # not starting at 0, so RoPE matters
+    # uneven gaps: the distances between the tokens are not those of 0..N-1 (a shift of every position would keep
+    # them all, and RoPE's scores depend on distances only, chapter 01)
+    positions = torch.tensor([0, 2, 3, 7, 8, 20, 21])[:num_tokens]
     x = torch.randn(num_tokens, TINY.hidden_size)
 
     from nanoserve.model.llama import causal_self_attention
@@ -86,6 +88,11 @@ def test_decoder_block_matches_transformers(num_tokens):
                       position_embeddings=hf_rope(TINY, positions))
     expected = expected[0] if isinstance(expected, tuple) else expected
     torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+    if num_tokens > 1:  # (one token attends to itself alone: its output is its v, which RoPE does not rotate)
+        # the comparison sees RoPE: the same block at positions 0..N-1, or with no rotation at all, is far off
+        for wrong_cos, wrong_sin in (rope_cos_sin(torch.arange(num_tokens), TINY.head_dim, TINY.rope_theta),
+                                     (torch.ones_like(cos), torch.zeros_like(sin))):
+            assert (ours(x, wrong_cos, wrong_sin, causal_self_attention) - expected[0]).abs().max() > 1e-2
 
 
 @pytest.mark.exercise("2.2")
@@ -188,6 +195,42 @@ def test_unpermute_undoes_llama_cpp_permutation():
     permuted = llama_cpp_permute(w, 2)
     assert permuted[:, 0].tolist() == [0, 9, 3, 12, 6, 15, 18, 27, 21, 30, 24, 33]  # x0, x3, x1, x4, ... per head
     assert np.array_equal(unpermute_qk(permuted, 2), w)
+
+
+def decode_by_hand(raw: np.ndarray, kind: str) -> np.ndarray:
+    """A tensor's bytes -> float32 weights, from the block formats' definition (ggml's block_q4_1, block_q8_0) in
+    numpy alone: neither gguf.dequantize, which the loader and transformers both call, nor the loader's code."""
+    if kind == "Q4_1":  # 20 bytes per 32 weights: scale d (float16), minimum m (float16), 16 bytes of nibbles
+        blocks = raw.reshape(-1, 20)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (num_blocks, 1)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        q = np.concatenate([blocks[:, 4:] & 0x0F, blocks[:, 4:] >> 4], axis=1)  # byte j: low nibble w[j], high w[j+16]
+        return d * q.astype(np.float32) + m  # (num_blocks, 32)
+    assert kind == "Q8_0"  # 34 bytes per 32 weights: scale d (float16), 32 int8
+    blocks = raw.reshape(-1, 34)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    return d * blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gguf_name, ours", [
+    ("token_embd.weight", "embed_tokens.weight"),  # Q8_0: the embedding, and the tied LM head
+    ("blk.0.ffn_down.weight", "layers.0.mlp.down_proj.weight"),  # Q4_1 from here on
+    ("blk.11.ffn_gate.weight", "layers.11.mlp.gate_proj.weight"),  # half of the fused gate_up_proj
+    ("blk.29.attn_v.weight", "layers.29.self_attn.v_proj.weight"),  # a third of the fused qkv_proj
+    ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj.weight"),  # rows un-permuted as well
+])
+def test_gguf_blocks_decode_by_hand_to_the_loaded_weights(gguf_name, ours, smollm2):
+    """The loader's float32 weights are the file's bytes decoded as the formats define them. The parity test with
+    transformers cannot show this: transformers dequantizes with the same gguf.dequantize as load_gguf."""
+    path = embedded_gguf_path()
+    t = next(t for t in open_gguf(path).tensors if t.name == gguf_name)
+    raw = np.fromfile(path, dtype=np.uint8, count=int(t.n_bytes), offset=int(t.data_offset))  # the bytes on disk
+    out_features, in_features = reversed(t.shape.tolist())  # GGUF lists [in, out]
+    w = decode_by_hand(raw, t.tensor_type.name).reshape(out_features, in_features)
+    if gguf_name.endswith("attn_k.weight"):  # checked against llama.cpp's permutation below
+        w = unpermute_qk(w, smollm2.config.num_key_value_heads)
+    assert torch.equal(smollm2.state_dict()[ours], torch.from_numpy(w))
 
 
 def test_missing_gguf_names_the_file(tmp_path):

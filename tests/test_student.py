@@ -154,6 +154,40 @@ def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys)
     assert f"DecoderBlock.forward ×{calls['DecoderBlock.forward']}" in engine.student_proof()
 
 
+def test_a_finished_02_rmsnorm_runs_every_norm_of_the_model(tiny, exercises):
+    """Only 2.1 done (block.py and llama.py still stubs): `--student 02` builds every RMSNorm of the model from the
+    learner's class — two per block, built by block.py's given constructor, and the final one — not the final
+    norm alone; the report names it with its calls, 2 · layers + 1 per forward pass."""
+    from nanoserve.model import LlamaConfig
+
+    finish("nanoserve.model.layers", ["RMSNorm.forward"])
+    code = StudentCode("02")
+    with pytest.warns(UserWarning, match=r"Exercise 2\.2 not finished in exercises/02-the-model/block\.py: the "
+                                         r"reference's DecoderBlock\.forward runs instead, in your file"):
+        model = code.module("nanoserve.model.llama").Llama(tiny.config, code.module).eval()
+    model.load_state_dict(tiny.state_dict())
+    learners = code.module("nanoserve.model.layers").RMSNorm
+    assert learners.__module__ == "student_nanoserve_model_layers"
+    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+    assert len(norms) == 2 * tiny.config.num_hidden_layers + 1 and all(type(m) is learners for m in norms)
+    ids = torch.tensor(PROMPTS[0])
+    with torch.no_grad():
+        torch.testing.assert_close(model.compute_logits(model(ids)), tiny.compute_logits(tiny(ids)))
+        model(ids)
+    per_pass = 2 * tiny.config.num_hidden_layers + 1
+    assert {name: n for name, n in code.calls.items() if not name.split(".")[-1].startswith("_")} == \
+        {"RMSNorm.forward": 2 * per_pass}
+    lines = code.describe().splitlines()
+    assert "  yours      RMSNorm.forward  from exercises/02-the-model/layers.py" in lines
+    assert "  reference  DecoderBlock.forward  (Exercise 2.2 not finished)" in lines
+    assert code.proof() == f"--student: your code served: RMSNorm.forward ×{2 * per_pass}"
+    # SmolLM2's shape (built on the meta device: no weights): 61 norms, every one the learner's
+    with torch.device("meta"):
+        smollm2 = code.module("nanoserve.model.llama").Llama(LlamaConfig(), code.module)
+    norms = [m for m in smollm2.modules() if type(m).__name__ == "RMSNorm"]
+    assert len(norms) == 61 and all(type(m) is learners for m in norms)
+
+
 OFFSET = "offset = num_keys - num_queries"  # the line of chapter 01's causal_mask that the classic bug drops
 
 
