@@ -1,10 +1,11 @@
 """Chapter 00's claims, checked rather than claimed. The worked example — the chat template's string, its 37 prompt
 ids and the ids the chapter names, the greedy reply's ids and text pieces — is computed here by the tokenizer (and,
 in the slow test, by the model through chapter 03's generate loop, as the chapter's `generate` command runs it) and
-must appear in the chapter word for word. The layering rules of section 5 are checked on every `import` statement
-in nanoserve/ (a function's lazy import included); modules loaded by name at run time (importlib, the `--student`
-switch's `modules(...)`) are not followed. tests/test_ch11_seam.py checks the seam of chapter 11 (distributed/ and
-text/ against the engine core), here not repeated."""
+must appear in the chapter word for word. The layering rules of section 5 are read from its picture (each row's
+paths under nanoserve/) and checked on every `import` statement in nanoserve/ (a function's lazy import included);
+modules loaded by name at run time (importlib, the `--student` switch's `modules(...)`) are not followed.
+tests/test_ch11_seam.py checks the seams below the engine core (distributed/ and text/ against the scheduler, the
+block manager, kv/ and the model runner), here not repeated."""
 
 import ast
 import json
@@ -143,39 +144,75 @@ def is_in(module: str, *prefixes: str) -> bool:
     return module in under(*prefixes)
 
 
-# The picture of section 5, top to bottom. A module imports nothing of a rank above its own.
-TOP = ("cli", "bench", "__main__", "cluster", "disagg.proxy", "disagg.kv_index")  # commands, fleet, proxy, router
-SERVER = ("server",)
-DRIVERS = ("engine.async_engine", "llm")  # the async engine, and the offline LLM API beside it
-BOTTOM = ("model", "kernels", "kv", "memory")  # model / kernels / kv (memory.py: their byte counts)
+# The picture of section 5: each row names its files by their path under nanoserve/ (a package `text/`, a module
+# `engine/scheduler.py`, a top-level module `llm.py`); rows are separated by a line holding only "▼".
+PATH = re.compile(r"(?<![\w./])((?:[a-z_]+/)*[a-z_]+(?:/|\.py))(?![\w.])")
+SPLIT = ["nanoserve", "nanoserve.disagg", "nanoserve.engine"]  # packages whose modules stand in several rows
 SIDE = ("text", "structured", "spec_decode", "distributed", "lora", "disagg.connector", "disagg.receive",
-        "disagg.transport")
+        "disagg.transport")  # the packages drawn beside the engine core and the worker (`···`)
+
+
+@cache
+def picture_rows() -> tuple[tuple[str, ...], ...]:
+    """The paths each row of section 5's picture names, top row first (torch, which names none, left out)."""
+    (path,) = (ROOT / "chapters").glob(f"{CH}-*.md")
+    text = path.read_text()
+    section = text[text.index("## 5. The layering rule"):text.index("## 6. The vocabulary")]
+    picture = section.split("```")[1]
+    rows = [tuple(PATH.findall(row)) for row in re.split(r"\n\s*▼\s*\n", picture)]
+    return tuple(row for row in rows if row)
+
+
+def dotted(path: str) -> str:
+    """engine/scheduler.py -> engine.scheduler, text/ -> text (under() takes these)."""
+    return path.removesuffix("/").removesuffix(".py").replace("/", ".")
+
+
+@cache
+def ranks() -> dict[str, int]:
+    """module -> its row in the picture, counted from the bottom (0); a module stands in the row of the most
+    specific path that covers it (`cluster/cli.py` before `cluster/`)."""
+    rows = picture_rows()
+    row_of = {path: len(rows) - 1 - i for i, row in enumerate(rows) for path in row}
+    out = {}
+    for m in MODULES:
+        covering = [path for path in row_of if m in under(dotted(path))]
+        if covering:
+            out[m] = row_of[max(covering, key=len)]
+    return out
 
 
 def rank(module: str) -> int:
-    for r, group in ((4, TOP), (3, SERVER), (2, DRIVERS), (0, BOTTOM)):
-        if is_in(module, *group):
-            return r
-    return 1 if module != "nanoserve" else 0  # the engine and what sits beside it; the root package is lazy
+    return ranks().get(module, 0)  # SPLIT: their __init__ imports nothing (test_every_module_stands_in_one_row)
 
 
 def test_the_check_sees_imports():
     """The checker itself: it finds a lazy import inside a method, a `from package import module`, and the
-    imports the rules below forbid where they do exist (the server does reach the worker)."""
+    imports the rules below forbid where they do exist (the server does reach the worker); and the picture's rows
+    are distinct ranks, so a worker that imported the scheduler, or cluster/ that imported cli/'s commands, would
+    point up."""
     assert "nanoserve.disagg.connector" in imports("nanoserve.engine.llm_engine")  # inside a method
     assert "nanoserve.lora.punica" in imports("nanoserve.lora.layers")  # from nanoserve.lora import punica
     assert "nanoserve.engine.worker" in imports("nanoserve.server.versions")
-    assert rank("nanoserve.server.api_server") > rank("nanoserve.engine.async_engine") \
-        > rank("nanoserve.engine.scheduler") > rank("nanoserve.kv.block_manager")
-    assert {rank(m) for m in MODULES} == {0, 1, 2, 3, 4}
+    assert rank("nanoserve.cli.serve") == rank("nanoserve.cluster.cli") > rank("nanoserve.cluster.router") \
+        > rank("nanoserve.server.api_server") > rank("nanoserve.engine.async_engine") \
+        > rank("nanoserve.engine.llm_engine") == rank("nanoserve.engine.scheduler") \
+        > rank("nanoserve.engine.worker") == rank("nanoserve.engine.model_runner") == rank("nanoserve.engine.executor") \
+        > rank("nanoserve.engine.scheduler_output") > rank("nanoserve.kv.block_manager") == 0
+    assert rank("nanoserve.text.detokenizer") == rank("nanoserve.engine.llm_engine")  # the engine core's row
+    assert {rank(m) for m in MODULES} == set(range(len(picture_rows())))
 
 
-def test_every_package_is_on_the_map():
-    section = chapter(CH)[chapter(CH).index("## 5. The layering rule"):chapter(CH).index("## 6. The vocabulary")]
-    packages = sorted(p.parent.name for p in (ROOT / "nanoserve").glob("*/__init__.py"))
-    assert len(packages) > 10
-    for package in packages:
-        assert re.search(rf"\b{package}\b", section), f"nanoserve/{package}/ is not in chapter 00's section 5"
+def test_every_module_stands_in_one_row():
+    """Every package and module of nanoserve/ stands in the picture by its path; every path there exists."""
+    paths = [path for row in picture_rows() for path in row]
+    assert len(paths) == len(set(paths)), f"a path in two rows: {paths}"
+    for path in paths:
+        assert (ROOT / "nanoserve" / path).exists(), f"section 5's picture names nanoserve/{path}, which is not there"
+    off = sorted(set(MODULES) - set(ranks()))
+    assert off == SPLIT, f"modules on no row of section 5's picture: {sorted(set(off) - set(SPLIT))}"
+    assert not any(import_statements(m) for m in SPLIT)  # Python runs them first: they import nothing of nanoserve
+    says(CH, "Each row names its files by their path under `nanoserve/`")
 
 
 def test_imports_only_point_down():
@@ -191,10 +228,6 @@ def test_the_model_knows_nothing_about_serving():
     says(CH, "beside itself only `kernels/cpu_dot.py`, chapter 10's integer products, from its own row")
     beside = {"nanoserve.kernels", "nanoserve.kernels.cpu_dot"}
     assert reached <= set(under("model")) | {"nanoserve"} | beside, "model/ reaches outside itself"
-
-
-def test_the_bottom_row_imports_only_the_bottom_row():
-    assert all(rank(t) == 0 for m in under(*BOTTOM) for t in imports(m))
 
 
 def test_the_engine_never_tokenizes():

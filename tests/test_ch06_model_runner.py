@@ -8,7 +8,8 @@ row for row equal to chapter 02's no-cache forward pass over each whole sequence
 import pytest
 import torch
 
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.kv.block_manager import BlockManager
 from nanoserve.kv.paged_attention import PagedKVCache

@@ -1,7 +1,8 @@
 """Chapter 11's seam, checked rather than claimed: tensor parallelism lives below the engine core. The scheduler,
-the block manager and kv/ import nothing of nanoserve/distributed/ (only the model runner, the worker and the
-executor meet it); and the engine core — scheduler, block manager, model runner, kv/ — imports nothing of
-nanoserve/text/ (text <-> ids, above the engine) or nanoserve/server/ (chapter 00's layering).
+the block manager and kv/ import nothing of nanoserve/distributed/ (in the engine only the model runner, the worker,
+the executor and, once, LLMEngine meet it); and what the engine core (LLMEngine.step()) drives — scheduler, block
+manager, model runner, kv/ — imports nothing of nanoserve/text/ (text <-> ids: only LLMEngine's output step
+detokenizes and checks stop strings) or nanoserve/server/ (chapter 00's layering).
 
 Two independent checks: every `import` statement the modules hold, followed through nanoserve's own modules
 (functions' imports included, so a lazy import inside a method counts), and what importing them really loads
@@ -19,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_DISTRIBUTED = ["nanoserve.engine.scheduler", "nanoserve.engine.sequence", "nanoserve.kv.block_allocator",
                   "nanoserve.kv.prefix_cache", "nanoserve.kv.block_manager", "nanoserve.kv.paged_attention",
                   "nanoserve.kv.reservation", "nanoserve.kv.naive"]
-ENGINE_CORE = NO_DISTRIBUTED + ["nanoserve.engine.model_runner"]
-ABOVE_THE_CORE = ("nanoserve.text", "nanoserve.server")
+NO_TEXT = NO_DISTRIBUTED + ["nanoserve.engine.model_runner"]  # below LLMEngine's output step
+TEXT_AND_SERVER = ("nanoserve.text", "nanoserve.server")
 
 
 def source_of(module: str) -> Path | None:
@@ -60,7 +61,7 @@ def loaded():
             "    out[m] = sorted(k for k in sys.modules if k.startswith('nanoserve'))\n"
             "    for k in [k for k in set(sys.modules) - before if k.startswith('nanoserve')]: del sys.modules[k]\n"
             "print(json.dumps(out))")  # torch and the rest stay loaded: only nanoserve's modules are forgotten
-    out = subprocess.run([sys.executable, "-c", code, *ENGINE_CORE], capture_output=True, text=True, cwd=ROOT,
+    out = subprocess.run([sys.executable, "-c", code, *NO_TEXT], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     return json.loads(out.stdout)
 
@@ -77,7 +78,7 @@ def test_scheduler_block_manager_and_kv_know_nothing_of_distributed(module, load
     assert not [m for m in loaded[module] if m.startswith("nanoserve.distributed")]
 
 
-@pytest.mark.parametrize("module", ENGINE_CORE)
-def test_engine_core_knows_nothing_of_text_or_server(module, loaded):
-    assert not [m for m in static_closure([module]) if m.startswith(ABOVE_THE_CORE)]
-    assert not [m for m in loaded[module] if m.startswith(ABOVE_THE_CORE)]
+@pytest.mark.parametrize("module", NO_TEXT)
+def test_scheduler_block_manager_and_model_runner_know_nothing_of_text_or_server(module, loaded):
+    assert not [m for m in static_closure([module]) if m.startswith(TEXT_AND_SERVER)]
+    assert not [m for m in loaded[module] if m.startswith(TEXT_AND_SERVER)]

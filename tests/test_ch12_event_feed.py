@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.student import implementation
 
 

@@ -473,7 +473,7 @@ def test_constrained_requests_never_speculate_though_the_proposer_has_drafts(tin
 
 def test_a_verification_counts_as_sampling():
     """SchedulerOutput.samples: a sequence computing its last token and 3 drafts samples (4 positions)."""
-    from nanoserve.engine.scheduler import SchedulerOutput
+    from nanoserve.engine.scheduler_output import SchedulerOutput
     from nanoserve.engine.sequence import Sequence
 
     seq = Sequence("v", [1, 2, 3], 8)

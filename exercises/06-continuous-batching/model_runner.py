@@ -22,7 +22,7 @@ import torch  # noqa: F401  (the index tensors)
 
 from nanoserve.engine.model_runner import ModelInput
 from nanoserve.engine.model_runner import ModelRunner as ReferenceModelRunner
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 
 
 class ModelRunner(ReferenceModelRunner):

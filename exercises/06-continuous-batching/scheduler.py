@@ -43,7 +43,8 @@ import bisect  # noqa: F401  (you will want bisect.insort)
 import time  # noqa: F401  (seq.scheduled_time, for the queue-time metric)
 
 from nanoserve.engine.scheduler import Scheduler as ReferenceScheduler
-from nanoserve.engine.scheduler import SchedulerConfig, SchedulerOutput, _urgency  # noqa: F401
+from nanoserve.engine.scheduler import SchedulerConfig, _urgency  # noqa: F401
+from nanoserve.engine.scheduler_output import SchedulerOutput  # noqa: F401
 from nanoserve.engine.sequence import Sequence, SequenceStatus  # noqa: F401
 
 

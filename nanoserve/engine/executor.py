@@ -11,7 +11,7 @@ A fault in any rank fails the step with a WorkerError and shuts the group down.
 """
 
 from nanoserve.distributed.parallel_state import INIT_KV_CACHE, get_tp_group
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.worker import Worker
 
 

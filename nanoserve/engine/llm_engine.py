@@ -23,7 +23,7 @@ from functools import partial
 from nanoserve.engine.config import EngineConfig
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.policies import SLOTargets, make_policy
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.engine.sleep_mode import SLEEP_LEVELS
 from nanoserve.engine.worker import KV_CACHE_DTYPES, Worker

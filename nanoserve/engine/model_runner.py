@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.distributed.parallel_state import get_tp_group
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs

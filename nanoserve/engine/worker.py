@@ -18,7 +18,7 @@ import torch
 
 import nanoserve.sampling as reference_sampling
 from nanoserve.engine.model_runner import ModelRunner, SampledTokens
-from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sleep_mode import SleepingWeights
 from nanoserve.kernels.backend import attention_class
 from nanoserve.kv.file_tier import FileKVTier, block_nbytes
