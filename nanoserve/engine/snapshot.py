@@ -51,6 +51,20 @@ def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blo
     return owners
 
 
+def shared_holders(block_tables: dict[str, list[int]]) -> dict[int, list[str]]:
+    """The holders of every block in two tables or more, by block id: what a server needs to show a tenant its own
+    shares (chapter 08's tenants) and no one else's.
+
+    >>> shared_holders({"a": [0, 1], "b": [0, 2]})
+    {0: ['a', 'b']}
+    """
+    holders: dict[int, list[str]] = {}
+    for seq_id, table in block_tables.items():
+        for block_id in table:
+            holders.setdefault(block_id, []).append(seq_id)
+    return {block_id: ids for block_id, ids in holders.items() if len(ids) > 1}
+
+
 def encode_pool(owners: list[str]) -> dict:
     """Compact form for the wire: each distinct owner once, and one small int per block.
 
@@ -216,7 +230,9 @@ class SnapshotBuilder:
             "preempted": self.preempted, "finished": self.finished, "aborted": aborted,
             "prefix": {"queried_tokens": queried, "hit_tokens": hit, "hit_blocks": hit_blocks, "evicted_blocks": evicted},
             "pool": {**encode_pool(owners), "num_free": bm.get_num_free_blocks(),
-                     "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
+                     "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4),
+                     # with tenants only (nobody else needs it): who shares each shared block, for tenant_view
+                     **({"shared": shared_holders(bm.block_tables)} if any(live.values()) else {})},
             "steps": list(self.steps), "dropped_steps": self.dropped_steps,
             "latency": self.latency(),
             # chapter 08's tenants: whose each id above is (None: no tenant), so a server can show a tenant its own
