@@ -109,11 +109,8 @@ def test_prefix_hit_shared_then_cached(tiny):
     assert builder.step == 3
 
 
-@pytest.mark.exercise("12.2")
-def test_preemption_then_abort(tiny):
+def preemption_then_abort(tiny, rules):
     """block_size 4, 4 blocks, two 4-token prompts with 8 tokens each: the pool fills, b is preempted."""
-    rules = SimpleNamespace(block_owners=reference.block_owners,
-                            step_kind=implementation("nanoserve.engine.snapshot").step_kind)
     engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=4, block_size=4)))
     _, step = stepper(engine, rules)
     engine.add_request("a", [1, 2, 3, 4], params(8))
@@ -141,6 +138,19 @@ def test_preemption_then_abort(tiny):
     engine.abort_request("b")
     s = step()
     assert s["aborted"] == ["b"] and s["finished"] == [] and s["waiting"] == []
+    assert owners(s) == ["a", "cached", "a", "a"]  # b's cached prompt block outlives b
+
+
+@pytest.mark.exercise("12.1")
+def test_preemption_eviction_and_abort_in_the_pool(tiny):
+    preemption_then_abort(tiny, SimpleNamespace(block_owners=implementation("nanoserve.engine.snapshot").block_owners,
+                                                step_kind=reference.step_kind))
+
+
+@pytest.mark.exercise("12.2")
+def test_preemption_then_abort(tiny):
+    preemption_then_abort(tiny, SimpleNamespace(block_owners=reference.block_owners,
+                                                step_kind=implementation("nanoserve.engine.snapshot").step_kind))
 
 
 @pytest.mark.exercise("12.2")

@@ -8,12 +8,12 @@
 Four promises, each one line of the design:
 
   nearly off  with no subscribers record() builds no snapshot: it keeps the step's record (eight
-           integers, step_record) in a ring of the last HISTORY_STEPS, dropping the oldest
+           numbers, step_record) in a ring of the last HISTORY_STEPS, dropping the oldest
            (`python -m nanoserve bench engine-view` measures it against no feed at all).
   history  a viewer's first snapshot carries that ring as its step records, so a page opened
            mid-run draws the last HISTORY_STEPS steps at once, not an empty timeline.
   throttled  a full snapshot is built at most once per `min_interval` (0.05 s: 20 a second); the
-           steps in between only add a few integers each to the next one's step records.
+           steps in between only add a few numbers each to the next one's step records.
   bounded  a subscriber holds ONE snapshot. A new one replaces it (counted in `dropped`), so a slow
            viewer skips to the latest state; the engine never waits for a viewer, and memory does not
            grow with how far behind it is.

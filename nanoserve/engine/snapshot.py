@@ -1,8 +1,8 @@
-"""Chapter 12 — the engine after a step, as a small dict of integers and ids: what the live page draws.
+"""Chapter 12 — the engine after a step, as a small dict of numbers and ids: what the live page draws.
 
 Everything here is read from state the engine already keeps (the scheduler's queues, each sequence's
-counters, the block manager's tables, the prefix cache's stats); nothing is a tensor, nothing is new
-bookkeeping inside the engine. Worked example: block_size 4, a pool of 6 blocks, request "a" holds
+counters, the block manager's tables, the prefix cache's stats); nothing is a tensor, and the engine's one count
+for it is its steps (LLMEngine.num_steps). Worked example: block_size 4, a pool of 6 blocks, request "a" holds
 blocks [0, 1], request "b" got a prefix hit on block 0 and holds [0, 2], block 3 keeps the contents of
 a finished request (its hash is still in the prefix cache), blocks 4 and 5 were never written:
 
@@ -13,7 +13,7 @@ One owner per block: "free" (on the free list, nothing worth keeping), "cached" 
 too, but a prefix hit can revive it; the allocator hands it out last), a request id (held by that
 one block table), or "shared:k" (held by k tables: a prefix hit, or a fork).
 
-`step_record` sums one step into eight integers for the timeline (the event feed keeps the last
+`step_record` sums one step into eight numbers for the timeline (the event feed keeps the last
 HISTORY_STEPS of them, watched or not, so a page opened mid-run starts with the recent past).
 `SnapshotBuilder` turns steps into snapshots. `observe_step` runs after every step while someone
 watches (cheap: a few integers per scheduled sequence); `snapshot` runs at most ~20 times a second
