@@ -176,6 +176,8 @@ def test_the_page_live(browser, model_and_tokenizer, shots):
         drawn = until(lambda: browser.find_element("id", "timeline").get_attribute("data-steps"), what="the timeline")
         last = server.state.engine.engine.num_steps
         assert drawn == f"{max(1, last - 119)}-{last}", (drawn, last)
+        # ... and a latency window of its own: none of the burst's requests, which finished before it connected
+        until(lambda: browser.find_element("id", "last-n").text == "0", what="a fresh latency window")
 
         # a chat message, streamed: the reply grows while it arrives
         fill(browser, "chat-input", "Hello there")
