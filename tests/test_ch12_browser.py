@@ -1,8 +1,8 @@
 """Chapter 12 — the /engine page in a real headless Chromium (Debian's chromium + chromium-driver, via selenium).
 
 The server runs a tiny random-weight model behind the real SmolLM2 tokenizer and chat template, with a
-tiny KV pool (40 blocks of 4 tokens) so that a burst overloads it. The tiny model steps in about a
-millisecond, faster than a page could show anything, so each step is padded to 40 ms.
+tiny KV pool (40 blocks of 4 tokens) so that a burst overloads it. The tiny model's steps are short, too short
+for a page to show anything, so each step is padded to 40 ms.
 
 The test drives the page as a learner would: it presses "Burst" and checks, in the page's DOM, that the
 pool grid shows blocks owned by requests while they run and none once they are done, that the queues list
@@ -176,6 +176,8 @@ def test_the_page_live(browser, model_and_tokenizer, shots):
         drawn = until(lambda: browser.find_element("id", "timeline").get_attribute("data-steps"), what="the timeline")
         last = server.state.engine.engine.num_steps
         assert drawn == f"{max(1, last - 119)}-{last}", (drawn, last)
+        # ... and a latency window of its own: none of the burst's requests, which finished before it connected
+        until(lambda: browser.find_element("id", "last-n").text == "0", what="a fresh latency window")
 
         # a chat message, streamed: the reply grows while it arrives
         fill(browser, "chat-input", "Hello there")

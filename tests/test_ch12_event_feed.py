@@ -3,7 +3,8 @@
 Graded: `make grade CH=12` runs them against exercises/12-engine-view/event_feed.py.
 
 - 12.3 the mailbox: a viewer only ever finds the latest snapshot, the ones it missed are counted, it is woken
-  once per empty -> full, and a slow reader against a fast writer in two threads holds one snapshot at most.
+  once per empty -> full, outside the lock, and a reader against a writer in two threads gets the snapshots in
+  order, none twice, the last one always, and every other one counted as dropped.
 - 12.4 the throttle, on a fake clock and a fake snapshot builder: with steps every millisecond for a simulated
   second, at most R + 1 snapshots are built (R = 1 / min_interval), each subscriber gets the same dict, and
   flush says how long until the next one may go.
@@ -39,7 +40,24 @@ def test_the_mailbox_keeps_the_latest_only_and_counts_what_it_dropped():
 
 
 @pytest.mark.exercise("12.3")
-def test_a_slow_reader_never_holds_more_than_one_snapshot():
+def test_the_wake_up_comes_outside_the_lock():
+    """notify() runs the viewer's code (the server's posts a wake-up to its event loop): under the mailbox's lock it
+    would hold up the viewer's take(), or deadlock a notify that takes at once (a threading.Lock is not re-entrant)."""
+    free = []
+
+    def notify():
+        got = sub._lock.acquire(blocking=False)  # held by put() while it calls us: False
+        if got:
+            sub._lock.release()
+        free.append(got)
+
+    sub = feed_module().Subscription(notify=notify)
+    sub.put({"step": 0})
+    assert free == [True]
+
+
+@pytest.mark.exercise("12.3")
+def test_a_writer_and_a_reader_in_two_threads_lose_nothing_uncounted():
     sub = feed_module().Subscription()
     seen, stop = [], threading.Event()
 

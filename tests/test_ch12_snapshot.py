@@ -109,11 +109,8 @@ def test_prefix_hit_shared_then_cached(tiny):
     assert builder.step == 3
 
 
-@pytest.mark.exercise("12.2")
-def test_preemption_then_abort(tiny):
+def preemption_then_abort(tiny, rules):
     """block_size 4, 4 blocks, two 4-token prompts with 8 tokens each: the pool fills, b is preempted."""
-    rules = SimpleNamespace(block_owners=reference.block_owners,
-                            step_kind=implementation("nanoserve.engine.snapshot").step_kind)
     engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=4, block_size=4)))
     _, step = stepper(engine, rules)
     engine.add_request("a", [1, 2, 3, 4], params(8))
@@ -141,6 +138,19 @@ def test_preemption_then_abort(tiny):
     engine.abort_request("b")
     s = step()
     assert s["aborted"] == ["b"] and s["finished"] == [] and s["waiting"] == []
+    assert owners(s) == ["a", "cached", "a", "a"]  # b's cached prompt block outlives b
+
+
+@pytest.mark.exercise("12.1")
+def test_preemption_eviction_and_abort_in_the_pool(tiny):
+    preemption_then_abort(tiny, SimpleNamespace(block_owners=implementation("nanoserve.engine.snapshot").block_owners,
+                                                step_kind=reference.step_kind))
+
+
+@pytest.mark.exercise("12.2")
+def test_preemption_then_abort(tiny):
+    preemption_then_abort(tiny, SimpleNamespace(block_owners=reference.block_owners,
+                                                step_kind=implementation("nanoserve.engine.snapshot").step_kind))
 
 
 @pytest.mark.exercise("12.2")
@@ -185,6 +195,7 @@ def test_n_3_forks_decode_and_finish(tiny):
     assert brief(s["running"]) == [("r", "running", 6, "prefill", 6, 7), ("r#1", "running", 0, None, 6, 7),
                                    ("r#2", "running", 0, None, 6, 7)]
     assert owners(s) == ["shared:3", "shared:3"] + ["free"] * 10
+    assert "shared" not in s["pool"]  # who shares what: only with tenants, for tenant_view
     # step 2: each computes position 6, in the shared last block: r and r#1 copy it into blocks 2 and 3 on
     # their first write, r#2 keeps it; block 0 (full, read only) stays shared. 3 decodes, 3 new tokens
     s = step()
@@ -232,6 +243,33 @@ def test_a_verification_step_is_a_decode_and_counts_its_accepted_tokens(tiny):
     assert kinds == [(12, "prefill"), (5, "decode"), (2, "decode"), (2, "decode"), (4, "decode"), (5, "decode"), None]
     assert [(f["id"], f["output"]) for f in finished] == [("r", 16)]
     assert engine.spec_stats.num_draft_tokens == 4 + 1 + 1 + 3 + 4 and engine.spec_stats.num_accepted_tokens == 9
+
+
+def test_a_tenant_sees_only_its_own_share_of_the_pool(tiny):
+    """chapter 08's tenants, block_size 4, 16 blocks. a1 (tenant a) and b2 (tenant b) send the same 9-token prompt
+    with the same cache_salt (the explicit way to share a prefix across tenants); b1 (tenant b) has 2 completions.
+    Step 1: a1's prompt takes blocks 0, 1, 2; b1's takes 3 and 4 (partial), and its fork b1#1 shares both.
+    Step 2: b2 hits a1's two full blocks; b1 and b1#1 write position 6 into block 4: b1 copies it into block 5,
+    b1#1 keeps it; b2 computes its last prompt token in block 6."""
+    from nanoserve.server.engine_view import tenant_view
+
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4)))
+    builder, step = stepper(engine)
+    engine.add_request("a1", list(range(1, 10)), params(4), tenant="a", cache_salt="public")
+    engine.add_request("b1", list(range(20, 26)), SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True),
+                       tenant="b")
+    step()
+    engine.add_request("b2", list(range(1, 10)), params(4), tenant="b", cache_salt="public")
+    s = step()
+    free = ["free"] * 9
+    assert owners(s) == ["shared:2", "shared:2", "a1", "shared:2", "b1#1", "b1", "b2"] + free
+    assert s["pool"]["shared"] == {0: ["a1", "b2"], 1: ["a1", "b2"], 3: ["b1", "b1#1"]}
+    # a: its own blocks, a1's alone (b2's share of 0 and 1 is b's to know); b1's fork-shared block 3 is "other" like
+    # any other b block, and no list of who shares what reaches it
+    a = tenant_view(s, "a")
+    assert owners(a) == ["a1"] * 3 + ["other"] * 4 + free and "shared" not in a["pool"]
+    # b: block 3 shared by its own two completions; 0 and 1 are b2's (a1's share is a's)
+    assert owners(tenant_view(s, "b")) == ["b2", "b2", "other", "shared:2", "b1#1", "b1", "b2"] + free
 
 
 class Untouchable:
@@ -312,6 +350,29 @@ def test_a_viewer_connecting_after_k_steps_gets_the_last_min_k_n(tiny, k):
     outputs = engine.step()
     feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
     assert [r[0] for r in sub.take()["steps"]] == [k + 1]
+
+
+def test_a_viewer_that_comes_after_an_idle_spell_starts_fresh(tiny):
+    """A page closed, then opened again (or reloaded) while the engine is idle: the new viewer's first snapshot has
+    none of the requests the earlier one saw finish, in its events or its latency window; only the step history
+    (the timeline's) carries over."""
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=4)))
+    feed = EventFeed(min_interval=0)
+    first = feed.subscribe()
+    engine.add_request("a", [1, 2, 3, 4, 5], params(3))
+    engine.add_request("b", [6, 7, 8, 9, 10], params(3))
+    while engine.has_unfinished_requests():  # step 1 prefills both, steps 2 and 3 decode; both finish at step 3
+        outputs = engine.step()
+        feed.record(engine, engine.last_scheduler_output, outputs, 0.001)
+    last = first.take()
+    assert [f["id"] for f in last["finished"]] == ["a", "b"] and last["latency"]["requests"] == 2
+    feed.unsubscribe(first)  # the page goes; the engine stays idle: no step, no record
+    second = feed.subscribe()
+    assert feed.flush(engine) is None  # the idle loop, woken by the new viewer, sends it the state at once
+    snap = feed.with_history(second.take())
+    assert snap["latency"] == {"requests": 0, "ttft_p50": None, "tpot_p50": None}  # not the first page's two
+    assert snap["finished"] == snap["aborted"] == snap["preempted"] == [] and snap["tenants"] == {}
+    assert snap["step"] == 3 and [r[0] for r in snap["steps"]] == [1, 2, 3]  # the timeline's history stays
 
 
 def test_subscription_keeps_only_the_latest():

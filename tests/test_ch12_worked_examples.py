@@ -102,7 +102,7 @@ def test_the_feeds_constants():
     says(CH, f"the page starts with the last {HISTORY_STEPS} step records")
     drawn = int(re.search(r"state\.steps\.slice\(-(\d+)\)", (ROOT / "nanoserve/server/static/engine.js").read_text())[1])
     says(CH, f"the step timeline draws the newest {drawn} of them, the KV-usage chart all {HISTORY_STEPS}")
-    says(CH, f"over the last {LATENCY_WINDOW}\nfinished requests")
+    says(CH, f"over the last {LATENCY_WINDOW}\nrequests that finished since the page connected")
     says(CH, f"a `deque(maxlen={HISTORY_STEPS})` that drops its oldest")
     feed = EventFeed()
     assert feed.history.maxlen == HISTORY_STEPS

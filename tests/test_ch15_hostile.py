@@ -279,10 +279,14 @@ def test_a_tenant_sees_its_own_requests_and_streams_count_against_its_limits(eng
         assert "rate limit" in assert_openai_error(
             httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60), 429)["message"]
 
+        # b's second request has 2 completions of a 24-token prompt: they share its first block (16 tokens) as long
+        # as they run, a block that a must not tell from b's others
+        forked = {**body, "prompt": " ".join(["Once upon a time"] * 6), "n": 2}
+
         async def both():
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                return await asyncio.gather(*[http.post("/v1/completions", json=body, headers=auth(k))
-                                              for k in ("key-a", "key-b", "key-b")])
+                return await asyncio.gather(*[http.post("/v1/completions", json=b, headers=auth(k))
+                                              for k, b in (("key-a", body), ("key-b", body), ("key-b", forked))])
 
         replies = asyncio.run(both())
         for w in watchers:
@@ -299,6 +303,9 @@ def test_a_tenant_sees_its_own_requests_and_streams_count_against_its_limits(eng
 
         assert ids[0] in mentioned(seen_a) and not set(ids[1:]) & mentioned(seen_a)  # its own, not b's
         assert "other" in mentioned(seen_a)  # b's blocks, unnamed
+        assert "shared:2" in mentioned(seen_ops)  # b's fork shared a block while a watched ...
+        assert not any(o.startswith("shared:") for o in mentioned(seen_a))  # ... which a saw as "other" too
+        assert not any("shared" in s["pool"] for s in seen_a[1:])  # and never who shares what
         assert all(s["prefix"]["hit_tokens"] == 0 and s["prefix"]["hidden"] for s in seen_a[1:])
         assert set(ids) <= mentioned(seen_ops)  # the operator sees everyone
     assert_pool_whole(engine)

@@ -33,9 +33,14 @@ class EventFeed(event_feed.EventFeed):
     subscription = Subscription  # the mailbox each viewer gets: yours
 
     def emit_if_due(self, engine) -> float:
-        """Exercise 12.4: called after every step and by the idle loop (record, flush). If at least min_interval
-        seconds (by self.clock()) have passed since the last snapshot was built, build one (self._builder; make
-        it with _builder(engine, self.t0) first if it is None), deliver the same dict to every subscriber,
-        remember when, clear self._pending and return 0.0. Otherwise build nothing and return the seconds until
-        one may be built."""
+        """Exercise 12.4: the throttle. The given record() calls it after every watched step, flush() when the
+        engine is idle; both only while something is pending (self._pending).
+
+        Promises: snapshots are built at most one per min_interval seconds of self.clock() (the first at once),
+        from self._builder (None: there is none yet; _builder(engine, self.t0) makes one). Each one built reaches
+        every subscriber's mailbox, as one dict for all, and leaves nothing pending. Returns 0.0 when it built
+        one, else the seconds until one may be built (flush hands that to the idle loop as its longest sleep).
+
+        Example, min_interval 0.05: calls at clock 100.00, 100.01 and 100.06 build at 100.00 and 100.06; the one
+        at 100.01 builds nothing and returns 0.04."""
         raise NotImplementedError("Exercise 12.4: EventFeed.emit_if_due")

@@ -24,13 +24,14 @@ def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blo
 
 
 def step_kind(num_computed_before: int, num_scheduled: int, num_tokens_before: int, num_prompt_tokens: int) -> str:
-    """"decode" when the step computes exactly one token, the sequence's last one, and that token was
-    generated (its position is >= num_prompt_tokens); "prefill" otherwise: a prompt chunk, or the
-    recompute of a preempted sequence (which prefills its generated tokens again; one the prefix cache covers up to
-    its last token computes only that one: a decode).
+    """What one sequence's step was, for the timeline: "decode" when its work is a decode's (the step takes the
+    sequence one generated token further, from a cache that holds everything before it), "prefill" for any other
+    work: its prompt, whole or a chunk, or the recompute of a preempted sequence, whose generated tokens are
+    computed again like a prompt. A recompute the prefix cache covers up to its last token has a decode's work left.
 
     The counts are the sequence's before the step: tokens [num_computed_before, num_computed_before +
-    num_scheduled) are computed, out of num_tokens_before (prompt + generated so far).
+    num_scheduled) are computed, out of num_tokens_before (its num_prompt_tokens prompt tokens, then the generated
+    ones so far).
 
     >>> step_kind(10, 1, 11, 10), step_kind(0, 8, 10, 10), step_kind(9, 1, 10, 10)
     ('decode', 'prefill', 'prefill')

@@ -36,7 +36,7 @@ def register(sub):
     p.add_argument("--kv-cache-mib", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tiny", action="store_true",
-                   help="a tiny random-weight model instead of SmolLM2: steps of a millisecond, the worst case for the feed")
+                   help="a tiny random-weight model instead of SmolLM2: the shortest steps, the worst case for the feed's share")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)
 
@@ -110,8 +110,9 @@ def run(args):
         line = (f"  {name:12s} {tokens / seconds:9.1f} tok/s   x{tokens / seconds / base:.3f} of no feed   "
                 f"{1000 * seconds / steps:.1f} ms per step")
         in_feed = sum(per_step)
-        # the median step: a mean also charges the feed with whatever else ran then (the collector, another process)
-        median = f"median step {1e6 * statistics.median(per_step):.1f} µs" if per_step else ""
+        # the feed's median time over the steps: a mean also charges it with whatever else ran then (the collector,
+        # another process)
+        median = f"median over the steps {1e6 * statistics.median(per_step):.1f} µs" if per_step else ""
         if name == "page closed":
             line += (f"   {1e6 * in_feed / steps:.2f} µs per step in the feed ({median}), "
                      f"{100 * in_feed / seconds:.4f} % of the run")

@@ -8,12 +8,12 @@
 Four promises, each one line of the design:
 
   nearly off  with no subscribers record() builds no snapshot: it keeps the step's record (eight
-           integers, step_record) in a ring of the last HISTORY_STEPS, dropping the oldest
+           numbers, step_record) in a ring of the last HISTORY_STEPS, dropping the oldest
            (`python -m nanoserve bench engine-view` measures it against no feed at all).
   history  a viewer's first snapshot carries that ring as its step records, so a page opened
            mid-run draws the last HISTORY_STEPS steps at once, not an empty timeline.
   throttled  a full snapshot is built at most once per `min_interval` (0.05 s: 20 a second); the
-           steps in between only add a few integers each to the next one's step records.
+           steps in between only add a few numbers each to the next one's step records.
   bounded  a subscriber holds ONE snapshot. A new one replaces it (counted in `dropped`), so a slow
            viewer skips to the latest state; the engine never waits for a viewer, and memory does not
            grow with how far behind it is.
@@ -92,6 +92,8 @@ class EventFeed:
     def subscribe(self, notify=None) -> Subscription:
         sub = self.subscription(notify)
         with self._lock:
+            if not self._subscribers:  # nobody watched until now: a fresh builder, so that this viewer sees no
+                self._builder = None  # stale ids, counters or latencies (the engine thread makes the next one)
             self._subscribers = (*self._subscribers, sub)
         self._pending = True  # a new viewer gets the current state at the engine's next boundary
         return sub
@@ -105,14 +107,14 @@ class EventFeed:
         """After every step. Nobody watching: the step's record goes into the history, nothing else happens."""
         try:
             if not self._subscribers:
-                self._builder = None  # the next viewer starts a fresh one (no stale ids, no stale counters)
                 record, _ = step_record(engine, scheduler_output, outputs, step_seconds, self.t0,
                                         _rules(engine).step_kind)
                 self.history.append(record)  # a full deque drops its oldest: O(1), memory bounded
                 return
-            if self._builder is None:
-                self._builder = _builder(engine, self.t0)
-            self.history.append(self._builder.observe_step(scheduler_output, outputs, step_seconds))
+            builder = self._builder  # read once: a viewer that arrives when nobody watches sets it to None
+            if builder is None:
+                builder = self._builder = _builder(engine, self.t0)
+            self.history.append(builder.observe_step(scheduler_output, outputs, step_seconds))
             self._pending = True
             self.emit_if_due(engine)
         except NotImplementedError:  # an exercise stub (only a test runs one: serving falls back to the reference)
@@ -149,9 +151,10 @@ class EventFeed:
         wait = self._last_emit + self.min_interval - now
         if wait > 0:
             return wait
-        if self._builder is None:
-            self._builder = _builder(engine, self.t0)
-        snap = self._builder.snapshot()
+        builder = self._builder
+        if builder is None:
+            builder = self._builder = _builder(engine, self.t0)
+        snap = builder.snapshot()
         self._last_emit, self._pending = now, False
         for sub in self._subscribers:
             sub.put(snap)  # the same dict for all: viewers only read it

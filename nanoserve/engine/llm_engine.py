@@ -244,7 +244,7 @@ class LLMEngine:
         self.texts: dict[str, str] = {}
         self.prompt_logprobs: dict[str, list] = {}  # chapter 08: request_id -> the prompt entries scored so far
         self.num_live: dict[str, int] = {}  # request_id -> its completions not finished yet (n, then down to 0)
-        self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests)
+        self.last_scheduler_output: SchedulerOutput | None = None  # for traces (notebook, tests) and chapter 12's feed
         self.num_steps = 0  # steps taken since the engine started (chapter 12's page counts from here)
         self.proposer = self._make_proposer(model)
         self._tier_seen = (0, 0, 0.0)  # chapter 18: the tier's load counts at the last step

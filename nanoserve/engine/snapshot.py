@@ -1,8 +1,8 @@
-"""Chapter 12 — the engine after a step, as a small dict of integers and ids: what the live page draws.
+"""Chapter 12 — the engine after a step, as a small dict of numbers and ids: what the live page draws.
 
 Everything here is read from state the engine already keeps (the scheduler's queues, each sequence's
-counters, the block manager's tables, the prefix cache's stats); nothing is a tensor, nothing is new
-bookkeeping inside the engine. Worked example: block_size 4, a pool of 6 blocks, request "a" holds
+counters, the block manager's tables, the prefix cache's stats); nothing is a tensor, and the engine's one count
+for it is its steps (LLMEngine.num_steps). Worked example: block_size 4, a pool of 6 blocks, request "a" holds
 blocks [0, 1], request "b" got a prefix hit on block 0 and holds [0, 2], block 3 keeps the contents of
 a finished request (its hash is still in the prefix cache), blocks 4 and 5 were never written:
 
@@ -13,7 +13,7 @@ One owner per block: "free" (on the free list, nothing worth keeping), "cached" 
 too, but a prefix hit can revive it; the allocator hands it out last), a request id (held by that
 one block table), or "shared:k" (held by k tables: a prefix hit, or a fork).
 
-`step_record` sums one step into eight integers for the timeline (the event feed keeps the last
+`step_record` sums one step into eight numbers for the timeline (the event feed keeps the last
 HISTORY_STEPS of them, watched or not, so a page opened mid-run starts with the recent past).
 `SnapshotBuilder` turns steps into snapshots. `observe_step` runs after every step while someone
 watches (cheap: a few integers per scheduled sequence); `snapshot` runs at most ~20 times a second
@@ -49,6 +49,20 @@ def block_owners(block_tables: dict[str, list[int]], num_blocks: int, cached_blo
             k = num_holders[block_id] = num_holders.get(block_id, 0) + 1
             owners[block_id] = seq_id if k == 1 else f"shared:{k}"  # held wins over cached
     return owners
+
+
+def shared_holders(block_tables: dict[str, list[int]]) -> dict[int, list[str]]:
+    """The holders of every block in two tables or more, by block id: what a server needs to show a tenant its own
+    shares (chapter 08's tenants) and no one else's.
+
+    >>> shared_holders({"a": [0, 1], "b": [0, 2]})
+    {0: ['a', 'b']}
+    """
+    holders: dict[int, list[str]] = {}
+    for seq_id, table in block_tables.items():
+        for block_id in table:
+            holders.setdefault(block_id, []).append(seq_id)
+    return {block_id: ids for block_id, ids in holders.items() if len(ids) > 1}
 
 
 def encode_pool(owners: list[str]) -> dict:
@@ -216,7 +230,9 @@ class SnapshotBuilder:
             "preempted": self.preempted, "finished": self.finished, "aborted": aborted,
             "prefix": {"queried_tokens": queried, "hit_tokens": hit, "hit_blocks": hit_blocks, "evicted_blocks": evicted},
             "pool": {**encode_pool(owners), "num_free": bm.get_num_free_blocks(),
-                     "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4)},
+                     "usage": round(1 - bm.get_num_free_blocks() / bm.num_blocks, 4),
+                     # with tenants only (nobody else needs it): who shares each shared block, for tenant_view
+                     **({"shared": shared_holders(bm.block_tables)} if any(live.values()) else {})},
             "steps": list(self.steps), "dropped_steps": self.dropped_steps,
             "latency": self.latency(),
             # chapter 08's tenants: whose each id above is (None: no tenant), so a server can show a tenant its own

@@ -15,8 +15,9 @@ nothing. At shutdown the stream ends, so an open page never holds up the drain; 
 
 With tenants (--api-keys, chapter 08) a stream is a request like any other: it passes the tenant's rate limit,
 a tenant holds at most MAX_EVENT_STREAMS open at once (429 past that), and it sees its own requests only
-(tenant_view): the others' ids become "other", and the prefix cache's figures are not there (they would tell
-it that another tenant sent the same prompt). The engine's load stays whole: the step records, the latency p50s and
+(tenant_view): every block its requests do not hold is "other", shared or not (a shared one of another tenant
+would tell it that tenant's requests share a prefix), and the prefix cache's figures are not there (they would
+tell it that another tenant sent the same prompt). The engine's load stays whole: the step records, the latency p50s and
 the pool's usage are everyone's. An operator key (`role = "operator"` in the keys file) sees
 everything.
 """
@@ -27,6 +28,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from nanoserve.engine.snapshot import encode_pool
 from nanoserve.server.protocol import APIError, error_body, finite_json
 
 STATIC = files("nanoserve.server") / "static"
@@ -37,24 +39,41 @@ MAX_EVENT_STREAMS = 2  # open /engine/events streams per tenant
 
 
 def tenant_view(snap: dict, tenant: str) -> dict:
-    """What `tenant` may see of a snapshot: its own requests, every other id as "other", no prefix figures.
+    """What `tenant` may see of a snapshot: its own requests; the pool as its own requests hold it (every block they
+    do not hold is "other", shared or not); no prefix figures.
 
         >>> snap = {"running": [{"id": "a1"}, {"id": "b1"}], "waiting": [], "finished": [{"id": "b0"}],
-        ...         "preempted": ["b1"], "aborted": [], "tenants": {"a1": "a", "b1": "b", "b0": "b"},
-        ...         "prefix": {"hit_tokens": 32}, "pool": {"owners": ["free", "a1", "b1"], "blocks": [0, 1, 2]}}
+        ...         "preempted": ["b1"], "aborted": [], "prefix": {"hit_tokens": 32},
+        ...         "tenants": {"a1": "a", "a2": "a", "b1": "b", "b2": "b", "b0": "b"},
+        ...         "pool": {"owners": ["free", "a1", "b1", "shared:2", "shared:3"], "blocks": [0, 1, 2, 3, 4, 3],
+        ...                  "shared": {3: ["a1", "a2"], 4: ["a1", "b1", "b2"], 5: ["b1", "b2"]}}}
         >>> view = tenant_view(snap, "a")
-        >>> view["running"], view["finished"], view["preempted"], view["pool"]["owners"], view["prefix"]
-        ([{'id': 'a1'}], [], [], ['free', 'a1', 'other'], {'hidden': True, 'hit_tokens': 0})
+        >>> view["running"], view["finished"], view["preempted"], view["prefix"]
+        ([{'id': 'a1'}], [], [], {'hidden': True, 'hit_tokens': 0})
+        >>> [view["pool"]["owners"][i] for i in view["pool"]["blocks"]], "shared" in view["pool"]
+        (['free', 'a1', 'other', 'shared:2', 'a1', 'other'], False)
+
+    Block 5, b's two requests sharing a prompt, is "other" like b's own blocks; block 4 (a cache_salt that a and b
+    both sent) is a1's alone here: another tenant's share of it is not a's to see.
     """
     owner = snap["tenants"]
     mine = lambda i: owner.get(i) == tenant  # noqa: E731
-    shown = lambda o: o in ("free", "cached") or o.startswith("shared:") or mine(o)  # noqa: E731
+    shared = snap["pool"].get("shared", {})
+
+    def seen(block: int, o: str) -> str:
+        if o in ("free", "cached") or mine(o):
+            return o
+        own = [i for i in shared.get(block, ()) if mine(i)]  # its requests' share of a shared block: a prefix hit, a fork
+        return "other" if not own else own[0] if len(own) == 1 else f"shared:{len(own)}"
+
+    names = snap["pool"]["owners"]
+    pool = {k: v for k, v in snap["pool"].items() if k != "shared"}  # the other tenants' ids stay in the engine
     return {**snap, "running": [s for s in snap["running"] if mine(s["id"])],
             "waiting": [s for s in snap["waiting"] if mine(s["id"])],
             "finished": [s for s in snap["finished"] if mine(s["id"])],
             "preempted": [i for i in snap["preempted"] if mine(i)], "aborted": [i for i in snap["aborted"] if mine(i)],
             "prefix": {"hidden": True} | {k: 0 for k in snap["prefix"]},
-            "pool": {**snap["pool"], "owners": [o if shown(o) else "other" for o in snap["pool"]["owners"]]},
+            "pool": pool | encode_pool([seen(b, names[i]) for b, i in enumerate(snap["pool"]["blocks"])]),
             "tenants": {i: t for i, t in owner.items() if t == tenant}}
 
 
