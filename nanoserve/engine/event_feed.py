@@ -128,9 +128,7 @@ class EventFeed:
         if not self._subscribers or not self._pending:
             return None
         try:
-            if self._builder is None:  # made here, not in emit_if_due, so that its times count from the feed's t0
-                self._builder = _builder(engine, self.t0)
-            wait = self.emit_if_due(engine)
+            wait = self.emit_if_due(engine)  # which makes the builder if a new viewer's subscribe dropped it
         except NotImplementedError:
             raise
         except Exception as e:  # noqa: BLE001
