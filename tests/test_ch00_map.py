@@ -262,9 +262,11 @@ def test_the_server_reads_the_core_only_in_its_stat_logger():
             if is_in(target, "engine") and not is_in(target, "engine.async_engine"):
                 taken.setdefault(target, set()).update(names)
     assert taken == {"nanoserve.engine.llm_engine": {"RequestOutput"}, "nanoserve.engine.policies": {"SLOTargets"},
-                     "nanoserve.engine.sleep_mode": {"SLEEP_LEVELS"}, "nanoserve.engine.worker": {"release_memory"}}
-    says(CH, "only types and constants (`RequestOutput`, `SLOTargets`, `SLEEP_LEVELS`) and one function, the "
+                     "nanoserve.engine.sleep_mode": {"SLEEP_LEVELS"}, "nanoserve.engine.worker": {"release_memory"},
+                     "nanoserve.engine.snapshot": {"encode_pool"}}
+    says(CH, "only types and constants (`RequestOutput`, `SLOTargets`, `SLEEP_LEVELS`) and two functions: the "
              "worker's `release_memory`")
+    says(CH, "the snapshot format's `encode_pool`")
     readers = {m for m in under("server") for node in ast.walk(ast.parse(MODULES[m].read_text()))
                if isinstance(node, ast.Attribute) and node.attr in ("scheduler", "block_manager")}
     assert readers == {"nanoserve.server.metrics"}

@@ -215,12 +215,12 @@ def test_the_compiled_step():
     says(CH, f"the\nwarm-up round took {warm['q4, kv bf16, buckets'] - warm['q4, kv bf16']:.0f} s longer")
     tokens = int(re.search(r"16 requests \(\d+ prompt tokens, (\d+) output tokens\)", text)[1])
     rates = {}
-    for name, rate, ratio, r1, r2 in re.findall(r"(nanoserve q4, kv bf16(?:, buckets)?|transformers bf16 static) +([\d.]+) "
-                                                r"out tok/s +([\d.]+)x +rounds: ([\d.]+)s ([\d.]+)s", text):
+    # the column against transformers is withdrawn (nanoserve's rounds could hit its prefix cache): a dash
+    for name, rate, r1, r2 in re.findall(r"(nanoserve q4, kv bf16(?:, buckets)?) +([\d.]+) "
+                                         r"out tok/s +— +rounds: ([\d.]+)s ([\d.]+)s", text):
         assert within(rate, 2 * tokens / (float(r1) + float(r2)), 1), name  # both rounds' tokens over both rounds' time
         rates[name] = float(rate), (float(r1), float(r2))
-    for name, (rate, _) in rates.items():
-        assert re.search(rf"{re.escape(name)} +{rate} out tok/s +{rate / rates['transformers bf16 static'][0]:.2f}x", text)
+    assert "transformers bf16 static " not in text.split("16 requests (")[1].split("```")[0]
     (e1, e2), (b1, b2) = rates["nanoserve q4, kv bf16"][1], rates["nanoserve q4, kv bf16, buckets"][1]
     says(CH, f"({b1} vs {e1} s, {b2} vs {e2} s: {e1 / b1:.1f}×\nand {e2 / b2:.1f}×)")
 

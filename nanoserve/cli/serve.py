@@ -138,9 +138,8 @@ def serving_format(args) -> str:
     The server serves the GGUF's own format (q4, as llama.cpp serves Q4_1 and vLLM's --dtype auto the
     checkpoint's), whose decode step reads 90.5 MiB of weights where float32's reads 513.1 MiB (`info --weights fp32
     q4`), on a bf16 KV pool, half float32's bytes per token. It is not the fastest format everywhere: that depends on
-    the CPU and the batch (in the one `bench peers` round that set bf16 and q4 weights on both pools side by side,
-    bf16 weights on a bf16 pool were the fastest at 16 requests, and level with q4 on a float32 pool at 64:
-    chapter 10, chapters/notes/09-retention-ledger.md).
+    the CPU and the batch (chapter 10's product table; `bench peers` sets the formats side by side,
+    chapters/notes/09-retention-ledger.md).
     --weights fp32 is the float32 reference the course checks against. Where q4 cannot run (tensor parallelism, a
     q4 copy kept under --degrade-under-load) the default is fp32; the Triton backend keeps the model's KV dtype."""
     if args.weights is None:
