@@ -26,6 +26,22 @@ def slots(table, start, end, bs):
     return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
+def test_salted_chains_start_at_the_salts_root(BlockManager):
+    """A request's cache_salt is its chain's root (vLLM's cache_salt): the same tokens under two salts share no
+    block, under one salt they do, and an unsalted request finds neither salted prefix."""
+    from nanoserve.kv.prefix_cache import SaltedTokenIds, hash_block, root_hash
+
+    prompt = list(range(9))  # two full blocks of 4, then one token
+    m = BlockManager(num_blocks=16, block_size=4)
+    assert m.allocate_slots(1, SaltedTokenIds(prompt, "tenant:a"), 9) == [0, 1, 2]
+    h0 = hash_block(root_hash("tenant:a"), (0, 1, 2, 3))
+    assert m.block_hashes[1] == [h0, hash_block(h0, (4, 5, 6, 7))]
+    assert m.allocate_slots(2, SaltedTokenIds(prompt, "tenant:b"), 9) == [3, 4, 5]  # another tenant: nothing shared
+    assert m.allocate_slots(3, list(prompt), 9) == [6, 7, 8]  # no salt: neither tenant's prefix
+    assert m.allocate_slots(4, SaltedTokenIds(prompt, "tenant:a"), 9) == [0, 1, 9]  # the same salt: both blocks hit
+    assert m.stats.hit_tokens == 8
+
+
 def test_prefill_then_decode_worked_example(BlockManager):
     m = BlockManager(num_blocks=4, block_size=4)
     prompt = [10, 11, 12, 13, 14, 15]

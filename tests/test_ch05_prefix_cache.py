@@ -1,5 +1,9 @@
 """Chapter 05, exercise 5.2 (graded): the prefix hash chain and the collision-guarded prefix cache."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from nanoserve.kv.block_manager import BlockManager
@@ -20,6 +24,18 @@ def test_hash_is_deterministic_and_depends_on_parent_and_order(pc):
     variants = [pc.hash_block(None, [3, 2, 1]), pc.hash_block(h, [1, 2, 3]), pc.hash_block(None, [1, 2, 4]),
                 pc.hash_block(None, [1, 2])]
     assert len({h, *variants}) == 5
+
+
+def test_hash_is_the_same_int_in_every_process(pc):
+    """A cache that outlives a process, or events a router reads in another one (chapter 16), need the same hash
+    for the same tokens everywhere. Python's hash() is not such a hash: hash(None) is the object's address, which
+    moves from process to process, and a str's hash changes with PYTHONHASHSEED."""
+    code = ("from nanoserve.student import implementation; pc = implementation('nanoserve.kv.prefix_cache'); "
+            "print(pc.hash_block(None, [1, 2, 3]), pc.hash_block(12345, [4, 5]))")
+    runs = {tuple(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.getcwd()}).stdout.split()[-2:])
+            for seed in ("1", "2")}
+    assert runs == {(str(pc.hash_block(None, [1, 2, 3])), str(pc.hash_block(12345, [4, 5])))}
 
 
 def test_chain_over_full_blocks(pc):

@@ -72,7 +72,10 @@ class BlockManager(ReferenceBlockManager):
 
         What must hold afterwards:
           - block_hashes[seq_id] has the chain hash of every such full block: hash_block(the previous block's
-            hash, or None for block 0, its tokens); a partially filled block gets none;
+            hash, its tokens), where block 0's "previous hash" is the chain's root, root_hash(the tokens'
+            cache_salt) — token ids may be a SaltedTokenIds, a list with a `cache_salt` attribute (None or absent:
+            root_hash(None) is None), so that requests with different salts never share a block (the lookup you
+            inherit, _cached_prefix, starts its chain at the same root); a partially filled block gets none;
           - block i is in the prefix cache under its hash, with its parent hash and tokens — unless the hash is
             taken (insert says no), or the cache does not hold this table's block i - 1 under the parent hash
             (a collision gave that hash to another block: a lookup matching that block would then walk into
