@@ -130,6 +130,29 @@ def test_vocab_parallel_embedding_and_lm_head(vocab, n):
 
 
 @pytest.mark.exercise("11.4")
+def test_embedding_returns_its_all_reduce():
+    """The embedding's forward hands its masked rows to the group's all_reduce, once, and returns what that returns
+    (the sum over ranks): a fake whose all_reduce doubles its input tells a forward that skips it, or drops its
+    result, from one that does not."""
+    V = implementation("nanoserve.distributed.vocab")
+
+    class Doubling(FakeGroup):
+        calls = 0
+
+        def all_reduce(self, x):
+            Doubling.calls += 1
+            return 2 * x
+
+    W = torch.arange(1.0, 13.0).view(6, 2)
+    embeds = [V.VocabParallelEmbedding(6, 2, Doubling(r, 2)) for r in range(2)]
+    for e in embeds:
+        e.weight_loader(W)
+    ids = torch.tensor([0, 5, 3])
+    torch.testing.assert_close(sum(e(ids) for e in embeds), 2 * F.embedding(ids, W))
+    assert Doubling.calls == 2  # one all_reduce per rank and forward
+
+
+@pytest.mark.exercise("11.4")
 def test_embedding_ignores_ids_of_other_ranks():
     """An id outside a rank's rows gives zeros there, whatever that rank's table holds: no wrap-around, no
     index error."""

@@ -116,8 +116,9 @@ def test_the_step_broadcast():
     decode = pack_step(step_batch([[0, 1, 2]], [38], [1], 1))[1].numel()
     assert f"STEP: 37 tokens, 1 seqs, tables 3 wide, 1 sampled -> {prefill} integers = {prefill * 8} bytes" in out
     assert f"STEP: 1 tokens, 1 seqs, tables 3 wide, 1 sampled -> {decode} integers = {decode * 8} bytes" in out
-    says(CH, f"a 37-token chat prompt's prefill is {prefill} integers ({prefill * 8} bytes), each decode step of it "
-             f"{decode} integers\n({decode * 8} bytes)")
+    says(CH, f"a 37-token chat prompt's prefill is a payload of {prefill} integers ({prefill * 8} bytes), each decode "
+             f"step of it\n{decode} integers ({decode * 8} bytes), each after an {HEADER_LEN}-integer header "
+             f"({HEADER_LEN * 8} bytes)")
     blocks = 4
     eight = pack_step(step_batch([list(range(blocks))] * 8, [50] * 8, [1] * 8, 8))[1].numel()
     assert eight == 8 * 3 + 8 * blocks + 8 + 9 + 8
