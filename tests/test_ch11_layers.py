@@ -89,6 +89,24 @@ def test_row_parallel_partial_sums_add_up(n):
     torch.testing.assert_close(sum(parts), F.linear(x, W))  # what the all_reduce adds up
 
 
+@pytest.mark.exercise("11.2")
+def test_column_parallel_refuses_features_that_do_not_split():
+    """12 output features over 5 shards (and 5 over 2 replicated-KV shards): a ValueError naming the counts."""
+    L = implementation("nanoserve.distributed.linear")
+    with pytest.raises(ValueError, match=r"12.*5|5.*12"):
+        L.ColumnParallelLinear(4, 12, FakeGroup(0, 5))
+    with pytest.raises(ValueError, match=r"5.*2|2.*5"):
+        L.ColumnParallelLinear(4, 5, FakeGroup(0, 4), num_shards=2, shard_index=0)
+
+
+@pytest.mark.exercise("11.3")
+def test_row_parallel_refuses_features_that_do_not_split():
+    """7 input features over 2 ranks: a ValueError naming the counts."""
+    L = implementation("nanoserve.distributed.linear")
+    with pytest.raises(ValueError, match=r"7.*2|2.*7"):
+        L.RowParallelLinear(7, 4, FakeGroup(1, 2))
+
+
 @pytest.mark.exercise("11.3")
 def test_column_then_row_is_the_whole_mlp():
     """The Megatron MLP: gate/up column-parallel, SiLU·up per slice, down row-parallel; one sum at the end."""

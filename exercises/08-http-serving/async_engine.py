@@ -8,11 +8,14 @@ loop itself too, which only calls your methods between steps:
     def _run(self):                                    # the engine thread
         while not self._stopping:
             self._wakeup.clear()
+            self._run_calls()                          # (chapter 19's awaited engine calls: given)
             self._drain_inbox()                        # yours: the adds and aborts that came in meanwhile
+            self._publish()                            # (the snapshot num_requests_waiting reads: given)
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(...)                 # idle: sleep until an add or an abort sets it
                 continue
             outputs = self.engine.step()               # (a step that raises fails its requests: given)
+            self._publish()                            # (given, as above; the event feed records the step too)
             self._emit(outputs, scheduler_output)      # yours: each output to its request's stream
         ...                                            # shutting down: every request aborted, streams ended
 

@@ -133,11 +133,19 @@ def plot(rows, path: str) -> None:
             ax.plot(tps, [r[4].step_s * 1e3 for r in sel], "s" + style, color="C3", label=f"PCIe, B={batch}")
             ax.plot(tps, [max(r[3].memory_s, r[3].compute_s) * 1e3 for r in sel], style, color="gray", lw=1,
                     label=f"no all-reduce, B={batch}")
+            # a configuration whose weights + KV do not fit in one GPU's 80 GB is modelled, not possible: crossed
+            over = [r for r in sel if not r[3].fits]
+            ax.plot([r[2] for r in over for _ in (3, 4)], [r[i].step_s * 1e3 for r in over for i in (3, 4)], "x",
+                    color="black", ms=10, label="does not fit in 80 GB" if batch == 64 and over else None)
         ax.set(title=f"{name}: one decode step", xlabel="tensor-parallel size", ylabel="ms", xscale="log",
                yscale="log", xticks=[1, 2, 4, 8], xticklabels=["1", "2", "4", "8"])
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")  # 60, not 6 x 10^1
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
