@@ -57,10 +57,13 @@ def test_percentiles_by_hand():
     assert mod.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)  # rank 1.5 of 1,2,3,4
     assert mod.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)  # rank 2.7: 3 + 0.7 · (4 - 3)
     assert mod.percentile([5], 99) == 5 and mod.percentile([1, 2], 0) == 1 and mod.percentile([1, 2], 100) == 2
-    # 99 fast requests and one slow one: the mean moves a little, p99 sees the tail
-    s = mod.stats([10.0] * 99 + [1000.0])
-    assert s["mean"] == pytest.approx(19.9) and s["median"] == 10.0 and s["p90"] == 10.0
-    assert s["p99"] == pytest.approx(10 + 0.01 * 990)  # rank 98.01: 1 % of the way from 10 to 1000
+    # 98 fast requests and two slow ones (chapter 09's example): the mean moves a little, p99 shows the tail
+    s = mod.stats([10.0] * 98 + [1000.0] * 2)
+    assert s["mean"] == pytest.approx(29.8) and s["median"] == 10.0 and s["p90"] == 10.0
+    assert s["p99"] == pytest.approx(1000.0)  # rank 98.01: between xs[98] and xs[99], both 1000
+    # one slow request of 100 is too few: rank 98.01 lies 1 % of the way from 10 to 1000, and that is the mean
+    one = mod.stats([10.0] * 99 + [1000.0])
+    assert one["p99"] == pytest.approx(10 + 0.01 * 990) and one["p99"] == pytest.approx(one["mean"])
     assert mod.stats([]) == {"mean": None, "median": None, "p50": None, "p90": None, "p99": None}
     with pytest.raises(ValueError):
         mod.percentile([], 50)

@@ -612,6 +612,8 @@ def servers(args, model, tokenizer) -> dict:
     n_out = args.output_len or 128
 
     def one(name, url, r):
+        # round r's prompts are drawn with seed r: the systems of one round serve the same prompts, a system's
+        # rounds different ones (so the spread between its rounds is not the machine's alone)
         result = measure(serve_args(url, num_prompts=args.num_prompts, max_concurrency=args.num_prompts,
                                     output_len=n_out, ignore_eos=True, no_progress=True, seed=r), _metrics())
         print(f"  round {r + 1} {name:12s} {result['output_throughput']:7.1f} out tok/s  TTFT p50 "

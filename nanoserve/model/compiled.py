@@ -87,6 +87,9 @@ class CompiledModel:
         self.attention_input = compile(DecoderBlock.attention_input)
         self.attention_output = compile(DecoderBlock.attention_output)
         self.norm = compile(type(model.norm).forward)
+        # The course's one private torch setting (global, and renamed recompile_limit in newer torch, which keeps
+        # this name as an alias): no public API says how many graphs a compiled function may keep, and a graph
+        # per bucket can need more than the default (8) before dynamo falls back to eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
 
     def bucket(self, num_tokens: int) -> int | None:
