@@ -101,6 +101,7 @@ def test_against_stand_in(stand_in, tmp_path, capsys):
     assert result["completed"] == 12 and result["failed"] == 0 and result["model"] == "stand-in"
     assert result["output_lens"] == [9] * 12 and result["total_output_tokens"] == 108  # usage, not 5 chunks each
     assert result["input_lens"] == [11] * 12
+    assert result["burstiness"] is None and "--burstiness" not in result["command"]  # inf: no gaps to shape
     assert state["max_in_flight"] == 4  # --max-concurrency held, and reached
     assert state["auth"] == {"Bearer k1"}
     body = state["bodies"][-1]
@@ -213,6 +214,10 @@ def test_student_of_another_chapter_is_refused(capsys):
     (["--url", "http://x", "--num-prompts", "0"], "--num-prompts must be >= 1"),
     (["--url", "http://x", "--request-rate", "0"], "--request-rate must be > 0"),
     (["--url", "http://x", "--burstiness", "-1"], "--burstiness must be > 0"),
+    (["--url", "http://x", "--burstiness", "0.5"], "--burstiness shapes the gaps between arrivals: it needs a finite --request-rate"),
+    (["--url", "http://x", "--request-rate", "inf", "--burstiness", "1"], "it needs a finite --request-rate"),
+    (["--url", "http://x", "--input-len", "512"], "--input-len is the prompt length of --dataset random, not of --dataset course"),
+    (["--url", "http://x", "--dataset", "random", "--input-len", "0"], "--input-len must be >= 1"),
     (["--url", "http://x", "--max-concurrency", "0"], "--max-concurrency must be >= 1"),
     (["--url", "http://x", "--warmup", "-1"], "--warmup must be >= 0"),
     (["--url", "http://x", "--dataset", "/no/such.jsonl"], "not 'course', 'random' or an existing JSONL file"),
@@ -223,6 +228,21 @@ def test_bad_arguments(argv, message, capsys):
     rc, io = bench(argv, capsys)
     assert rc == 2
     assert io.err.strip().splitlines() == [io.err.strip()] and io.err.startswith("error: ") and message in io.err
+
+
+def test_the_run_record_names_only_the_flags_the_run_used():
+    from nanoserve.bench.serve import command_line, serve_args
+
+    with pytest.raises(ValueError, match="--input-len is the prompt length of --dataset random"):
+        serve_args("http://x", input_len=512)  # the programmatic form refuses what the command refuses
+    with pytest.raises(ValueError, match="--burstiness .* needs a finite --request-rate"):
+        serve_args("http://x", burstiness=0.5)
+    plain = command_line(serve_args("http://x"))
+    assert "--burstiness" not in plain and "--input-len" not in plain and "--request-rate inf" in plain
+    assert "--request-rate 4 --burstiness 1 " in command_line(serve_args("http://x", request_rate=4.0))  # the default
+    assert "--burstiness 0.5 " in command_line(serve_args("http://x", request_rate=4.0, burstiness=0.5))
+    assert "--input-len 128" in command_line(serve_args("http://x", dataset="random"))
+    assert "--input-len 512" in command_line(serve_args("http://x", dataset="random", input_len=512))
 
 
 def test_unreachable_server_is_a_clean_error(capsys):

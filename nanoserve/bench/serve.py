@@ -25,6 +25,8 @@ import sys
 PERCENTILE_ROWS = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                    ("itl", "Inter-token Latency"), ("e2e", "End-to-end Latency")]
 GOODPUT_NAMES = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2e"}
+BURSTINESS = 1.0  # without --burstiness: Poisson arrivals
+RANDOM_INPUT_LEN = 128  # without --input-len: the prompt tokens of --dataset random
 
 
 def register(sub):
@@ -35,10 +37,12 @@ def register(sub):
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, or inf (all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson")
+    p.add_argument("--burstiness", type=float, default=None,
+                   help=f"gamma shape of the arrival gaps (default {BURSTINESS:g} = Poisson); needs a finite --request-rate")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--dataset", default="course", help="'course' (the shipped prompt set), 'random', or a JSONL file")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens of --dataset random")
+    p.add_argument("--input-len", type=int, default=None,
+                   help=f"prompt tokens of --dataset random (default {RANDOM_INPUT_LEN}); no other dataset takes it")
     p.add_argument("--output-len", type=int, default=None,
                    help="max_tokens of every request (default: each item's own; 128 for random)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens (vLLM's extension)")
@@ -76,13 +80,18 @@ def check_args(args) -> None:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
-    if not args.burstiness > 0:
+    if args.burstiness is not None and not args.burstiness > 0:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.burstiness is not None and math.isinf(args.request_rate):
+        raise ValueError("--burstiness shapes the gaps between arrivals: it needs a finite --request-rate "
+                         "(inf sends every request at t = 0)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.output_len is not None and args.output_len < 1:
         raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
-    if args.input_len < 1:
+    if args.input_len is not None and args.dataset != "random":
+        raise ValueError(f"--input-len is the prompt length of --dataset random, not of --dataset {args.dataset}")
+    if args.input_len is not None and args.input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
@@ -94,13 +103,21 @@ def check_args(args) -> None:
         raise ValueError(f"--dataset {args.dataset!r}: not 'course', 'random' or an existing JSONL file")
 
 
+def burstiness(args) -> float:
+    return BURSTINESS if args.burstiness is None else args.burstiness
+
+
+def input_len(args) -> int:
+    return RANDOM_INPUT_LEN if args.input_len is None else args.input_len
+
+
 def load_dataset(args, tokenizer) -> list[dict]:
     from nanoserve.bench import prompts
 
     if args.dataset == "course":
         items = prompts.course_prompts(args.num_prompts, args.seed)
     elif args.dataset == "random":
-        items = prompts.random_prompts(tokenizer, args.num_prompts, args.input_len, args.output_len or 128, args.seed)
+        items = prompts.random_prompts(tokenizer, args.num_prompts, input_len(args), args.output_len or 128, args.seed)
     else:
         items = prompts.load_prompts(args.dataset)
         items = [items[i % len(items)] for i in range(args.num_prompts)]  # cycle through the file
@@ -149,7 +166,7 @@ async def benchmark(args, items: list[dict], count_tokens, load=None) -> dict:
             if not record.success:
                 raise ValueError(f"the warm-up request failed: {record.error}")
         bar = tqdm(total=len(items), disable=args.no_progress, desc="requests", file=sys.stderr)
-        schedule = load.arrival_times(len(items), args.request_rate, args.burstiness, args.seed)
+        schedule = load.arrival_times(len(items), args.request_rate, burstiness(args), args.seed)
         results, waits, duration = await load.open_loop(
             schedule, lambda i: send(client, args.url, bodies[i], count_tokens), args.max_concurrency,
             on_done=lambda: bar.update(1))
@@ -196,10 +213,11 @@ def model_tokenizer():
 
 def command_line(args) -> str:
     flags = [f"--url {args.url}", f"--endpoint {args.endpoint}", f"--num-prompts {args.num_prompts}",
-             f"--request-rate {args.request_rate:g}", f"--burstiness {args.burstiness:g}", f"--dataset {args.dataset}",
-             f"--seed {args.seed}"]
+             f"--request-rate {args.request_rate:g}"]
+    flags += [f"--burstiness {burstiness(args):g}"] if math.isfinite(args.request_rate) else []
+    flags += [f"--dataset {args.dataset}", f"--seed {args.seed}"]
     flags += [f"--max-concurrency {args.max_concurrency}"] if args.max_concurrency else []
-    flags += [f"--input-len {args.input_len}"] if args.dataset == "random" else []
+    flags += [f"--input-len {input_len(args)}"] if args.dataset == "random" else []
     flags += [f"--output-len {args.output_len}"] if args.output_len else []
     flags += ["--ignore-eos"] if args.ignore_eos else []
     flags += ["--goodput " + " ".join(args.goodput)] if args.goodput else []
@@ -222,7 +240,8 @@ def measure(args, metrics, load=None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "url": args.url, "model": raw["model"], "endpoint": args.endpoint, "dataset": args.dataset,
         "command": command_line(args), "num_prompts": args.num_prompts,
-        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate, "burstiness": args.burstiness,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "burstiness": None if math.isinf(args.request_rate) else burstiness(args),  # inf: no gaps to shape
         "max_concurrency": args.max_concurrency, "seed": args.seed, "ignore_eos": args.ignore_eos,
         "slos_ms": {k: v * 1000 for k, v in slos.items()}, "student_metrics": bool(args.student),
         **metrics.summarize(records, raw["duration"], slos),
@@ -235,7 +254,8 @@ def measure(args, metrics, load=None) -> dict:
 
 
 def serve_args(url: str, **options):
-    """The arguments of `bench serve --url URL`, defaults filled in, `options` (flag names with _) on top."""
+    """The arguments of `bench serve --url URL`, defaults filled in, `options` (flag names with _) on top, checked
+    as the command checks them (ValueError)."""
     import argparse
 
     sub = argparse.ArgumentParser().add_subparsers()
@@ -245,6 +265,7 @@ def serve_args(url: str, **options):
     if unknown:
         raise TypeError(f"unknown bench serve option(s) {sorted(unknown)}")
     vars(args).update(options)
+    check_args(args)
     return args
 
 
