@@ -68,9 +68,9 @@ def test_repeat_kv_order():
     def names(heads: torch.Tensor) -> str:
         return "[" + ", ".join(f"k{int(i)}" for i in heads.flatten().tolist()) + "]"
 
-    tiled = kv.repeat(1, 3, 1, 1)
-    says(CH, f"repeat_kv([k0, k1, k2], 3) = {names(repeat_kv(kv, 3))} query head h reads entry h "
-             f"not {names(tiled)} (that pairs query head 1 with k{int(tiled[0, 1])})")
+    ours, tiled = repeat_kv(kv, 3), kv.repeat(1, 3, 1, 1)
+    says(CH, f"repeat_kv([k0, k1, k2], 3) = {names(ours)} query head h reads entry h "
+             f"not {names(tiled)} (query head 1 would read k{int(tiled[0, 1])}, not k{int(ours[0, 1])})")
     assert torch.equal(repeat_kv(kv, 3), kv.repeat_interleave(3, dim=1))
 
 
