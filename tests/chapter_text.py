@@ -35,6 +35,23 @@ def notebook_output(number: str) -> str:
     return normalise("\n".join(texts))
 
 
+@cache
+def notebook_lines(number: str) -> tuple[str, ...]:
+    """The lines the committed notebooks/NN-*.ipynb printed, cell by cell, each whitespace normalised. A cell's
+    stdout is joined before it is split (the kernel may cut one print's output into several chunks), then its
+    stderr and its text results."""
+    (path,) = (ROOT / "notebooks").glob(f"{number}-*.ipynb")
+    lines = []
+    for cell in json.loads(path.read_text())["cells"]:
+        outputs = cell.get("outputs", [])
+        streams = ["".join("".join(o["text"]) for o in outputs if o.get("name") == name)
+                   for name in ("stdout", "stderr")]
+        results = ["".join(o.get("data", {}).get("text/plain", "")) for o in outputs]
+        for text in (*streams, *results):
+            lines += [normalise(line) for line in text.splitlines() if line.strip()]
+    return tuple(lines)
+
+
 def says(number: str, phrase: str) -> None:
     """Assert that chapter NN says `phrase` (computed by the caller from the code), word for word."""
     assert normalise(phrase) in chapter(number), f"chapter {number} does not say: {phrase!r}"

@@ -149,12 +149,15 @@ def test_attention_rejects_mismatched_shapes_naming_them():
             sdpa(torch.randn(q), torch.randn(k), torch.randn(v))
         return str(error.value)
 
-    q = (1, 4, 3, 8)
-    for k, v, why in [((1, 3, 3, 8), (1, 3, 3, 8), "4 query heads cannot share 3 K/V heads"),
-                      ((1, 2, 3, 4), (1, 2, 3, 4), "D differs"),
-                      ((2, 2, 3, 8), (2, 2, 3, 8), "B differs"),
-                      ((1, 2, 2, 8), (1, 2, 2, 8), "3 queries cannot be the last of 2 keys"),
-                      ((1, 2, 3, 8), (1, 2, 5, 8), "k and v differ")]:
+    q, kv = (1, 4, 3, 8), (1, 2, 3, 8)  # fit together: 4 query heads share 2 K/V heads
+    for q, k, v, why in [(q, (1, 3, 3, 8), (1, 3, 3, 8), "4 query heads cannot share 3 K/V heads"),
+                         (q, (1, 2, 3, 4), (1, 2, 3, 4), "D differs"),
+                         (q, (2, 2, 3, 8), (2, 2, 3, 8), "B differs"),
+                         (q, (1, 2, 2, 8), (1, 2, 2, 8), "3 queries cannot be the last of 2 keys"),
+                         (q, kv, (1, 2, 5, 8), "k and v differ"),
+                         ((4, 3, 8), kv, kv, "q is 3-D: no batch axis"),
+                         (q, (1, 1, 2, 3, 8), (1, 1, 2, 3, 8), "k and v are 5-D"),
+                         ((1, 1, 4, 3, 8), (1, 1, 2, 3, 8), (1, 1, 2, 3, 8), "all three 5-D: batched twice")]:
         text = message(q, k, v)
         for shape in {q, k, v}:  # in any order
             assert str(shape) in text, (why, text)
