@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.bench import offline
 from nanoserve.bench.experiment import budget_sweep
-from nanoserve.bench.linear import fused_weights
+from nanoserve.bench.linear import best_of, fused_weights
 from nanoserve.bench.offline import make_workload, run_nanoserve, static_rows
 from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
 from nanoserve.engine.llm_engine import LLMEngine
@@ -360,6 +360,18 @@ def test_what_limits_a_step_the_profile_row():
              f"against the weights' {parameter_counts(SMOL)['total'] * 4 / 1e6:.0f} MB")
     says(CH, f"a 32 × 400-token batch holds {32 * 400 * kv / 1e6:.0f} MB of K/V — as much as the weights")
     says("05", f"the K/V gather and store took {gather} % of it, the attention kernels {attention} %; chapter 06 quotes the run")
+
+
+def test_bench_linear_warms_up_untimed_and_alternates_the_order():
+    """best_of, the protocol of every `bench linear` table: round 0 is not timed, and the order reverses each round."""
+    calls, times = [], {"a": iter([0.0, 5.0, 3.0, 4.0]), "b": iter([0.0, 2.0, 6.0, 1.0])}  # round 0: 0 s, the fastest
+
+    def timed(key):
+        calls.append(key)
+        return next(times[key])
+
+    assert best_of({"a": lambda: timed("a"), "b": lambda: timed("b")}, repeats=3) == {"a": 3.0, "b": 1.0}
+    assert calls == ["b", "a", "a", "b", "b", "a", "a", "b"]  # each way first in half of the rounds
 
 
 def test_bench_linear_times_the_models_own_matrices():
