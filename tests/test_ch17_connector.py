@@ -269,11 +269,3 @@ def test_bad_transfer_params_are_refused_at_the_door(pair, model):
     with pytest.raises(ValueError, match="speculative"):
         engine(model, "kv_consumer", speculative="ngram")
 
-
-def test_a_decode_engine_refuses_chapter_06s_exercises(model):
-    """A decode engine loads each transferred prompt's K/V at admission, in the reference scheduler's
-    schedule_waiting: the learner's rung 6.1 (exercises/06) is not asked to, so --student 06 is refused there, with
-    one line, not served without the transfer. A prefill engine's admission is chapter 06's own: accepted."""
-    with pytest.raises(ValueError, match="^a decode engine .*not with chapter 06's exercises selected in student$"):
-        engine(model, "kv_consumer", student="06")
-    engine(model, "kv_producer", student="06").close()

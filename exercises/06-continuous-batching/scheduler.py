@@ -44,7 +44,8 @@ num_preemptions, scheduled_time, needs_prompt_logprobs. README.md has the design
 each rung.
 
 The engine refuses `--student 06` where the reference scheduler does work this file does not ask of you:
-chapter 18's swap preemption and chapter 17's decode role (a KV connector that loads prompt K/V at admission).
+chapter 18's swap preemption, and, once your 6.1 is written, chapter 17's decode role (a KV connector that loads
+prompt K/V at admission).
 """
 
 import bisect  # noqa: F401  (you will want bisect.insort)
