@@ -458,6 +458,12 @@ class StudentCode:
                     return True
         return False
 
+    def serves(self, module: str, rung: str) -> bool:
+        """Whether this run serves the learner's `rung` ("6.1") of `module`: its chapter selected, its stubs written.
+        (The engine asks before it loads anything, to refuse a mode that rung does not build.)"""
+        return STUDENT_FILES.get(module, "")[:2] in self.chapters \
+            and f"Exercise {rung}" not in unfinished(student_path(module))
+
     def describe(self, runs: str = "the engine runs", idle: bool = True) -> str:
         """Whose code runs: one line per module the run asked for (idle: and the chapters none of it is from)."""
         lines = [f"--student {','.join(sorted(self.chapters))}: {runs}"]

@@ -190,20 +190,37 @@ def test_readmission_after_preemption_recomputes_only_the_uncached_tail(tiny, pr
     its blocks go to the free list tail-first, so A's new block evicts B's [8, 12) and B's [0, 4), [4, 8) stay
     cached. After A finishes B returns: with prefix caching it hits its own 2 freed blocks and recomputes
     13 - 8 = 5 tokens; without, all 13. Either way B's tokens are those of a pool that never preempts."""
-    def run(num_blocks):
-        engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=num_blocks, block_size=4, enable_prefix_caching=prefix_caching)))
-        for rid, first in (("A", 10), ("B", 20)):
-            engine.add_request(rid, list(range(first, first + 8)), greedy(8, ignore_eos=True))
-        done, scheduled_b = {}, []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
-            plan = engine.last_scheduler_output
-            scheduled_b.append(plan.num_scheduled_tokens.get("B", 0) if "B" not in plan.preempted_seq_ids else "preempted")
-        assert_pool_whole(engine)
-        return done, scheduled_b
-
-    done, scheduled_b = run(6)
+    done, scheduled_b = two_requests(tiny, 6, prefix_caching, greedy(8, ignore_eos=True))
     assert scheduled_b == [8, 1, 1, 1, 1, "preempted", 0, 0, recomputed, 1, 1]
-    assert done == run(64)[0]
+    assert done == two_requests(tiny, 64, prefix_caching, greedy(8, ignore_eos=True))[0]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_seeded_sampled_request_draws_the_same_tokens_across_a_preemption(tiny, prefix_caching):
+    """The worked example above, sampled (temperature 1, a seed per request): a sequence's generator lives with it
+    through the preemption, and the recompute samples only at its last token, so B draws, token for token, what it
+    draws in a pool that never preempts."""
+    params = {rid: SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+              for rid, seed in (("A", 1), ("B", 2))}
+    done, scheduled_b = two_requests(tiny, 6, prefix_caching, params)
+    assert "preempted" in scheduled_b
+    assert done == two_requests(tiny, 64, prefix_caching, params)[0]
+    assert done["A"] != done["B"]  # sampled, not a greedy repeat
+
+
+def two_requests(tiny, num_blocks, prefix_caching, params):
+    """A and B, 8-token prompts of their own, through a pool of `num_blocks` blocks of 4 (params: one for both, or
+    {request id: params}). Returns ({request id: token ids}, what B did each step: tokens scheduled or "preempted")."""
+    engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=num_blocks, block_size=4,
+                                                                   enable_prefix_caching=prefix_caching)))
+    for rid, first in (("A", 10), ("B", 20)):
+        engine.add_request(rid, list(range(first, first + 8)), params[rid] if isinstance(params, dict) else params)
+    done, scheduled_b = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        plan = engine.last_scheduler_output
+        scheduled_b.append(plan.num_scheduled_tokens.get("B", 0) if "B" not in plan.preempted_seq_ids else "preempted")
+    assert_pool_whole(engine)
+    return done, scheduled_b

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoserve.engine.policies.base import PriorityPolicy
 from nanoserve.engine.sequence import Sequence, SequenceStatus, child_seq_id
 from nanoserve.kv.block_manager import BlockManager
 from nanoserve.sampling import SamplingParams
@@ -18,18 +19,23 @@ from nanoserve.student import implementation
 RUNGS = ["6.1", "6.2", "6.3", "6.4"]
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=8, chunked=True, prefix_caching=False):
+def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=8, chunked=True, prefix_caching=False,
+         **scheduler):
+    """A scheduler (the learner's rung under grading) on chapter 05's reference block manager; `scheduler`: the
+    Scheduler's own keywords (policy, clock, max_loras)."""
     sched = implementation("nanoserve.engine.scheduler")
     config = sched.SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked)
-    return sched.Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching))
+    return sched.Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+                           **scheduler)
 
 
-def add(s, seq_id, prompt_len, max_tokens=4, priority=0, arrival=None, n=1, prompt=None):
-    # distinct tokens per request, so nothing is shared by accident
+def add(s, seq_id, prompt_len, max_tokens=4, priority=0, arrival=None, n=1, prompt=None, lora_name=None, **params):
+    # distinct tokens per request, so nothing is shared by accident; `params`: more SamplingParams (prompt_logprobs)
     base = 1000 * (len(s.seqs) + 1)
     arrival = float(len(s.seqs)) if arrival is None else arrival
     prompt = list(range(base, base + prompt_len)) if prompt is None else prompt
-    s.add_seq(Sequence(seq_id, prompt, max_tokens, priority, arrival, SamplingParams(n=n, max_tokens=max_tokens)))
+    s.add_seq(Sequence(seq_id, prompt, max_tokens, priority, arrival, SamplingParams(n=n, max_tokens=max_tokens, **params),
+                       lora_name=lora_name))
 
 
 def step(s):
@@ -132,6 +138,45 @@ def test_an_admitted_sequence_is_running_in_urgency_order_with_its_queue_time():
     assert b.status is SequenceStatus.RUNNING and b.scheduled_time is not None and b.num_computed_tokens == 3
     # the policy re-orders the running set every step: from the next one on, B's decode is served first
     assert [q.seq_id for q in step(s).scheduled_seqs] == ["B", "A"]
+
+
+@pytest.mark.exercise("6.1")
+def test_a_readmitted_sequence_keeps_its_first_scheduled_time():
+    """Chapter 09's queue time runs from arrival to the first admission: a preempted sequence that comes back
+    keeps the scheduled_time of its first one (a fake clock: the step's number)."""
+    now = [0.0]
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=16, clock=lambda: now[0])
+    for name in "ABC":
+        add(s, name, 4, max_tokens=8)
+    a, c = s.seqs["A"], s.seqs["C"]
+    now[0] = 1.0
+    assert step(s).num_scheduled_tokens == {"A": 4, "B": 4, "C": 4}
+    now[0] = 2.0
+    assert step(s).preempted_seq_ids == ["C"]  # as in test_preemption_takes_the_latest_arrival_and_it_keeps_its_place
+    while c.status is not SequenceStatus.RUNNING:
+        now[0] += 1.0
+        step(s)
+        assert now[0] < 50, "C is never readmitted"
+    assert now[0] > 2.0 and c.num_preemptions == 1
+    assert (a.scheduled_time, c.scheduled_time) == (1.0, 1.0)  # readmitted at step now[0], admitted first at step 1
+    add(s, "D", 2)  # a new arrival gets its own time
+    now[0] += 1.0
+    while s.seqs["D"].status is not SequenceStatus.RUNNING:
+        step(s)
+    assert s.seqs["D"].scheduled_time == now[0]
+
+
+@pytest.mark.exercise("6.1")
+def test_the_head_waits_for_a_slot_for_its_lora_adapter():
+    """Chapter 19: the running set holds at most max_loras distinct adapters (the base model takes none). A head
+    whose adapter would be one too many waits, and everyone behind it with it, as for blocks."""
+    s = make(max_num_batched_tokens=32, max_loras=1)
+    add(s, "A", 3, max_tokens=2, lora_name="a")
+    add(s, "B", 3, max_tokens=2, lora_name="b")  # a second adapter: no slot while A runs
+    add(s, "C", 3, max_tokens=2)  # the base model would fit, but C is behind B
+    add(s, "A2", 3, max_tokens=2, lora_name="a")  # A's adapter, but behind B and C
+    # A finishes in step 2; then B takes the slot with C, and A2 waits for B's adapter to leave
+    assert drain(s) == [{"A": 3}, {"A": 1}, {"B": 3, "C": 3}, {"B": 1, "C": 1}, {"A2": 3}, {"A2": 1}]
 
 
 @pytest.mark.exercise("6.1")
@@ -284,6 +329,31 @@ def test_preemption_victim_is_the_lowest_priority():
     assert out.num_scheduled_tokens == {"A": 1, "C": 1}
 
 
+class NamesTheVictim(PriorityPolicy):
+    """A policy (chapter 15's interface) that names its own victim: `victim` when it is a candidate, else the last."""
+
+    def __init__(self, victim: str):
+        self.victim = victim
+
+    def choose_victim(self, candidates, now):
+        return next((q for q in candidates if q.seq_id == self.victim), candidates[-1])
+
+
+@pytest.mark.exercise("6.3")
+def test_the_victim_is_the_one_the_policy_names():
+    """Chapter 15's policies choose the victim (scheduler.choose_victim): a policy that names C, not D, the default's."""
+    s = make(num_blocks=5, block_size=4, max_num_batched_tokens=16, policy=NamesTheVictim("C"))
+    for name in "ABCD":
+        add(s, name, 4, max_tokens=8)  # 4-token prompts: one full block each
+    assert step(s).num_scheduled_tokens == {"A": 4, "B": 4, "C": 4, "D": 4}  # 4 blocks used, 1 free
+    out = step(s)
+    # each decode needs a 2nd block: A takes the free one; B's turn: the policy names C, whose block B takes; D's
+    # turn: D is the only candidate left, its own victim (the default would have taken D for B, then C itself)
+    assert out.preempted_seq_ids == ["C", "D"]
+    assert out.num_scheduled_tokens == {"A": 1, "B": 1}
+    assert [q.seq_id for q in s.waiting] == ["C", "D"]
+
+
 @pytest.mark.exercise("6.3")
 def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_least_urgent():
     s = make(num_blocks=2, block_size=4, max_num_batched_tokens=16)
@@ -338,6 +408,23 @@ def test_the_budget_pays_only_for_the_uncached_tail():
     out = step(s)
     assert out.num_scheduled_tokens == {"B": 3}  # 8 cached: the last 3 fit in one step, and it samples
     assert s.seqs["B"].num_computed_tokens == 11 and s.seqs["B"].num_output_tokens == 1
+
+
+@pytest.mark.exercise("6.4")
+def test_a_request_for_its_prompt_logprobs_looks_nothing_up():
+    """Chapter 08's echo with logprobs scores every prompt position, so a prefix hit may skip none: the request
+    gets fresh blocks (the scheduler turns its lookups off) and computes its whole prompt. Once its first token is
+    out the rule ends: preempted later, it would look its tokens up like any other."""
+    s = make(max_num_batched_tokens=64, prefix_caching=True)
+    prompt = list(range(100, 110))  # 10 tokens: two full blocks of 4, and 2 more
+    add(s, "A", 0, max_tokens=1, prompt=prompt)
+    assert step(s).num_scheduled_tokens == {"A": 10}  # A leaves [0, 8) in the cache
+    add(s, "B", 0, max_tokens=1, prompt=prompt, prompt_logprobs=0)
+    out = step(s)
+    assert out.num_scheduled_tokens == {"B": 10}  # not 2: the cached 8 are computed again, to be scored
+    assert not set(out.block_tables["B"]) & {0, 1}  # in blocks of its own, not A's cached ones
+    add(s, "C", 0, max_tokens=1, prompt=prompt)
+    assert step(s).num_scheduled_tokens == {"C": 2}  # without prompt logprobs: the hit
 
 
 @pytest.mark.exercise("6.4")

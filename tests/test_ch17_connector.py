@@ -268,3 +268,4 @@ def test_bad_transfer_params_are_refused_at_the_door(pair, model):
     decode.kv_connector.sender.release(staged["remote_control"], staged["remote_segment"])
     with pytest.raises(ValueError, match="speculative"):
         engine(model, "kv_consumer", speculative="ngram")
+

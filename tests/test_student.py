@@ -300,6 +300,26 @@ def test_finished_rungs_serve_and_the_unfinished_ones_fall_back(tiny, exercises)
     assert "Scheduler.schedule_waiting ×" in engine.student_proof()
 
 
+def test_a_decode_engine_refuses_a_finished_6_1(tiny, exercises):
+    """Chapter 17's decode engine loads each transferred prompt's K/V at admission, in the reference's
+    schedule_waiting; rung 6.1 is not asked to (its stub says so), so with the learner's 6.1 the engine refuses, in
+    one line, instead of serving without the transfer. With 6.1 unfinished the reference admits: accepted, and so is
+    a prefill engine, whose admission is chapter 06's own."""
+    from nanoserve.engine.config import KVTransferConfig
+
+    def build(role):
+        return LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="06",
+                                             kv_transfer_config=KVTransferConfig(role)))
+
+    with pytest.warns(UserWarning, match=r"Exercise 6\.1, .*not finished"):
+        build("kv_consumer").close()
+    finish_rungs(student.EXERCISES / STUDENT_FILES["nanoserve.engine.scheduler"], "nanoserve.engine.scheduler", ["6.1"])
+    with pytest.raises(ValueError, match=r"^a decode engine .*not with your exercise 6\.1 \(student 06\)$"):
+        build("kv_consumer")
+    with pytest.warns(UserWarning, match=r"Exercise 6\.2, .*not finished"):
+        build("kv_producer").close()
+
+
 def test_a_half_finished_class_falls_back_naming_the_exercise(tiny, exercises):
     path = exercises("nanoserve.kv.block_allocator")
     source = path.read_text()

@@ -34,9 +34,18 @@ runs for the others. What you have:
                                    (all or nothing: on None nothing changed)
     self._schedule(out, seq, n)    record "seq computes n tokens this step" in the SchedulerOutput
     bisect.insort(self.waiting, seq, key=_urgency)     keep the waiting queue sorted when you add to it
+    self.lora_fits(seq)            chapter 19: can seq's LoRA adapter run beside the running set's? (True
+                                   without adapters)
+    self.choose_victim(i)          the preemption victim among self.running[i:] (the policy's choice), taken
+                                   out of self.running
 
 A Sequence gives you num_tokens, num_computed_tokens, token_ids, num_seats, status, seq_id,
-num_preemptions, scheduled_time. README.md has the design questions to answer before each rung.
+num_preemptions, scheduled_time, needs_prompt_logprobs. README.md has the design questions to answer before
+each rung.
+
+The engine refuses `--student 06` where the reference scheduler does work this file does not ask of you:
+chapter 18's swap preemption, and, once your 6.1 is written, chapter 17's decode role (a KV connector that loads
+prompt K/V at admission).
 """
 
 import bisect  # noqa: F401  (you will want bisect.insort)
@@ -55,7 +64,9 @@ class Scheduler(ReferenceScheduler):
         What must hold when it returns:
           - admission is first come, first served in urgency order: a sequence is admitted only if every
             sequence before it in `self.waiting` was; the first one that cannot start (no budget, no seat,
-            no blocks) stops the admissions this step — nobody overtakes it;
+            no slot for its LoRA adapter, no blocks) stops the admissions this step — nobody overtakes it;
+          - the adapter slot (chapter 19): `self.lora_fits(seq)` says whether seq's adapter can run beside
+            those of the running set (always True without adapters); a head for which it is False waits;
           - the running set never holds more than `max_num_seqs` seats (a sequence takes `seq.num_seats`:
             n for a request with n completions, 1 otherwise);
           - an admitted sequence skips what the prefix cache already holds (6.4), computes as many tokens
@@ -92,9 +103,9 @@ class Scheduler(ReferenceScheduler):
           - the running sequences are served in urgency order (`self.running[0]` first) while budget lasts,
             each computing what 6.2 allows and holding the blocks for it;
           - when the pool is short for the sequence at index i, blocks are taken back by preempting
-            (`self.preempt`) the victims `self.choose_victim(i)` names (chapter 15's policies choose; by default
-            the LEAST urgent running sequence), one at a time, until it fits; each victim leaves `self.running`
-            and its id is in `out.preempted_seq_ids`;
+            (`self.preempt`) the victims `self.choose_victim(i)` names (chapter 15's policies choose, and may name
+            any sequence of `self.running[i:]`; by default the LEAST urgent running sequence), one at a time,
+            until it fits; each victim leaves `self.running` and its id is in `out.preempted_seq_ids`;
           - a sequence never preempts a more urgent one: if the only one left to take blocks from is the
             sequence itself, it is the one preempted, and it waits;
           - every sequence still in `self.running` afterwards is in `out`, or was not reached for lack of budget.
@@ -131,5 +142,10 @@ class Scheduler(ReferenceScheduler):
         after generating some?
         Returns a multiple of the block size, < seq.num_tokens. Example: blocks of 4, a new 11-token prompt whose
         first 8 tokens are cached: 8; a prompt of exactly those 8 tokens: 4 (its last token must be computed,
-        its logits pick the next)."""
+        its logits pick the next).
+        Except: a request that wants its prompt logprobs (`seq.needs_prompt_logprobs`: chapter 08's echo with
+        logprobs, until its first token is out) gets 0, cache or not. Every prompt position must be computed to
+        be scored, and `_allocate` gives such a request fresh blocks (no prefix lookups): a count > 0 would mark
+        positions as computed whose K/V no block holds. Example: the same 11-token prompt with prompt
+        logprobs: 0, and all 11 tokens are computed."""
         raise NotImplementedError("Exercise 6.4: write Scheduler.num_cached_tokens (see its docstring and README.md)")

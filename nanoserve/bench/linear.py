@@ -2,7 +2,8 @@
 
 Every weight matrix of SmolLM2 as the model multiplies it (30 layers × the fused qkv_proj, o_proj, the fused
 gate_up_proj and down_proj, then the LM head: 121 matrices, nanoserve/model/stacked.py) is run once over a
-batch of `tokens` rows, both ways, alternating, best of --repeats after a warm-up round:
+batch of `tokens` rows, both ways, best of --repeats rounds after an untimed warm-up round, the order of the
+ways reversed from one round to the next (best_of):
 
   x·Wᵀ       F.linear(x, W): what nn.Linear does
   (W·xᵀ)ᵀ    nanoserve.model.layers.swap_ab(x, W), what nanoserve's `Linear` does up to
@@ -49,11 +50,34 @@ def register(sub):
     p.set_defaults(func=run)
 
 
+def best_of(passes: dict, repeats: int) -> dict:
+    """{key: best seconds} of `passes` ({key: a function that runs one pass and returns its seconds}) over `repeats`
+    rounds after an untimed warm-up round. Each round runs every pass once, in the order of the round before
+    reversed, so no pass always runs first and a drift in the machine's speed hits them all."""
+    best = dict.fromkeys(passes, float("inf"))
+    order = list(passes)
+    for round_ in range(repeats + 1):
+        order.reverse()
+        for key in order:
+            seconds = passes[key]()
+            if round_:  # round 0 warms up: lazy set-up, first allocations
+                best[key] = min(best[key], seconds)
+    return best
+
+
 def linear_pass(weights, inputs, product) -> float:
     """Seconds to multiply every weight by its input (inputs: in_features -> (tokens, in_features))."""
     t0 = time.perf_counter()
     for W in weights:
         product(inputs[W.shape[1]], W)
+    return time.perf_counter() - t0
+
+
+def layers_pass(layers, inputs) -> float:
+    """Seconds to run every layer (a Linear module) on its input, as linear_pass does with bare weights."""
+    t0 = time.perf_counter()
+    for layer in layers:
+        layer(inputs[layer.in_features])
     return time.perf_counter() - t0
 
 
@@ -122,13 +146,7 @@ def run_formats(args, config, flop_per_token_of) -> None:
     flop_per_token = flop_per_token_of(next(iter(columns.values())))
     for tokens in args.tokens:
         x = {n: torch.randn(tokens, n) for n in {layer.in_features for layer in next(iter(columns.values()))}}
-        best = {c: float("inf") for c in columns}
-        for _ in range(args.repeats + 1):
-            for c, layers in columns.items():
-                t0 = time.perf_counter()
-                for layer in layers:
-                    layer(x[layer.in_features])
-                best[c] = min(best[c], time.perf_counter() - t0)
+        best = best_of({c: lambda layers=layers: layers_pass(layers, x) for c, layers in columns.items()}, args.repeats)
         fastest = min(best, key=best.get)
         print(f"{tokens:7d} " + " ".join(f"{best[c] * 1e3:11.1f}" for c in columns)
               + f"   {fastest} ({flop_per_token * tokens / best[fastest] / 1e9:.0f} GFLOP/s)")
@@ -147,12 +165,11 @@ def run_fused(args, config) -> None:
             sets[(dtype, fused)] = [W.to(dtype) for W in fused_weights(config, fused)]
     print(f"{'tokens':>7s} {'fp32 sep':>9s} {'fp32 fused':>11s} {'bf16 sep':>9s} {'bf16 fused':>11s}")
     for tokens in args.tokens:
-        best = {k: float("inf") for k in sets}
-        for _ in range(args.repeats + 1):
-            for (dtype, fused), ws in sets.items():
-                inputs = {n: torch.randn(tokens, n, dtype=dtype) for n in {W.shape[1] for W in ws}}
-                product = linear if dtype == torch.float32 else F.linear
-                best[(dtype, fused)] = min(best[(dtype, fused)], linear_pass(ws, inputs, product))
+        inputs = {key: {n: torch.randn(tokens, n, dtype=key[0]) for n in {W.shape[1] for W in ws}}
+                  for key, ws in sets.items()}
+        best = best_of({key: lambda key=key: linear_pass(sets[key], inputs[key],
+                                                         linear if key[0] == torch.float32 else F.linear)
+                        for key in sets}, args.repeats)
         print(f"{tokens:7d} " + " ".join(f"{best[k] * 1e3:{w}.1f}" for k, w in zip(sets, (9, 11, 9, 11))))
 
 
@@ -179,12 +196,12 @@ def run(args):
     for tokens in args.tokens:
         inputs = {n: torch.randn(tokens, n) for n in {W.shape[1] for W in weights}}
         inputs16 = {n: x.bfloat16() for n, x in inputs.items()} if bf16 else None
-        plain = swapped = half = float("inf")
-        for _ in range(args.repeats + 1):  # alternating, so drifts in machine speed hit all; round 1 warms up
-            plain = min(plain, linear_pass(weights, inputs, F.linear))
-            swapped = min(swapped, linear_pass(weights, inputs, swap_ab))
-            if bf16:
-                half = min(half, linear_pass(bf16, inputs16, F.linear))
+        passes = {"plain": lambda: linear_pass(weights, inputs, F.linear),
+                  "swapped": lambda: linear_pass(weights, inputs, swap_ab)}
+        if bf16:
+            passes["bf16"] = lambda: linear_pass(bf16, inputs16, F.linear)
+        best = best_of(passes, args.repeats)
+        plain, swapped, half = best["plain"], best["swapped"], best.get("bf16")
         flop = flop_per_token * tokens
         print(f"{tokens:7d} {plain * 1e3:10.1f} {swapped * 1e3:12.1f} {flop / plain / 1e9:14.1f} "
               f"{flop / swapped / 1e9:17.1f} {plain / swapped:8.2f}x"

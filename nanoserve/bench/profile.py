@@ -23,8 +23,9 @@ warm-up: lazy set-up and first allocations), then timed without the profiler, th
 
 The roofline: the same command measures this machine's read bandwidth (sum of a 256 MiB tensor) and its
 float32 GEMM peak (a 2048³ matmul). A step must read every weight once (and the K/V it attends to), and do
-2 FLOPs per weight per token: its time is at least max(bytes / bandwidth, FLOPs / peak). The larger term
-says which resource bounds the step; measured time far above both, with a large scheduler/Python share,
+2 FLOPs per weight per token: its time is at least max(bytes / bandwidth, FLOPs / peak), as far as the two
+measured rates are the machine's best (on a shared machine they can fall short: a rough floor, then). The
+larger term says which resource bounds the step; measured time far above both, with a large scheduler/Python share,
 means overhead bounds it. With `--compile-mode buckets | dynamic` (chapter 09) the step runs compiled: its graphs
 call no labelled method, so the compiled forward is labelled "norms/RoPE/act" as a whole, the attention (eager)
 claims its own time inside it, and the product ops found inside it (PRODUCT_OPS) count as "linear": what stays

@@ -177,6 +177,9 @@ class LLMEngine:
         if transfer is not None and (lora is not None or cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
             raise ValueError("a disaggregated engine (kv_transfer_config, chapter 17) moves plain KV blocks of the base "
                              "model: LoRA adapters, the KV tier and int8 / fp8 pools are refused with it")
+        if transfer is not None and not transfer.is_producer and student.serves("nanoserve.engine.scheduler", "6.1"):
+            raise ValueError("a decode engine (kv_role kv_consumer, chapter 17) loads prompt K/V at admission, in the "
+                             "reference scheduler's schedule_waiting: not with your exercise 6.1 (student 06)")
         kv_worker = self._kv_connector_worker(model)  # chapter 17 (None unless config.kv_transfer_config)
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[cache.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,

@@ -1,10 +1,10 @@
 """Chapter 06 — one request's state as it moves through the engine.
 
     add_request ─▶ WAITING ─▶ RUNNING ─▶ FINISHED_STOPPED   (EOS, a stop id or a stop string)
-                     ▲           │    └─▶ FINISHED_LENGTH    (max_tokens reached)
-                     │           ▼
-                     └──── PREEMPTED     (blocks ran out: blocks freed, recomputed later)
-                           or SWAPPED    (chapter 18's swap mode: its blocks in the KV tier, swapped back in)
+                                │  ▲  └─▶ FINISHED_LENGTH    (max_tokens reached)
+                                ▼  │
+                             PREEMPTED     (blocks ran out: blocks freed, recomputed when readmitted)
+                             or SWAPPED    (chapter 18's swap mode: its blocks in the KV tier, swapped back in)
     abort_request, from any live state ─▶ FINISHED_ABORTED
 
 The scheduler reads only integers from here: how many tokens the sequence has
@@ -17,7 +17,8 @@ are the same thing seen this way: "compute tokens [num_computed_tokens, num_comp
     next step computes 1 token (t5) and samples t6   -> a decode
 
 Preemption by recompute frees the blocks: num_computed_tokens drops to 0 and the sequence waits
-with its prompt *and* the tokens it had generated. Readmitted, they are a prompt like any other: with
+with its prompt *and* the tokens it had generated, in the waiting queue but PREEMPTED, not WAITING:
+its admission makes it RUNNING again. Readmitted, its tokens are a prompt like any other: with
 prefix caching on, its own freed blocks that are still cached are hits, and only the rest is
 recomputed (tests/test_ch06_llm.py: 5 tokens of 13 recomputed, all 13 without prefix caching).
 Preemption by swap (chapter 18) keeps num_computed_tokens: the K/V wait in the KV tier, and nothing is recomputed.

@@ -13,7 +13,7 @@ from nanoserve.model.stacked import stack_parts
 # 1.20x at 16, 1.12x at 64); other runs there gave 1.1-1.5x at 16 but 1.0-1.35x at 64, and 1.00x in the
 # engine's decode steps of 17-64 sequences: at 64 tokens the gain was within the noise. Not re-derived for
 # the fused qkv_proj and gate_up_proj the model runs now: three runs on a shared 2-core AMD EPYC (chapter
-# 06, section 8) gave 1.26-1.39x at 4 tokens, 0.77-1.13x at 1 and 16 (noise) and 0.80-1.00x at 64 (no gain,
+# 06, section 8; F.linear first in every round, before bench linear alternated the order) gave 1.26-1.39x at 4 tokens, 0.77-1.13x at 1 and 16 (noise) and 0.80-1.00x at 64 (no gain,
 # perhaps a loss). Kept, as no quiet measurement of the fused shapes supports another value; `bench linear`
 # on the CPU at hand says where its crossover is.
 SWAP_AB_MAX_TOKENS = 64
