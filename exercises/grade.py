@@ -13,7 +13,8 @@ line of your file it came from), and a total `score: P/N` (tests passed / graded
 
 The tests run in a child process. A test that kills it (a segfault: in Triton's interpreter, chapter 07, a
 tl.load or tl.store outside its tensor) is graded as failed, with the signal and the line of your file the crash
-dump names, and a new child runs the tests not run yet.
+dump names, and a new child runs the tests not run yet. (A test that crashed after others ran in its process is
+run again alone first: an earlier test's stray store can corrupt memory and kill a later one.)
 
 Exit status: 0 full marks, 1 graded but not full marks yet, 2 a usage error (e.g. no such chapter).
 """
@@ -43,10 +44,11 @@ class Results:
     chapter's tests grade, each graded test's start, its exercise id, outcome and why it failed, and its finish:
     a test that started and never finished took the process down."""
 
-    def __init__(self, log: str, exercise: str | None = None, skip=()):
+    def __init__(self, log: str, exercise: str | None = None, skip=(), only: str | None = None):
         self.log = open(log, "a", buffering=1)  # line-buffered: what a crash leaves is every line written before it
         self.exercise = exercise  # grade only this one, if given
         self.skip = set(skip)  # tests an earlier child ran (or crashed in)
+        self.only = only  # run this test alone, if given
         self.graded = set()  # nodeids whose result is written
         self.stderr = os.dup(2)  # the child's stderr (pytest points fd 2 elsewhere while a test runs)
 
@@ -57,7 +59,8 @@ class Results:
         self.write(found=sorted({item.get_closest_marker("exercise").args[0] for item in items
                                  if item.get_closest_marker("exercise")}))
         keep = [item for item in items if (m := item.get_closest_marker("exercise"))
-                and (not self.exercise or m.args[0] == self.exercise) and item.nodeid not in self.skip]
+                and (not self.exercise or m.args[0] == self.exercise) and item.nodeid not in self.skip
+                and self.only in (None, item.nodeid)]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
 
@@ -106,17 +109,21 @@ def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise
     'collect_errors': [...], 'exercises': every exercise id the chapter grades}.
 
     The tests run in a child process (run_tests), round after round: a test that kills it is recorded as failed
-    (crashed), and the next child runs the tests that neither ran nor crashed."""
+    (crashed), and the next child runs the tests that neither ran nor crashed. A test that crashed after others ran
+    in the same process is first run again alone: a stray store of an earlier test (past a tensor, into memory
+    the process owns) can corrupt the heap and kill a later, innocent one."""
     files = sorted(str(p) for p in (ROOT / "tests").glob(f"test_ch{chapter}_*.py"))
     os.environ["NANOSERVE_IMPL"] = "reference" if reference else "student"
     tests, found, collect_errors = {}, set(), []  # tests: nodeid -> {"exercise", "passed", "error", ...}
+    alone = None  # a test to run alone in the next child
     while True:
         with tempfile.TemporaryDirectory() as tmp:
             log, stderr_path = Path(tmp) / "results.jsonl", Path(tmp) / "stderr"
             with open(stderr_path, "w") as stderr:
                 child = subprocess.run(
                     [sys.executable, "-c", CHILD, json.dumps(
-                        dict(files=files, log=str(log), exercise=exercise, skip=sorted(tests), verbose=verbose))],
+                        dict(files=files, log=str(log), exercise=exercise, skip=sorted(tests), only=alone,
+                             verbose=verbose))],
                     cwd=ROOT, stdout=None if verbose else subprocess.DEVNULL, stderr=stderr)
             records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
             child_stderr = stderr_path.read_text()  # where faulthandler writes its dump of a crash
@@ -134,12 +141,18 @@ def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise
             if "test" in record:
                 tests[record.pop("test")] = record
         crashed = [nodeid for nodeid in started if nodeid not in finished]
-        if not crashed:
-            if child.returncode < 0:  # killed outside every test: while the test files were imported, say
-                collect_errors.append(f"the test process died ({died_of(child.returncode)}) "
-                                      + ("after its last test" if started else "before any test ran"))
+        if crashed and crashed[0] != next(iter(started)):  # others ran before it: is the crash its own?
+            alone = crashed[0]
+            continue
+        if crashed:
+            tests[crashed[0]] = {"exercise": started[crashed[0]], "passed": False,
+                                 **crash(child.returncode, child_stderr)}
+        elif child.returncode < 0:  # killed outside every test: while the test files were imported, say
+            collect_errors.append(f"the test process died ({died_of(child.returncode)}) "
+                                  + ("after its last test" if started else "before any test ran"))
+        if not crashed and alone is None:
             break
-        tests[crashed[0]] = {"exercise": started[crashed[0]], "passed": False, **crash(child.returncode, child_stderr)}
+        alone = None
     by_exercise = defaultdict(lambda: [0, 0])
     errors = defaultdict(int)
     failures = []
@@ -158,10 +171,12 @@ CHILD = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'exercis
          "sys.exit(grade.run_tests(**json.loads(sys.argv[1])))")
 
 
-def run_tests(files: list[str], log: str, exercise: str | None, skip: list[str], verbose: bool) -> int:
-    """The child's side: the graded tests of `files` but `skip`, each one's result appended to `log`."""
+def run_tests(files: list[str], log: str, exercise: str | None, skip: list[str], only: str | None,
+              verbose: bool) -> int:
+    """The child's side: the graded tests of `files` but `skip` (or `only` that one), each one's result appended
+    to `log`."""
     args = [*files, "-m", "exercise", "-p", "no:cacheprovider", *(["-v"] if verbose else ["-q", "--tb=no"])]
-    return pytest.main(args, plugins=[Results(log, exercise, skip)])
+    return pytest.main(args, plugins=[Results(log, exercise, skip, only)])
 
 
 def died_of(returncode: int) -> str:
@@ -173,14 +188,15 @@ def crash(returncode: int, dump: str) -> dict:
     dump (faulthandler: most recent call first) names."""
     where = None
     for path, line, name in re.findall(r'File "(.+?)", line (\d+) in (\S+)', dump):
-        if Path(path).resolve().is_relative_to(ROOT / "exercises"):
+        file = Path(path).resolve()
+        if file.is_relative_to(ROOT / "exercises") and file != Path(__file__).resolve():  # the learner's, not ours
             source = linecache.getline(path, int(line)).strip()
-            where = f"{Path(path).resolve().relative_to(ROOT)}:{line} in {name}: {source}"
+            where = f"{file.relative_to(ROOT)}:{line} in {name}: {source}"
             break
     return {"error": died_of(returncode), "where": where,
             "message": "the test process died here, with no exception to report. Triton's interpreter does not "
-                       "bounds-check tl.load or tl.store: an address outside the process's memory kills it. Which "
-                       "lane does your mask let through?"}
+                       "bounds-check tl.load or tl.store: a lane past its tensor reads or writes whatever memory "
+                       "lies there, which can kill the process. Which lane does your mask let through?"}
 
 
 def report(chapter: str, result: dict, who: str, verbose: bool) -> None:
