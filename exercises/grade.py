@@ -11,15 +11,24 @@ line of your file it came from), and a total `score: P/N` (tests passed / graded
     python exercises/grade.py 05 --json        # only the result, as one JSON line
     python exercises/grade.py 06 --exercise 6.2  # one exercise (one rung of a ladder) only (make grade EX=6.2)
 
+The tests run in a child process. A test that kills it (a segfault: in Triton's interpreter, chapter 07, a
+tl.load or tl.store outside its tensor) is graded as failed, with the signal and the line of your file the crash
+dump names, and a new child runs the tests not run yet. (A test that crashed after others ran in its process is
+run again alone first: an earlier test's stray store can corrupt memory and kill a later one.)
+
 Exit status: 0 full marks, 1 graded but not full marks yet, 2 a usage error (e.g. no such chapter).
 """
 
 import argparse
-import contextlib
-import io
+import faulthandler
 import json
+import linecache
 import os
+import re
+import signal
+import subprocess
 import sys
+import tempfile
 import traceback
 from collections import defaultdict
 from pathlib import Path
@@ -31,21 +40,40 @@ SHOWN_PER_EXERCISE = 6  # failures listed under an exercise; -v shows them all, 
 
 
 class Results:
-    """A pytest plugin that remembers, per graded test, its exercise id, outcome and why it failed."""
+    """A pytest plugin (in the child process) that appends to `log`, one JSON line each, every exercise id the
+    chapter's tests grade, each graded test's start, its exercise id, outcome and why it failed, and its finish:
+    a test that started and never finished took the process down."""
 
-    def __init__(self, exercise: str | None = None):
+    def __init__(self, log: str, exercise: str | None = None, skip=(), only: str | None = None):
+        self.log = open(log, "a", buffering=1)  # line-buffered: what a crash leaves is every line written before it
         self.exercise = exercise  # grade only this one, if given
-        self.found = set()  # every exercise id the chapter's tests grade
-        self.tests = {}  # nodeid -> {"exercise", "passed", "error", "message", "where"}
-        self.collect_errors = []  # files that could not even be imported
+        self.skip = set(skip)  # tests an earlier child ran (or crashed in)
+        self.only = only  # run this test alone, if given
+        self.graded = set()  # nodeids whose result is written
+        self.stderr = os.dup(2)  # the child's stderr (pytest points fd 2 elsewhere while a test runs)
+
+    def write(self, **record) -> None:
+        self.log.write(json.dumps(record) + "\n")
 
     def pytest_collection_modifyitems(self, config, items):
-        self.found = {item.get_closest_marker("exercise").args[0] for item in items
-                      if item.get_closest_marker("exercise")}
-        if self.exercise:
-            keep = [item for item in items if (m := item.get_closest_marker("exercise")) and m.args[0] == self.exercise]
-            config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-            items[:] = keep
+        self.write(found=sorted({item.get_closest_marker("exercise").args[0] for item in items
+                                 if item.get_closest_marker("exercise")}))
+        keep = [item for item in items if (m := item.get_closest_marker("exercise"))
+                and (not self.exercise or m.args[0] == self.exercise) and item.nodeid not in self.skip
+                and self.only in (None, item.nodeid)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.write(start=item.nodeid, exercise=item.get_closest_marker("exercise").args[0])
+        # a crash dumps the Python stack (faulthandler) to the child's stderr: armed again for every test, on top
+        # of any handler a library put in since (tvm_ffi, which xgrammar loads, puts in one that dumps C frames)
+        faulthandler.disable()
+        faulthandler.enable(file=self.stderr)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.write(finish=nodeid)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -53,13 +81,14 @@ class Results:
         marker = item.get_closest_marker("exercise")
         if marker is None or (report.when != "call" and report.passed):
             return
-        if report.when == "call" or item.nodeid not in self.tests:
-            self.tests[item.nodeid] = {"exercise": marker.args[0], "passed": report.passed,
-                                       **(why(call.excinfo) if call.excinfo else {"error": None})}
+        if report.when == "call" or item.nodeid not in self.graded:
+            self.graded.add(item.nodeid)
+            self.write(test=item.nodeid, exercise=marker.args[0], passed=report.passed,
+                       **(why(call.excinfo) if call.excinfo else {"error": None}))
 
     def pytest_collectreport(self, report):
         if report.failed:
-            self.collect_errors.append(f"{report.nodeid}: {report.longreprtext.strip().splitlines()[-1]}")
+            self.write(collect_error=f"{report.nodeid}: {report.longreprtext.strip().splitlines()[-1]}")
 
 
 def why(excinfo) -> dict:
@@ -77,27 +106,97 @@ def why(excinfo) -> dict:
 def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise: str | None = None) -> dict:
     """Run the graded tests (of one `exercise` only, if given); return {'by_exercise': {id: [passed, total]},
     'errors': {type: count}, 'failures': [{'test', 'exercise', 'error', 'message', 'where'}],
-    'collect_errors': [...], 'exercises': every exercise id the chapter grades}."""
+    'collect_errors': [...], 'exercises': every exercise id the chapter grades}.
+
+    The tests run in a child process (run_tests), round after round: a test that kills it is recorded as failed
+    (crashed), and the next child runs the tests that neither ran nor crashed. A test that crashed after others ran
+    in the same process is first run again alone: a stray store of an earlier test (past a tensor, into memory
+    the process owns) can corrupt the heap and kill a later, innocent one."""
     files = sorted(str(p) for p in (ROOT / "tests").glob(f"test_ch{chapter}_*.py"))
     os.environ["NANOSERVE_IMPL"] = "reference" if reference else "student"
-    results = Results(exercise)
-    args = [*files, "-m", "exercise", "-p", "no:cacheprovider"]
-    if verbose:
-        pytest.main([*args, "-v"], plugins=[results])
-    else:  # pytest's own report stays out of the way (and out of --json's output)
-        with contextlib.redirect_stdout(io.StringIO()):
-            pytest.main([*args, "-q", "--tb=no"], plugins=[results])
+    tests, found, collect_errors = {}, set(), []  # tests: nodeid -> {"exercise", "passed", "error", ...}
+    alone = None  # a test to run alone in the next child
+    while True:
+        with tempfile.TemporaryDirectory() as tmp:
+            log, stderr_path = Path(tmp) / "results.jsonl", Path(tmp) / "stderr"
+            with open(stderr_path, "w") as stderr:
+                child = subprocess.run(
+                    [sys.executable, "-c", CHILD, json.dumps(
+                        dict(files=files, log=str(log), exercise=exercise, skip=sorted(tests), only=alone,
+                             verbose=verbose))],
+                    cwd=ROOT, stdout=None if verbose else subprocess.DEVNULL, stderr=stderr)
+            records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+            child_stderr = stderr_path.read_text()  # where faulthandler writes its dump of a crash
+        if verbose:
+            sys.stderr.write(child_stderr)
+        started, finished = {}, set()  # started: nodeid -> exercise id
+        for record in records:
+            found.update(record.get("found", []))
+            if "collect_error" in record and record["collect_error"] not in collect_errors:  # each round collects
+                collect_errors.append(record["collect_error"])
+            if "start" in record:
+                started[record["start"]] = record["exercise"]
+            if "finish" in record:
+                finished.add(record["finish"])
+            if "test" in record:
+                tests[record.pop("test")] = record
+        crashed = [nodeid for nodeid in started if nodeid not in finished]
+        if crashed and crashed[0] != next(iter(started)):  # others ran before it: is the crash its own?
+            alone = crashed[0]
+            continue
+        if crashed:
+            tests[crashed[0]] = {"exercise": started[crashed[0]], "passed": False,
+                                 **crash(child.returncode, child_stderr)}
+        elif child.returncode < 0:  # killed outside every test: while the test files were imported, say
+            collect_errors.append(f"the test process died ({died_of(child.returncode)}) "
+                                  + ("after its last test" if started else "before any test ran"))
+        if not crashed and alone is None:
+            break
+        alone = None
     by_exercise = defaultdict(lambda: [0, 0])
     errors = defaultdict(int)
     failures = []
-    for nodeid, test in results.tests.items():
+    for nodeid, test in tests.items():
         by_exercise[test["exercise"]][0] += test["passed"]
         by_exercise[test["exercise"]][1] += 1
         if not test["passed"]:
             errors[test["error"]] += 1
             failures.append({"test": nodeid.removeprefix("tests/"), **test})
     return {"by_exercise": dict(by_exercise), "errors": dict(errors), "failures": failures,
-            "collect_errors": results.collect_errors, "exercises": sorted(results.found)}
+            "collect_errors": collect_errors, "exercises": sorted(found)}
+
+
+# the child process: pytest with the Results plugin (its arguments, as JSON, in argv[1])
+CHILD = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'exercises')!r}]; import grade; "
+         "sys.exit(grade.run_tests(**json.loads(sys.argv[1])))")
+
+
+def run_tests(files: list[str], log: str, exercise: str | None, skip: list[str], only: str | None,
+              verbose: bool) -> int:
+    """The child's side: the graded tests of `files` but `skip` (or `only` that one), each one's result appended
+    to `log`."""
+    args = [*files, "-m", "exercise", "-p", "no:cacheprovider", *(["-v"] if verbose else ["-q", "--tb=no"])]
+    return pytest.main(args, plugins=[Results(log, exercise, skip, only)])
+
+
+def died_of(returncode: int) -> str:
+    return signal.Signals(-returncode).name if returncode < 0 else f"exit status {returncode}"
+
+
+def crash(returncode: int, dump: str) -> dict:
+    """A test that took its process down: the signal, and the innermost frame in exercises/ that Python's crash
+    dump (faulthandler: most recent call first) names."""
+    where = None
+    for path, line, name in re.findall(r'File "(.+?)", line (\d+) in (\S+)', dump):
+        file = Path(path).resolve()
+        if file.is_relative_to(ROOT / "exercises") and file != Path(__file__).resolve():  # the learner's, not ours
+            source = linecache.getline(path, int(line)).strip()
+            where = f"{file.relative_to(ROOT)}:{line} in {name}: {source}"
+            break
+    return {"error": died_of(returncode), "where": where,
+            "message": "the test process died here, with no exception to report. Triton's interpreter does not "
+                       "bounds-check tl.load or tl.store: a lane past its tensor reads or writes whatever memory "
+                       "lies there, which can kill the process. Which lane does your mask let through?"}
 
 
 def report(chapter: str, result: dict, who: str, verbose: bool) -> None:

@@ -4,7 +4,9 @@ bad settings are clear errors before anything loads, and the learner's kernel pl
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined: @triton.jit reads it then
+# before triton itself is first imported, by anything (tests/conftest.py sets it first): @triton.jit reads it
+# when a function is defined, and Triton's own tl.zeros, tl.max are @triton.jit functions defined at import
+os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -157,6 +159,27 @@ def test_batch_cli_refuses_a_bad_backend_before_loading_the_model(backend, unset
     code = exit.value.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("command", ["batch", "serve"])
+def test_cli_refuses_a_kv_cache_dtype_with_the_triton_backend_before_loading_the_model(command, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """The kernels read the pool in the model's dtype: --kv-cache-dtype is the torch backend's, refused with
+    triton as the engine refuses it (LLMEngine), but before the model loads."""
+    import nanoserve.model
+
+    from nanoserve.cli import main
+
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda *a: pytest.fail("the model was loaded"))
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "Hi", "max_tokens": 2}) + "\n")
+    io = ["--input", str(src), "--output", str(tmp_path / "out.jsonl")] if command == "batch" else []
+    code = main([command, *io, "--attention-backend", "triton", "--kv-cache-dtype", "bf16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err == ["error: --kv-cache-dtype bf16 applies to the torch attention "
+                                                   "backend; the Triton kernels read the model's dtype (chapter 07): "
+                                                   "not with --attention-backend triton"]
     assert not (tmp_path / "out.jsonl").exists()
 
 

@@ -13,13 +13,16 @@ files under `make grade CH=07`. The paged kernel is a ladder (nanoserve/student.
     7.1  online_softmax_step: a probe kernel feeds it hand-made tiles (against the whole-row softmax),
          then the whole kernel on multi-tile batches and float16
     7.2  store_kv_kernel: == index_copy_, ragged last program, strided inputs, a pool with padded blocks
-    7.3  load_kv_tile: block sizes 1-16, tiles smaller and larger than a block, shuffled tables, NaN traps
+    7.3  load_kv_tile: block sizes 1-16, tiles smaller and larger than a block, shuffled tables, NaN in every
+         row it may not read (through the whole kernel, and its tiles read alone by a probe kernel)
     7.4  paged_attention_kernel: GQA 1, 3, 4, decodes, prompts, chunks on a prefix (causal), tile sizes
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel is defined: @triton.jit reads it then
+# before triton itself is first imported, by anything (tests/conftest.py sets it first): @triton.jit reads it
+# when a function is defined, and Triton's own tl.zeros, tl.max are @triton.jit functions defined at import
+os.environ["TRITON_INTERPRET"] = "1"
 
 import random  # noqa: E402
 
@@ -128,28 +131,99 @@ def test_kernel_float16():
     compare(*make_step(3, 3, 64, 16, [5, 40, 20], [1, 40, 8], dtype=torch.float16), tol=2e-2, tile=16)
 
 
+def poison_unreadable(cache, tables, seq_lens, block_size, width):
+    """NaN in every K/V row of the pool that no sequence's first seq_len positions hold: the blocks outside every
+    table and the rows of each tail block past its sequence's length. Block 0, where a table entry loaded as a
+    masked lane's `other=0` points, is made one of them (its keys move to a spare block). Returns the tables
+    padded to `width` entries with another NaN block: a table read past a sequence's blocks stays inside the
+    table and names NaN rows too."""
+    spare = sorted(set(range(cache.num_blocks)) - {b for t in tables for b in t} - {0})
+    if any(0 in t for t in tables):
+        moved = spare.pop(0)
+        for pool in (cache.k_cache[0], cache.v_cache[0]):
+            pool[:, moved] = pool[:, 0]
+        tables = [[moved if b == 0 else b for b in t] for t in tables]
+    readable = torch.zeros(cache.num_blocks, block_size, dtype=torch.bool)
+    for table, s in zip(tables, seq_lens):
+        for pos in range(s):
+            readable[table[pos // block_size], pos % block_size] = True
+    for pool in (cache.k_cache[0], cache.v_cache[0]):
+        pool[:, ~readable] = float("nan")  # (Hkv, num_blocks, block_size, D)
+    return torch.tensor([t + [spare[0]] * (width - len(t)) for t in tables])
+
+
 @pytest.mark.exercise("7.3")
 def test_kernel_reads_only_its_blocks():
-    """Blocks outside every table are filled with NaN after the reference ran, and the tables' padding entries
-    (block 0 by default, which may be another sequence's) point at one of them: the kernel must not read them
-    (padding entries of a block table, keys past seq_len) or a NaN would leak into the output."""
+    """The whole kernel on a pool whose unreadable rows are NaN (poison_unreadable), block 0 among them: a V row
+    read at a position >= num_keys reaches the output (p = 0 times NaN is NaN). A stray K row does not (the
+    kernel turns those scores into -inf whatever they were): test_block_walk_returns_only_its_keys looks at the
+    tiles themselves."""
     cache, meta, q, k, v = make_step(2, 3, 16, 4, [7, 12], [3, 1])
-    expected = PagedAttention(cache, meta)(0, q, k, v)
-    used = {b for table, s in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()) for b in table[:-(-s // 4)]}
-    for b in set(range(cache.num_blocks)) - used:
-        cache.k_cache[0][:, b] = float("nan")
-        cache.v_cache[0][:, b] = float("nan")
-    for i, s in enumerate(meta.seq_lens.tolist()):
-        meta.block_tables[i, -(-s // 4):] = min(set(range(cache.num_blocks)) - used)
-    assert meta.block_tables.tolist()[0][2] not in used  # sequence 0 (2 blocks) has one padding entry
-    for pool in (cache.k_cache[0], cache.v_cache[0]):
-        slots = pool.view(2, -1, 16)  # (Hkv, num_slots, D)
-        for table, s in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()):
-            for pos in range(s, -(-s // 4) * 4):  # the tail block's rows past seq_len
-                slots[:, table[pos // 4] * 4 + pos % 4] = float("nan")
-    out = kernel().paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+    expected = PagedAttention(cache, meta)(0, q, k, v)  # stores the step's k, v in the pool first
+    tables = poison_unreadable(cache, meta.block_tables.tolist(), meta.seq_lens.tolist(), 4, width=8)
+    assert torch.isnan(cache.v_cache[0][:, 0]).all() and torch.isnan(cache.k_cache[0][:, 0]).all()
+    out = kernel().paged_attention(q, cache.k_cache[0], cache.v_cache[0], tables, meta.seq_lens,
                                    meta.cu_seqlens_q, tile=16)
-    assert (out - expected).abs().max() < 1e-4
+    assert not out.isnan().any(), "NaN in the output: a V row was read at a position >= num_keys"
+    assert (out - expected).abs().max().item() < 1e-4
+
+
+@triton.jit
+def probe_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, k_out_ptr, v_out_ptr, pos_out_ptr, num_keys,
+                  stride_kh, stride_kb, stride_ks, KV_TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, D_PAD: tl.constexpr, TILE: tl.constexpr):
+    """Program (t, j): KV_TILE's tile t (key positions t · TILE ..) of kv head j, stored as it comes back into
+    k_out, v_out (Hkv, tiles · TILE, D_PAD) and pos_out (Hkv, tiles · TILE)."""
+    t, kv_head = tl.program_id(0), tl.program_id(1)
+    k, v, key_pos = KV_TILE(k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh, table_ptr,
+                            t * TILE, num_keys, stride_kb, stride_ks, HEAD_DIM, BLOCK_SIZE, D_PAD, TILE)
+    row = (kv_head * tl.num_programs(0) + t) * TILE + tl.arange(0, TILE)  # (TILE,)
+    d = tl.arange(0, D_PAD)
+    tl.store(k_out_ptr + row[:, None] * D_PAD + d[None, :], k)
+    tl.store(v_out_ptr + row[:, None] * D_PAD + d[None, :], v)
+    tl.store(pos_out_ptr + row, key_pos)
+
+
+WALKS = {  # name: (block_size, tile, head_dim, num_keys, the sequence's table, width of the table)
+    "the docstring's example": (4, 8, 16, 6, [5, 2], 2),
+    "a tile past a narrow table row": (4, 16, 16, 6, [5, 2], 2),  # entries 2, 3: the next sequence's row
+    "a tile past the padded table's end": (4, 16, 12, 6, [5, 2], 4),  # head dim 12: dims 12-15 are padding
+    "keys past num_keys in its own block": (16, 4, 16, 21, [3, 1], 2),  # rows 21-31 of block 1: not yet visible
+    "block size 1": (1, 8, 8, 5, [9, 4, 6, 2, 8], 8),
+}
+
+
+@pytest.mark.exercise("7.3")
+@pytest.mark.parametrize("walk", WALKS)
+def test_block_walk_returns_only_its_keys(walk):
+    """The tiles a walk returns, read directly: k, v = the pool's rows its table names for positions < num_keys,
+    0 for every other position and for the padding dims. Every other row of the pool is NaN: block 0 (where a
+    masked table load's other=0 points), the block the table's padding entries name, the sequence's own rows from
+    num_keys on, and the blocks of a second sequence whose table row follows this one's (where a table read past
+    a narrow row lands). So a K or V load at a masked position, or through a table entry read at one, returns NaN
+    where 0 is due."""
+    from nanoserve.kernels.backend import stub_errors_unwrapped
+
+    bs, tile, D, num_keys, table, width = WALKS[walk]
+    Hkv, num_blocks, padding = 2, 16, 15
+    other = [b for b in range(1, padding) if b not in table][:width]  # the next sequence's blocks
+    tables = torch.tensor([table + [padding] * (width - len(table)), other])  # row 0: the walk's sequence
+    g = torch.Generator().manual_seed(bs)
+    k_cache, v_cache = torch.full((2, Hkv, num_blocks, bs, D), float("nan"))  # (Hkv, num_blocks, block_size, D)
+    k_expected, v_expected = (torch.zeros(Hkv, -(-num_keys // tile) * tile, triton.next_power_of_2(D))
+                              for _ in range(2))  # (Hkv, the tiles' positions, D_PAD)
+    for pos in range(num_keys):
+        for pool, expected in ((k_cache, k_expected), (v_cache, v_expected)):
+            pool[:, table[pos // bs], pos % bs] = expected[:, pos, :D] = torch.randn(Hkv, D, generator=g)
+    k_out, v_out = torch.empty_like(k_expected), torch.empty_like(v_expected)
+    pos_out = torch.empty(k_expected.shape[:2], dtype=torch.int32)
+    with stub_errors_unwrapped():
+        probe_kv_tile[(k_expected.shape[1] // tile, Hkv)](
+            k_cache, v_cache, tables, k_out, v_out, pos_out, num_keys, *k_cache.stride()[:3],
+            KV_TILE=kernel().load_kv_tile, HEAD_DIM=D, BLOCK_SIZE=bs, D_PAD=k_expected.shape[-1], TILE=tile)
+    assert pos_out.tolist() == [list(range(k_expected.shape[1]))] * Hkv
+    torch.testing.assert_close(k_out, k_expected, rtol=0, atol=0, msg=lambda m: f"k: {m}")
+    torch.testing.assert_close(v_out, v_expected, rtol=0, atol=0, msg=lambda m: f"v: {m}")
 
 
 @pytest.mark.exercise("7.2")

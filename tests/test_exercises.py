@@ -3,11 +3,14 @@
 - the reference scores full marks on the graded tests (every chapter's graded tests are ordinary tests of this
   suite, run on the reference; through the grader's `--reference` flag for one chapter here);
 - the pristine stubs score zero, and every failure is a NotImplementedError (not an import error);
-- each stub mirrors its reference module: same public names, same signatures.
+- each stub mirrors its reference module: same public names, same signatures;
+- a learner's code that kills the test process (a segfault) fails one test, named with the signal and the line,
+  and the grader goes on with the others.
 """
 
 import inspect
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted({path.split("-")[0] for path in STUDENT_FILES.values()})
 
 
-def run_grader(chapter: str, *flags: str) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "exercises/grade.py"), chapter, "--json", *flags],
-                         capture_output=True, text=True, cwd=ROOT)
+def run_grader(chapter: str, *flags: str, root: Path = ROOT) -> dict:
+    out = subprocess.run([sys.executable, str(root / "exercises/grade.py"), chapter, "--json", *flags],
+                         capture_output=True, text=True, cwd=root)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, f"grader printed no result:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -44,6 +47,39 @@ def test_stubs_score_zero_with_not_implemented(chapter):
     assert result["by_exercise"], "no graded tests"
     assert all(passed == 0 for passed, _ in result["by_exercise"].values()), result
     assert set(result["errors"]) == {"NotImplementedError"}, result
+
+
+@pytest.mark.parametrize("crash_on_call", [1, 2])
+def test_the_grader_survives_a_segfault_and_names_the_line(crash_on_call, tmp_path):
+    """A copy of the course whose stub of 1.1 reads address 0 on its n-th call (a segfault, as an unmasked tl.load
+    past a tensor can be in Triton's interpreter), and otherwise raises NotImplementedError as stubs do; each graded
+    test of 1.1 calls it once. Call 1: the first test crashes, and is graded so, with the line; the others still
+    run. Call 2: the second test crashes after the first ran in the same process; run again alone, it raises like
+    a stub, and that is its grade (a crash after others ran may be theirs: a stray store corrupts the heap)."""
+    for folder in ("nanoserve", "tests", "exercises"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    stub = tmp_path / "exercises/01-attention/attention.py"
+    lines = stub.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "Exercise 1.1" in line and "NotImplementedError" in line)
+    lines[at:at] = ['    import ctypes, pathlib',
+                    '    with pathlib.Path(__file__).with_name("calls").open("a+") as calls:',
+                    '        calls.write(".")',
+                    '        calls.seek(0)',
+                    f'        if len(calls.read()) == {crash_on_call}:',
+                    '            ctypes.string_at(0)  # reads address 0: the process dies of SIGSEGV']
+    stub.write_text("\n".join(lines) + "\n")
+    result = run_grader("01", "--exercise", "1.1", root=tmp_path)
+    passed, total = result["by_exercise"]["1.1"]
+    assert passed == 0 and total >= 3
+    if crash_on_call == 2:
+        assert result["errors"] == {"NotImplementedError": total}, result
+        return
+    assert result["errors"] == {"SIGSEGV": 1, "NotImplementedError": total - 1}, result
+    [crash] = [f for f in result["failures"] if f["error"] == "SIGSEGV"]
+    assert crash["test"].startswith("test_ch01_") and "bounds-check" in crash["message"]
+    assert crash["where"] == (f"exercises/01-attention/attention.py:{at + 6} in causal_mask: ctypes.string_at(0)  "
+                              "# reads address 0: the process dies of SIGSEGV")
 
 
 def public_api(module) -> dict[str, str]:

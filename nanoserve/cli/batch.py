@@ -130,6 +130,10 @@ def check_engine_args(args) -> str | None:
             return f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})"
     if args.num_speculative_tokens is not None and args.speculative is None:
         return "--num-speculative-tokens needs --speculative ngram or draft"
+    if args.attention_backend == "triton" and args.kv_cache_dtype not in (None, "auto"):
+        # refused here, before the model loads; the engine refuses the same (LLMEngine: "kv_cache_dtype applies")
+        return (f"--kv-cache-dtype {args.kv_cache_dtype} applies to the torch attention backend; the Triton kernels "
+                "read the model's dtype (chapter 07): not with --attention-backend triton")
     if args.preemption_mode == "swap" and not args.kv_tier_blocks:
         return "--preemption-mode swap writes preempted requests' KV blocks to the second tier: give --kv-tier-blocks N"
     if args.preemption_mode == "swap" and args.tensor_parallel_size > 1:
