@@ -32,8 +32,9 @@ claims its own time inside it, and the product ops found inside it (PRODUCT_OPS)
 is the fused element-wise kernels. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
 but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor.
 Every request samples with --temperature and --top-p (default 0 and 1: greedy, so the sampling part is one argmax
-per sequence; chapter 03 measures the share of a real draw with them). With `--lora-rank R` (chapter 19) the engine serves --max-loras random adapters of rank R on every projection
-(`max_lora_rank` R), the batch's requests spread over them round robin; the roofline leaves the adapters out.
+per sequence; chapter 03 measures the share of a real draw with them). With `--lora-rank R` (chapter 19) the engine
+serves --max-loras random adapters of rank R on every projection (`max_lora_rank` R), the batch's requests spread
+over them round robin; the roofline leaves the adapters out.
 """
 
 import contextlib
