@@ -59,6 +59,25 @@ def test_each_shape_is_timed_warm(monkeypatch):
     assert result["prefill"]["step_ms"] == pytest.approx(100) and result["decode"]["step_ms"] == pytest.approx(100)
 
 
+def test_the_sampling_part_runs_the_sampler_the_flags_ask_for(monkeypatch):
+    """Chapter 03: by default every request is greedy, so the "sampling" part never reaches top-p; with a temperature
+    and a top-p every row of every step (warm-up, timed and profiled: 3 × 3 steps × 3 rows) goes through top-p."""
+    import nanoserve.sampling
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny()).eval()
+    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4, enable_prefix_caching=False),
+                                           scheduler_config=SchedulerConfig(max_num_seqs=4)))
+    calls, top_p_filter = [], nanoserve.sampling.top_p_filter
+    monkeypatch.setattr(nanoserve.sampling, "top_p_filter", lambda logits, p: calls.append(p) or top_p_filter(logits, p))
+    llm = SimpleNamespace(engine=engine, model=model)
+    profile.profile_batch(llm, batch=3, prompt_len=8, decode_steps=2, seed=0)
+    assert calls == []
+    result = profile.profile_batch(llm, batch=3, prompt_len=8, decode_steps=2, seed=0, temperature=1.0, top_p=0.9)
+    assert calls == [0.9] * 27
+    assert result["decode"]["parts_ms"]["sampling"] > 0
+
+
 def test_the_lora_share_is_its_gathers(tiny_adapters):
     """Chapter 19: with adapters mixed in the batch, LoRAMapping.apply's time is the LoRA part, taken out of the
     ranges around it; a batch of the base model alone on the same engine spends none there."""

@@ -117,6 +117,10 @@ BAD = [
     (["bench", "paged-kv", "--memory-cap-mib", "-1"], ["--memory-cap-mib", "> 0"]),
     (["bench", "paged-kv", "--memory-cap-mib", "1"], ["--memory-cap-mib 1 holds 1 blocks", "needs 14"]),
     (["bench", "paged-kv", "--memory-cap-mib", "64", "--skip-model"], ["drop --skip-model"]),
+    (["bench", "profile", "--temperature", "-1"], ["--temperature must be a finite number >= 0, got -1.0"]),
+    (["bench", "profile", "--temperature", "1", "--top-p", "1.5"], ["--top-p must be in (0, 1], got 1.5"]),
+    (["bench", "profile", "--top-p", "0.9"], ["--top-p 0.9 needs --temperature > 0"]),
+    (["bench", "profile", "--temperature", "x"], ["--temperature", "invalid float value"]),
     (["no-such-command"], ["invalid choice", "generate"]),
 ]
 

@@ -507,7 +507,9 @@ def test_finished_03_draws_every_token_of_the_engine(tiny, exercises):
         return engine, tokens
 
     _, expected = run(False)
-    with pytest.warns(UserWarning, match=r"Exercise 3\.2 not finished"):  # the detokenizer: the reference's
+    # the detokenizer and the stop check: the reference's
+    with pytest.warns(UserWarning, match=r"Exercise 3\.2 not finished"), \
+            pytest.warns(UserWarning, match=r"Exercise 3\.3 not finished"):
         engine, tokens = run("03")
     assert tokens == expected and len(tokens) == 5
     assert len({tuple(t) for t in tokens.values()}) == 5  # the draws differ: the seeds and filters were used
@@ -516,6 +518,49 @@ def test_finished_03_draws_every_token_of_the_engine(tiny, exercises):
     assert calls["probabilities"] > 0 and calls["min_p_filter"] == 0  # the learner's sampler never applied min-p
     # 6 tokens each for 3 requests, and the pair's 2 first tokens in one call, then 5 more each: 29 calls, 30 rows
     assert calls["sample_batch"] == 3 * 6 + 1 + 2 * 5 and calls["sample"] == 3 * 6 + 2 + 2 * 5
+
+
+def test_finished_03_detokenizes_and_stops_the_engines_requests(tiny, exercises):
+    """`batch --student 03` with 3.2 and 3.3 done: the engine streams every request's text through the learner's
+    IncrementalDetokenizer and ends each request by the learner's check_stop — a stop string (the text cut before
+    it), a stop token id, max_tokens — with the reference engine's tokens, text and finish exactly; the run's report
+    names both files as the learner's, and check_stop ran once per token."""
+    from nanoserve.text.tokenizer import Tokenizer
+
+    for module in ("nanoserve.sampling", "nanoserve.text.detokenizer", "nanoserve.text.stop"):
+        exercises(module)
+    tok = Tokenizer.from_gguf()
+
+    def run(student, stops: dict) -> tuple[LLMEngine, dict]:
+        engine = LLMEngine(tiny, engine_config(num_blocks=64, block_size=4, student=student), tokenizer=tok)
+        for i, name in enumerate(["string", "id", "length"]):
+            engine.add_request(name, PROMPTS[i], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                **stops.get(name, {})))
+        got = {}
+        while engine.has_unfinished_requests():
+            got.update({out.request_id: (out.token_ids, out.text, out.finish_reason) for out in engine.step()
+                        if out.finished})
+        return engine, got
+
+    _, free = run(False, {})  # no stops: where a stop string and a stop id will be met
+    full_text, full_ids = free["string"][1], free["id"][0]
+    stop_string = full_text[2:4]
+    stops = {"string": {"stop": [stop_string]}, "id": {"stop_token_ids": [full_ids[3]]}}
+    _, expected = run(False, stops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every file of chapter 03 is finished: nothing falls back
+        engine, got = run("03", stops)
+    assert got == expected
+    assert got["string"][1:] == (full_text[:full_text.index(stop_string)], "stop")  # cut before the stop string
+    assert got["id"][0] == full_ids[:full_ids.index(full_ids[3]) + 1] and got["id"][2] == "stop"
+    assert got["length"] == free["length"] and got["length"][2] == "length" and len(got["length"][0]) == 8
+    calls = engine.student.calls
+    assert calls["check_stop"] == sum(len(ids) for ids, _, _ in got.values())  # once per token, every request
+    assert calls["IncrementalDetokenizer.add"] > 0 and calls["find_stop_string"] > 0
+    lines = engine.student.describe().splitlines()
+    for name, file in (("IncrementalDetokenizer", "detokenizer.py"), ("check_stop", "stop.py")):
+        assert any(line.startswith("  yours ") and name in line and line.endswith("03-tokens-and-sampling/" + file)
+                   for line in lines), (name, lines)
 
 
 @pytest.mark.parametrize("finished, yours, fallback, calls", [

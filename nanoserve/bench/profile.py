@@ -9,7 +9,8 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   K/V gather/store  writing new K/V into the pool and gathering blocks out of it (index ops)
   norms/RoPE/act    RMSNorm, RoPE, SiLU · up, residual adds, the embedding lookup
   LoRA              the adapters' gathers, x·A·B for each row's adapter (chapter 19; with --lora-rank only)
-  sampling          argmax / sampling of the next tokens (chapter 03)
+  sampling          the next tokens: argmax for the default greedy requests; with --temperature > 0 (and
+                    --top-p < 1) the softmax, the top-p sort and the draw of chapter 03's sampler
   scheduler/Python  schedule(), input preparation, the attention metadata, and Python between the ops
 
 How: for the profile only, `labelled()` replaces each of those methods on its class with a wrapper that runs it
@@ -31,8 +32,10 @@ call no labelled method, so the compiled forward is labelled "norms/RoPE/act" as
 claims its own time inside it, and the product ops found inside it (PRODUCT_OPS) count as "linear": what stays
 is the fused element-wise kernels. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
 but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor.
-With `--lora-rank R` (chapter 19) the engine serves --max-loras random adapters of rank R on every projection
-(`max_lora_rank` R), the batch's requests spread over them round robin; the roofline leaves the adapters out.
+Every request samples with --temperature and --top-p (default 0 and 1: greedy, so the sampling part is one argmax
+per sequence; chapter 03 measures the share of a real draw with them). With `--lora-rank R` (chapter 19) the engine
+serves --max-loras random adapters of rank R on every projection (`max_lora_rank` R), the batch's requests spread
+over them round robin; the roofline leaves the adapters out.
 """
 
 import contextlib
@@ -71,6 +74,9 @@ def register(sub):
                    help="serve random LoRA adapters of this rank on every projection (chapter 19): their share")
     p.add_argument("--max-loras", type=positive_int, default=None,
                    help="with --lora-rank: adapters the batch mixes (default 4)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy, the sampling part is an argmax; chapter 03)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off; below 1 needs --temperature > 0)")
     p.add_argument("--out-dir", default="results/profile", help="profile.json and profile.png go here")
     p.set_defaults(func=run)
 
@@ -190,18 +196,19 @@ def step_cost(config, num_tokens: int, num_sampled: int, contexts: list[int], ne
 
 
 def profile_batch(llm, batch: int, prompt_len: int, decode_steps: int, seed: int,
-                  adapters: tuple[str | None, ...] = (None,)) -> dict:
+                  adapters: tuple[str | None, ...] = (None,), temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Profile one prefill step of `batch` prompts and `decode_steps` decode steps of `batch` sequences; request i
-    under adapters[i % len(adapters)] (None: the base model, the default for every request)."""
+    under adapters[i % len(adapters)] (None: the base model, the default for every request), every request sampled
+    with `temperature` and `top_p` (0 and 1: greedy)."""
     from nanoserve.sampling import SamplingParams
 
     engine, vocab = llm.engine, llm.model.config.vocab_size
     rng = random.Random(seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=decode_steps + 3, ignore_eos=True)
 
     def add_batch(tag):
         for i in range(batch):
-            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                               SamplingParams(temperature=0, max_tokens=decode_steps + 3, ignore_eos=True),
+            engine.add_request(f"{tag}-{i}", [rng.randrange(vocab) for _ in range(prompt_len)], params,
                                lora_name=adapters[i % len(adapters)])
 
     def steps(n):
@@ -279,6 +286,7 @@ def plot(results: list[dict], parts: list[str], path: str) -> None:
 def run(args):
     import sys
 
+    from nanoserve.cli.checks import UsageError, sampling_params
     from nanoserve.llm import LLM
 
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.decode_steps < 1:
@@ -288,6 +296,8 @@ def run(args):
         print("error: --max-loras needs --lora-rank", file=sys.stderr)
         return 2
     args.max_loras = args.max_loras or 4
+    if sampling_params({"temperature": args.temperature, "top_p": args.top_p}, flags=True).greedy and args.top_p < 1:
+        raise UsageError(f"--top-p {args.top_p} needs --temperature > 0 (temperature 0 is greedy: an argmax, no top-p)")
     if args.lora_rank and args.compile_mode != "eager":
         print("error: --lora-rank needs --compile-mode eager (LoRA runs on the eager engine)", file=sys.stderr)
         return 2
@@ -306,12 +316,14 @@ def run(args):
             for i, name in enumerate(adapters):
                 llm.engine.add_lora(name, write_random_adapter(Path(tmp) / name, llm.model.config, args.lora_rank, i))
         bandwidth, peak = measure_bandwidth(), measure_gemm_peak()
-        results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, b, adapters) for b in args.batch_sizes]
+        results = [profile_batch(llm, b, args.prompt_len, args.decode_steps, b, adapters, args.temperature, args.top_p)
+                   for b in args.batch_sizes]
     bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
     print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
           f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}"
           f" --compile-mode {args.compile_mode}" + (f" --threads {args.threads}" if args.threads else "")
-          + (f" --lora-rank {args.lora_rank} --max-loras {args.max_loras}" if args.lora_rank else ""))
+          + (f" --lora-rank {args.lora_rank} --max-loras {args.max_loras}" if args.lora_rank else "")
+          + (f" --temperature {args.temperature} --top-p {args.top_p}" if args.temperature else ""))
     print(f"threads: {torch.get_num_threads()}, weights {args.weights}; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM peak {peak / 1e9:.1f} GFLOP/s (ridge at {peak / bandwidth:.1f} FLOP/byte)")
     for r in results:
@@ -331,6 +343,7 @@ def run(args):
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "profile.json"), "w") as f:
         json.dump({"bandwidth_bytes_per_s": bandwidth, "gemm_flop_per_s": peak, "threads": torch.get_num_threads(),
-                   "prompt_len": args.prompt_len, "results": results}, f, indent=1)
+                   "prompt_len": args.prompt_len, "temperature": args.temperature, "top_p": args.top_p,
+                   "results": results}, f, indent=1)
     plot(results, shown, os.path.join(args.out_dir, "profile.png"))
     print(f"wrote {args.out_dir}/profile.json and profile.png")

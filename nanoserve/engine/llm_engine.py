@@ -34,7 +34,6 @@ from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.text.output_text import add_token_to_output
-from nanoserve.text.stop import is_stop_token
 from nanoserve.student import StudentCode
 
 
@@ -201,7 +200,7 @@ class LLMEngine:
                              "tokens")
         self.executor.init_kv_cache(num_blocks, cache.block_size)
         # the learner's block allocator, prefix cache and block manager (exercises/05), scheduler (06) and
-        # detokenizer (03) where they are finished, the reference's where not
+        # detokenizer and stop check (03) where they are finished, the reference's where not
         allocator = student.module("nanoserve.kv.block_allocator").BlockAllocator(num_blocks)
         prefix_cache = student.module("nanoserve.kv.prefix_cache").PrefixCache()
         if block_manager is None and cache.kv_tier_blocks:  # chapter 18 (the learner's 18.1 / 18.2 where finished)
@@ -235,6 +234,7 @@ class LLMEngine:
         self.sleep_level = 0  # chapter 19: 0 awake, else the level it sleeps at
         self.can_rebuild_model = model_loader is not None  # chapter 19: may it sleep at level 2?
         self.detokenizer_class = student.module("nanoserve.text.detokenizer").IncrementalDetokenizer
+        self.stop_check = student.module("nanoserve.text.stop")  # chapter 03's stop check: the learner's (3.3) where finished
         if student:
             print(student.describe(), file=sys.stderr)
         self.max_model_len = model.config.max_position_embeddings
@@ -680,7 +680,7 @@ class LLMEngine:
             self.spec_stats.num_accepted_tokens += len(tokens) - 1
             self.spec_stats.num_rejections += len(tokens) - 1 < k
             tokens = tokens[:seq.max_tokens - seq.num_output_tokens]
-            stop = next((i for i, t in enumerate(tokens) if is_stop_token(t, params, self.eos_token_id)), None)
+            stop = next((i for i, t in enumerate(tokens) if self.stop_check.is_stop_token(t, params, self.eos_token_id)), None)
             tokens = tokens if stop is None else tokens[:stop + 1]
             for t in tokens[:-1]:
                 seq.append_token(t, now)
@@ -733,7 +733,7 @@ class LLMEngine:
         num_output: check as if the output ended after that many tokens (None: all of them)."""
         old_text = self.texts[seq.seq_id]
         reason, text = add_token_to_output(seq.output_token_ids[:num_output], old_text, seq.sampling_params,
-                                           self.eos_token_id, self.detokenizers.get(seq.seq_id))
+                                           self.eos_token_id, self.detokenizers.get(seq.seq_id), self.stop_check)
         # A stop string may begin inside text already streamed: the delta is then empty, and the
         # final text is still cut right (chapter 08 holds text back while it could start a stop string).
         self.texts[seq.seq_id] = text
