@@ -1,7 +1,7 @@
 """Chapter 10 — weight-only quantization: Linear layers whose weights stay small in memory.
 
-Batch-1 decode reads every weight once per token, so its speed is bytes per token over memory
-bandwidth. SmolLM2 in float32 is 538 MB per token; int8, 135 MB; q4 (with an int8 LM head), 95 MB.
+Batch-1 decode reads every weight once per token, so its speed is at most memory bandwidth over
+bytes per token. SmolLM2 in float32 is 538 MB per token; int8, 135 MB; q4 (with an int8 LM head), 95 MB.
 Only the *weights* shrink here; activations, the KV cache and the residual stream stay float32.
 
 Two formats, each a Linear that keeps its weight quantized and dequantizes inside the product:
