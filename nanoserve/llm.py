@@ -35,7 +35,7 @@ class LLM:
                  student: bool | str | list[str] = False, tokenizer=None, attention_backend: str | None = None,
                  weights: str | None = None, degrade_under_load: int | None = None,
                  tensor_parallel_size: int = 1, kernel_crossover_tokens: int | None = None,
-                 large_step_weights: str = "copy", speculative: str | None = None, num_speculative_tokens: int = 4,
+                 large_step_weights: str | None = None, speculative: str | None = None, num_speculative_tokens: int = 4,
                  scheduling_policy: str = "priority", slo_ttft_ms: float | None = None,
                  slo_tpot_ms: float | None = None, slo_reject: bool = False, tenant_weights: dict | None = None,
                  tenant_slos: dict | None = None, kv_cache_dtype: str = "auto",
@@ -52,15 +52,16 @@ class LLM:
         kept when the model is loaded here. LLM() stays float32 because it is the reference every chapter and
         parity test checks against; `serve` without --weights serves the GGUF's own q4 (cli/serve.py).
         degrade_under_load: with this many requests waiting, steps run on a q4 copy of the weights loaded beside
-        them (chapter 10; 161 MB more for SmolLM2).
+        them (chapter 10; 161.5 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
         and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
         kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
-        a GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS, measured), in bf16 where the CPU multiplies bf16
-        natively, else float32 (quant.LARGE_STEP_DTYPE); large_step_weights: keep a "copy" of each quantized weight
-        for those steps (2 bytes per weight more in bf16: SmolLM2 q4 holds 161 MB + 269 MB; 4 in float32) or
-        "dequantize" it per step (no memory added; then the default crossover is 64), see quant.py. Both apply to
-        a model loaded here; a model given keeps what quant.set_kernel_crossover made of it.
+        a GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS: a default, the crossover is the CPU's), in bf16 where
+        the CPU multiplies bf16 natively, else float32 (quant.LARGE_STEP_DTYPE); large_step_weights (None: "copy"):
+        keep a "copy" of each quantized weight for those steps (2 bytes per weight more in bf16: SmolLM2 q4 holds
+        161.5 MB + 269.0 MB; 4 in float32) or "dequantize" it per step (no memory added; then the default crossover is
+        64), see quant.py. Both apply to int8 / q4 weights loaded here, and are refused otherwise (fp32 and bf16
+        have no integer kernel; a model given keeps what quant.set_kernel_crossover made of it).
         integer_dot: int8 / q4 small steps in kernels/cpu_dot.c's integer products (True) or torch's kernels (False);
         None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, a model
         given, tensor parallelism, no build); a learner's exercise 10.2 / 10.3 code keeps torch's int4 kernel.
@@ -83,7 +84,7 @@ class LLM:
         prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
-        from nanoserve.model.quant import check_integer_dot, check_weight_format
+        from nanoserve.model.quant import check_crossover, check_integer_dot, check_weight_format
         from nanoserve.text.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
@@ -94,6 +95,15 @@ class LLM:
                 raise ValueError("integer_dot applies to the weights LLM loads from a GGUF; a model given keeps what "
                                  "quantize_model(..., integer_dot=...) made of it")
             check_integer_dot(integer_dot, weights or "fp32", tensor_parallel_size)
+        if kernel_crossover_tokens is not None or large_step_weights is not None:  # given: they must apply
+            if model is not None and path is None:
+                raise ValueError("kernel_crossover_tokens and large_step_weights apply to the weights LLM loads from a "
+                                 "GGUF; a model given keeps what quant.set_kernel_crossover made of it")
+            if weights not in ("int8", "q4"):
+                raise ValueError(f"kernel_crossover_tokens and large_step_weights choose between the integer kernel "
+                                 f"and the GEMM of int8 / q4 weights; weights={weights or 'fp32'!r} has no integer kernel")
+        large_step_weights = "copy" if large_step_weights is None else large_step_weights
+        check_crossover(kernel_crossover_tokens, large_step_weights)  # before the model loads
         if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
                                          or attention_backend == "triton" or kv_cache_dtype != "auto"
                                          or compile_mode != "eager" or speculative == "draft"):

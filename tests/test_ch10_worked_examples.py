@@ -12,8 +12,9 @@ import torch
 
 from nanoserve.bench import degrade, quality
 from nanoserve.cli import main
-from nanoserve.memory import parameter_counts, weight_bytes
+from nanoserve.memory import GiB, format_bytes, memory_plan, parameter_counts, weight_bytes
 from nanoserve.model import LlamaConfig
+from nanoserve.model.known_configs import KNOWN_CONFIGS
 from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, quantize_int8
 from tests.chapter_text import chapter, command_defaults, notebook_output, says, table_rows
 
@@ -72,6 +73,38 @@ def test_the_memory_plan_with_smaller_weights(capsys):
         assert row[1:] == [weights, left, f"{seqs} (+{more})"], fmt
 
 
+def test_what_llm_holds_beside_the_plan():
+    """The Llama-3-8B rows as LLM would hold them: the bf16 large-step copy of every quantized matrix (the decoder's
+    and the untied LM head; the embedding is a lookup and keeps none), and for q4 the file's blocks (0.625 B per
+    decoder weight) beside the kernel's integers; the KV budget is the `memory` plan's with those bytes added."""
+    config = KNOWN_CONFIGS["llama-3-8b"]
+    decoder, head = linear_weights(config), config.vocab_size * config.hidden_size
+    copy, blocks = 2 * (decoder + head), decoder * (0.5 + 4 / 32)
+    says(CH, f"({decoder:,} + {head:,}) × 2 B = {format_bytes(copy)}")
+    says(CH, f"0.625 bytes per weight more, {format_bytes(blocks)}")
+    plan = memory_plan(config, 24 * GiB, 4096)
+    as_held = {"int8 + the bf16 copy (`LLM`'s default)": weight_bytes(config, "int8") + copy,
+            "q4 + the file's blocks + the bf16 copy (`LLM`'s default)": weight_bytes(config, "q4") + blocks + copy,
+            'int8, `large_step_weights="dequantize"`': weight_bytes(config, "int8"),
+            'q4 + the file\'s blocks, `large_step_weights="dequantize"`': weight_bytes(config, "q4") + blocks}
+    for name, nbytes in as_held.items():
+        left = plan.kv_budget + plan.weights - nbytes
+        (row,) = table_rows(CH, re.escape(name))
+        assert row[1:] == [format_bytes(nbytes), format_bytes(left).replace("-", "−"),
+                           str(max(0, int(left // plan.kv_per_sequence)))], name
+    printed = {w: re.search(rf"{w}: held ([\d.]+) MB \+ the large-step copy \(torch.bfloat16\) ([\d.]+) MB = "
+                            rf"([\d.]+) MB", notebook_output(CH)).groups() for w in ("int8", "q4")}
+    copy_smol = 2 * (linear_weights(SMOL) + SMOL.vocab_size * SMOL.hidden_size)  # tied: the head's copy is made once
+    assert printed["int8"][1] == printed["q4"][1] == f"{copy_smol / MB:.1f}"
+    held, with_copy = printed["q4"][0], printed["q4"][2]
+    says(CH, f"q4 reads {weight_bytes(SMOL, 'q4') / MB:.1f} MB per decode step and holds {held} MB, {with_copy} MB with "
+             f"`LLM`'s bf16 copy")
+    says(CH, f"SmolLM2\n+{copy_smol / MB:.1f} MB beside the {held} MB q4 holds — {with_copy} MB, "
+             f"{float(with_copy) / (weight_bytes(SMOL, 'bf16') / MB):.1f}× the bf16 format's {weight_bytes(SMOL, 'bf16') / MB:.0f} MB "
+             f"though less than float32's\n{weight_bytes(SMOL, 'fp32') / MB:.0f} MB")
+    says(CH, f"for SmolLM2 {held} MB more (`bench weights`' \"held in memory\"")  # the degraded q4 copy, section 7
+
+
 def test_int8_per_row():
     q, s = quantize_int8(torch.tensor([[0.5, -1.27, 0.01]]))
     says(CH, f"the row `[0.5, −1.27, 0.01]` gets `s = 1.27 / 127 = {1.27 / 127:g}`,\n`{s.item()}` in bf16, and "
@@ -91,12 +124,7 @@ def test_q4_1_blocks_and_the_tied_head():
              f"q4 layers\ntogether** ({q4_layers / MB:.0f} MB)")
     int8_head = head + 2 * SMOL.vocab_size
     says(CH, f"it\nwould add {(head * 4 - int8_head) / MB:.0f} MB to every decoded token's {weight_bytes(SMOL, 'q4') / MB:.0f}")
-    copy = weight_bytes(SMOL, "bf16")
-    held = float(re.search(r"q4 +[\d.]+ MB +[\d.]+ +([\d.]+) MB", notebook_output(CH))[1])
-    says(CH, f"SmolLM2\n+{copy / MB:.0f} MB beside the {held:.0f} MB q4 holds — {held + copy / MB:.0f} MB, still less than "
-             f"float32's {weight_bytes(SMOL, 'fp32') / MB:.0f} MB; a decode step still reads only\nq4's "
-             f"{weight_bytes(SMOL, 'q4') / MB:.0f} MB")
-    says(CH, f"for SmolLM2 {held:.0f} MB more (`bench weights`' \"held in memory\")")
+    says(CH, f"a decode step still reads only q4's {weight_bytes(SMOL, 'q4') / MB:.0f} MB")
 
 
 def test_the_crossover_constants():
@@ -122,7 +150,20 @@ def test_the_formats_table_and_its_crossover():
     fastest = [names[min(range(4), key=lambda i: number(r[1 + i]))] for r in rows]
     assert [r[5] for r in rows] == fastest
     cross = next(i for i, f in enumerate(fastest) if f != "q4")
-    says(CH, f"they cross between {rows[cross - 1][0]} and {rows[cross][0]} rows")
+    says(CH, f"in this run they cross between {rows[cross - 1][0]} and {rows[cross][0]} rows, and at 16 the bf16 GEMM is "
+             f"ahead, by\n{number(rows[2][3]) / number(rows[2][2]):.1f}×")
+    assert rows[2][0] == "16" and rows[2][5] == "bf16"  # the row the default's 16-token step falls in
+    # the AVX-512 BF16 machine's table (7 columns: q4 dot added): its fastest column, and where its crossover falls
+    avx512 = [r for r in table_rows(CH, r"\d+") if len(r) == 7]
+    assert [r[0] for r in avx512] == ["1", "8", "16", "32", "64"]
+    names = ["fp32", "bf16", "q4", "q4 dot", "q4→bf16"]
+    fastest = [names[min(range(5), key=lambda i: number(r[1 + i]))] for r in avx512]
+    assert [r[6] for r in avx512] == fastest
+    cross = next(i for i, f in enumerate(fastest) if f != "q4")
+    sixteen, after = avx512[2], avx512[cross]
+    says(CH, f"There the kernel is ahead up to 16 rows — at 16 by {number(sixteen[2]) / number(sixteen[3]) - 1:.0%}".replace("%", " %"))
+    says(CH, f"and the GEMM from {after[0]} (by {number(after[3]) / number(after[2]):.2f}×):\nthey cross between "
+             f"{avx512[cross - 1][0]} and {after[0]} rows")
     extra = [(number(r[4]) - number(r[2])) / number(r[2]) for r in rows]  # the dequantization, over the GEMM it feeds
     says(CH, f"Dequantizing per call\ncosts {min(extra):.0f}–{max(extra):.0f}× the GEMM it feeds")
 
@@ -183,9 +224,26 @@ def test_the_speed_tables_ratios():
             assert rounds_to(number(ratio), a, b, 2), (name, ratio)
     decode = engine["batch-1 decode"]
     assert f"({1000 / number(decode[1]):.1f} ms)" in decode[1]
+    fp32_ms, q4_ms = number(one[1]), number(one[4])  # the products alone, at 1 token
+    for fmt, ms in (("fp32", fp32_ms), ("q4", q4_ms)):
+        gbs = weight_bytes(SMOL, fmt) / (ms / 1e3) / 1e9
+        says(CH, f"{weight_bytes(SMOL, fmt) / MB:.1f} MB in {ms} ms, {gbs:.1f} GB/s")
+    says(CH, f"at 1 token\nfloat32's products stream their {weight_bytes(SMOL, 'fp32') / MB:.1f} MB in {fp32_ms} ms")
+    says(CH, f"q4 reads {weight_bytes(SMOL, 'fp32') / weight_bytes(SMOL, 'q4'):.1f}× fewer bytes ({weight_bytes(SMOL, 'q4') / MB:.1f} MB")
     says(CH, f"At 1 token q4 reads {weight_bytes(SMOL, 'fp32') / weight_bytes(SMOL, 'q4'):.1f}× fewer bytes than float32 "
              f"but runs the\nproducts only {ratio_in_cell(one[4]):.1f}× faster (the product table), and a whole decode step "
              f"{number(decode[5]):.2f}×")
+
+
+def test_batch_invariance_as_the_notebook_printed_it():
+    """Section 5's list: the float32 Linear gives every row of 16 other bits alone, at every product shape; the int8
+    and int4 kernels none; the batched decode attention other bits beside other sequences, the same alone."""
+    out = notebook_output(CH)
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"):
+        assert re.search(rf"{name} +16 +0 +0 ", out), name  # fp32, int8, q4 rows of 16 that differ
+    says(CH, "all 16 of 16 rows differ alone from inside a batch of\n16, at every product shape of the model")
+    verdicts = re.findall(r"attention, 20 tokens beside (\[[\d, ]*\]) +same bits as alone: (True|False)", out)
+    assert verdicts == [("[]", "True"), ("[40]", "False"), ("[40, 7, 33]", "False"), ("[20, 20, 20]", "False")]
 
 
 def test_the_degrade_bursts():

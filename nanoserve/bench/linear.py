@@ -29,7 +29,8 @@ o_proj, gate_up_proj, down_proj × 30, LM head), one column per way of multiplyi
               the CPU multiplies bf16 natively, else float32 (the columns are named int8→fp32, q4→fp32 there)
               (large_step_weights="dequantize"; "copy" costs what the bf16 or fp32 column does)
 
-The row where the bf16 GEMM overtakes the integer kernel is quant.KERNEL_CROSSOVER_TOKENS.
+The row where the bf16 GEMM overtakes the integer kernel is this CPU's crossover; quant.KERNEL_CROSSOVER_TOKENS (16)
+is a default, and LLM(kernel_crossover_tokens=...) sets another.
 --fused compares the fused products with the separate q, k, v, gate, up ones in float32 and bf16.
 """
 

@@ -224,7 +224,8 @@ def run(args):
         rows.append((f"batch-{batch} decode step, ms", {n: times[n] * 1e3 for n in models}, False))
         rows.append((f"batch-{batch} decode, tok/s", {n: batch / times[n] for n in models}, True))
     if 1 in decode:
-        rows.append(("batch-1 decode, MB/s of weights", {n: per_step[n] / decode[1][n] / 1e6 for n in models}, True))
+        # the weights over a whole engine step (attention, norms, casts included), not the products' own rate
+        rows.append(("batch-1 decode, weight MB / step s", {n: per_step[n] / decode[1][n] / 1e6 for n in models}, True))
     rows += [(f"prefill {args.prefill_len} tokens, tok/s", {n: args.prefill_len / prefill[n] for n in models}, True)]
     if workload:
         rows.append((f"{len(workload)}-request workload, out tok/s", {n: out_tokens / wall[n] for n in models}, True))

@@ -50,7 +50,7 @@ def run(args):
     print(f"\nkernel crossover: int8 / q4 layers run their integer kernel on steps of up to {KERNEL_CROSSOVER_TOKENS} "
           f"tokens and a {dtype} GEMM beyond ({why}), on a kept {dtype} copy\n  (KERNEL_CROSSOVER_TOKENS; LLM(kernel_crossover_tokens"
           f"=..., large_step_weights='copy'); {QUANT_MAX_TOKENS} when the weight is dequantized per step instead;\n"
-          f"  measured with `python -m nanoserve bench linear --formats fp32 bf16 q4`)")
+          f"  a default: this CPU's crossover is what `python -m nanoserve bench linear --formats fp32 bf16 q4` shows)")
     print("  the integer kernel: " + ("cpu_dot.c, llama.cpp's integer dot products (activations rounded to int8 "
                                       "in blocks of 32; no native bf16 here)" if default_integer_dot()
                                       else "torch's int8 / int4 kernels, bf16 activations"))

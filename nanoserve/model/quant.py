@@ -1,7 +1,7 @@
 """Chapter 10 — weight-only quantization: Linear layers whose weights stay small in memory.
 
-Batch-1 decode reads every weight once per token, so its speed is bytes per token over memory
-bandwidth. SmolLM2 in float32 is 538 MB per token; int8, 135 MB; q4 (with an int8 LM head), 95 MB.
+Batch-1 decode reads every weight once per token, so its speed is at most memory bandwidth over
+bytes per token. SmolLM2 in float32 is 538 MB per token; int8, 135 MB; q4 (with an int8 LM head), 95 MB.
 Only the *weights* shrink here; activations, the KV cache and the residual stream stay float32.
 
 Two formats, each a Linear that keeps its weight quantized and dequantizes inside the product:
@@ -74,14 +74,16 @@ LARGE_STEP_DTYPE = torch.bfloat16 if native_bf16() else torch.float32
 
 Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
-# Up to this many tokens a product runs in the quantized kernel; beyond, a GEMM in LARGE_STEP_DTYPE (bf16 on
+# Up to this many tokens (<=) a product runs in the quantized kernel; beyond, a GEMM in LARGE_STEP_DTYPE (bf16 on
 # AMX tiles, or float32) on a weight in that dtype. Where that weight is dequantized for each call (a bare
 # quantized model), the crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill
-# chunks on the GEMM,
-# since the dequantize pass costs more than a decode step's product. Where a copy is kept
-# (LLM's default, set_kernel_crossover), the GEMM costs only itself and wins from ~16 rows: the int4 kernel is
-# memory-bound, the bf16 GEMM compute-bound on AMX (`python -m nanoserve bench linear --formats fp32 bf16 q4`,
-# chapter 10 "The crossover"). A config value: LLM(kernel_crossover_tokens=...).
+# chunks on the GEMM, since the dequantize pass costs more than a decode step's product. Where a copy is kept
+# (LLM's default, set_kernel_crossover), the GEMM costs only itself: the int4 kernel's time grows with the rows
+# (its arithmetic bounds it, unpacking every weight, even at one row), the bf16 GEMM's barely does up to ~32 rows
+# on AMX, and the two cross near 16 rows, on a side of 16 that depends on the CPU (one loaded AMX run: between 8
+# and 16; AVX-512 BF16 without AMX: between 16 and 32; `python -m nanoserve bench linear --formats fp32 bf16 q4`,
+# chapter 10 "The crossover"). 16 is a default that keeps every batch-16 decode step on the kernel, not a measured
+# optimum; a config value: LLM(kernel_crossover_tokens=...).
 QUANT_MAX_TOKENS = SWAP_AB_MAX_TOKENS
 KERNEL_CROSSOVER_TOKENS = 16
 # How a quantized layer gets its large-step weight (LARGE_STEP_DTYPE): "dequantize" it per call (no extra memory,
@@ -148,7 +150,7 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
     """The int4 kernel's rule, w = (q − 8) · scale + zero per group of 32. q (out, in), scale/zero (out, in/32)."""
     out, inp = q.shape
     groups = q.view(out, inp // Q4_GROUP_SIZE, Q4_GROUP_SIZE).to(torch.float32, copy=True)  # (out, in/32, 32)
-    # in place: a bare model's weights all pass through here per large step, so no temporaries
+    # in place on that one float32 copy: a bare model's weights all pass through here per large step
     return groups.sub_(8).mul_(scale.float()[..., None]).add_(zero.float()[..., None]).view(out, inp)
 
 
@@ -296,15 +298,21 @@ class BF16Embedding(nn.Module):
         return self.weight[ids].float()
 
 
+def check_crossover(max_kernel_tokens: int | None, large_step_weights: str) -> None:
+    """ValueError for a crossover set_kernel_crossover cannot honour: an unknown large_step_weights or a token count
+    that is not an int >= 0 (None: the default)."""
+    if large_step_weights not in LARGE_STEP_WEIGHTS:
+        raise ValueError(f"unknown large_step_weights {large_step_weights!r}; known: {', '.join(LARGE_STEP_WEIGHTS)}")
+    if max_kernel_tokens is not None and (not isinstance(max_kernel_tokens, int) or max_kernel_tokens < 0):
+        raise ValueError(f"kernel_crossover_tokens must be an int >= 0, got {max_kernel_tokens!r}")
+
+
 def set_kernel_crossover(model, max_kernel_tokens: int | None = None, large_step_weights: str = "copy"):
     """Per step, which product a quantized layer runs: its int8/int4 kernel up to `max_kernel_tokens` tokens,
     a GEMM in LARGE_STEP_DTYPE beyond, on a weight kept as a copy or dequantized per call (`large_step_weights`,
     one of LARGE_STEP_WEIGHTS). Default tokens: KERNEL_CROSSOVER_TOKENS with a copy, QUANT_MAX_TOKENS without.
     Returns the bytes the copies add (0 for "dequantize")."""
-    if large_step_weights not in LARGE_STEP_WEIGHTS:
-        raise ValueError(f"unknown large_step_weights {large_step_weights!r}; known: {', '.join(LARGE_STEP_WEIGHTS)}")
-    if max_kernel_tokens is not None and max_kernel_tokens < 0:
-        raise ValueError(f"kernel_crossover_tokens must be >= 0, got {max_kernel_tokens}")
+    check_crossover(max_kernel_tokens, large_step_weights)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not isinstance(m, BF16Linear)]
     default = KERNEL_CROSSOVER_TOKENS if large_step_weights == "copy" else QUANT_MAX_TOKENS
     owners: dict[int, QuantLinear] = {}  # a tied LM head shares the embedding's tensors: one copy for both
