@@ -206,7 +206,8 @@ def load_shard_from_gguf(path, tp, linear_layers=None) -> Llama:
         else:
             w = read_gguf_slice(t, getattr(module, "shard_dim", None), getattr(module, "shard_offset", 0),
                                 getattr(module, "shard_size", 0))
-            target = module.weight.data[:w.shape[0]]  # a vocabulary shard's padding rows stay zero
+            target = module.weight.data[:w.shape[0]]
+            module.weight.data[w.shape[0]:] = 0  # a vocabulary shard's padding rows (to_empty left them unset)
         if t.name.endswith(("attn_q.weight", "attn_k.weight")):
             # llama.cpp's row order, undone per head: this slice holds whole heads (w.shape[0] / D of them)
             w = unpermute_qk(w, w.shape[0] // config.head_dim)
