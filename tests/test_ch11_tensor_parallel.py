@@ -171,19 +171,30 @@ def test_tp2_replicated_kv_head_gives_tp1_tokens():
     assert got == want
 
 
-def test_tp2_with_student_11_reports_the_learners_code(exercises, capsys):
-    """LLM(student="11", tensor_parallel_size=2) with exercise 11 done: rank 0 builds its shard from the learner's
-    four files and sends every step through their pack_step, and the run's own report says so (the files, and
-    the calls counted), as `batch --student 11 --tensor-parallel-size 3` prints it. The model's column-parallel
-    products are all fused (qkv_proj, gate_up_proj): they take each part's slice from the learner's
-    ColumnParallelLinear constructor, and multiply in the fused layer."""
+def test_tp2_serves_your_files_and_reports_them(exercises, capsys):
+    """LLM(student="11", tensor_parallel_size=2) on a copy of YOUR exercises/11-tensor-parallel/ files in which only
+    the functions still stubbed get the reference's code (untouched stubs: all of them): rank 0 builds its shard
+    from the four files and sends every step through their pack_step, the tokens are TP 1's, and the run's report
+    names the four files and counts their calls, as `batch --student 11 --tensor-parallel-size 3` prints it. Rank 1,
+    a process of its own, reads exercises/ itself, as `--student 11` does (the reference where a rung is unfinished).
+    The model's column-parallel products are fused (qkv_proj, gate_up_proj): each part's slice comes from the
+    ColumnParallelLinear constructor in the copy."""
+    from nanoserve.student import student_path, unfinished
+    from tests.test_student import finish
+
     files = {"shard": "split_heads", "linear": "RowParallelLinear.forward", "vocab": "ParallelLMHead.forward",
              "parallel_state": "pack_step"}
     for name in files:
-        exercises(f"nanoserve.distributed.{name}")  # the learner's file = the reference's code
-    with LLM(tiny(1), tensor_parallel_size=2, student="11", **POOL) as llm:
-        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        module = f"nanoserve.distributed.{name}"
+        stubs = [qualname for names in unfinished(student_path(module)).values() for qualname in names]
+        if stubs:
+            finish(module, stubs)  # the reference's code where yours is still a stub; what you wrote stays
+    model = tiny(1)
+    want = [o.token_ids for o in LLM(model, **POOL).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    with LLM(model, tensor_parallel_size=2, student="11", **POOL) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         proof, calls = llm.engine.student_proof(), llm.engine.student.calls
+    assert got == want
     assert calls["ColumnParallelLinear.__init__"] == 2 * 5  # 2 layers x (q, k, v, gate, up)
     err = capsys.readouterr().err
     for name, function in files.items():
