@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanoserve.distributed.parallel_state import STEP, STEP_FIELDS, WorkerError
+from nanoserve.engine.config import KVTransferConfig, LoRAConfig
 from nanoserve.engine.worker import Worker
 from nanoserve.llm import LLM
 from nanoserve.model import Llama, LlamaConfig
@@ -139,6 +140,14 @@ class TestTP3:
         assert parallel_samples(tp3.engine, PROMPTS[0]["prompt_token_ids"], fork) == \
             parallel_samples(LLM(model63, **POOL).engine, PROMPTS[0]["prompt_token_ids"], fork)
 
+    def test_refuses_to_sleep(self, tp3):
+        """Sleep mode frees one process's weights and pool; the workers' would stay: refused, and the group serves on."""
+        from nanoserve.engine.llm_engine import SleepRefused
+
+        with pytest.raises(SleepRefused, match=r"cannot sleep: .* not tensor parallelism"):
+            tp3.engine.sleep(1)
+        assert tp3.engine.sleep_level == 0 and len(tp3.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].token_ids) == 8
+
     def test_kv_pool_holds_one_kv_head_per_rank(self, tp3, model63):
         """Memory math: 2 (K, V) · 2 layers · 1 KV head · 16 head_dim · 4 B = 256 B per token per rank, a
         third of TP 1's 768 B: the same bytes hold 3× the blocks."""
@@ -155,6 +164,48 @@ def test_refused_split_names_the_heads_and_starts_nothing(model63):
                                          r"\(num_attention_heads=6\)"):
         LLM(model63, tensor_parallel_size=2)
     assert child_pids() == before
+
+
+def test_refused_mlp_split_names_the_features_and_starts_nothing():
+    """The heads split 3 ways (6 / 3), but 190 MLP features do not: refused before any process starts (SmolLM2 at
+    TP 9 is refused so: 1536 features)."""
+    before = child_pids()
+    config = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=190)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide intermediate_size=190"):
+        LLM(Llama(config), tensor_parallel_size=3)
+    assert child_pids() == before
+
+
+@pytest.mark.parametrize("setting, name", [
+    (dict(enable_lora=True), "enable_lora"), (dict(lora_modules={"a": "/nowhere"}), "lora_modules"),
+    (dict(kv_tier_blocks=8), "kv_tier_blocks"), (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"), (dict(kv_transfer_config=KVTransferConfig()), "kv_transfer_config")],
+    ids=["lora", "lora_modules", "kv_tier", "int8_pool", "fp8_pool", "kv_connector"])
+def test_llm_refuses_what_the_workers_cannot_do_before_starting_them(model63, monkeypatch, setting, name):
+    from nanoserve.distributed import multiproc
+
+    monkeypatch.setattr(multiproc, "start_workers", lambda *args, **kwargs: pytest.fail("a worker process started"))
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size > 1 runs .*{name}.* single-process only"):
+        LLM(model63, tensor_parallel_size=3, **setting)
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(lora_config=LoRAConfig()), r"LoRA adapters run on one eager model: .* tensor parallelism are refused"),
+    (dict(kv_tier_blocks=8), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
+    (dict(kv_cache_dtype="int8"), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
+    (dict(kv_cache_dtype="fp8"), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
+    (dict(kv_transfer_config=KVTransferConfig()), r"cannot be combined with tensor parallelism")],
+    ids=["lora", "kv_tier", "int8_pool", "fp8_pool", "kv_connector"])
+def test_the_engine_refuses_what_the_workers_cannot_do(model63, setting, words):
+    """LLMEngine's own refusals, for rank 0's shard handed to it directly (LLM refuses the same earlier, above): a
+    shard of a group of 3 whose other ranks never started, refused before the engine's first collective."""
+    from nanoserve.distributed.parallel_state import TPGroup
+    from nanoserve.distributed.shard import shard_llama
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=words):
+        LLMEngine(shard_llama(model63.config, TPGroup(0, 3)), engine_config(**POOL, **setting))
 
 
 @pytest.mark.exercise("11.3")

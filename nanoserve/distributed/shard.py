@@ -61,6 +61,15 @@ def split_heads(config: LlamaConfig, tp_size: int) -> HeadSplit:
                      f"the KV heads to replicate them ({n} % {Hkv} != 0)")
 
 
+def check_tp_size(config: LlamaConfig, tp_size: int) -> None:
+    """A ValueError, naming the counts, unless every layer splits tp_size ways: the heads (split_heads' rule) and
+    the MLP's features (gate, up and down hold equal slices). SmolLM2 at TP 9: the heads would, 1536 features not."""
+    split_heads(config, tp_size)
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={config.intermediate_size}: "
+                         "each rank must hold an equal slice of the MLP's features")
+
+
 def linear_layers_for(student=False, code=None):
     """What builds the shards: the parallel layers (linear.py's ColumnParallelLinear, RowParallelLinear, ...;
     vocab.py's VocabParallelEmbedding, ParallelLMHead) and `split_heads`. The reference's, or with chapter 11
