@@ -339,6 +339,24 @@ def test_a_float_gguf_shards_by_columns_too(tmp_path, dtype):
 
 
 
+
+def test_a_quantized_slice_of_columns_must_fall_on_blocks():
+    """read_gguf_slice on SmolLM2's Q4_1 down_proj (576 × 1536, blocks of 32 weights along a row): columns 32:64 are
+    the second block of every row, the same as the whole matrix dequantized (gguf.dequantize) and then cut; columns
+    16:48 would split blocks, and are refused with a ValueError that names the tensor. Rows are any slice."""
+    from gguf import dequantize
+
+    from nanoserve.distributed.shard import read_gguf_slice
+    from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf
+
+    (t,) = [t for t in open_gguf(embedded_gguf_path()).tensors if t.name == "blk.0.ffn_down.weight"]
+    assert t.tensor_type.name == "Q4_1"
+    whole = dequantize(t.data, t.tensor_type)  # (576, 1536)
+    assert np.array_equal(read_gguf_slice(t, 1, 32, 32), whole[:, 32:64])
+    assert np.array_equal(read_gguf_slice(t, 0, 5, 7), whole[5:12])
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight: columns 16:48 do not fall on 32-weight blocks"):
+        read_gguf_slice(t, 1, 16, 32)
+
 def layers_with_yours(rung):
     """The layers shard_llama builds from (as `linear_layers_for` gives them): YOUR RowParallelLinear for rung 11.3,
     YOUR vocabulary layers for 11.4 (when graded; the reference's otherwise), the reference's for the rest."""

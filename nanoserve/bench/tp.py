@@ -139,7 +139,8 @@ def run_measured(args, config: LlamaConfig) -> None:
         print(f"{n:>3} {step * 1e3:>9.1f} {step / base:>8.2f}x {ar * 1e3:>14.1f} {ar / step:>6.0%} "
               f"{last['calls']:>17} {last['bytes']:>11,}")
     print(f"all-reduced per layer per token: 2 x hidden {config.hidden_size} x 4 B = {per_layer_token:,} B "
-          f"(+ one for the embedding per step; rank 0 also gathers {config.vocab_size:,} x 4 B of logits per sequence)")
+          f"(+ one for the embedding per step; rank 0 also receives (n - 1)/n of the {config.vocab_size:,} x 4 B of "
+          f"logits of each sequence)")
 
 
 def run_model(args) -> list:
