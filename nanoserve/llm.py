@@ -110,6 +110,11 @@ class LLM:
             raise ValueError("tensor_parallel_size > 1 runs float32 weights with the torch attention backend: "
                              "weights, degrade_under_load, kv_cache_dtype, compile_mode, attention_backend='triton' "
                              "and speculative='draft' (its layers would run on rank 0 alone) are single-process only")
+        if tensor_parallel_size > 1 and (enable_lora or lora_modules or kv_tier_blocks or kv_transfer_config is not None):
+            # the engine refuses these too (LLMEngine), but only once every worker has loaded its shard
+            raise ValueError("tensor_parallel_size > 1 runs one model's shards in worker processes: LoRA adapters "
+                             "(enable_lora, lora_modules), the KV tier (kv_tier_blocks) and a KV connector "
+                             "(kv_transfer_config) are single-process only")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
 

@@ -54,6 +54,8 @@ def test_column_parallel_holds_output_rows_and_concatenates(n):
     torch.manual_seed(n)
     W, x = torch.randn(12, 5), torch.randn(4, 5)
     shards = [L.ColumnParallelLinear(5, 12, tp) for tp in ranks(n)]
+    # the slice each rank holds, by hand: rows r·12/n .. of W (dim 0), what the model's fused layers read off it
+    assert [(s.shard_dim, s.shard_offset, s.shard_size) for s in shards] == [(0, r * 12 // n, 12 // n) for r in range(n)]
     for s in shards:
         s.weight_loader(W)
     assert [tuple(s.weight.shape) for s in shards] == [(12 // n, 5)] * n
@@ -69,8 +71,38 @@ def test_column_parallel_replicated_kv_slices():
     W = torch.arange(6 * 2, dtype=torch.float32).view(6, 2)
     for tp in ranks(4):
         s = L.ColumnParallelLinear(2, 6, tp, num_shards=2, shard_index=tp.rank * 2 // 4)
+        assert (s.shard_dim, s.shard_offset, s.shard_size, tuple(s.weight.shape)) == (0, 3 * (tp.rank // 2), 3, (3, 2))
         s.weight_loader(W)
         assert torch.equal(s.weight, W[3 * (tp.rank // 2):3 * (tp.rank // 2) + 3])
+
+
+@pytest.mark.exercise("11.2")
+@pytest.mark.parametrize("n", [2, 4])
+def test_fused_layers_take_their_slices_from_your_constructor(n):
+    """What of 11.2 serves: the model's q/k/v and gate/up are fused layers (the reference's) that build a
+    ColumnParallelLinear per part and keep its (shard_offset, shard_size) as `part_slices`. 4 query / 2 KV heads of
+    head_dim 3, hidden 5: at TP 2 the KV heads are sharded, at TP 4 each is replicated on 2 ranks. Each rank's fused
+    weight must be its rows of q, k and v (of gate and up), cut here by hand."""
+    from nanoserve.distributed.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    L = implementation("nanoserve.distributed.linear")
+    torch.manual_seed(20 + n)
+    Wq, Wk, Wv, Wg, Wu = torch.randn(12, 5), torch.randn(6, 5), torch.randn(6, 5), torch.randn(8, 5), torch.randn(8, 5)
+    kv_shards, q, g = min(n, 2), 12 // n, 8 // n  # distinct KV slices; query and gate rows per rank
+    k = 6 // kv_shards  # k (and v) rows per KV slice
+    for tp in ranks(n):
+        kv = tp.rank * kv_shards // n  # ranks 0, 1 | 2, 3 share KV head 0 | 1 at TP 4
+        qkv = QKVParallelLinear(5, 3, 4, 2, tp, kv_shards, kv, column=L.ColumnParallelLinear)
+        gate_up = MergedColumnParallelLinear(5, [8, 8], tp, column=L.ColumnParallelLinear)
+        assert qkv.part_slices == [(tp.rank * q, q), (kv * k, k), (kv * k, k)]
+        assert gate_up.part_slices == [(tp.rank * g, g)] * 2
+        for i, w in enumerate((Wq, Wk, Wv)):
+            qkv.weight_loader(w, i)
+        for i, w in enumerate((Wg, Wu)):
+            gate_up.weight_loader(w, i)
+        rows = lambda W, i, size: W[i * size:(i + 1) * size]  # noqa: E731
+        assert torch.equal(qkv.weight, torch.cat([rows(Wq, tp.rank, q), rows(Wk, kv, k), rows(Wv, kv, k)]))
+        assert torch.equal(gate_up.weight, torch.cat([rows(Wg, tp.rank, g), rows(Wu, tp.rank, g)]))
 
 
 @pytest.mark.exercise("11.3")
@@ -80,6 +112,8 @@ def test_row_parallel_partial_sums_add_up(n):
     torch.manual_seed(10 + n)
     W, x = torch.randn(7, 12), torch.randn(4, 12)
     shards = [L.RowParallelLinear(12, 7, tp) for tp in ranks(n)]
+    # the slice the GGUF loader reads, by hand: columns r·12/n .. of W (dim 1)
+    assert [(s.shard_dim, s.shard_offset, s.shard_size) for s in shards] == [(1, r * 12 // n, 12 // n) for r in range(n)]
     for s in shards:
         s.weight_loader(W)
     assert [tuple(s.weight.shape) for s in shards] == [(7, 12 // n)] * n
@@ -123,8 +157,9 @@ def test_column_then_row_is_the_whole_mlp():
 
 
 @pytest.mark.exercise("11.4")
-@pytest.mark.parametrize("vocab,n", [(256, 3), (10, 4), (12, 2), (7, 1)])
-def test_vocab_parallel_embedding_and_lm_head(vocab, n):
+@pytest.mark.parametrize("vocab,n,sizes", [(256, 3, [86, 86, 84]), (10, 4, [3, 3, 3, 1]), (12, 2, [6, 6]), (7, 1, [7])])
+def test_vocab_parallel_embedding_and_lm_head(vocab, n, sizes):
+    """sizes: each rank's rows of the real vocabulary, by hand (ceil(V / n) rows each, the last ones padded)."""
     V = implementation("nanoserve.distributed.vocab")
     torch.manual_seed(vocab)
     W = torch.randn(vocab, 5)
@@ -134,10 +169,12 @@ def test_vocab_parallel_embedding_and_lm_head(vocab, n):
     heads = [V.ParallelLMHead(vocab, 5, tp) for tp in world.ranks]
     for layer in embeds + heads:
         layer.weight_loader(W)
-    per_rank = -(-vocab // n)
+    per_rank = sizes[0]
     assert [tuple(e.weight.shape) for e in embeds] == [(per_rank, 5)] * n  # padded to equal shards
-    assert [e.shard_offset for e in embeds] == [r * per_rank for r in range(n)]
-    assert sum(e.shard_size for e in embeds) == vocab
+    # the rows the GGUF loader reads for each rank (the LM head's the same): dim 0, from r · per_rank
+    for layers in (embeds, heads):
+        assert [(e.shard_dim, e.shard_offset, e.shard_size) for e in layers] == \
+            [(0, r * per_rank, size) for r, size in enumerate(sizes)]
     assert torch.equal(torch.cat([e.weight for e in embeds])[vocab:], torch.zeros(n * per_rank - vocab, 5))
     # every id is looked up by exactly one rank, the others add zeros: the all_reduce's sum
     torch.testing.assert_close(sum(e(ids) for e in embeds), F.embedding(ids, W))
@@ -300,6 +337,67 @@ def test_a_float_gguf_shards_by_columns_too(tmp_path, dtype):
         for name, weight in shard.state_dict().items():
             assert torch.equal(weight, expected[name]), name
 
+
+
+
+def test_a_quantized_slice_of_columns_must_fall_on_blocks():
+    """read_gguf_slice on SmolLM2's Q4_1 down_proj (576 × 1536, blocks of 32 weights along a row): columns 32:64 are
+    the second block of every row, the same as the whole matrix dequantized (gguf.dequantize) and then cut; columns
+    16:48 would split blocks, and are refused with a ValueError that names the tensor. Rows are any slice."""
+    from gguf import dequantize
+
+    from nanoserve.distributed.shard import read_gguf_slice
+    from nanoserve.model.gguf_loader import embedded_gguf_path, open_gguf
+
+    (t,) = [t for t in open_gguf(embedded_gguf_path()).tensors if t.name == "blk.0.ffn_down.weight"]
+    assert t.tensor_type.name == "Q4_1"
+    whole = dequantize(t.data, t.tensor_type)  # (576, 1536)
+    assert np.array_equal(read_gguf_slice(t, 1, 32, 32), whole[:, 32:64])
+    assert np.array_equal(read_gguf_slice(t, 0, 5, 7), whole[5:12])
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight: columns 16:48 do not fall on 32-weight blocks"):
+        read_gguf_slice(t, 1, 16, 32)
+
+def layers_with_yours(rung):
+    """The layers shard_llama builds from (as `linear_layers_for` gives them): YOUR RowParallelLinear for rung 11.3,
+    YOUR vocabulary layers for 11.4 (when graded; the reference's otherwise), the reference's for the rest."""
+    from types import SimpleNamespace
+
+    from nanoserve.distributed import linear, shard, vocab
+
+    row = implementation("nanoserve.distributed.linear") if rung == "11.3" else linear
+    words = implementation("nanoserve.distributed.vocab") if rung == "11.4" else vocab
+    return SimpleNamespace(**{**vars(linear), **vars(row)}, VocabParallelEmbedding=words.VocabParallelEmbedding,
+                           ParallelLMHead=words.ParallelLMHead, split_heads=shard.split_heads)
+
+
+@pytest.mark.parametrize("rung", [pytest.param("11.3", marks=pytest.mark.exercise("11.3")),
+                                  pytest.param("11.4", marks=pytest.mark.exercise("11.4"))])
+def test_your_layers_read_their_slice_of_a_gguf(tmp_path, rung):
+    """What `--student 11` serves from the real model: the GGUF loader reads each row-parallel and vocabulary layer's
+    slice straight from the file at its (shard_dim, shard_offset, shard_size). A float32 GGUF at TP 2, loaded with
+    YOUR RowParallelLinear (11.3) or YOUR vocabulary layers (11.4): each rank holds the columns of o_proj and
+    down_proj, or the rows of the embedding and the LM head (101 over 2 ranks: 51 + 50, one zero row of padding),
+    of the matrices written, cut here by hand."""
+    from nanoserve.distributed.shard import load_shard_from_gguf
+
+    config = LlamaConfig.tiny(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                              vocab_size=101)
+    written = write_float_llama_gguf(tmp_path / "tiny.gguf", config, np.float32)
+    layers = layers_with_yours(rung)
+    for tp in ranks(2):
+        shard = load_shard_from_gguf(tmp_path / "tiny.gguf", tp, layers)
+        got = lambda layer: layer.weight.detach().numpy()  # noqa: E731
+        if rung == "11.3":
+            o, d = 64 // 2, 96 // 2  # each rank's columns of o_proj (64 inputs) and down_proj (96)
+            for i, block in enumerate(shard.layers):
+                assert np.array_equal(got(block.self_attn.o_proj), written[f"blk.{i}.attn_output.weight"][:, tp.rank * o:][:, :o])
+                assert np.array_equal(got(block.mlp.down_proj), written[f"blk.{i}.ffn_down.weight"][:, tp.rank * d:][:, :d])
+        else:
+            for layer, name in ((shard.embed_tokens, "token_embd.weight"), (shard.lm_head, "output.weight")):
+                want = np.zeros((51, 64), np.float32)
+                rows = written[name][tp.rank * 51:(tp.rank + 1) * 51]  # rank 1: rows 51..100, then padding
+                want[:len(rows)] = rows
+                assert np.array_equal(got(layer), want), name
 
 def test_shards_are_built_without_initialising_only_in_their_own_thread():
     """shard_llama builds inside SkipInit, which skips torch.nn.init in the thread that entered it and nowhere

@@ -2,7 +2,8 @@
 the block manager and kv/ import nothing of nanoserve/distributed/ (in the engine only the model runner, the worker,
 the executor and, once, LLMEngine meet it); and what the engine core (LLMEngine.step()) drives — scheduler, block
 manager, model runner, kv/ — imports nothing of nanoserve/text/ (text <-> ids: only LLMEngine's output step
-detokenizes and checks stop strings) or nanoserve/server/ (chapter 00's layering).
+detokenizes and checks stop strings) or nanoserve/server/ (chapter 00's layering). The server's own files name nothing
+of distributed/ either; the engine they talk to does (its executor), so their import closure holds it.
 
 Two independent checks: every `import` statement the modules hold, followed through nanoserve's own modules
 (functions' imports included, so a lazy import inside a method counts), and what importing them really loads
@@ -21,6 +22,7 @@ NO_DISTRIBUTED = ["nanoserve.engine.scheduler", "nanoserve.engine.sequence", "na
                   "nanoserve.kv.prefix_cache", "nanoserve.kv.block_manager", "nanoserve.kv.paged_attention",
                   "nanoserve.kv.reservation", "nanoserve.kv.naive"]
 NO_TEXT = NO_DISTRIBUTED + ["nanoserve.engine.model_runner"]  # below LLMEngine's output step
+SERVER = sorted(f"nanoserve.server.{p.stem}" for p in (ROOT / "nanoserve" / "server").glob("*.py") if p.stem != "__init__")
 TEXT_AND_SERVER = ("nanoserve.text", "nanoserve.server")
 
 
@@ -68,9 +70,21 @@ def loaded():
 
 
 def test_the_check_sees_imports():
-    """The checker itself: the model runner does import distributed/ (the seam), and the server does import text/."""
+    """The checker itself: the model runner does import distributed/ (the seam), the server does import text/, and
+    reaches distributed/ through the engine."""
     assert "nanoserve.distributed.parallel_state" in static_closure(["nanoserve.engine.model_runner"])
     assert any(m.startswith("nanoserve.text") for m in static_closure(["nanoserve.server.api_server"]))
+    # the server reaches distributed/ only through the engine it talks to
+    assert "nanoserve.server.api_server" in SERVER and len(SERVER) > 10
+    assert "nanoserve.distributed.parallel_state" in static_closure(["nanoserve.server.api_server"])
+    assert "nanoserve.distributed.parallel_state" in static_closure(["nanoserve.engine.async_engine"])
+
+
+@pytest.mark.parametrize("module", SERVER)
+def test_the_servers_own_files_import_nothing_of_distributed(module):
+    """Chapter 08's server names no part of tensor parallelism: none of its files' import statements does (what
+    they import in turn, the engine, does)."""
+    assert not [m for m in imported_by(module) if m.startswith("nanoserve.distributed")]
 
 
 @pytest.mark.parametrize("module", NO_DISTRIBUTED)

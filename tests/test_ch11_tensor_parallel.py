@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanoserve.distributed.parallel_state import STEP, STEP_FIELDS, WorkerError
+from nanoserve.engine.config import KVTransferConfig, LoRAConfig
 from nanoserve.engine.worker import Worker
 from nanoserve.llm import LLM
 from nanoserve.model import Llama, LlamaConfig
@@ -139,6 +140,14 @@ class TestTP3:
         assert parallel_samples(tp3.engine, PROMPTS[0]["prompt_token_ids"], fork) == \
             parallel_samples(LLM(model63, **POOL).engine, PROMPTS[0]["prompt_token_ids"], fork)
 
+    def test_refuses_to_sleep(self, tp3):
+        """Sleep mode frees one process's weights and pool; the workers' would stay: refused, and the group serves on."""
+        from nanoserve.engine.llm_engine import SleepRefused
+
+        with pytest.raises(SleepRefused, match=r"cannot sleep: .* not tensor parallelism"):
+            tp3.engine.sleep(1)
+        assert tp3.engine.sleep_level == 0 and len(tp3.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].token_ids) == 8
+
     def test_kv_pool_holds_one_kv_head_per_rank(self, tp3, model63):
         """Memory math: 2 (K, V) · 2 layers · 1 KV head · 16 head_dim · 4 B = 256 B per token per rank, a
         third of TP 1's 768 B: the same bytes hold 3× the blocks."""
@@ -157,6 +166,48 @@ def test_refused_split_names_the_heads_and_starts_nothing(model63):
     assert child_pids() == before
 
 
+def test_refused_mlp_split_names_the_features_and_starts_nothing():
+    """The heads split 3 ways (6 / 3), but 190 MLP features do not: refused before any process starts (SmolLM2 at
+    TP 9 is refused so: 1536 features)."""
+    before = child_pids()
+    config = LlamaConfig.tiny(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=190)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide intermediate_size=190"):
+        LLM(Llama(config), tensor_parallel_size=3)
+    assert child_pids() == before
+
+
+@pytest.mark.parametrize("setting, name", [
+    (dict(enable_lora=True), "enable_lora"), (dict(lora_modules={"a": "/nowhere"}), "lora_modules"),
+    (dict(kv_tier_blocks=8), "kv_tier_blocks"), (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"), (dict(kv_transfer_config=KVTransferConfig()), "kv_transfer_config")],
+    ids=["lora", "lora_modules", "kv_tier", "int8_pool", "fp8_pool", "kv_connector"])
+def test_llm_refuses_what_the_workers_cannot_do_before_starting_them(model63, monkeypatch, setting, name):
+    from nanoserve.distributed import multiproc
+
+    monkeypatch.setattr(multiproc, "start_workers", lambda *args, **kwargs: pytest.fail("a worker process started"))
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size > 1 runs .*{name}.* single-process only"):
+        LLM(model63, tensor_parallel_size=3, **setting)
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(lora_config=LoRAConfig()), r"LoRA adapters run on one eager model: .* tensor parallelism are refused"),
+    (dict(kv_tier_blocks=8), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
+    (dict(kv_cache_dtype="int8"), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
+    (dict(kv_cache_dtype="fp8"), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
+    (dict(kv_transfer_config=KVTransferConfig()), r"cannot be combined with tensor parallelism")],
+    ids=["lora", "kv_tier", "int8_pool", "fp8_pool", "kv_connector"])
+def test_the_engine_refuses_what_the_workers_cannot_do(model63, setting, words):
+    """LLMEngine's own refusals, for rank 0's shard handed to it directly (LLM refuses the same earlier, above): a
+    shard of a group of 3 whose other ranks never started, refused before the engine's first collective."""
+    from nanoserve.distributed.parallel_state import TPGroup
+    from nanoserve.distributed.shard import shard_llama
+    from nanoserve.engine.config import engine_config
+    from nanoserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match=words):
+        LLMEngine(shard_llama(model63.config, TPGroup(0, 3)), engine_config(**POOL, **setting))
+
+
 @pytest.mark.exercise("11.3")
 def test_tp2_replicated_kv_head_gives_tp1_tokens():
     """6 query heads, 1 KV head: each rank holds 3 query heads and a copy of the KV head. Graded: with
@@ -171,19 +222,30 @@ def test_tp2_replicated_kv_head_gives_tp1_tokens():
     assert got == want
 
 
-def test_tp2_with_student_11_reports_the_learners_code(exercises, capsys):
-    """LLM(student="11", tensor_parallel_size=2) with exercise 11 done: rank 0 builds its shard from the learner's
-    four files and sends every step through their pack_step, and the run's own report says so (the files, and
-    the calls counted), as `batch --student 11 --tensor-parallel-size 3` prints it. The model's column-parallel
-    products are all fused (qkv_proj, gate_up_proj): they take each part's slice from the learner's
-    ColumnParallelLinear constructor, and multiply in the fused layer."""
+def test_tp2_serves_your_files_and_reports_them(exercises, capsys):
+    """LLM(student="11", tensor_parallel_size=2) on a copy of YOUR exercises/11-tensor-parallel/ files in which only
+    the functions still stubbed get the reference's code (untouched stubs: all of them): rank 0 builds its shard
+    from the four files and sends every step through their pack_step, the tokens are TP 1's, and the run's report
+    names the four files and counts their calls, as `batch --student 11 --tensor-parallel-size 3` prints it. Rank 1,
+    a process of its own, reads exercises/ itself, as `--student 11` does (the reference where a rung is unfinished).
+    The model's column-parallel products are fused (qkv_proj, gate_up_proj): each part's slice comes from the
+    ColumnParallelLinear constructor in the copy."""
+    from nanoserve.student import student_path, unfinished
+    from tests.test_student import finish
+
     files = {"shard": "split_heads", "linear": "RowParallelLinear.forward", "vocab": "ParallelLMHead.forward",
              "parallel_state": "pack_step"}
     for name in files:
-        exercises(f"nanoserve.distributed.{name}")  # the learner's file = the reference's code
-    with LLM(tiny(1), tensor_parallel_size=2, student="11", **POOL) as llm:
-        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        module = f"nanoserve.distributed.{name}"
+        stubs = [qualname for names in unfinished(student_path(module)).values() for qualname in names]
+        if stubs:
+            finish(module, stubs)  # the reference's code where yours is still a stub; what you wrote stays
+    model = tiny(1)
+    want = [o.token_ids for o in LLM(model, **POOL).generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
+    with LLM(model, tensor_parallel_size=2, student="11", **POOL) as llm:
+        got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)]
         proof, calls = llm.engine.student_proof(), llm.engine.student.calls
+    assert got == want
     assert calls["ColumnParallelLinear.__init__"] == 2 * 5  # 2 layers x (q, k, v, gate, up)
     err = capsys.readouterr().err
     for name, function in files.items():

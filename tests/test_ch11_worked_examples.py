@@ -57,8 +57,16 @@ def test_the_row_parallel_worked_example():
 
 
 def test_gathering_logits():
+    """What rank 0 receives per sampled token: the other ranks' slices of the logits row, or their (max, argmax)."""
     V = SMOL.vocab_size
-    says(CH, f"16 bytes instead of {V} × 4 = {V * 4:,} B = {V * 4 // 1024} KiB per sampled token")
+    row = V * 4
+    says(CH, f"rank 0 receives (n − 1)/n of the {V} × 4 = {row:,} B row: {row // 2:,} B at TP 2, {row * 2 // 3:,} B\n"
+             f"at TP 3")
+    says(CH, f"(max, argmax) instead, 16 bytes, and rank 0 would receive\n(n − 1) · 16 B: {2 * 16} B at TP 3")
+    llama = KNOWN_CONFIGS["llama-3-8b"]
+    whole = 64 * llama.vocab_size * 2
+    says(CH, f"for Llama-3 at\nB = 64 and TP 8, {whole * 7 / 8 / 1e6:.1f} MB of the 64 × {llama.vocab_size:,} × 2 = "
+             f"{whole / 1e6:.1f} MB")
 
 
 def test_the_notebooks_partial_sums():

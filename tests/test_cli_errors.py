@@ -121,6 +121,14 @@ BAD = [
     (["bench", "profile", "--temperature", "1", "--top-p", "1.5"], ["--top-p must be in (0, 1], got 1.5"]),
     (["bench", "profile", "--top-p", "0.9"], ["--top-p 0.9 needs --temperature > 0"]),
     (["bench", "profile", "--temperature", "x"], ["--temperature", "invalid float value"]),
+    # bench tp refuses, before any model or worker, a TP size the model cannot split and flags it would not honour
+    (["bench", "tp", "--sizes", "1", "5"], ["--sizes 5", "does not divide num_attention_heads=12"]),
+    (["bench", "tp", "--real", "--sizes", "2"], ["--sizes 2", "num_attention_heads=9"]),
+    (["bench", "tp", "--real", "--sizes", "9"], ["--sizes 9", "does not divide intermediate_size=1536"]),
+    (["bench", "tp", "--sizes", "0"], ["--sizes", "integer > 0"]),
+    (["bench", "tp", "--sizes", "2", "2"], ["--sizes 2 2", "each size once"]),
+    (["bench", "tp", "--prompt-len", "9000"], ["9010 tokens exceed the model's context of 8192"]),
+    (["bench", "tp", "--model-only", "--batch", "4", "--real"], ["--model-only skips the measurement", "--batch, --real"]),
     (["no-such-command"], ["invalid choice", "generate"]),
 ]
 

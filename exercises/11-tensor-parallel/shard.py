@@ -17,7 +17,8 @@ def split_heads(config: LlamaConfig, tp_size: int) -> HeadSplit:
     of H / Hkv query heads reads one KV head). vLLM's rule: shard the KV heads when they divide over the
     ranks; when there are fewer KV heads than ranks and the ranks divide over them, replicate each KV head on
     several ranks; anything else is a ValueError that names tensor_parallel_size, num_key_value_heads and
-    num_attention_heads (so does a tp_size below 1, or one that does not divide the query heads).
+    num_attention_heads (so does a tp_size that does not divide the query heads). A tp_size below 1 is a
+    ValueError that names tensor_parallel_size.
 
     Examples (SmolLM2: 9 query, 3 KV heads):  tp 1 -> (9, 3, 1);  tp 3 -> (3, 1, 3);  tp 9 -> (1, 1, 3);
     tp 2 -> ValueError.  Llama-3-8B (32 / 8) at tp 16: one KV head per rank, each on 2 ranks.

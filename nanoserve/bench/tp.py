@@ -15,30 +15,70 @@ import time
 
 import torch
 
+from nanoserve.cli.checks import UsageError, positive_int
 from nanoserve.distributed.cost_model import H100_NVLINK, H100_PCIE, tp_decode_step
 from nanoserve.model.config import LlamaConfig
 from nanoserve.model.known_configs import KNOWN_CONFIGS
 
+BLOCK_SIZE = 16
+# the measurement's flags and their defaults (None: the default depends on --real, or is torch's thread count);
+# they default to None on the command line so that --model-only can refuse them when given
+MEASURED = {"sizes": None, "batch": 8, "prompt_len": 64, "steps": 8, "rounds": 2, "threads": None}
+
 
 def register(sub):
     p = sub.add_parser("tp", help="ch11: step time and all_reduce share at TP 1/2/3 here; a model of TP on GPUs")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--batch", type=int, default=8, help="sequences decoding together")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+    p.add_argument("--sizes", type=positive_int, nargs="+",
+                   help="the TP sizes to measure, each one that splits the model's heads and MLP (default: 1 2 3; "
+                        "with --real 1 3)")
+    p.add_argument("--batch", type=positive_int, help="sequences decoding together (default: 8)")
+    p.add_argument("--prompt-len", type=positive_int, help="tokens of each random prompt (default: 64)")
+    p.add_argument("--steps", type=positive_int, help="decode steps timed per round (default: 8)")
+    p.add_argument("--rounds", type=positive_int, help="rounds, the order of the TP sizes reversed in every other "
+                                                       "(default: 2)")
+    p.add_argument("--threads", type=positive_int,
                    help="torch threads in all, split over the ranks (at least 1 each); 1 gives every rank, at every "
-                        "TP size, one thread (chapter 11, section 5)")
-    p.add_argument("--real", action="store_true", help="the real SmolLM2 (at the sizes that split 9 heads: 1, 3)")
+                        f"TP size, one thread (chapter 11, section 5) (default: torch's, {torch.get_num_threads()} here)")
+    p.add_argument("--real", action="store_true",
+                   help="the real SmolLM2: its 9 query heads and 1536 MLP features split 1 or 3 ways")
     p.add_argument("--model-only", action="store_true", help="skip the measurement, print the GPU model")
-    p.add_argument("--context", type=int, default=4096, help="GPU model: tokens of context per sequence")
+    p.add_argument("--context", type=positive_int, default=4096, help="GPU model: tokens of context per sequence")
     p.add_argument("--plot", help="GPU model: write a PNG of step time vs TP here")
     p.set_defaults(func=run)
 
 
 def smollm2_sized() -> LlamaConfig:
     return LlamaConfig(num_attention_heads=12, num_key_value_heads=6)  # head_dim 48; 576 hidden, 30 layers
+
+
+def check_measured(args) -> LlamaConfig | None:
+    """Fill in the measurement's defaults and refuse what it cannot honour (UsageError: one `error:` line, exit 2);
+    the config measured, or None under --model-only."""
+    from nanoserve.distributed.shard import check_tp_size
+
+    given = [f"--{name.replace('_', '-')}" for name in MEASURED if getattr(args, name) is not None]
+    if args.model_only:
+        if given or args.real:
+            raise UsageError(f"--model-only skips the measurement: drop {', '.join(given + ['--real'] * args.real)}")
+        return None
+    for name, default in MEASURED.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.sizes = args.sizes or ([1, 3] if args.real else [1, 2, 3])
+    args.threads = args.threads or torch.get_num_threads()
+    config = LlamaConfig() if args.real else smollm2_sized()
+    for n in args.sizes:
+        try:
+            check_tp_size(config, n)
+        except ValueError as e:
+            raise UsageError(f"--sizes {n}: {e}") from None
+    if len(set(args.sizes)) != len(args.sizes):
+        raise UsageError(f"--sizes {' '.join(map(str, args.sizes))}: each size once")
+    length = args.prompt_len + args.steps + 2  # the prompt, a first token (prefill) and one untimed decode, the steps
+    if length > config.max_position_embeddings:
+        raise UsageError(f"--prompt-len {args.prompt_len} + --steps {args.steps} + 2 = {length} tokens exceed the "
+                         f"model's context of {config.max_position_embeddings}")
+    return config
 
 
 def measure(model, tp: int, batch: int, prompt_len: int, steps: int) -> dict:
@@ -48,11 +88,15 @@ def measure(model, tp: int, batch: int, prompt_len: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     vocab = (model.config if model is not None else LlamaConfig()).vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    with LLM(model, tensor_parallel_size=tp, kv_cache_memory=64 << 20) as llm:
+    # every TP size gets the same pool, which holds every sequence whole: nothing preempts; and a step's token budget
+    # that holds every prompt, so the prefill is one step and the timed steps are pure decode
+    blocks = batch * -(-(prompt_len + steps + 2) // BLOCK_SIZE)
+    with LLM(model, tensor_parallel_size=tp, block_size=BLOCK_SIZE, num_blocks=blocks, max_num_seqs=batch,
+             max_num_batched_tokens=max(2048, batch * prompt_len)) as llm:
         group = llm.engine.executor.tp_group
         for _ in range(batch):
             llm.add_request({"prompt_token_ids": torch.randint(0, vocab, (prompt_len,), generator=g).tolist()}, params)
-        llm.engine.step()  # the prefill of all prompts (one step: batch · prompt_len <= 2048 tokens)
+        llm.engine.step()  # the prefill of all prompts
         llm.engine.step()  # a first decode, untimed
         times, reduce_times = [], []
         for _ in range(steps):
@@ -67,15 +111,15 @@ def measure(model, tp: int, batch: int, prompt_len: int, steps: int) -> dict:
             "bytes": group.all_reduce_bytes, "calls": group.num_all_reduces}  # of the last timed step
 
 
-def run_measured(args) -> None:
+def run_measured(args, config: LlamaConfig) -> None:
     from nanoserve.model import Llama
 
     if args.real:
-        model, label, sizes = None, "SmolLM2-135M (real weights)", [s for s in args.sizes if s in (1, 3, 9)]
+        model, label = None, "SmolLM2-135M (real weights)"
     else:
         torch.manual_seed(0)
-        model, label, sizes = Llama(smollm2_sized()).eval(), "SmolLM2-sized, 12 / 6 heads, random weights", args.sizes
-    config = model.config if model is not None else LlamaConfig()
+        model, label = Llama(config).eval(), "SmolLM2-sized, 12 / 6 heads, random weights"
+    sizes = args.sizes
     torch.set_num_threads(args.threads)  # start_workers gives each of n ranks max(1, threads // n)
     print(f"measured: {label}; a decode step of {args.batch} sequences after {args.prompt_len}-token prompts; "
           f"torch threads per rank at TP n: max(1, {args.threads} // n); {args.rounds} rounds, each TP size in turn, "
@@ -95,7 +139,8 @@ def run_measured(args) -> None:
         print(f"{n:>3} {step * 1e3:>9.1f} {step / base:>8.2f}x {ar * 1e3:>14.1f} {ar / step:>6.0%} "
               f"{last['calls']:>17} {last['bytes']:>11,}")
     print(f"all-reduced per layer per token: 2 x hidden {config.hidden_size} x 4 B = {per_layer_token:,} B "
-          f"(+ one for the embedding per step; rank 0 also gathers {config.vocab_size:,} x 4 B of logits per sequence)")
+          f"(+ one for the embedding per step; rank 0 also receives (n - 1)/n of the {config.vocab_size:,} x 4 B of "
+          f"logits of each sequence)")
 
 
 def run_model(args) -> list:
@@ -152,11 +197,15 @@ def plot(rows, path: str) -> None:
 
 
 def run(args):
+    config = check_measured(args)
     cmd = "python -m nanoserve bench tp" + (" --real" if args.real else "")
-    print(f"command: {cmd} --sizes {' '.join(map(str, args.sizes))} --batch {args.batch} --steps {args.steps} "
-          f"--rounds {args.rounds} --threads {args.threads}")
-    if not args.model_only:
-        run_measured(args)
+    if config is None:
+        print(f"command: {cmd} --model-only --context {args.context}")
+    else:
+        print(f"command: {cmd} --sizes {' '.join(map(str, args.sizes))} --batch {args.batch} --prompt-len "
+              f"{args.prompt_len} --steps {args.steps} --rounds {args.rounds} --threads {args.threads} --context "
+              f"{args.context}")
+        run_measured(args, config)
     rows = run_model(args)
     if args.plot:
         plot(rows, args.plot)

@@ -27,7 +27,9 @@ class Hardware:
     hbm_bytes_per_s: float
     peak_flops: float
     link_bytes_per_s: float  # per GPU, one direction: what a ring all-reduce step can use
-    link_latency_s: float  # per ring hop (assumed; NCCL's small-message all-reduce is ~10-30 µs in all)
+    # per ring hop: assumed, not measured (nccl-tests' all_reduce_perf measures a node's small-message latency);
+    # the hops only, no kernel launch or synchronisation, so low
+    link_latency_s: float
     memory_bytes: float
 
 

@@ -262,15 +262,15 @@ def start_workers(model, tp_size: int, student=False, code=None):
     builds rank 0's shard (and so reports it); default one of its own from `student`. Raises ValueError before any
     process starts if the model cannot be split tp_size ways, WorkerError if a worker fails to start.
     """
-    from nanoserve.distributed.shard import split_heads
+    from nanoserve.distributed.shard import check_tp_size
 
     source = ModelSource.of(model, student)
     if source.config is not None:
-        split_heads(source.config, tp_size)  # refuse before spawning anything
+        check_tp_size(source.config, tp_size)  # refuse before spawning anything
     else:
         from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, open_gguf
 
-        split_heads(config_from_gguf(open_gguf(source.gguf_path or embedded_gguf_path())), tp_size)
+        check_tp_size(config_from_gguf(open_gguf(source.gguf_path or embedded_gguf_path())), tp_size)
     if dist.is_initialized():
         raise RuntimeError("this process already drives a tensor-parallel group: close that LLM first")
     launched = torchrun_rank()

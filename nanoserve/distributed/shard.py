@@ -61,6 +61,15 @@ def split_heads(config: LlamaConfig, tp_size: int) -> HeadSplit:
                      f"the KV heads to replicate them ({n} % {Hkv} != 0)")
 
 
+def check_tp_size(config: LlamaConfig, tp_size: int) -> None:
+    """A ValueError, naming the counts, unless every layer splits tp_size ways: the heads (split_heads' rule) and
+    the MLP's features (gate, up and down hold equal slices). SmolLM2 at TP 9: the heads would, 1536 features not."""
+    split_heads(config, tp_size)
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={config.intermediate_size}: "
+                         "each rank must hold an equal slice of the MLP's features")
+
+
 def linear_layers_for(student=False, code=None):
     """What builds the shards: the parallel layers (linear.py's ColumnParallelLinear, RowParallelLinear, ...;
     vocab.py's VocabParallelEmbedding, ParallelLMHead) and `split_heads`. The reference's, or with chapter 11
@@ -206,7 +215,8 @@ def load_shard_from_gguf(path, tp, linear_layers=None) -> Llama:
         else:
             w = read_gguf_slice(t, getattr(module, "shard_dim", None), getattr(module, "shard_offset", 0),
                                 getattr(module, "shard_size", 0))
-            target = module.weight.data[:w.shape[0]]  # a vocabulary shard's padding rows stay zero
+            target = module.weight.data[:w.shape[0]]
+            module.weight.data[w.shape[0]:] = 0  # a vocabulary shard's padding rows (to_empty left them unset)
         if t.name.endswith(("attn_q.weight", "attn_k.weight")):
             # llama.cpp's row order, undone per head: this slice holds whole heads (w.shape[0] / D of them)
             w = unpermute_qk(w, w.shape[0] // config.head_dim)

@@ -9,8 +9,9 @@ padding rows are zero and their logits are cut off): vocab 256 over 3 ranks is 8
     ParallelLMHead: each rank computes the logits of its slice of the vocabulary, (N, V/n), and rank 0
         GATHERS them into (N, V). We gather whole logits, as vLLM does, rather than each rank's argmax:
         temperature, top-k and top-p need the whole distribution, and rank 0 owns the sampling state
-        (the seeded generators). The price is N · V · 4 bytes per step (196,608 B = 192 KiB per sampled
-        token for SmolLM2); a greedy-only engine could send each rank's (max, argmax) instead, 16 bytes.
+        (the seeded generators). The price: each other rank sends its N · V/n · 4 bytes per step, so rank 0
+        receives (n − 1)/n of the N · V · 4 (SmolLM2 at TP 3: 131,072 B per sampled token); a greedy-only engine
+        could send each rank's (max, argmax) instead, 16 bytes per rank and token.
 """
 
 import torch
