@@ -129,17 +129,26 @@ def chapters(text: str) -> str:
 
 def sampling_params(fields: dict, flags: bool = False):
     """SamplingParams(**fields), or a UsageError naming the bad value as the user wrote it:
-    `"temperature" must be a number >= 0, got -1` (a JSON field), `--top-p must be ...` (flags=True)."""
+    `"temperature" must be a number >= 0, got -1` (a JSON field), `--top-p must be ...` (flags=True). Flags
+    also refuse --top-p, --top-k or --seed beside temperature 0 (greedy: they would change nothing; a JSON
+    request may carry them, as OpenAI's API allows)."""
     from nanoserve.sampling import SamplingParams
 
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
     except (TypeError, ValueError) as e:
         message = str(e)
         name = message.split(" ")[0]
         if name in fields:  # SamplingParams' messages start with the field's name
             message = ("--" + name.replace("_", "-") if flags else f'"{name}"') + message[len(name):]
         raise UsageError(message) from None
+    if flags and params.greedy:  # a flag that shapes a draw has nothing to shape: refused, not ignored
+        unused = [f"--{k.replace('_', '-')} {v}" for k, v in fields.items()
+                  if k in ("top_p", "top_k", "seed") and v not in (None, 1.0, 0, -1)]
+        if unused:
+            raise UsageError(f"{', '.join(unused)} needs --temperature > 0 (temperature 0 is greedy: an argmax, "
+                             f"nothing is drawn)")
+    return params
 
 
 def load_tokenizer(gguf: str | None):
