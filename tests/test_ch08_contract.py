@@ -127,9 +127,15 @@ def test_unsupported_and_unknown_fields_are_refused_by_name(engine, tokenizer):
                               metadata={"k": "v"}, store=False, seed=3, temperature=0.7)
             r = http.post("/v1/chat/completions", json=chat_body(**extensions))
             assert r.status_code == 200, r.text
-            # max_completion_tokens beside max_tokens; it wins
-            r = http.post("/v1/chat/completions", json=chat_body(max_completion_tokens=2, ignore_eos=True)).json()
-            assert r["usage"]["completion_tokens"] == 2
+            # max_completion_tokens, OpenAI's newer name for max_tokens: alone, or beside an equal max_tokens;
+            # two different bounds are refused, not one of them dropped
+            body = chat_body(max_completion_tokens=2, ignore_eos=True)
+            del body["max_tokens"]
+            assert http.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens"] == 2
+            r = http.post("/v1/chat/completions", json=chat_body(max_completion_tokens=4, ignore_eos=True)).json()
+            assert r["usage"]["completion_tokens"] == 4
+            error = assert_openai_error(http.post("/v1/chat/completions", json=chat_body(max_completion_tokens=2)), 400)
+            assert error["param"] == "max_completion_tokens" and "max_tokens=4 and max_completion_tokens=2" in error["message"]
             # a developer message renders as the system one
             dev = http.post("/tokenize", json={"messages": [{"role": "developer", "content": "Be brief."}] + HI})
             sys = http.post("/tokenize", json={"messages": [{"role": "system", "content": "Be brief."}] + HI})

@@ -352,6 +352,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
+        if None not in (self.max_completion_tokens, self.max_tokens) and self.max_completion_tokens != self.max_tokens:
+            # two bounds for one reply: taking either would silently drop the other
+            raise APIError(400, f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens}"
+                                " disagree: give one (max_completion_tokens is OpenAI's newer name for max_tokens)",
+                           "max_completion_tokens")
         return self.max_completion_tokens or self.max_tokens
 
     @property
