@@ -247,10 +247,26 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
     assert "NOT GPU speed" in out and "SmolLM2 prefill" in out
     errors = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("tiny", "SmolLM2"))]
     assert len(errors) == 4 and max(errors) < 1e-4
-    # the GPU run's flags mean nothing to the interpreter's fixed shapes: refused, not dropped
-    assert main(["bench", "attention", "--batch", "4", "--dtype", "bf16"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --batch, --dtype: ")
+    # the GPU run's flags mean nothing to the interpreter's fixed shapes: refused, not dropped, whatever their
+    # value; the GPU run's own defaults (chapter 07's section 9 command) included
+    for flags, named in [(["--batch", "4", "--dtype", "bf16"], "--batch, --dtype"), (["--dtype", "fp16"], "--dtype"),
+                         (["--block-size", "16"], "--block-size"),
+                         (["--batch", "1", "4", "16", "64", "256", "--context", "128", "512", "2048", "8192", "--dtype",
+                           "fp16"], "--batch, --context, --dtype")]:
+        assert main(["bench", "attention", *flags]) == 2, flags
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert captured.out == "" and len(err) == 1 and err[0].startswith(f"error: {named}: "), (flags, err)
+    # on a GPU the flags not given take the section 9 defaults (run_gpu stubbed: no GPU here)
+    from nanoserve.bench import attention
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "run_gpu", lambda args: seen.append(vars(args)) or 0)
+    assert main(["bench", "attention", "--batch", "2"]) == 0
+    assert {k: seen[0][k] for k in ("batch", "context", "dtype", "block_size", "peak_gbs")} == {
+        "batch": [2], "context": [128, 512, 2048, 8192], "dtype": "fp16", "block_size": 16, "peak_gbs": None}
+    monkeypatch.undo()
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main(["bench", "attention"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
