@@ -83,6 +83,40 @@ def test_triton_on_cpu_without_the_interpreter_names_the_fix(tiny, monkeypatch):
         LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=8), attention_backend="triton"))
 
 
+def test_a_bf16_pool_in_the_interpreter_is_refused(tiny):
+    """The interpreter's tl.dot gets bf16 inputs wrong (next test), so a bf16 model (whose pool is bf16) on the
+    triton backend is refused before it serves; the torch backend takes it, and so does triton a float16 pool."""
+    bf16 = tiny_llama().to(torch.bfloat16)
+    config = dict(cache_config=CacheConfig(num_blocks=8, block_size=4))
+    with pytest.raises(ValueError, match="interpreter.*cannot run a bfloat16 KV pool"):
+        LLMEngine(bf16, EngineConfig(**config, attention_backend="triton"))
+    assert LLMEngine(bf16, EngineConfig(**config, attention_backend="torch")).attention_backend == "torch"
+    assert resolve_attention_backend("triton", "cpu", torch.float16) == "triton"
+
+
+def test_the_interpreters_bf16_dot_is_still_wrong():
+    """Why the refusal above: in the pinned triton the interpreter's tl.dot of two 16 x 16 bf16 tiles is far off
+    torch's product of the same values (float16's is right). When this fails, the interpreter was fixed: lift the
+    refusal (kernels/backend.py) and test bf16 in test_ch07_kernels."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot_kernel(a_ptr, b_ptr, c_ptr):
+        r = tl.arange(0, 16)
+        tile = r[:, None] * 16 + r[None, :]
+        tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 16, generator=g), torch.randn(16, 16, generator=g)
+    errors = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        c = torch.empty(16, 16)
+        dot_kernel[(1,)](a.to(dtype), b.to(dtype), c)
+        errors[dtype] = (c - a.to(dtype).float() @ b.to(dtype).float()).abs().max().item()
+    assert errors[torch.float16] < 1e-3 and errors[torch.bfloat16] > 1, errors
+
+
 def test_a_kernel_compiled_for_a_gpu_is_not_launched_on_the_cpu(monkeypatch):
     """A kernel defined while TRITON_INTERPRET was unset (say the module was imported before it was set)
     would be compiled for a GPU at its first launch: refused, with the fix."""
