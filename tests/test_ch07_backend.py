@@ -67,6 +67,32 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny, num_blocks)
     assert len(results["torch"][0]) == 6 and bool(results["torch"][1]) == (num_blocks == 12)
 
 
+def test_the_query_block_table_is_built_once_per_step_on_the_pools_device():
+    """TritonPagedAttention builds the grid's query blocks at the first layer's call, copies them to the pool's
+    device (here "meta", which stands for a GPU: no data, but a device of its own) and hands every layer the
+    same tensors, so no layer copies them again. The kernels are stand-ins that record what they get."""
+    from types import SimpleNamespace
+
+    from nanoserve.kernels import triton_paged_attention as reference
+    from nanoserve.kernels.triton_attention import TritonPagedAttention
+    from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache
+
+    built, given = [], []
+    kernels = SimpleNamespace(launch_config=reference.launch_config,
+                              query_blocks=lambda *a: built.append(a) or reference.query_blocks(*a),
+                              paged_attention=lambda q, *rest: given.append(rest[-1]) or q)
+    cache = PagedKVCache(3, 8, 4, 1, 16, device="meta")
+    meta = AttentionMetadata.build([[0, 1], [2]], [5, 3], [5, 1], 4)  # a 5-token prompt and a decode
+    no_store = SimpleNamespace(store_kv=lambda *args: None)
+    attn = TritonPagedAttention(cache, meta, paged_attention=kernels, store_kv=no_store)
+    q, kv = torch.empty(6, 2, 16, device="meta"), torch.empty(6, 1, 16, device="meta")
+    for layer in range(3):
+        attn(layer, q, kv, kv)
+    assert built == [([0, 5, 6], reference.launch_config(2, 1, 16)["BLOCK_Q"])]  # once, from cu_seqlens_q
+    assert all(index is given[0] for index in given) and len(given) == 3
+    assert [t.device.type for t in given[0]] == ["meta", "meta"]
+
+
 def test_default_is_torch_on_cpu_triton_on_cuda():
     assert resolve_attention_backend(None, "cpu") == "torch"
     assert resolve_attention_backend(None, torch.device("cuda")) == "triton"  # naming a device needs no GPU
