@@ -64,7 +64,9 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny, num_blocks)
         results[backend] = run(engine, prompts())
         assert engine.block_manager.stats.hit_blocks > 0  # the shared prefix was read from the cache, not computed
     assert results["triton"][0] == results["torch"][0]
-    assert len(results["torch"][0]) == 6 and bool(results["torch"][1]) == (num_blocks == 12)
+    assert len(results["torch"][0]) == 6
+    for backend in ("torch", "triton"):  # both preempted in the small pool (the scheduler knows no backend)
+        assert bool(results[backend][1]) == (num_blocks == 12), (backend, results[backend][1])
 
 
 def test_the_query_block_table_is_built_once_per_step_on_the_pools_device():
