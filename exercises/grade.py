@@ -11,10 +11,12 @@ line of your file it came from), and a total `score: P/N` (tests passed / graded
     python exercises/grade.py 05 --json        # only the result, as one JSON line
     python exercises/grade.py 06 --exercise 6.2  # one exercise (one rung of a ladder) only (make grade EX=6.2)
 
-The tests run in a child process. A test that kills it (a segfault: in Triton's interpreter, chapter 07, a
-tl.load or tl.store outside its tensor) is graded as failed, with the signal and the line of your file the crash
-dump names, and a new child runs the tests not run yet. (A test that crashed after others ran in its process is
-run again alone first: an earlier test's stray store can corrupt memory and kill a later one.)
+The tests run in a child process. A test that kills it (in Triton's interpreter, chapter 07, a tl.load or
+tl.store outside its tensor: SIGSEGV at an address the process does not own, SIGABRT when the C library finds its
+heap overwritten) is graded as failed, with the signal and, when the crash dump names one, the line of your file,
+and a new child runs the tests not run yet. (A test that crashed after others ran in its process is run again
+alone first: an earlier test's stray store can corrupt memory and kill a later one.) A child that dies outside
+every test (its last test finished, the results stand) is reported on a line of its own.
 
 Exit status: 0 full marks, 1 graded but not full marks yet, 2 a usage error (e.g. no such chapter).
 """
@@ -106,7 +108,8 @@ def why(excinfo) -> dict:
 def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise: str | None = None) -> dict:
     """Run the graded tests (of one `exercise` only, if given); return {'by_exercise': {id: [passed, total]},
     'errors': {type: count}, 'failures': [{'test', 'exercise', 'error', 'message', 'where'}],
-    'collect_errors': [...], 'exercises': every exercise id the chapter grades}.
+    'collect_errors': [...], 'deaths': [why a child died outside every test, ...], 'exercises': every exercise id
+    the chapter grades}.
 
     The tests run in a child process (run_tests), round after round: a test that kills it is recorded as failed
     (crashed), and the next child runs the tests that neither ran nor crashed. A test that crashed after others ran
@@ -114,7 +117,7 @@ def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise
     the process owns) can corrupt the heap and kill a later, innocent one."""
     files = sorted(str(p) for p in (ROOT / "tests").glob(f"test_ch{chapter}_*.py"))
     os.environ["NANOSERVE_IMPL"] = "reference" if reference else "student"
-    tests, found, collect_errors = {}, set(), []  # tests: nodeid -> {"exercise", "passed", "error", ...}
+    tests, found, collect_errors, deaths = {}, set(), [], []  # tests: nodeid -> {"exercise", "passed", "error", ...}
     alone = None  # a test to run alone in the next child
     while True:
         with tempfile.TemporaryDirectory() as tmp:
@@ -147,9 +150,11 @@ def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise
         if crashed:
             tests[crashed[0]] = {"exercise": started[crashed[0]], "passed": False,
                                  **crash(child.returncode, child_stderr)}
-        elif child.returncode < 0:  # killed outside every test: while the test files were imported, say
-            collect_errors.append(f"the test process died ({died_of(child.returncode)}) "
-                                  + ("after its last test" if started else "before any test ran"))
+        elif child.returncode < 0:  # killed outside every test: while the test files load, or at its exit
+            deaths.append(f"the test process died ({died_of(child.returncode)}) "
+                          + ("after its last test had finished: the results below stand; a stray store of one of "
+                             "the tests can corrupt memory that the process trips over later" if started else
+                             "before any test ran, while the test files were loaded"))
         if not crashed and alone is None:
             break
         alone = None
@@ -163,7 +168,7 @@ def grade(chapter: str, reference: bool = False, verbose: bool = False, exercise
             errors[test["error"]] += 1
             failures.append({"test": nodeid.removeprefix("tests/"), **test})
     return {"by_exercise": dict(by_exercise), "errors": dict(errors), "failures": failures,
-            "collect_errors": collect_errors, "exercises": sorted(found)}
+            "collect_errors": collect_errors, "deaths": deaths, "exercises": sorted(found)}
 
 
 # the child process: pytest with the Results plugin (its arguments, as JSON, in argv[1])
@@ -185,7 +190,8 @@ def died_of(returncode: int) -> str:
 
 def crash(returncode: int, dump: str) -> dict:
     """A test that took its process down: the signal, and the innermost frame in exercises/ that Python's crash
-    dump (faulthandler: most recent call first) names."""
+    dump (faulthandler: most recent call first) names — none when the process died later than the stray
+    access, in code of Python's or the C library's that met the memory it had overwritten."""
     where = None
     for path, line, name in re.findall(r'File "(.+?)", line (\d+) in (\S+)', dump):
         file = Path(path).resolve()
@@ -194,15 +200,21 @@ def crash(returncode: int, dump: str) -> dict:
             where = f"{file.relative_to(ROOT)}:{line} in {name}: {source}"
             break
     return {"error": died_of(returncode), "where": where,
-            "message": "the test process died here, with no exception to report. Triton's interpreter does not "
-                       "bounds-check tl.load or tl.store: a lane past its tensor reads or writes whatever memory "
-                       "lies there, which can kill the process. Which lane does your mask let through?"}
+            "message": ("the test process died here" if where else "the test process died, in none of your lines: "
+                        "later than the stray access, in code that met the memory it had overwritten")
+                       + ", with no exception to report. Triton's interpreter does not bounds-check tl.load or "
+                         "tl.store: a lane past its tensor reads or writes whatever memory lies there, which can "
+                         "kill the process (SIGSEGV) or corrupt the heap (SIGABRT). Which lane does your mask let "
+                         "through?"}
 
 
 def report(chapter: str, result: dict, who: str, verbose: bool) -> None:
     print(f"\nChapter {chapter} — grading {who}")
     for error in result["collect_errors"]:
         print(f"  could not load {error}")
+    for death in dict.fromkeys(result["deaths"]):  # each distinct one once (every child may die alike)
+        times = result["deaths"].count(death)
+        print(f"  {death}" + (f" ({times} times)" if times > 1 else ""))
     for exercise, (ok, n) in sorted(result["by_exercise"].items()):
         failures = [f for f in result["failures"] if f["exercise"] == exercise]
         stubs = [f for f in failures if f["error"] == "NotImplementedError"]

@@ -23,6 +23,7 @@ CH = "07"
 SMOL = LlamaConfig()
 H, HKV, D = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim
 H200_SMS = 132  # streaming multiprocessors of an H200 (NVIDIA's data sheet)
+H200_FP32_TFLOPS = 67  # an H200's float32 peak on its CUDA cores, no tensor cores (NVIDIA's data sheet)
 
 
 def rounded(x: str) -> str:
@@ -57,7 +58,8 @@ def test_the_grid_of_a_37_token_prompt():
     says(CH, f"one row in {word(gpu['G_PAD'])} padding for SmolLM2 (G = {gpu['G']} → G_PAD = {gpu['G_PAD']})")
     blocks = {name: len(query_blocks([0, 37], c["BLOCK_Q"])[0]) for name, c in (("gpu", gpu), ("interpreter", interpreter))}
     says(CH, f"**16 on a GPU** (the tensor cores multiply tiles of 16 rows, and Triton pads a dot with fewer rows up to "
-             f"them), so BLOCK_Q = {gpu['BLOCK_Q']} tokens and a 37-token prompt is {blocks['gpu']} query blocks; "
+             f"them; a float32 pool's dots run on the CUDA cores instead, section 5), so BLOCK_Q = {gpu['BLOCK_Q']} "
+             f"tokens and a 37-token prompt is {blocks['gpu']} query blocks; "
              f"**64 in the interpreter**")
     says(CH, f"so BLOCK_Q = {interpreter['BLOCK_Q']} and the same prompt is {blocks['interpreter']}")
     # the dots' shared axis: the pinned Triton's nvidia minimum (min_dot_k, checked against min_dot_size in
@@ -76,6 +78,20 @@ def test_the_memory_math_of_a_decode_step():
     says(CH, f"past 2³¹ elements ({2**31 * 2 // 2**30} GiB of bf16 in one pool tensor")
     says(CH, f"The grid of a decode step is batch × Hkv programs: 64 × {HKV} = {64 * HKV} at batch 64 — about "
              f"{64 * HKV / H200_SMS:.1f} per SM on an H200, fine. At batch 1 it is {HKV} programs: {HKV} of {H200_SMS} SMs")
+
+
+def test_the_float32_dots_flops_per_byte():
+    """Section 5: a float32 pool's "ieee" dots on the CUDA cores, FLOPs per byte of K/V against the H200's ratio."""
+    rows = launch_config(H, HKV, D, block_m=16)  # the GPU's tiles
+    block_m, d = rows["BLOCK_Q"] * rows["G_PAD"], rows["D_PAD"]
+    key_bytes = 2 * d * 4  # its K and V rows, float32
+    flops = 2 * (2 * block_m * d)  # q·kᵀ and p·v: block_m × d multiply-adds each, 2 FLOP apiece
+    says(CH, f"(its K and V rows, 2 × {d} float32 values = {key_bytes} bytes) meets the program's {block_m} rows in "
+             f"both dots: 2 × {block_m} × {d} multiply-adds, **{flops // key_bytes} FLOP per byte**")
+    ridge = H200_FP32_TFLOPS * 1e12 / (PEAK_GBS["H200"] * 1e9)
+    says(CH, f"gives its CUDA cores {H200_FP32_TFLOPS} TFLOP/s of float32 against {PEAK_GBS['H200'] / 1000:.1f} TB/s, "
+             f"{ridge:.0f} FLOP per byte")
+    assert flops / key_bytes < ridge
 
 
 def test_the_store_kernels_padded_axes():

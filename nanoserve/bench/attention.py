@@ -31,18 +31,21 @@ PEAK_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# a GPU run's flags and their defaults: argparse leaves them None, so a flag the user gave is known as given
+# (the interpreter refuses it whatever its value) and run_gpu fills in the rest
 GPU_ONLY_DEFAULTS = {"batch": [1, 4, 16, 64, 256], "context": [128, 512, 2048, 8192], "dtype": "fp16", "block_size": 16,
                      "peak_gbs": None}
 
 
 def register(sub):
     p = sub.add_parser("attention", help="Triton paged attention vs torch paged vs SDPA: time and bandwidth (chapter 07)")
-    p.add_argument("--batch", type=int, nargs="+", default=GPU_ONLY_DEFAULTS["batch"])
-    p.add_argument("--context", type=int, nargs="+", default=GPU_ONLY_DEFAULTS["context"])
+    defaults = {name: " ".join(map(str, v)) if isinstance(v, list) else v for name, v in GPU_ONLY_DEFAULTS.items()}
+    p.add_argument("--batch", type=int, nargs="+", help=f"GPU only (default: {defaults['batch']})")
+    p.add_argument("--context", type=int, nargs="+", help=f"GPU only (default: {defaults['context']})")
     # fp16 by default: the dtype the interpreter tests (test_ch07_kernels); bf16 is checked only by the max err column
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=GPU_ONLY_DEFAULTS["dtype"])
-    p.add_argument("--block-size", type=int, default=GPU_ONLY_DEFAULTS["block_size"])
-    p.add_argument("--peak-gbs", type=float, default=None, help="the device's memory bandwidth (default: from its name)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help=f"GPU only (default: {defaults['dtype']})")
+    p.add_argument("--block-size", type=int, help=f"GPU only (default: {defaults['block_size']})")
+    p.add_argument("--peak-gbs", type=float, help="GPU only: the device's memory bandwidth (default: from its name)")
     p.set_defaults(func=run)
 
 
@@ -70,11 +73,14 @@ def decode_step(batch: int, context: int, block_size: int, dtype, device, H: int
 
 def run(args):
     if torch.cuda.is_available():
+        for name, default in GPU_ONLY_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
         return run_gpu(args)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        # the interpreter runs fixed test shapes in float32: a GPU run's shape and device flags would do nothing
-        given = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                 if name in GPU_ONLY_DEFAULTS and value != GPU_ONLY_DEFAULTS[name]]
+        # the interpreter runs fixed test shapes in float32: a GPU run's shape and device flags would do nothing,
+        # whatever their values (the GPU's defaults included)
+        given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY_DEFAULTS if getattr(args, name) is not None]
         if given:
             print(f"error: {', '.join(given)}: a GPU run's flag{'s' * (len(given) > 1)}; in Triton's interpreter "
                   "bench attention runs the chapter's test shapes in float32 and takes none", file=sys.stderr)

@@ -127,7 +127,9 @@ class LLMEngine:
         self.student = student = student if student is not None else StudentCode(config.student)
         # the attention backend (chapter 07), checked before anything is built; with "triton" and chapter 07
         # selected, the learner's kernels from exercises/07
-        self.attention_backend = resolve_attention_backend(config.attention_backend, next(model.parameters()).device)
+        weight = next(model.parameters())  # the pool follows its device, and its dtype unless kv_cache_dtype says
+        pool_dtype = weight.dtype if cache.kv_cache_dtype == "auto" else None
+        self.attention_backend = resolve_attention_backend(config.attention_backend, weight.device, pool_dtype)
         triton = self.attention_backend == "triton"
         kernel = student.module("nanoserve.kernels.triton_paged_attention") if triton else None
         store_kv = student.module("nanoserve.kernels.triton_store_kv") if triton else None

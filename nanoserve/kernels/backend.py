@@ -24,9 +24,11 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_attention_backend(name: str | None, device: torch.device | str = "cpu") -> str:
-    """The backend to run on `device`: `name`, or the device's default for None. ValueError naming the fix
-    for an unknown name or for Triton on a CPU without its interpreter.
+def resolve_attention_backend(name: str | None, device: torch.device | str = "cpu",
+                              dtype: torch.dtype | None = None) -> str:
+    """The backend to run on `device` with a KV pool of `dtype` (None: not known yet): `name`, or the device's
+    default for None. ValueError naming the fix for an unknown name, for Triton on a CPU without its
+    interpreter, and for Triton's interpreter with a bfloat16 pool (its tl.dot gets bf16 inputs wrong).
 
     >>> resolve_attention_backend(None, "cpu")
     'torch'
@@ -39,6 +41,11 @@ def resolve_attention_backend(name: str | None, device: torch.device | str = "cp
     if name == "triton" and device.type == "cpu" and not interpreter_requested():
         raise ValueError("attention backend 'triton' on a CPU runs in Triton's interpreter: set "
                          "TRITON_INTERPRET=1 in the environment (e.g. TRITON_INTERPRET=1 python -m nanoserve ...)")
+    if name == "triton" and dtype == torch.bfloat16 and interpreter_requested():
+        # triton 3.9's interpreter: a 16 x 16 bf16 tl.dot is off by ~1e10, so the tokens would be garbage
+        raise ValueError("attention backend 'triton' in Triton's interpreter (TRITON_INTERPRET=1) cannot run a "
+                         "bfloat16 KV pool: the interpreter's tl.dot gets bf16 inputs wrong. Give it a float32 or "
+                         "float16 model (the pool follows the model's dtype), or use the torch backend")
     return name
 
 

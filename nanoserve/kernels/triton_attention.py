@@ -3,8 +3,8 @@
     attn(layer_idx, q, k, v):  store_kv (k, v -> the pool at slot_mapping), then paged_attention (q -> out)
 
 Same contract as chapter 05's PagedAttention, so the model and the scheduler do not change: the model
-runner builds one per step. What does not depend on the layer (the grid's query blocks, the metadata
-on the pool's device) is worked out once per step here.
+runner builds one per step. What does not depend on the layer (the metadata on the pool's device, and at
+the first layer's call the grid's query blocks, there too) is worked out once per step here.
 """
 
 import torch
@@ -34,6 +34,8 @@ class TritonPagedAttention:
         self.store.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.query_block_index is None:
             block_q = self.kernels.launch_config(q.shape[1], k.shape[1], q.shape[2])["BLOCK_Q"]
-            self.query_block_index = self.kernels.query_blocks(self.cu_list, block_q)
+            # built on the host, copied to the pool's device once: every later layer passes it as it is
+            blocks = self.kernels.query_blocks(self.cu_list, block_q)
+            self.query_block_index = tuple(t.to(k_cache.device) for t in blocks)
         return self.kernels.paged_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_seqlens_q,
                                             self.query_block_index)

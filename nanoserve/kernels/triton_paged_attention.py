@@ -199,8 +199,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Sequence i's queries are tokens cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of its seq_lens[i]
     positions; its keys are found through block_tables[i]. `query_block_index` (from query_blocks, with
-    the same BLOCK_Q) can be built once per step and passed to every layer's call. block_m, tile: see
-    launch_config.
+    the same BLOCK_Q) can be built once per step, moved to q's device, and passed to every layer's call.
+    block_m, tile: see launch_config.
     """
     # this module's three rungs, looked up here at call time: in a learner's copy, the learner's (or,
     # for a rung not done yet, the reference's that nanoserve/student.py put in its place)
@@ -230,7 +230,7 @@ def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, c
     q = q if q.stride(-1) == 1 else q.contiguous()
     if query_block_index is None:
         query_block_index = query_blocks(cu_seqlens_q.tolist(), cfg["BLOCK_Q"])
-    q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)
+    q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)  # no copy if already there
     out = torch.empty_like(q)
     grid = (len(q_block_seq), Hkv)
     with stub_errors_unwrapped():
