@@ -123,8 +123,9 @@ def test_the_score_matrix_of_a_prefill():
 
 
 def test_the_repeat_kv_copy_of_a_decode_step():
-    """Chapter 01's attention copies the cache's 3 K/V heads to 9 at every decode step: repeat_kv of the cache's
-    transposed slice is a new tensor, not a view of the cache, and its bytes are what the text computes."""
+    """Chapter 01's attention copies the cache's 3 K/V heads to 9 at every decode step: repeat_kv is a new tensor,
+    not a view of the cache — nor of a contiguous source: the copy does not come from the layout — and its bytes
+    are what the text computes."""
     from nanoserve.model.attention import repeat_kv
 
     H, Hkv, D, L, S = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim, SMOL.num_hidden_layers, 1024
@@ -133,6 +134,8 @@ def test_the_repeat_kv_copy_of_a_decode_step():
     copy = repeat_kv(keys, H // Hkv)
     assert copy.shape == (1, H, S, D)
     assert copy.untyped_storage().data_ptr() != cache.kv.untyped_storage().data_ptr()  # materialised, not a view
+    contiguous = keys.contiguous()  # a head-major source would not avoid it
+    assert repeat_kv(contiguous, H // Hkv).untyped_storage().data_ptr() != contiguous.untyped_storage().data_ptr()
     per_layer = 2 * copy.numel() * copy.element_size()  # K and V
     weights = parameter_counts(SMOL)["total"] * 4
     says(CH, f"2 × {H} × {S} × {D} × 4 B = {per_layer / MIB:.1f} MiB per layer, {L * per_layer / MIB:.0f} MiB per "
