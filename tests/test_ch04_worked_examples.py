@@ -90,6 +90,19 @@ def test_the_smollm2_and_70b_plans():
     says(CH, f"({big.weights / GiB:.1f} GiB of weights; the command says so)")
 
 
+def test_mistrals_sliding_window_beside_the_full_plan(capsys):
+    args = ["memory", "--model", "mistral-7b", "--seq-len", "32768", "--dtype", "bf16"]
+    main(args)
+    out = capsys.readouterr().out
+    full = memory_plan(KNOWN_CONFIGS["mistral-7b"], 80 * GiB, 32768)
+    window = 4096 * kv_bytes_per_token(KNOWN_CONFIGS["mistral-7b"])
+    per_window, fit = format_bytes(window), int(full.kv_budget // window)  # 512.0 MiB, 109
+    assert f"({per_window}) per sequence, {fit} sequences" in out
+    says(CH, f"`.venv/bin/python -m nanoserve memory {' '.join(args[1:])}` plans "
+             f"{format_bytes(full.kv_per_sequence)} and {full.num_sequences} sequences, where a window-only cache "
+             f"would hold {per_window} per sequence and {fit} sequences")
+
+
 def test_the_reservation_waste(capsys):
     prompt, output = request_lengths(1000, 2048, seed=0)
     used = prompt + output
