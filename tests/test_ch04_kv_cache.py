@@ -67,11 +67,17 @@ def test_prefill_then_decode_matches_torch_attention_layer_by_layer():
 def test_cache_stores_k_and_v_at_their_positions():
     config = LlamaConfig.tiny()
     cache = naive.NaiveKVCache(config, max_len=6)
+    cache.kv.normal_(generator=torch.Generator().manual_seed(5))  # every position holds something to keep
+    before = cache.kv.clone()
     cache.advance(2)  # pretend a 2-token prefill happened
     k, v = torch.randn(3, config.num_key_value_heads, config.head_dim), torch.randn(3, config.num_key_value_heads, config.head_dim)
     cache(1, torch.randn(3, config.num_attention_heads, config.head_dim), k, v)
     assert torch.equal(cache.kv[1, 0, 2:5], k) and torch.equal(cache.kv[1, 1, 2:5], v)
-    assert not cache.kv[0].any() and not cache.kv[1, :, 5:].any()  # nothing else was touched
+    # nothing else was touched: layer 0, and layer 1's positions 0..1 (cached) and 5 (free)
+    written = torch.zeros_like(cache.kv, dtype=torch.bool)
+    written[1, :, 2:5] = True
+    assert torch.equal(cache.kv[~written], before[~written])
+    assert cache.num_cached == 2  # the caller advances, once per forward pass
 
 
 @pytest.mark.exercise("4.1")
@@ -106,13 +112,15 @@ def test_logits_prefill_and_decode_match_full_recompute_smollm2(smollm2):
 
 
 @pytest.mark.exercise("4.1")
-def test_overflow_names_both_lengths():
+def test_overflow_names_both_lengths_before_writing():
     config = LlamaConfig.tiny()
     cache = naive.NaiveKVCache(config, max_len=4)
     cache.advance(3)
+    before = cache.kv.clone()  # position 3 is free (zeros): a write that fits part of the tokens would show
     q, kv = torch.randn(2, config.num_attention_heads, config.head_dim), torch.randn(2, config.num_key_value_heads, config.head_dim)
     with pytest.raises(ValueError, match=r"(?s)5.*4|4.*5"):  # 3 cached + 2 new = 5 > max_len 4
         cache(0, q, kv, kv)
+    assert torch.equal(cache.kv, before) and cache.num_cached == 3  # refused before anything is written
 
 
 # --- The rest of the cache (given in the exercise) -------------------------------------------

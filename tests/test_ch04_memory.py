@@ -94,3 +94,17 @@ def test_memory_cli_prints_the_breakdown_and_the_answer(capsys):
 def test_memory_cli_says_when_nothing_fits(capsys):
     assert main(["memory", "--model", "llama-3-70b", "--device-gb", "80"]) == 1
     assert "not even one sequence" in capsys.readouterr().out
+
+
+def test_memory_cli_says_what_mistrals_sliding_window_holds(capsys):
+    # Mistral-7B-v0.1's config.json: sliding_window 4096. Past it the plan (full attention) keeps every token
+    # and the output says so, with what a window-only cache would hold; within it there is nothing to say.
+    main(["memory", "--model", "mistral-7b", "--device-gb", "80", "--seq-len", "32768", "--dtype", "bf16"])
+    out = capsys.readouterr().out
+    assert "131,072 B × 32768 tokens = 4,294,967,296 B" in out  # the plan itself stays full attention
+    budget = 80 * GiB * 0.9 - 7_241_732_096 * 2 - 32768 * (2 * 4096 + 48 * 128 + 4096 + 3 * 14336) * 2
+    window = 4096 * 131_072  # 536,870,912 B = 512 MiB
+    assert "attend to the last 4096 tokens only (a sliding window)" in out and "keeps all 32768" in out
+    assert f"4096 tokens = 536,870,912 B (512.0 MiB) per sequence, {int(budget // window)} sequences" in out  # 109
+    main(["memory", "--model", "mistral-7b", "--seq-len", "4096"])
+    assert "sliding window" not in capsys.readouterr().out

@@ -90,6 +90,19 @@ def test_the_smollm2_and_70b_plans():
     says(CH, f"({big.weights / GiB:.1f} GiB of weights; the command says so)")
 
 
+def test_mistrals_sliding_window_beside_the_full_plan(capsys):
+    args = ["memory", "--model", "mistral-7b", "--seq-len", "32768", "--dtype", "bf16"]
+    main(args)
+    out = capsys.readouterr().out
+    full = memory_plan(KNOWN_CONFIGS["mistral-7b"], 80 * GiB, 32768)
+    window = 4096 * kv_bytes_per_token(KNOWN_CONFIGS["mistral-7b"])
+    per_window, fit = format_bytes(window), int(full.kv_budget // window)  # 512.0 MiB, 109
+    assert f"({per_window}) per sequence, {fit} sequences" in out
+    says(CH, f"`.venv/bin/python -m nanoserve memory {' '.join(args[1:])}` plans "
+             f"{format_bytes(full.kv_per_sequence)} and {full.num_sequences} sequences, where a window-only cache "
+             f"would hold {per_window} per sequence and {fit} sequences")
+
+
 def test_the_reservation_waste(capsys):
     prompt, output = request_lengths(1000, 2048, seed=0)
     used = prompt + output
@@ -123,8 +136,9 @@ def test_the_score_matrix_of_a_prefill():
 
 
 def test_the_repeat_kv_copy_of_a_decode_step():
-    """Chapter 01's attention copies the cache's 3 K/V heads to 9 at every decode step: repeat_kv of the cache's
-    transposed slice is a new tensor, not a view of the cache, and its bytes are what the text computes."""
+    """Chapter 01's attention copies the cache's 3 K/V heads to 9 at every decode step: repeat_kv is a new tensor,
+    not a view of the cache — nor of a contiguous source: the copy does not come from the layout — and its bytes
+    are what the text computes."""
     from nanoserve.model.attention import repeat_kv
 
     H, Hkv, D, L, S = SMOL.num_attention_heads, SMOL.num_key_value_heads, SMOL.head_dim, SMOL.num_hidden_layers, 1024
@@ -133,6 +147,8 @@ def test_the_repeat_kv_copy_of_a_decode_step():
     copy = repeat_kv(keys, H // Hkv)
     assert copy.shape == (1, H, S, D)
     assert copy.untyped_storage().data_ptr() != cache.kv.untyped_storage().data_ptr()  # materialised, not a view
+    contiguous = keys.contiguous()  # a head-major source would not avoid it
+    assert repeat_kv(contiguous, H // Hkv).untyped_storage().data_ptr() != contiguous.untyped_storage().data_ptr()
     per_layer = 2 * copy.numel() * copy.element_size()  # K and V
     weights = parameter_counts(SMOL)["total"] * 4
     says(CH, f"2 × {H} × {S} × {D} × 4 B = {per_layer / MIB:.1f} MiB per layer, {L * per_layer / MIB:.0f} MiB per "

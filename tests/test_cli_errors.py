@@ -118,6 +118,17 @@ BAD = [
     (["bench", "offline", "--output-len", "9", "3"], ["--output-len 9 3", "MIN is larger than MAX"]),
     (["bench", "offline", "--hf-requests", "-2"], ["--hf-requests"]),
     (["bench", "offline", "--num-requests", "0"], ["--num-requests"]),
+    # bench kv-cache: every count below 1 (a zero used to divide by zero or crash in the model), and what the
+    # types cannot see, before the model loads
+    (["bench", "kv-cache", "--contexts", "16", "0"], ["--contexts", "integer > 0, got 0"]),
+    (["bench", "kv-cache", "--cache-tokens", "0"], ["--cache-tokens", "integer > 0, got 0"]),
+    (["bench", "kv-cache", "--no-cache-tokens", "-1"], ["--no-cache-tokens", "integer > 0, got -1"]),
+    (["bench", "kv-cache", "--max-len", "0"], ["--max-len", "integer > 0, got 0"]),
+    (["bench", "kv-cache", "--requests", "0"], ["--requests", "integer > 0, got 0"]),
+    (["bench", "kv-cache", "--rounds", "0"], ["--rounds", "integer > 0, got 0"]),
+    (["bench", "kv-cache", "--threads", "0"], ["--threads", "integer > 0, got 0"]),
+    (["bench", "kv-cache", "--max-len", "1"], ["--max-len must be at least 2", "got 1"]),
+    (["bench", "kv-cache", "--contexts", "8190"], ["--contexts 8190", "8222 tokens", "context of 8192"]),
     (["bench", "paged-kv", "--memory-cap-mib", "-1"], ["--memory-cap-mib", "> 0"]),
     (["bench", "paged-kv", "--memory-cap-mib", "1"], ["--memory-cap-mib 1 holds 1 blocks", "needs 14"]),
     (["bench", "paged-kv", "--memory-cap-mib", "64", "--skip-model"], ["drop --skip-model"]),

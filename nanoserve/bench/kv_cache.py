@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from nanoserve.cli.checks import positive_int
+from nanoserve.cli.checks import UsageError, context_length, positive_int
 from nanoserve.generate import next_token_logits
 from nanoserve.kv.naive import NaiveKVCache
 from nanoserve.memory import format_bytes, kv_bytes_per_token
@@ -31,15 +31,18 @@ from nanoserve.model.attention import scaled_dot_product_attention
 
 def register(sub):
     p = sub.add_parser("kv-cache", help="decode tokens/s with vs without the KV cache; waste of max-length reservation")
-    p.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 512, 1024])
-    p.add_argument("--cache-tokens", type=int, default=32, help="decode steps timed with the cache")
-    p.add_argument("--no-cache-tokens", type=int, default=4, help="decode steps timed without it (slow at long contexts)")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens reserved per request")
-    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[64, 256, 512, 1024],
+                   help="prompt lengths before the timed decode steps")
+    p.add_argument("--cache-tokens", type=positive_int, default=32, help="decode steps timed with the cache")
+    p.add_argument("--no-cache-tokens", type=positive_int, default=4,
+                   help="decode steps timed without it (slow at long contexts)")
+    p.add_argument("--max-len", type=positive_int, default=2048,
+                   help="tokens reserved per request, at least 2 (one prompt and one output token)")
+    p.add_argument("--requests", type=positive_int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=positive_int, default=3, help="rounds per context, the two paths alternating which goes first")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                   help="torch CPU threads; 1 is steadier on a shared machine, where threads spin waiting for cores")
+    p.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
+                   help="torch CPU threads; chapter 04's table used 1, which needs only one free core on a shared machine")
     p.set_defaults(func=run)
 
 
@@ -113,10 +116,22 @@ def reservation_waste(used: torch.Tensor, max_len: int) -> float:
     return 1 - used.sum().item() / (len(used) * max_len)
 
 
+def check_args(args) -> None:
+    """What the counts' types cannot see, refused before the model loads."""
+    if args.max_len < 2:
+        raise UsageError(f"--max-len must be at least 2 (a request is one prompt and one output token), got {args.max_len}")
+    longest = max(args.contexts) + max(args.cache_tokens, args.no_cache_tokens)
+    context = context_length(None)
+    if longest > context:
+        raise UsageError(f"--contexts {max(args.contexts)} with {max(args.cache_tokens, args.no_cache_tokens)} decode "
+                         f"steps is {longest} tokens, more than the model's context of {context}")
+
+
 @torch.inference_mode()
 def run(args):
     from nanoserve.model import load_gguf
 
+    check_args(args)
     torch.set_num_threads(args.threads)
     model = load_gguf()
     print(f"command: python -m nanoserve bench kv-cache --contexts {' '.join(map(str, args.contexts))} "

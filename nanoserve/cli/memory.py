@@ -10,7 +10,7 @@ import sys
 from nanoserve.cli.checks import UsageError, chapters, fraction, positive_float, positive_int, weight_format
 from nanoserve.memory import (DTYPE_BYTES, GiB, RESERVE_FRACTION, format_bytes, paged_memory_plan, parameter_counts,
                               weight_bytes)
-from nanoserve.model.known_configs import KNOWN_CONFIGS
+from nanoserve.model.known_configs import KNOWN_CONFIGS, SLIDING_WINDOWS
 from nanoserve.student import StudentCode, parse_selection
 
 
@@ -65,6 +65,13 @@ def run(args):
     print(f"  per token    = 2 × {L} layers × {Hkv} kv_heads × {D} head_dim × {nbytes:g} B = {per_token:,.0f} B")
     print(f"  per sequence = {per_token:,.0f} B × {args.seq_len} tokens = {per_sequence:,.0f} B "
           f"({format_bytes(per_sequence)})")
+    window = SLIDING_WINDOWS.get(args.model)
+    if window and args.seq_len > window:  # the plan below counts full attention; say what the model needs
+        in_window = per_token * window
+        print(f"  {args.model}'s layers attend to the last {window} tokens only (a sliding window), but this plan\n"
+              f"  keeps all {args.seq_len} of a sequence, as full attention does. A cache that keeps only the window:\n"
+              f"  {window} tokens = {in_window:,.0f} B ({format_bytes(in_window)}) per sequence, "
+              f"{max(0, int(plan.kv_budget // in_window))} sequences in the budget below")
     print("\ndevice memory")
     print(row(f"device ({args.device_gb:g} GiB)", plan.device))
     print(row(f"− reserve ({args.reserve:.0%})", plan.reserve))

@@ -18,7 +18,7 @@ KNOWN_CONFIGS = {
     "llama-3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
                                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    # mistralai/Mistral-7B-v0.1 (its 4096-token sliding window is ignored: we count full attention).
+    # mistralai/Mistral-7B-v0.1 (its sliding window: SLIDING_WINDOWS below).
     "mistral-7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                               rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
@@ -28,3 +28,8 @@ KNOWN_CONFIGS = {
                               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                               rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
+
+# The models above whose config.json sets `sliding_window`: every layer attends to the last `window` tokens only,
+# so a cache that drops older keys never holds more. LlamaConfig has no such field and nanoserve's attention is
+# full: chapter 04's formula counts every token kept, and `memory` says what the window would hold.
+SLIDING_WINDOWS = {"mistral-7b": 4096}
