@@ -76,6 +76,9 @@ BAD = [
     (["chat", "--top-p", "0.9"], ["--top-p 0.9 needs --temperature > 0"]),
     (["generate", "--prompt", "x", "--temperature", "0", "--top-k", "5", "--seed", "3"],
      ["--top-k 5, --seed 3 needs --temperature > 0"]),
+    (["generate", "--prompt", "x", "--temperature", "0", "--seed", "0"], ["--seed 0 needs --temperature > 0"]),
+    (["chat", "--seed", "1"], ["--seed 1 needs --temperature > 0"]),
+    (["chat", "--seed", "-1", "--top-k", "1"], ["--top-k 1, --seed -1 needs --temperature > 0"]),
     # a flag chat's back end cannot honour: the local model's with --url, a server's without (nothing connects)
     (["chat", "--url", "http://127.0.0.1:9/v1", "--no-cache"], ["--no-cache is for the local model", "drop it or --url"]),
     (["chat", "--url", "http://127.0.0.1:9/v1", "--weights", "fp32"], ["--weights is for the local model"]),

@@ -28,7 +28,8 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     A token is kept when the probability of all tokens ranked above it is still below top_p, so the
     most likely token is always kept. top_p = 1.0 means "off": return `logits` unchanged.
-    The result must not depend on the order of the tokens in `logits`.
+    The result must not depend on the order of the tokens in `logits` (tokens of exactly equal logits aside:
+    where the cut falls inside such a tie, which of them stays may depend on their positions).
 
     >>> top_p_filter(torch.tensor([2.0, 1.0, 0.0, -1.0]), 0.9)   # probs .644 .237 .087 .032
     tensor([2., 1., 0., -inf])

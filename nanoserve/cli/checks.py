@@ -127,6 +127,10 @@ def chapters(text: str) -> str:
     return text
 
 
+# each draw-shaping flag's values that mean "not asked" (seed 0 is a seed: only an absent one is off)
+OFF = {"top_p": (1.0,), "top_k": (0, -1), "seed": (None,)}
+
+
 def sampling_params(fields: dict, flags: bool = False):
     """SamplingParams(**fields), or a UsageError naming the bad value as the user wrote it:
     `"temperature" must be a number >= 0, got -1` (a JSON field), `--top-p must be ...` (flags=True). Flags
@@ -143,8 +147,7 @@ def sampling_params(fields: dict, flags: bool = False):
             message = ("--" + name.replace("_", "-") if flags else f'"{name}"') + message[len(name):]
         raise UsageError(message) from None
     if flags and params.greedy:  # a flag that shapes a draw has nothing to shape: refused, not ignored
-        unused = [f"--{k.replace('_', '-')} {v}" for k, v in fields.items()
-                  if k in ("top_p", "top_k", "seed") and v not in (None, 1.0, 0, -1)]
+        unused = [f"--{k.replace('_', '-')} {v}" for k, v in fields.items() if k in OFF and v not in OFF[k]]
         if unused:
             raise UsageError(f"{', '.join(unused)} needs --temperature > 0 (temperature 0 is greedy: an argmax, "
                              f"nothing is drawn)")
