@@ -20,10 +20,11 @@ def tokenizer(smollm2_tokenizer):
 
 @pytest.fixture
 def no_model(monkeypatch, tokenizer):
-    """The tokenizer loads once for the module; loading the model fails the test (it must not be needed)."""
+    """The embedded tokenizer loads once for the module; loading the model fails the test (it must not be needed)."""
     import nanoserve.model
 
-    monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer)
+    real = checks.load_tokenizer  # a file the test names is read for real (its refusals are under test)
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer if path is None else real(path))
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded for an input that is wrong before it is needed")
@@ -55,6 +56,28 @@ def files(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     (tmp_path / "not.gguf").write_text("hello")
     (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe{}\n")
+    import gguf  # a GGUF whose tokenizer is byte-level BPE with another model's pre-tokenizer
+
+    writer = gguf.GGUFWriter(str(tmp_path / "qwen2.gguf"), "llama")
+    writer.add_context_length(64)  # a model's config, so the context checks pass and the tokenizer is what fails
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_block_count(1)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_token_types([1, 3, 3])
+    writer.add_token_merges(["a b"])
+    writer.add_chat_template("{{ messages }}")
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return tmp_path
 
 
@@ -75,10 +98,13 @@ BAD = [
     # greedy (chat's default, or --temperature 0) draws nothing: a flag that shapes the draw is refused
     (["chat", "--top-p", "0.9"], ["--top-p 0.9 needs --temperature > 0"]),
     (["generate", "--prompt", "x", "--temperature", "0", "--top-k", "5", "--seed", "3"],
-     ["--top-k 5, --seed 3 needs --temperature > 0"]),
+     ["--top-k 5, --seed 3 need --temperature > 0"]),
     (["generate", "--prompt", "x", "--temperature", "0", "--seed", "0"], ["--seed 0 needs --temperature > 0"]),
     (["chat", "--seed", "1"], ["--seed 1 needs --temperature > 0"]),
-    (["chat", "--seed", "-1", "--top-k", "1"], ["--top-k 1, --seed -1 needs --temperature > 0"]),
+    (["chat", "--seed", "-1", "--top-k", "1"], ["--top-k 1, --seed -1 need --temperature > 0"]),
+    # a tokenizer the course cannot read: one line naming the key, before any model loads (chat's local model too)
+    (["generate", "--prompt", "x", "--gguf", "{d}/qwen2.gguf"], ["tokenizer.ggml.pre = 'qwen2' is not supported"]),
+    (["chat", "--gguf", "{d}/qwen2.gguf"], ["tokenizer.ggml.pre = 'qwen2' is not supported"]),
     # a flag chat's back end cannot honour: the local model's with --url, a server's without (nothing connects)
     (["chat", "--url", "http://127.0.0.1:9/v1", "--no-cache"], ["--no-cache is for the local model", "drop it or --url"]),
     (["chat", "--url", "http://127.0.0.1:9/v1", "--weights", "fp32"], ["--weights is for the local model"]),
@@ -176,6 +202,15 @@ def test_help_and_argument_errors_import_neither_torch_nor_ray():
     assert "error: argument --max-num-seqs" in out.stderr and "error: argument --duration" in out.stderr
 
 
+def test_greedy_takes_the_draw_flags_at_their_off_values():
+    """Beside --temperature 0 the draw-shaping flags are refused (the BAD table) unless they say "off": --top-p 1,
+    --top-k 0 or -1, no --seed. Refusing one of these would stop a command a user copies with its defaults."""
+    for off in [dict(top_p=1.0), dict(top_k=0), dict(top_k=-1), dict(seed=None), dict(top_p=1.0, top_k=-1)]:
+        assert checks.sampling_params(dict(temperature=0.0, **off), flags=True).greedy, off
+    with pytest.raises(checks.UsageError, match="--seed 0 needs"):  # seed 0 is a seed, not "off"
+        checks.sampling_params(dict(temperature=0.0, seed=0), flags=True)
+
+
 def test_docs_quote_commands_the_way_that_runs_from_a_fresh_clone():
     """The README, the chapters, the exercises' READMEs and the notebooks' text quote `.venv/bin/python -m
     nanoserve ...` (the environment `make` builds): a bare `python -m nanoserve` runs the system Python, which has
@@ -206,7 +241,8 @@ def test_batch_names_line_and_field_and_runs_the_good_lines(smollm2, tokenizer, 
     import nanoserve.model
 
     monkeypatch.setattr(nanoserve.model, "load_gguf", lambda path=None, *rest: smollm2)  # (path, weights, quantizer)
-    monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer)
+    real = checks.load_tokenizer  # a file the test names is read for real (its refusals are under test)
+    monkeypatch.setattr(checks, "load_tokenizer", lambda path: tokenizer if path is None else real(path))
     lines = [
         json.dumps({"prompt": "The sky is", "max_tokens": 3, "temperature": 0, "id": "a"}),
         json.dumps({"prompt": ""}),

@@ -9,7 +9,8 @@ OpenAI's names (temperature, top_p, n, stop, seed, logit_bias with *string* keys
 vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids). Four helpers on it are given:
 
     req.requested_max_tokens    the client's max_tokens (chat: max_completion_tokens or max_tokens), or the
-                                endpoint's own default; None when the endpoint leaves it to the server
+                                endpoint's own default; None when the endpoint leaves it to the server;
+                                raises its own APIError when chat's two bounds disagree
     req.num_logprobs            the top logprobs to return per token (None: none); raises its own APIError
     req.num_prompt_logprobs     the same for every prompt token (completions with echo), None otherwise
     req.structured_params()     the grammar the output must follow, or None; raises its own APIError

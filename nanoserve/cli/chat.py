@@ -18,6 +18,7 @@ A flag its back end cannot honour is refused: --gguf, --weights and --no-cache s
 import os
 import sys
 
+from nanoserve.cli import checks
 from nanoserve.cli.checks import UsageError
 from nanoserve.cli.generate import add_sampling_args, sampling_params
 
@@ -144,12 +145,11 @@ def run(args):
         banner = f"nanoserve chat: {model} at {args.url}."
     else:
         from nanoserve.model import load_gguf
-        from nanoserve.text.tokenizer import Tokenizer
 
+        tokenizer = checks.load_tokenizer(args.gguf)  # a tokenizer it cannot read: one error line, no model loaded
         if interactive:
             print("loading the model ...", flush=True)
-        reply = local_reply(load_gguf(args.gguf, args.weights or "fp32"), Tokenizer.from_gguf(args.gguf), params,
-                            use_cache=not args.no_cache)
+        reply = local_reply(load_gguf(args.gguf, args.weights or "fp32"), tokenizer, params, use_cache=not args.no_cache)
         banner = "nanoserve chat: SmolLM2-135M-Instruct."
     if interactive:
         print(banner + " Type a message; 'exit' or Ctrl-D to quit.")

@@ -149,8 +149,8 @@ def sampling_params(fields: dict, flags: bool = False):
     if flags and params.greedy:  # a flag that shapes a draw has nothing to shape: refused, not ignored
         unused = [f"--{k.replace('_', '-')} {v}" for k, v in fields.items() if k in OFF and v not in OFF[k]]
         if unused:
-            raise UsageError(f"{', '.join(unused)} needs --temperature > 0 (temperature 0 is greedy: an argmax, "
-                             f"nothing is drawn)")
+            raise UsageError(f"{', '.join(unused)} need{'s' * (len(unused) == 1)} --temperature > 0 (temperature 0 "
+                             f"is greedy: an argmax, nothing is drawn)")
     return params
 
 
