@@ -22,6 +22,7 @@ Output tokens per second of wall time; the ratio column is against transformers 
 
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -146,11 +147,13 @@ def run(args):
     print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
           f"--formats {' '.join(args.formats)} --kv-cache-dtype {' '.join(args.kv_cache_dtype)} "
           f"--compile-mode {' '.join(args.compile_mode)} --integer-dot {' '.join(args.integer_dot)} "
-          f"--hf {' '.join(args.hf)} --rounds {args.rounds} "
-          f"--new-tokens {args.new_tokens}" + (f" --threads {args.threads}" if args.threads else "")
+          f"--hf {' '.join(args.hf)} --rounds {args.rounds} --new-tokens {args.new_tokens} "
+          f"--prefill-tokens {args.prefill_tokens} --decode-tokens {args.decode_tokens} --seed {args.seed}"
+          + (f" --threads {args.threads}" if args.threads else "")
           + (f" --llama-bench {args.llama_bench}" if args.llama_bench else ""), flush=True)
     print(f"threads: {torch.get_num_threads()}; prompts 20-200 tokens of real text, {args.new_tokens} new tokens "
-          f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds")
+          f"each, greedy, EOS ignored; median of {args.rounds} interleaved rounds; load average "
+          f"{os.getloadavg()[0]:.1f} at the start (this run's own threads not yet in it)")
     tokenizer = Tokenizer.from_gguf()
     # 24 blocks of 16 tokens per request (200 + 128 tokens at most), and room for the single stream's prompt
     blocks = max(max(args.num_requests) * 24, -(-(args.prefill_tokens + 1) // 16), -(-(32 + args.decode_tokens + 1) // 16))
@@ -183,7 +186,8 @@ def run(args):
                 times[name].append(jobs[name]())
         rates = {name: n * args.new_tokens / statistics.median(ts) for name, ts in times.items()}
         base = rates.get("transformers bf16 static")
-        print(f"\n{n} requests ({sum(map(len, prompts))} prompt tokens, {n * args.new_tokens} output tokens):")
+        print(f"\n{n} requests ({sum(map(len, prompts))} prompt tokens, {n * args.new_tokens} output tokens; load "
+              f"average {os.getloadavg()[0]:.1f} as the rounds end, this run's threads in it):")
         for name, rate in rates.items():
             ratio = f"{rate / base:6.2f}x" if base else ""
             print(f"  {name:36s} {rate:8.1f} out tok/s  {ratio}   rounds: "
@@ -203,4 +207,6 @@ def run(args):
         decode, prefill = (statistics.median(r[i] for r in runs) for i in (0, 1))
         what = "tg128" if name.startswith("llama.cpp") else "decode"
         size = "pp512" if name.startswith("llama.cpp") else "prefill"
-        print(f"  {name:36s} {what} {decode:7.1f} tok/s   {size} {prefill:8.1f} tok/s", flush=True)
+        print(f"  {name:36s} {what} {decode:7.1f} tok/s   {size} {prefill:8.1f} tok/s   "
+              f"{what} rounds: {' '.join(f'{r[0]:.1f}' for r in runs)}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end (this run's threads in it)")
