@@ -71,6 +71,9 @@ def test_step_kind_by_hand():
     assert step_kind(9, 1, 10, 10) == "prefill"  # a 1-token last chunk is still the prompt
     assert step_kind(0, 13, 13, 10) == "prefill"  # a preempted sequence recomputes prompt + 3 outputs
     assert step_kind(8, 4, 13, 10) == "prefill"  # ... in chunks
+    # a 1-token chunk of that recompute past the prompt: output 1 of 3, not the last token: still recomputing
+    assert step_kind(11, 1, 13, 10) == "prefill"
+    assert step_kind(12, 1, 13, 10) == "decode"  # the prefix cache covered the rest: only the last token is left
 
 
 # ---- the builder on scripted schedules ----------------------------------------------------------------

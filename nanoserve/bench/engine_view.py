@@ -1,9 +1,9 @@
 """`python -m nanoserve bench engine-view`: what the live page (chapter 12) costs the engine, side by side.
 
 One seeded workload (random prompt ids, EOS ignored) through the same engine three ways, interleaved
-round by round in rotating order so the machine's drift hits all three alike, after a warm-up run of the whole
-workload: every measured run finds the prompts' full blocks in the prefix cache (mostly decode steps, short ones:
-the worst case for the feed's share), none is the cold first run:
+round by round in rotating order so the machine's drift hits all three alike. One warm-up run of the whole
+workload comes before all the rounds, so every measured run finds the prompts' full blocks in the prefix cache
+(mostly decode steps, short ones: the worst case for the feed's share) and none is the cold first run:
 
   no feed     the bare loop: step(), step(), ...                       (the engine before chapter 12)
   page closed the loop AsyncLLMEngine runs: each step timed and handed to EventFeed.record, nobody subscribed
@@ -30,7 +30,9 @@ def register(sub):
     p = sub.add_parser("engine-view", help="the engine event feed's cost: page closed vs open vs no feed (chapter 12)")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 48], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="default 16 48; 300 400 with --tiny, whose steps are so short that a whole run of 16-48 "
+                        "tokens is over in a few snapshots")
     p.add_argument("--rounds", type=int, default=3, help="each system runs the workload this many times, interleaved")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-mib)")
     p.add_argument("--kv-cache-mib", type=int, default=1024)
@@ -78,7 +80,7 @@ def run(args):
     num_blocks = args.num_blocks
     if args.tiny:
         torch.manual_seed(0)
-        model = Llama(LlamaConfig.tiny()).eval()
+        model = Llama(LlamaConfig.tiny()).eval()  # 512 positions: a 96-token prompt and 400 tokens fit
         # the pool SmolLM2 would get from the same bytes: the snapshot's size depends on the number of blocks
         num_blocks = num_blocks or int((args.kv_cache_mib << 20) // (kv_bytes_per_token(LlamaConfig(), "fp32")
                                                                      * args.block_size))
@@ -87,7 +89,8 @@ def run(args):
     config = EngineConfig(cache_config=CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
                                                    kv_cache_memory=args.kv_cache_mib << 20))
     engine = LLMEngine(model, config)
-    workload = make_workload(args.num_requests, args.prompt_len, args.output_len, 0, model.config.vocab_size)
+    output_len = args.output_len or ([300, 400] if args.tiny else [16, 48])
+    workload = make_workload(args.num_requests, args.prompt_len, output_len, 0, model.config.vocab_size)
     closed, open_feed = EventFeed(), EventFeed()
     viewer = open_feed.subscribe()
     systems = {"no feed": {}, "page closed": {"feed": closed}, "page open": {"feed": open_feed, "viewer": viewer}}

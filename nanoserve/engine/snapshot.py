@@ -10,8 +10,9 @@ a finished request (its hash is still in the prefix cache), blocks 4 and 5 were 
     -> ["shared:2", "a", "b", "cached", "free", "free"]
 
 One owner per block: "free" (on the free list, nothing worth keeping), "cached" (on the free list
-too, but a prefix hit can revive it; the allocator hands it out last), a request id (held by that
-one block table), or "shared:k" (held by k tables: a prefix hit, or a fork).
+too, but a prefix hit can revive it until the allocator hands it out again: the free list is least recently
+freed first, cached or not), a request id (held by that one block table), or "shared:k" (held by k tables: a
+prefix hit, or a fork).
 
 `step_record` sums one step into eight numbers for the timeline (the event feed keeps the last
 HISTORY_STEPS of them, watched or not, so a page opened mid-run starts with the recent past).

@@ -15,8 +15,9 @@ nothing. At shutdown the stream ends, so an open page never holds up the drain; 
 
 With tenants (--api-keys, chapter 08) a stream is a request like any other: it passes the tenant's rate limit,
 a tenant holds at most MAX_EVENT_STREAMS open at once (429 past that), and it sees its own requests only
-(tenant_view): every block its requests do not hold is "other", shared or not (a shared one of another tenant
-would tell it that tenant's requests share a prefix), and the prefix cache's figures are not there (they would
+(tenant_view): every block held only by other tenants' requests is "other", shared or not (a shared one of
+another tenant would tell it that tenant's requests share a prefix); a free or cached block stays "free" or
+"cached", everyone's like the pool's usage (not whose or what); and the prefix cache's figures are not there (they would
 tell it that another tenant sent the same prompt). The engine's load stays whole: the step records, the latency p50s and
 the pool's usage are everyone's. An operator key (`role = "operator"` in the keys file) sees
 everything.

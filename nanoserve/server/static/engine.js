@@ -36,7 +36,7 @@ function colour(owner) {
 }
 function describe(owner) {
   if (owner === "free") return "free";
-  if (owner === "cached") return "cached: free, but a prefix hit can reuse it (evicted last)";
+  if (owner === "cached") return "cached: free, but a prefix hit can revive it until the allocator hands it out again, least recently freed first";
   if (owner.startsWith("shared:")) return `shared by ${owner.slice(7)} block tables (a prefix hit, or the completions of one n > 1 request)`;
   return "held by " + owner;
 }
