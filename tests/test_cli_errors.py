@@ -173,6 +173,10 @@ BAD = [
     (["bench", "tp", "--sizes", "2", "2"], ["--sizes 2 2", "each size once"]),
     (["bench", "tp", "--prompt-len", "9000"], ["9010 tokens exceed the model's context of 8192"]),
     (["bench", "tp", "--model-only", "--batch", "4", "--real"], ["--model-only skips the measurement", "--batch, --real"]),
+    (["bench", "engine-view", "--num-requests", "0"], ["--num-requests", "integer > 0"]),
+    (["bench", "engine-view", "--prompt-len", "5", "2"], ["--prompt-len 5 2: MIN is larger than MAX"]),
+    (["bench", "engine-view", "--tiny", "--output-len", "400", "500"],
+     ["--output-len up to 500 exceed the tiny model's context of 512"]),
     (["no-such-command"], ["invalid choice", "generate"]),
 ]
 

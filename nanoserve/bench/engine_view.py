@@ -24,22 +24,23 @@ import time
 import torch
 
 from nanoserve.bench.offline import make_workload, params
+from nanoserve.cli.checks import UsageError, context_length, positive_int
 
 
 def register(sub):
     p = sub.add_parser("engine-view", help="the engine event feed's cost: page closed vs open vs no feed (chapter 12)")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+    p.add_argument("--num-requests", type=positive_int, default=16)
+    p.add_argument("--prompt-len", type=positive_int, nargs=2, default=[16, 96], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=positive_int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="default 16 48; 300 400 with --tiny, whose steps are so short that a whole run of 16-48 "
                         "tokens is over in a few snapshots")
-    p.add_argument("--rounds", type=int, default=3, help="each system runs the workload this many times, interleaved")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from --kv-cache-mib)")
-    p.add_argument("--kv-cache-mib", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--rounds", type=positive_int, default=3, help="each system runs the workload this many times, interleaved")
+    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size (default: from --kv-cache-mib)")
+    p.add_argument("--kv-cache-mib", type=positive_int, default=1024)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random-weight model instead of SmolLM2: the shortest steps, the worst case for the feed's share")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     p.set_defaults(func=run)
 
 
@@ -68,6 +69,21 @@ def run_once(engine, workload, feed=None, viewer=None) -> tuple[float, int, list
 
 
 @torch.inference_mode()
+def check_args(args) -> None:
+    """What the flags' types cannot see, refused before the model loads: a range upside down, or a workload longer
+    than the model's context (the tiny model's 512 positions, SmolLM2's 8192)."""
+    from nanoserve.model import LlamaConfig
+
+    output_len = args.output_len or ([300, 400] if args.tiny else [16, 48])
+    for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", output_len)):
+        if low > high:
+            raise UsageError(f"{flag} {low} {high}: MIN is larger than MAX")
+    context = LlamaConfig.tiny().max_position_embeddings if args.tiny else context_length(None)
+    if args.prompt_len[1] + output_len[1] > context:
+        raise UsageError(f"--prompt-len up to {args.prompt_len[1]} and --output-len up to {output_len[1]} exceed the "
+                         f"{'tiny ' if args.tiny else ''}model's context of {context} tokens")
+
+
 def run(args):
     from nanoserve.engine.event_feed import EventFeed
     from nanoserve.engine.config import CacheConfig, EngineConfig
@@ -75,6 +91,7 @@ def run(args):
     from nanoserve.memory import kv_bytes_per_token
     from nanoserve.model import Llama, LlamaConfig, load_gguf
 
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     num_blocks = args.num_blocks
