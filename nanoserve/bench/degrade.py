@@ -4,9 +4,12 @@ The same burst (--requests chat prompts, all arriving at once; --max-num-seqs ru
 three engines stepped in lockstep, each timed on its own clock (bench weights' `lockstep`):
 
   fp32            float32 weights, no degradation: the reference for quality
-  fp32+degrade    the same float32 weights and a q4 copy: with --threshold requests waiting, steps run on
-                  the q4 copy until the queue is down to half of it
-  q4              q4 weights all the time: the other end of the trade
+  fp32+degrade    the same float32 weights and a q4 copy, bare as LLM(degrade_under_load=N) loads it (the
+                  kernel up to QUANT_MAX_TOKENS, dequantized beyond): with --threshold requests waiting, steps
+                  run on the q4 copy until the queue is down to half of it
+  q4              q4 weights all the time, as LLM(weights="q4") and `serve` run them (set_kernel_crossover's
+                  defaults: the kernel up to KERNEL_CROSSOVER_TOKENS, the large-step copy beyond): the other end
+                  of the trade
 
 Per engine: TTFT p50 / p99 (every request arrives at 0 on its engine's clock), output tok/s, the share of
 tokens computed on q4 weights, and the quality cost: greedy agreement with the fp32 run's tokens, counted
@@ -63,12 +66,16 @@ def run(args):
     from nanoserve.engine.config import engine_config
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.model import load_gguf
+    from nanoserve.model.quant import set_kernel_crossover
     from nanoserve.text.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    fp32, q4 = load_gguf(weights="fp32"), load_gguf(weights="q4")
+    # two q4 models: the degrading engine's copy stays bare, as LLM loads it; the q4 engine's gets what
+    # LLM(weights="q4") does to its model (llm.py), so its row is q4 as served
+    fp32, degraded, q4 = load_gguf(weights="fp32"), load_gguf(weights="q4"), load_gguf(weights="q4")
+    set_kernel_crossover(q4)
     tokenizer = Tokenizer.from_gguf()
     # short chat prompts (no long documents): the burst is about queueing, not about prefill
     prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(args.requests, args.seed, ("chat", "system"))]
@@ -78,7 +85,7 @@ def run(args):
         return engine_config(kv_cache_memory=256 << 20, max_num_seqs=args.max_num_seqs, **kw)
 
     engines = {"fp32": LLMEngine(fp32, config()),
-               "fp32+degrade": LLMEngine(fp32, config(degrade_under_load=args.threshold), degraded_model=q4),
+               "fp32+degrade": LLMEngine(fp32, config(degrade_under_load=args.threshold), degraded_model=degraded),
                "q4": LLMEngine(q4, config())}
     with torch.inference_mode():
         lockstep(engines, requests[:4])  # warm up (4 requests: below any threshold)
