@@ -5,7 +5,9 @@
                 --repeats: the float32 product vs each quantized layer's small-step product (torch's kernel
                 with bf16 activations, or cpu_dot.c's integers where the layers take it: quant.py) vs
                 dequantize-then-F.linear; at 1 token also torch's kernels with float32 activations.
-                This is the measurement behind QUANT_MAX_TOKENS (nanoserve/model/quant.py).
+                Where a `dequant` column overtakes its kernel is this CPU's crossover for a bare model; the
+                bare model's QUANT_MAX_TOKENS (nanoserve/model/quant.py) is chapter 06's swap-AB bound, 64,
+                not derived from this table (on the course's AMX CPU int8's crossover lies below 64, q4's above).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
                 int8 and q4 as LLM serves them: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond (quant.LARGE_STEP_DTYPE)
@@ -47,7 +49,8 @@ def register(sub):
 # ---- products -----------------------------------------------------------------------------------------
 
 def products(model) -> list:
-    """The model's Linear layers (30 × q, k, v, o, gate, up, down, then the LM head), as modules."""
+    """The model's Linear layers (30 × qkv_proj, o_proj, gate_up_proj, down_proj, then the LM head: 121), as
+    modules."""
     from nanoserve.model.layers import Linear
     from nanoserve.model.quant import QuantLinear
 
@@ -93,8 +96,9 @@ def product_table(models: dict, tokens: list[int], repeats: int):
           f"dequant = the weight dequantized to {dtype} + {dtype} F.linear (a large step without a kept copy: "
           f"quant.LARGE_STEP_DTYPE on this CPU)")
     print(f"{'tokens':>7s}" + "".join(f"{c:>15s}" for c in calls))
+    widths = {layer.in_features for layer in next(iter(layers.values()))}  # hidden and intermediate size
     for T in tokens:
-        inputs = {n: torch.randn(T, n) for n in {576, 1536, 192}}
+        inputs = {n: torch.randn(T, n) for n in widths}
         best = {c: float("inf") for c in calls}
         for _ in range(repeats + 1):  # the first round warms up
             for c, (name, call) in calls.items():
@@ -102,7 +106,7 @@ def product_table(models: dict, tokens: list[int], repeats: int):
         print(f"{T:7d}" + "".join(f"{best[c] * 1e3:15.1f}" for c in calls))
     quantized = [n for n in models if n != "fp32"]
     if quantized:
-        inputs = {n: torch.randn(1, n) for n in {576, 1536, 192}}
+        inputs = {n: torch.randn(1, n) for n in widths}
         ms = {n: min(time_pass(layers[n], inputs, float32_kernel) for _ in range(2)) * 1e3 for n in quantized}
         print("  1 token, torch's kernels with float32 activations (and scales): "
               + ", ".join(f"{n} {v:.1f} ms" for n, v in ms.items()))
