@@ -256,15 +256,11 @@ def test_the_degrade_bursts():
     for row in table_rows(CH, r"fp32|fp32 \+ degrade|q4"):
         if len(row) == 7 and row[1].endswith(" s"):  # | system | TTFT p50 | TTFT p99 | ...
             tables.setdefault(row[0], []).append(row)
-    shares = []
+    # the runs recorded had a bare q4 engine, not serve's q4: the chapter quotes no q4-alone row
+    assert set(tables) == {"fp32", "fp32 + degrade"} and [len(t) for t in tables.values()] == [2, 2]
     for i in (0, 1):  # the loaded run, then the default one
-        fp32, mixed, q4 = (tables[name][i] for name in ("fp32", "fp32 + degrade", "q4"))
-        for row in (mixed, q4):
-            assert rounds_to(ratio_in_cell(row[2]), number(fp32[2]), number(row[2]), 2, 1 + i), row  # p99: shorter (1, then 2 decimals)
-            assert rounds_to(ratio_in_cell(row[3]), number(row[3]), number(fp32[3]), 2), row  # tok/s
-        p99 = (number(fp32[2]) - number(mixed[2])) / (number(fp32[2]) - number(q4[2]))
-        rate = (number(mixed[3]) - number(fp32[3])) / (number(q4[3]) - number(fp32[3]))
-        shares.append((p99, rate))
-    (p99_loaded, rate_loaded), (p99, rate) = shares
-    says(CH, f"degrading takes {p99:.0%} of q4's gain in p99 TTFT and {rate:.0%} of its gain in\nthroughput "
-             f"({p99_loaded:.0%} and {rate_loaded:.0%} on the loaded machine)".replace("%", " %"))
+        fp32, mixed = tables["fp32"][i], tables["fp32 + degrade"][i]
+        assert rounds_to(ratio_in_cell(mixed[2]), number(fp32[2]), number(mixed[2]), 2, 1 + i), mixed  # p99: shorter (1, then 2 decimals)
+        assert rounds_to(ratio_in_cell(mixed[3]), number(mixed[3]), number(fp32[3]), 2), mixed  # tok/s
+        identical, total = (int(x) for x in mixed[6].split("/"))
+        says(CH, f"{identical} of {total} requests")
