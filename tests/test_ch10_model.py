@@ -76,7 +76,8 @@ def test_logits_stay_near_float32(request, smollm2, tokenizer, weights, integer_
     path: torch's kernels (bf16 activations) and cpu_dot.c's (activations rounded to int8 in blocks of 32: a larger
     |Δlogit|, chapter 10 section 4 and `bench quality`'s small-step table)."""
     if integer_dot and not cpu_dot.available():
-        pytest.skip("cpu_dot.c does not build here (no gcc)")
+        pytest.skip(f"kernels/cpu_dot.c does not build here ({cpu_dot.build_error()}): install gcc with OpenMP "
+                    "(Debian: build-essential)")
     model = request.getfixturevalue(weights)
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     loaded = [m.integer_dot for m in layers]  # the module's fixture: put back as loaded
