@@ -58,7 +58,7 @@ def add_engine_args(p):
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
                         "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
     p.add_argument("--weights", default="fp32", type=checks.weight_format,
-                   help="fp32, int8 or q4: how the weights are kept (chapter 10)")
+                   help="fp32, int8, q4 or bf16: how the weights are kept (chapter 10)")
     p.add_argument("--degrade-under-load", type=checks.positive_int, default=None, metavar="N",
                    help="with N requests waiting, run steps on a q4 copy of the weights until N/2 wait (chapter 10)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"],

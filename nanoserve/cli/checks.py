@@ -192,7 +192,7 @@ def attention_backend(text: str) -> str:
 
 
 def weight_format(text: str) -> str:
-    """--weights: fp32, int8 or q4 (chapter 10), refused while the command line is read."""
+    """--weights: fp32, int8, q4 or bf16 (chapter 10), refused while the command line is read."""
     from nanoserve.model.quant import check_weight_format
 
     try:

@@ -31,7 +31,7 @@ def add_sampling_args(p):
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole sequence every step (chapter 03) instead of using chapter 04's KV cache")
     p.add_argument("--weights", default="fp32", type=checks.weight_format,
-                   help="fp32, int8 or q4: how the weights are kept (chapter 10)")
+                   help="fp32, int8, q4 or bf16: how the weights are kept (chapter 10)")
 
 
 def sampling_params(args):
