@@ -214,6 +214,35 @@ def test_kernel_rows_do_not_depend_on_the_batch_at_the_models_shapes(make, shape
             assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1]), i
 
 
+def test_the_decode_group_alone_and_beside_others():
+    """DecodeGroup itself (notebook 10's section 5 writes its call out on contiguous tensors): a 20-token
+    sequence's decode attention alone and beside others, SmolLM2's heads, 16-token blocks. Padding gets no weight,
+    so the output beside others stays within float32 rounding of the one alone; whether its bits are the same is
+    the CPU's kernel's, printed under pytest -s for chapter 10's section 5."""
+    from nanoserve.kv.paged_attention import AttentionMetadata, DecodeGroup, PagedKVCache
+
+    torch.manual_seed(0)
+    H, Hkv, D, bs = 9, 3, 64, 16
+    lens = [20, 40, 7, 33, 20, 20, 20]  # sequence 0 is the one watched
+    tables, first = [], 0
+    for n in lens:
+        tables.append(list(range(first, first + -(-n // bs))))
+        first += len(tables[-1])
+    cache = PagedKVCache(num_layers=1, num_blocks=first, block_size=bs, num_kv_heads=Hkv, head_dim=D)
+    cache.k_cache[0].normal_(), cache.v_cache[0].normal_()
+    q = torch.randn(len(lens), H, D)
+
+    def attend(seqs):  # one decode step of these sequences, one query each -> (len(seqs), H, D)
+        meta = AttentionMetadata.build([tables[i] for i in seqs], [lens[i] for i in seqs], [1] * len(seqs), bs)
+        return DecodeGroup(cache, meta, list(range(len(seqs)))).attend(q[seqs], cache.k_cache[0], cache.v_cache[0])
+
+    alone = attend([0])[0]
+    for others in ([1], [1, 2, 3], [4, 5, 6]):
+        together = attend([0] + others)[0]
+        print(f"DecodeGroup, 20 tokens beside {str([lens[i] for i in others]):14s} same bits as alone: "
+              f"{torch.equal(alone, together)}  (largest difference {(alone - together).abs().max():.1e})")
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
 @pytest.mark.parametrize("make", ["int8", "q4"])
 def test_llms_crossover_runs_a_16_token_step_on_the_kernel_and_17_on_the_copy(make):
     """LLM's default (set_kernel_crossover with the copy): a step of 16 tokens, every batch-16 decode step, runs
