@@ -74,7 +74,7 @@ def check_args(args) -> None:
     than the model's context (the tiny model's 512 positions, SmolLM2's 8192)."""
     from nanoserve.model import LlamaConfig
 
-    output_len = args.output_len or ([300, 400] if args.tiny else [16, 48])
+    args.output_len = output_len = args.output_len or ([300, 400] if args.tiny else [16, 48])  # the default, once
     for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", output_len)):
         if low > high:
             raise UsageError(f"{flag} {low} {high}: MIN is larger than MAX")
@@ -106,8 +106,7 @@ def run(args):
     config = EngineConfig(cache_config=CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
                                                    kv_cache_memory=args.kv_cache_mib << 20))
     engine = LLMEngine(model, config)
-    output_len = args.output_len or ([300, 400] if args.tiny else [16, 48])
-    workload = make_workload(args.num_requests, args.prompt_len, output_len, 0, model.config.vocab_size)
+    workload = make_workload(args.num_requests, args.prompt_len, args.output_len, 0, model.config.vocab_size)
     closed, open_feed = EventFeed(), EventFeed()
     viewer = open_feed.subscribe()
     systems = {"no feed": {}, "page closed": {"feed": closed}, "page open": {"feed": open_feed, "viewer": viewer}}
