@@ -109,8 +109,11 @@ def test_abort_from_a_coroutine_takes_effect_at_the_next_step_boundary(async_eng
 
     last = run(main())
     assert last.finished and last.finish_reason == "abort"
-    assert len(last.token_ids) <= 3 + 1  # at most the step that was already running when abort() came
+    # The stream may lag the thread (outputs wait in the queue), so count from the engine's steps, not from the 3
+    # tokens this coroutine had read: a lone request samples one token a step, and at most the step that was
+    # already running when abort() came still finishes.
     assert steps[0] - state["steps_at_abort"] <= 1
+    assert len(last.token_ids) <= state["steps_at_abort"] + 1
     assert_pool_whole(async_engine.engine)
 
 
