@@ -22,7 +22,7 @@ def register(sub):
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="bf16", help="of both weights and KV cache")
     p.add_argument("--reserve", type=fraction, default=RESERVE_FRACTION, help="fraction of the device kept free, in [0, 1)")
     p.add_argument("--weights", nargs="+", default=[], type=weight_format,
-                   help="int8, q4, fp32: how many more sequences fit with the weights in these formats (chapter 10)")
+                   help="fp32, int8, q4, bf16: how many more sequences fit with the weights in these formats (chapter 10)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block of the paged pool (chapter 05)")
     p.add_argument("--kv-fill", type=float, default=None,
                    help="the share of used KV slots that held tokens in a real run (bench experiment overload "
