@@ -23,7 +23,9 @@ from nanoserve.student import implementation
 from tests.test_ch08_server import assert_openai_error, assert_pool_whole, chat_body, slow_steps
 from tests.test_ch08_server import tiny, tokenizer  # noqa: F401  (fixtures: the tiny model, the real tokenizer)
 
-TENANTS = {"key-a": Tenant("a", requests_per_second=1, burst=3, priority=1),
+# a's refill is slow (one request every 20 s): its flood of 30 requests may take seconds to arrive on a loaded
+# machine, and must still find at most its burst and one refill
+TENANTS = {"key-a": Tenant("a", requests_per_second=0.05, burst=3, priority=1),
            "key-b": Tenant("b", requests_per_second=50, burst=50, priority=0),
            "key-q": Tenant("q", tokens_per_minute=20), "key-ops": Tenant("ops", role="operator")}
 
@@ -107,7 +109,7 @@ def test_a_tenants_flood_does_not_starve_another(engine, tokenizer):
         flood, b = asyncio.run(run())
         assert [r.status_code for r in b] == [200] * 4  # B is served in full
         codes = [r.status_code for r in flood]
-        assert codes.count(200) <= 4 and codes.count(429) >= 26  # A gets its burst (and a refill), no more
+        assert codes.count(200) <= 4 and codes.count(429) >= 26  # A gets its burst (and a refill at most), no more
         assert all(int(r.headers["retry-after"]) >= 1 for r in flood if r.status_code == 429)
         assert_openai_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-c"}), 401)
         assert_openai_error(httpx.get(f"{url}/metrics"), 401)  # with tenants, the metrics are an operator's
@@ -185,7 +187,7 @@ def test_after_sigterm_a_new_connection_gets_503_while_streams_drain(engine, tok
             lines = running.iter_lines()
             next(lines)
             server.should_exit = True  # what SIGTERM sets
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 60
             while not server.state.draining and time.monotonic() < deadline:
                 time.sleep(0.01)
             with httpx.Client(base_url=url, timeout=10) as fresh:  # a connection opened after SIGTERM
@@ -206,7 +208,7 @@ def test_a_client_gone_before_its_first_byte_is_aborted(engine, tokenizer):
             with socket.create_connection(("127.0.0.1", server.port)) as c:
                 c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                deadline = time.monotonic() + 5  # until it is admitted, then hang up before reading a byte
+                deadline = time.monotonic() + 60  # until it is admitted, then hang up before reading a byte
                 while not engine.scheduler.seqs and time.monotonic() < deadline:
                     time.sleep(0.005)
                 assert engine.scheduler.seqs
