@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import sys
+import threading
 import time
 import tracemalloc
 
@@ -181,20 +182,34 @@ def test_after_sigterm_a_new_connection_gets_503_while_streams_drain(engine, tok
     """The socket keeps listening while the running requests drain, so a connection opened after SIGTERM
     gets 503 + Retry-After (and /health 503), not a refused connection; the running stream finishes."""
     slow_steps(engine, 0.05)
-    with serving(engine, tokenizer, model_name="tiny", shutdown_timeout=30) as (url, server):
+    # from its 3rd step on, the running stream waits (60 s at most) until the new connection was answered: its
+    # 40 tokens cannot all be done, and the server gone, before the checks below, however slow the machine
+    execute, steps, checked = engine.executor.execute_model, [0], threading.Event()
+
+    def held(scheduler_output):
+        steps[0] += 1
+        if steps[0] >= 3:
+            checked.wait(60)
+        return execute(scheduler_output)
+
+    engine.executor.execute_model = held
+    with serving(engine, tokenizer, model_name="tiny", shutdown_timeout=60) as (url, server):
         with httpx.stream("POST", f"{url}/v1/chat/completions",
-                          json=chat_body(max_tokens=40, ignore_eos=True, stream=True), timeout=30) as running:
+                          json=chat_body(max_tokens=40, ignore_eos=True, stream=True), timeout=60) as running:
             lines = running.iter_lines()
             next(lines)
             server.should_exit = True  # what SIGTERM sets
             deadline = time.monotonic() + 60
             while not server.state.draining and time.monotonic() < deadline:
                 time.sleep(0.01)
-            with httpx.Client(base_url=url, timeout=10) as fresh:  # a connection opened after SIGTERM
-                r = fresh.post("/v1/chat/completions", json=chat_body())
-                assert_openai_error(r, 503)
-                assert r.headers["retry-after"] == "1"
-                assert fresh.get("/health").status_code == 503
+            try:
+                with httpx.Client(base_url=url, timeout=60) as fresh:  # a connection opened after SIGTERM
+                    r = fresh.post("/v1/chat/completions", json=chat_body())
+                    assert_openai_error(r, 503)
+                    assert r.headers["retry-after"] == "1"
+                    assert fresh.get("/health").status_code == 503
+            finally:
+                checked.set()
             rest = [line for line in lines if line]
             assert rest[-1] == "data: [DONE]" and len(rest) >= 40
     assert_pool_whole(engine)
