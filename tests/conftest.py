@@ -21,6 +21,18 @@ import nanoserve.cluster  # noqa: E402, F401
 import pytest
 import torch
 
+# An HTTP call that names no timeout gets httpx's default, 5 s: short for a test server on a loaded two-core CI
+# machine (a tenth of that here), and such a timeout fails a test for the machine's load, not for a defect. The tests
+# that time out on purpose name their own (e.g. timeout=0.5). httpx.get/post/stream and Client() take this object
+# as their default, so raising it here raises every default; if httpx ever moves it, the tests keep httpx's 5 s.
+try:
+    from httpx._config import DEFAULT_TIMEOUT_CONFIG as _HTTPX_DEFAULT_TIMEOUT
+
+    _HTTPX_DEFAULT_TIMEOUT.connect = _HTTPX_DEFAULT_TIMEOUT.read = 60.0
+    _HTTPX_DEFAULT_TIMEOUT.write = _HTTPX_DEFAULT_TIMEOUT.pool = 60.0
+except (ImportError, AttributeError):
+    pass
+
 # make test's units of work under pytest-xdist, handed out longest first so that the two workers finish together:
 # the Ray group (one local Ray at a time: chapter 16's fleet tests and its notebook), each notebook, each chapter's
 # stub grading, then one test file per unit (its module fixtures built once).

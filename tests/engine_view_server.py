@@ -8,6 +8,6 @@ from nanoserve.server.runner import Server
 def start_server(engine, tokenizer=None, port: int = 0, **config) -> Server:
     """Serve an LLMEngine (a fresh AsyncLLMEngine around it); `server.port` is the bound port, `server.stop()` ends it."""
     state = ServerState(AsyncLLMEngine(engine), tokenizer, ServerConfig(**config))
-    server = Server(state, "127.0.0.1", port, shutdown_timeout=5)
+    server = Server(state, "127.0.0.1", port, shutdown_timeout=30)  # a loaded machine may take seconds to drain
     server.start_in_thread()
     return server

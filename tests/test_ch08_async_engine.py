@@ -96,7 +96,18 @@ def test_concurrent_streams_equal_the_synchronous_engine(tiny, async_engine):
 
 def test_abort_from_a_coroutine_takes_effect_at_the_next_step_boundary(async_engine):
     steps = count_steps(async_engine)
-    state = {}
+    state, aborted = {}, threading.Event()
+    counted = async_engine.engine.step
+
+    def held():
+        # From the 5th step on, the step waits (inside it, as a slow forward pass would) until the coroutine has
+        # aborted: the 300 tokens cannot all be done (by ~0.3 s of tiny steps) before a slow event loop reads its
+        # third token, whatever the machine's load. (A bounded wait: a broken abort fails the asserts, not hangs.)
+        if steps[0] >= 4:
+            aborted.wait(60)
+        return counted()
+
+    async_engine.engine.step = held
 
     async def main():
         outputs = await async_engine.add_request("long", [1, 2, 3], greedy(300, ignore_eos=True))
@@ -104,6 +115,7 @@ def test_abort_from_a_coroutine_takes_effect_at_the_next_step_boundary(async_eng
             if len(out.token_ids) == 3:
                 state["steps_at_abort"] = steps[0]
                 async_engine.abort("long")  # from this coroutine, while the thread keeps stepping
+                aborted.set()
             state["last"] = out
         return state["last"]
 
@@ -124,7 +136,7 @@ def test_leaving_a_stream_early_aborts_the_request(async_engine):
                 break  # the generator's finally aborts, as a cancelled HTTP handler does
 
     run(main())
-    deadline, core = time.monotonic() + 5, async_engine.engine
+    deadline, core = time.monotonic() + 60, async_engine.engine
     # the abort lands at the engine's next step boundary: wait for what the asserts check, not a fixed time
     while (async_engine.num_unfinished_requests() or core.scheduler.running or core.scheduler.waiting or
            core.block_manager.get_num_free_blocks() != core.block_manager.num_blocks) and time.monotonic() < deadline:
@@ -207,9 +219,21 @@ def test_n_completions_stream_with_their_index_and_a_failing_completion_fails_th
 def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
     engine = AsyncLLMEngine(LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=100, block_size=4))))
     steps = count_steps(engine)
+    counted = engine.engine.step
+
+    def held():
+        # From the 3rd step on, a step waits (as a slow forward pass would) until shutdown() has asked the loop to
+        # stop: the 300 tokens cannot all be done before the shutdown thread runs, however loaded the machine.
+        # (A bounded wait: a shutdown that never comes fails the asserts, not hangs.)
+        deadline = time.monotonic() + 60
+        while steps[0] >= 2 and not engine._stopping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return counted()
+
     engine.start()
     time.sleep(0.2)
     assert steps[0] == 0  # no request, no step: it waits on an Event instead of spinning
+    engine.engine.step = held
     got = []
 
     async def main():
@@ -221,7 +245,7 @@ def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
 
     run(main())
     assert got[-1].finish_reason == "abort"
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while engine.is_running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not engine.is_running and not any(t.name == "nanoserve-engine" for t in threading.enumerate())
@@ -285,7 +309,7 @@ def test_a_duplicate_id_is_refused_and_a_cancelled_add_leaves_nothing(async_engi
             await task
 
     run(main())
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 60  # the aborts land at the next step boundaries: wait for them, generously
     while (async_engine.num_unfinished_requests() or async_engine.engine.has_unfinished_requests()) \
             and time.monotonic() < deadline:
         time.sleep(0.01)

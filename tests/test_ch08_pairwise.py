@@ -100,7 +100,7 @@ def test_every_pair_of_features_is_answered_right_and_leaves_nothing_behind(serv
         assert_pool_whole(engine)  # no request running, no KV block held (an abort lands within a step)
         # and no stream left: a client that left before the engine thread took its add leaves the add in the
         # inbox for a moment (no sequence yet); the abort that follows clears it at the next step boundary
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 60
         while srv.state.engine.num_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert srv.state.engine.num_unfinished_requests() == 0

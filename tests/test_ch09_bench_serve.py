@@ -43,6 +43,12 @@ def stand_in_app(state: dict):
         async def events():
             state["in_flight"] += 1
             state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+            # hold_until k: the first measured streams wait (30 s at most) until k are in flight together, so that a
+            # test of the client's concurrency does not depend on k requests arriving within one short stream
+            deadline = asyncio.get_running_loop().time() + 30
+            while state["max_in_flight"] < state["hold_until"] and not content.startswith("Warm-up") \
+                    and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.005)
             try:
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}}]})}\n\n"
                 await asyncio.sleep(TTFT_S)
@@ -67,7 +73,7 @@ def stand_in_app(state: dict):
 def stand_in():
     import uvicorn
 
-    state = {"bodies": [], "auth": set(), "in_flight": 0, "max_in_flight": 0, "usage": True}
+    state = {"bodies": [], "auth": set(), "in_flight": 0, "max_in_flight": 0, "usage": True, "hold_until": 0}
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -91,11 +97,14 @@ def bench(argv, capsys):
 
 def test_against_stand_in(stand_in, tmp_path, capsys):
     url, state = stand_in
-    state.update(max_in_flight=0, bodies=[], auth=set())
+    state.update(max_in_flight=0, bodies=[], auth=set(), hold_until=4)  # 4 in flight once, however slow the machine
     out = tmp_path / "r.json"
-    rc, io = bench(["--url", url, "--api-key", "k1", "--num-prompts", "12", "--request-rate", "inf", "--max-concurrency",
-                    "4", "--output-len", "9", "--ignore-eos", "--goodput", "ttft:60000", "e2el:60000",
-                    "--result-json", str(out)], capsys)
+    try:
+        rc, io = bench(["--url", url, "--api-key", "k1", "--num-prompts", "12", "--request-rate", "inf",
+                        "--max-concurrency", "4", "--output-len", "9", "--ignore-eos", "--goodput", "ttft:60000",
+                        "e2el:60000", "--result-json", str(out)], capsys)
+    finally:
+        state["hold_until"] = 0
     assert rc == 0, io.err
     result = json.loads(out.read_text())
     assert result["completed"] == 12 and result["failed"] == 0 and result["model"] == "stand-in"

@@ -95,10 +95,19 @@ def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
                                            scheduler_config=SchedulerConfig(max_num_seqs=1),
                                            degrade_under_load=2),
                        Tokenizer.from_gguf(), degraded_model=quantize_model(copy.deepcopy(model), "int8"))
-    steps, step = [], engine.step
+    steps, step, server, seen = [], engine.step, {}, threading.Event()
 
     def recorded_step():  # the test's own account of every step: its mode and the tokens it generated
         time.sleep(0.005)  # a real model's pace, so that the burst queues up behind the one seat
+        # Not left to timing on a loaded machine (bounded waits: a broken engine fails the asserts, not hangs):
+        # the first step waits until the whole burst is handed over, so it queues up behind the one seat; and the
+        # step after a degraded one waits until the test has scraped the degraded gauge (else a slow scrape could
+        # miss the few degraded steps).
+        deadline = time.monotonic() + 60
+        while not steps and server["engine"].num_unfinished_requests() < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if steps and steps[-1][0] == "int8":
+            seen.wait(60)
         outputs = step()
         steps.append((engine.precision, sum(len(o.new_token_ids) for o in outputs)))
         return outputs
@@ -107,18 +116,22 @@ def test_server_metrics_show_the_mode_and_the_tokens_served_degraded():
 
     def scrape(url):
         return {(s.name, s.labels.get("precision")): s.value
-                for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text) for s in f.samples}
+                for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text) for s in f.samples}
 
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with serving(engine, engine.tokenizer, model_name="tiny") as (url, _):
+    with serving(engine, engine.tokenizer, model_name="tiny") as (url, srv):
+        server["engine"] = srv.state.engine
         assert scrape(url)[("nanoserve:degraded", None)] == 0
         burst = [threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": body, "timeout": 60})
                  for _ in range(6)]
         for t in burst:
             t.start()
-        seen_degraded, deadline = False, time.monotonic() + 30
-        while not seen_degraded and time.monotonic() < deadline:  # 5 of 6 wait at first: it must degrade
-            seen_degraded = scrape(url)[("nanoserve:degraded", None)] == 1
+        seen_degraded, deadline = False, time.monotonic() + 60
+        try:
+            while not seen_degraded and time.monotonic() < deadline:  # 5 of 6 wait at first: it must degrade
+                seen_degraded = scrape(url)[("nanoserve:degraded", None)] == 1
+        finally:
+            seen.set()
         for t in burst:
             t.join()
         after = scrape(url)

@@ -413,11 +413,11 @@ def test_shards_are_built_without_initialising_only_in_their_own_thread():
     def build_a_shard():
         with SkipInit():
             inside.set()
-            built.wait(10)  # stay inside while the other thread builds its embedding
+            built.wait(60)  # stay inside while the other thread builds its embedding
 
     shard_thread = threading.Thread(target=build_a_shard)
     shard_thread.start()
-    assert inside.wait(10)
+    assert inside.wait(60)
     torch.manual_seed(0)
     meanwhile = torch.nn.Embedding(50, 4).weight.detach().clone()
     built.set()

@@ -327,7 +327,9 @@ def test_killed_worker_fails_the_request_and_leaves_no_process():
     t = time.perf_counter()
     with pytest.raises(WorkerError) as excinfo:
         llm.run([request_id], use_tqdm=False)
-    assert time.perf_counter() - t < 30  # noticed through the closed socket, not a timeout
+    # noticed through the closed socket, not a timeout: well under the collectives' 120 s backstop
+    # (multiproc.COLLECTIVE_TIMEOUT), with room for a loaded machine
+    assert time.perf_counter() - t < 60
     assert_failed_cleanly(llm, before_children, before_shm, excinfo, "rank 1", "SIGKILL", f"['{request_id}']")
 
 

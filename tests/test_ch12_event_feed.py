@@ -72,7 +72,7 @@ def test_a_writer_and_a_reader_in_two_threads_lose_nothing_uncounted():
     for i in range(5000):
         sub.put({"step": i})
     stop.set()
-    thread.join(10)
+    thread.join(60)
     assert seen == sorted(seen) and len(set(seen)) == len(seen)  # in order, never twice
     assert seen[-1] == 4999  # the last state always arrives
     assert len(seen) + sub.dropped == 5000  # every snapshot either taken or counted as dropped

@@ -110,7 +110,7 @@ def test_a_burst_seen_step_by_step(server):
     assert sum(1 for s in snaps if s["steps"]) == len(steps)  # one snapshot per step (in_lockstep)
     assert any(s["running"] for s in snaps)
     assert set(snaps[-1]["pool"]["owners"]) <= {"free", "cached"} and snaps[-1]["pool"]["num_free"] == 24
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while feed.watched and time.monotonic() < deadline:  # the viewer left: its subscription goes with it
         time.sleep(0.05)
     assert not feed.watched
@@ -183,9 +183,16 @@ def test_a_tenants_streams_opened_at_once_past_the_limit_get_429(tiny):
         (r,) = refused
         assert "2 engine event streams open" in assert_openai_error(r, 429)["message"]
         assert r.headers["retry-after"] == "1"
-        # both streams closed: their slots are back, the tenant streams again, and requests are served
-        with httpx.stream("GET", url(server, "/engine/events"), headers=key, timeout=30) as again:
-            assert again.status_code == 200 and next(snapshots(again))["step"] == 0
+        # both streams closed: their slots are back, the tenant streams again, and requests are served. (The server
+        # frees a slot when it has seen its client go, which a loaded machine may do after the next connection
+        # comes in: a 429 until then, so try again for a while.)
+        deadline = time.monotonic() + 60
+        while True:
+            with httpx.stream("GET", url(server, "/engine/events"), headers=key, timeout=30) as again:
+                if again.status_code != 429 or time.monotonic() > deadline:
+                    assert again.status_code == 200 and next(snapshots(again))["step"] == 0
+                    break
+            time.sleep(0.05)
         body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         done = httpx.post(url(server, "/v1/completions"), json=body, headers=key, timeout=60)
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3

@@ -63,7 +63,7 @@ def engine_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("nanoserve-engine"))
 
 
-def wait_for(condition, what: str, timeout: float = 30.0):
+def wait_for(condition, what: str, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"still waiting for {what}"

@@ -242,65 +242,108 @@ def test_a_reload_of_any_readable_file_quotes_none_of_it(tmp_path):
     assert str(e.value) == f"{secret} is not a GGUF file"
 
 
-def watch(url: str, key: str, snaps: list, seconds: float):
-    """Read /engine/events with `key` for `seconds` (in a thread); the snapshots land in `snaps`."""
+def watch(url: str, key: str, snaps: list, stop: threading.Event) -> tuple[threading.Thread, threading.Event]:
+    """Read /engine/events with `key` (in a thread) until `stop` is set: the status, then the snapshots, land in
+    `snaps`. Returns the thread and an Event set once the stream is open (its status read) or failed to open. The
+    stream pings each second, so a set `stop` ends the read within a second; no clock decides what is seen."""
+    opened = threading.Event()
+
     def run():
-        deadline = time.monotonic() + seconds  # the stream never goes quiet (a ping each second): stop by the clock
         try:
-            with httpx.stream("GET", f"{url}/engine/events", headers=auth(key), timeout=seconds) as r:
+            with httpx.stream("GET", f"{url}/engine/events", headers=auth(key), timeout=60) as r:
                 snaps.append(r.status_code)
+                opened.set()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         snaps.append(json.loads(line[6:]))
-                    if time.monotonic() > deadline:
+                    if stop.is_set():
                         break
-        except httpx.ReadTimeout:
-            pass
+        finally:
+            opened.set()
 
     thread = threading.Thread(target=run)
     thread.start()
-    return thread
+    return thread, opened
+
+
+def until(condition, timeout: float = 60.0) -> None:
+    """Wait for `condition` (the asserts after it say whether it came)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def mentioned(snaps) -> set:
+    """Every request id, tenant and block owner the snapshots in `snaps` (after its status) name."""
+    out = set()
+    for s in snaps[1:]:
+        out |= {x["id"] for x in s["running"] + s["waiting"] + s["finished"]} | set(s["tenants"])
+        out |= set(s["pool"]["owners"])
+    return out
+
+
+def in_lockstep(engine, feed, viewers: list[list]) -> None:
+    """From now on each step of `engine` waits (30 s at most) until every viewer has read a snapshot since the step
+    before ran, then one throttle interval more, so that the step's own snapshot is sent at once: every viewer
+    reads every step's snapshot, however slow the machine."""
+    execute, marks = engine.executor.execute_model, [None]
+
+    def paced(scheduler_output, *args):
+        if marks[0] is not None:
+            deadline = time.monotonic() + 30
+            while any(len(v) <= m for v, m in zip(viewers, marks[0])) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        time.sleep(feed.min_interval * 1.2)
+        out = execute(scheduler_output, *args)
+        marks[0] = [len(v) for v in viewers]  # before this step's snapshot is sent (after the step returns)
+        return out
+
+    engine.executor.execute_model = paced
 
 
 def test_a_tenant_sees_its_own_requests_and_streams_count_against_its_limits(engine, tokenizer):
     record_steps(engine, 0.02)
     tenants = {**TENANTS, "key-r": Tenant("r", requests_per_second=0.01, burst=2)}
-    with serving(engine, tokenizer, model_name="tiny", api_keys=tenants) as (url, _):
+    with serving(engine, tokenizer, model_name="tiny", api_keys=tenants) as (url, server):
         seen_a, seen_a2, seen_ops, seen_r = [], [], [], []
-        watchers = [watch(url, "key-a", seen_a, 4.0), watch(url, "key-a", seen_a2, 4.0),
-                    watch(url, "key-ops", seen_ops, 4.0), watch(url, "key-r", seen_r, 1.0)]
-        threading.Event().wait(0.5)
-        # a has MAX_EVENT_STREAMS (2) open: a third is refused
-        assert "streams open" in assert_openai_error(
-            httpx.get(f"{url}/engine/events", headers=auth("key-a"), timeout=5), 429)["message"]
-        # r's burst is 2 requests and its stream took one: one completion passes, the next is rate-limited
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
-        assert httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60).status_code == 200
-        assert "rate limit" in assert_openai_error(
-            httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60), 429)["message"]
+        stop, stop_r = threading.Event(), threading.Event()
+        watchers = [watch(url, "key-a", seen_a, stop), watch(url, "key-a", seen_a2, stop),
+                    watch(url, "key-ops", seen_ops, stop), watch(url, "key-r", seen_r, stop_r)]
+        try:
+            for _, opened in watchers:  # every stream open (and counted) before the limits are tried
+                opened.wait(60)
+            stop_r.set()  # r's stream has taken its token: it may go
+            # a has MAX_EVENT_STREAMS (2) open: a third is refused
+            assert "streams open" in assert_openai_error(
+                httpx.get(f"{url}/engine/events", headers=auth("key-a"), timeout=60), 429)["message"]
+            # r's burst is 2 requests and its stream took one: one completion passes, the next is rate-limited
+            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60).status_code == 200
+            assert "rate limit" in assert_openai_error(
+                httpx.post(f"{url}/v1/completions", json=body, headers=auth("key-r"), timeout=60), 429)["message"]
 
-        # b's second request has 2 completions of a 24-token prompt: they share its first block (16 tokens) as long
-        # as they run, a block that a must not tell from b's others
-        forked = {**body, "prompt": " ".join(["Once upon a time"] * 6), "n": 2}
+            # b's second request has 2 completions of a 24-token prompt: they share its first block (16 tokens) as
+            # long as they run, a block that a must not tell from b's others
+            forked = {**body, "prompt": " ".join(["Once upon a time"] * 6), "n": 2}
+            # each step of these requests waits until a's and the operator's viewers have read the snapshot of the
+            # step before (bounded): a viewer gets the latest snapshot only, and a slow one must not miss the steps
+            # where b's fork shares its block
+            in_lockstep(engine, server.state.engine.event_feed, [seen_a, seen_ops])
 
-        async def both():
-            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                return await asyncio.gather(*[http.post("/v1/completions", json=b, headers=auth(k))
-                                              for k, b in (("key-a", body), ("key-b", body), ("key-b", forked))])
+            async def both():
+                async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                    return await asyncio.gather(*[http.post("/v1/completions", json=b, headers=auth(k))
+                                                  for k, b in (("key-a", body), ("key-b", body), ("key-b", forked))])
 
-        replies = asyncio.run(both())
-        for w in watchers:
-            w.join()
-        ids = [r.json()["id"] for r in replies]
+            replies = asyncio.run(both())
+            ids = [r.json()["id"] for r in replies]
+            # the last snapshots (the requests' ends) reach the viewers after the replies: wait for them
+            until(lambda: ids[0] in mentioned(seen_a) and set(ids) <= mentioned(seen_ops))
+        finally:
+            stop.set(), stop_r.set()
+            for thread, _ in watchers:
+                thread.join()
         assert seen_a[0] == seen_ops[0] == seen_r[0] == 200
-
-        def mentioned(snaps):
-            out = set()
-            for s in snaps[1:]:
-                out |= {x["id"] for x in s["running"] + s["waiting"] + s["finished"]} | set(s["tenants"])
-                out |= set(s["pool"]["owners"])
-            return out
-
         assert ids[0] in mentioned(seen_a) and not set(ids[1:]) & mentioned(seen_a)  # its own, not b's
         assert "other" in mentioned(seen_a)  # b's blocks, unnamed
         assert "shared:2" in mentioned(seen_ops)  # b's fork shared a block while a watched ...

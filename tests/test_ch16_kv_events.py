@@ -18,6 +18,7 @@ from nanoserve.kv.kv_events import AllBlocksCleared, record_kv_events
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.kv_events import KVEventPublisher
 from nanoserve.server.runner import serving
+from tests.kv_events_sync import is_probe, probe_on, until_subscribed
 from tests.tiny_model import paced_tiny_llama, tiny_llama
 
 
@@ -44,9 +45,12 @@ def test_kv_events_match_the_block_manager(tiny):
     engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=12, block_size=4),
                                           scheduler_config=SchedulerConfig(max_num_seqs=2)))
     log = record_kv_events(engine.block_manager)
+    held = log.take()  # AllBlocksCleared: held back until the subscription is through
     publisher = KVEventPublisher(log, "tcp://127.0.0.1:*")
     ctx, sub = subscribe(publisher.endpoint)
-    time.sleep(0.3)  # PUB drops what it sends before the subscription is through ("slow joiner")
+    until_subscribed(publisher, probe_on(sub))  # PUB drops what it sends before that ("slow joiner")
+    for event in held:
+        log.append(event)
     shared = list(range(10, 22))  # 3 full blocks of 4
     prompts = [shared + [1, 2, 3, 4, 5], shared + [6, 7], list(range(40, 70))]  # the third forces evictions
     for i, p in enumerate(prompts):
@@ -55,18 +59,19 @@ def test_kv_events_match_the_block_manager(tiny):
             engine.step()
     publisher.close()
     batches, seqs = [], []
-    while True:
+    sub.setsockopt(zmq.RCVTIMEO, 60_000)  # every batch sent is on its way: wait for them all, however slow the machine
+    while len(batches) < publisher.seq:
         try:
             topic, seq, payload = sub.recv_multipart()
         except zmq.Again:
-            break
+            break  # lost: the asserts below say so
+        if is_probe(topic):
+            continue
         seqs.append(int.from_bytes(seq, "big"))
         batches.append(msgpack.unpackb(payload, raw=False))
-        if sub.poll(300) == 0:
-            break
     sub.close()
     ctx.term()
-    assert seqs == list(range(len(seqs))) and seqs, "numbered batches, none lost"
+    assert seqs == list(range(publisher.seq)) and seqs, "numbered batches, none lost"
     events = [e for ts, evs in batches for e in evs]
     assert events[0] == ["AllBlocksCleared"]
     cached, kinds = {}, set()
@@ -106,6 +111,17 @@ def test_vllm_gauges_mid_request_match_the_block_manager(tokenizer):
     import threading
 
     model = paced_tiny_llama(0.2, vocab_size=49152)
+    # past its prefill, the request's steps wait until the test has scraped and read the block manager (a bounded
+    # wait): the request cannot end between the scrape and the read, however slow the machine
+    forward, passes, scraped = model.forward, [0], threading.Event()
+
+    def held(*args, **kwargs):
+        passes[0] += 1
+        if passes[0] > 1:
+            scraped.wait(60)
+        return forward(*args, **kwargs)
+
+    model.forward = held
     engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=16, block_size=16),
                                            scheduler_config=SchedulerConfig(max_num_seqs=2)), tokenizer)
     manager = engine.block_manager
@@ -115,13 +131,15 @@ def test_vllm_gauges_mid_request_match_the_block_manager(tokenizer):
                                                                                                "timeout": 60})
         request.start()
         try:
-            for _ in range(200):
-                values = vllm_values(httpx.get(url + "/metrics").text)
-                if values["vllm:num_requests_running"] >= 1 or not request.is_alive():
+            deadline = time.monotonic() + 60
+            while True:
+                values = vllm_values(httpx.get(url + "/metrics", timeout=60).text)
+                if values["vllm:num_requests_running"] >= 1 or not request.is_alive() or time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
             usage = manager.usage
         finally:
+            scraped.set()
             request.join()
     assert values["vllm:num_requests_running"] == 1 and values["vllm:num_requests_waiting"] == 0
     assert values["vllm:kv_cache_usage_perc"] == usage == 1 / 16

@@ -23,7 +23,9 @@ def staging(prefill: LLMEngine):
     return prefill.executor.workers[0].kv_connector.staging
 
 
-def wait_for(condition, timeout: float = 5.0) -> bool:
+def wait_for(condition, timeout: float = 30.0) -> bool:
+    """Whether `condition` came within `timeout`: generous for a loaded machine, yet under the staging area's release
+    timeout (kv_release_timeout_s, 60 s), so a segment released by that timeout still fails the wait."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if condition():

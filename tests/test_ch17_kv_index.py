@@ -14,6 +14,7 @@ from nanoserve.kv.prefix_cache import block_hashes
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.kv_events import KVEventPublisher, encode_event
 from nanoserve.student import implementation
+from tests.kv_events_sync import PROBE, until_subscribed
 from tests.tiny_model import tiny_llama
 
 
@@ -72,12 +73,17 @@ def test_index_from_events_is_what_the_caches_hold():
     model = tiny_llama(vocab_size=97)
     engines = {n: LLMEngine(model, engine_config(block_size=4, num_blocks=12, max_num_batched_tokens=64))
                for n in ("r0", "r1")}
-    publishers = {n: KVEventPublisher(record_kv_events(e.block_manager), "tcp://127.0.0.1:*", topic=n)
-                  for n, e in engines.items()}
+    logs = {n: record_kv_events(e.block_manager) for n, e in engines.items()}
+    held = {n: log.take() for n, log in logs.items()}  # AllBlocksCleared: held back until the subscription is through
+    publishers = {n: KVEventPublisher(logs[n], "tcp://127.0.0.1:*", topic=n) for n in engines}
     index = kv_index().KVIndex()
     subscriber = kv_index().KVEventSubscriber(index, {n: p.endpoint for n, p in publishers.items()})
-    time.sleep(0.3)  # the SUB socket's connections come up (ZMQ's slow joiner)
     try:
+        for n, p in publishers.items():  # each connection's subscription comes up on its own (ZMQ's slow joiner)
+            until_subscribed(p, lambda timeout_ms, n=n: subscriber.poll(timeout_ms) >= 0 and
+                             n + PROBE.decode() in subscriber.last_seq)
+            for event in held[n]:
+                logs[n].append(event)
         rng = random.Random(0)
         systems = [[rng.randrange(97) for _ in range(12)] for _ in range(4)]
         for i in range(24):
@@ -88,8 +94,10 @@ def test_index_from_events_is_what_the_caches_hold():
                 engine.step()
         for p in publishers.values():
             p.flush()
-        while subscriber.poll(300):
-            pass
+        deadline = time.monotonic() + 60  # every batch is sent: wait until the last of each has arrived
+        while any(subscriber.last_seq.get(n, -1) < p.seq - 1 for n, p in publishers.items()) \
+                and time.monotonic() < deadline:
+            subscriber.poll(100)
         assert sum(e.block_manager.stats.evicted_blocks for e in engines.values()) > 0, "the pools evicted"
         truth = {}
         for name, e in engines.items():

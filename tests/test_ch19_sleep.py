@@ -10,6 +10,7 @@ import asyncio
 import gc
 import itertools
 import os
+import threading
 import weakref
 
 import httpx
@@ -304,8 +305,25 @@ def test_level_2_needs_a_model_file_to_build_again(smollm2_tokenizer):
         assert admin_post(url, "/wake_up").status_code == 200
 
 
-def test_a_sleep_with_requests_in_flight_is_refused_and_leaves_nothing_behind(server):
+def test_a_sleep_with_requests_in_flight_is_refused_and_leaves_nothing_behind(server, monkeypatch):
     url, srv = server
+    # The stream's second step waits (60 s at most) until the sleep has been asked of the engine: the 40 tokens
+    # cannot all be done before the /sleep request gets there, however slow the machine.
+    async_engine, engine = srv.state.engine, srv.state.engine.engine
+    asked, steps, step, sleep = threading.Event(), [0], engine.step, async_engine.sleep
+
+    def held():
+        steps[0] += 1
+        if steps[0] >= 2:
+            asked.wait(60)
+        return step()
+
+    async def asking(*args, **kwargs):
+        asked.set()
+        return await sleep(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", held)
+    monkeypatch.setattr(async_engine, "sleep", asking)
 
     async def main():
         stream_client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=CLIENT_KEY, max_retries=0)
@@ -317,7 +335,10 @@ def test_a_sleep_with_requests_in_flight_is_refused_and_leaves_nothing_behind(se
         chunks += [chunk async for chunk in stream]
         return refused, chunks
 
-    refused, chunks = asyncio.run(main())
+    try:
+        refused, chunks = asyncio.run(main())
+    finally:
+        asked.set()
     assert refused.status_code == 409 and "in flight" in refused.json()["error"]["message"]
     assert chunks[-1].choices[0].finish_reason == "length"  # the request ran to its end
     assert admin_post(url, "/sleep").status_code == 200 and admin_post(url, "/wake_up").status_code == 200

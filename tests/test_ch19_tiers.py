@@ -159,7 +159,6 @@ def test_kv_events_carry_the_adapter_in_vllms_wire_format(tiny_adapters):
     """Chapter 16's publisher, decoded with msgpack alone by vLLM's field order: BlockStored is [tag, hashes, parent,
     token_ids, block_size, lora_id, medium, lora_name]. One prompt under a, b and the base: each adapter's blocks name
     it (and its id, a new one when it is loaded again), the base's say None and are chapter 05's plain chain."""
-    import time
 
     import msgpack
     import zmq
@@ -169,17 +168,24 @@ def test_kv_events_carry_the_adapter_in_vllms_wire_format(tiny_adapters):
     from nanoserve.kv.kv_events import record_kv_events
     from nanoserve.kv.prefix_cache import block_hashes
     from nanoserve.server.kv_events import KVEventPublisher
+    from tests.kv_events_sync import is_probe, probe_on, until_subscribed
 
     engine = LLMEngine(tiny_llama(), engine_config(num_blocks=32, block_size=4,
                                                   lora_config=LoRAConfig(max_loras=2, max_lora_rank=8)), eos_token_id=-1)
     for name, path in tiny_adapters.items():
         engine.add_lora(name, path)
-    publisher = KVEventPublisher(record_kv_events(engine.block_manager), "tcp://127.0.0.1:*")
+    log = record_kv_events(engine.block_manager)
+    held = log.take()  # AllBlocksCleared: held back until the subscription is through
+    # the test flushes each batch itself (a publisher thread flushing on its clock could split a request's events)
+    publisher = KVEventPublisher(log, "tcp://127.0.0.1:*", interval_s=3600)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(publisher.endpoint)
-    time.sleep(0.3)  # PUB drops what it sends before the subscription is through ("slow joiner")
+    until_subscribed(publisher, probe_on(sub))  # PUB drops what it sends before that ("slow joiner")
+    for event in held:
+        log.append(event)
+    publisher.flush()  # AllBlocksCleared's batch
     prompt = list(range(10, 22))  # 3 full blocks of 4
     ids = {}
     for i, lora in enumerate(["a", "b", None, "reload a"]):
@@ -194,11 +200,10 @@ def test_kv_events_carry_the_adapter_in_vllms_wire_format(tiny_adapters):
         publisher.flush()  # one batch per request
     publisher.close()
     batches = []
-    while sub.poll(2000):
-        _, _, payload = sub.recv_multipart()
-        batches.append([e for e in msgpack.unpackb(payload, raw=False)[1] if e[0] == "BlockStored"])
-        if len(batches) == 5:  # AllBlocksCleared's, then one per request
-            break
+    while len(batches) < 5 and sub.poll(60_000):  # AllBlocksCleared's, then one per request: all sent, on their way
+        topic, _, payload = sub.recv_multipart()
+        if not is_probe(topic):
+            batches.append([e for e in msgpack.unpackb(payload, raw=False)[1] if e[0] == "BlockStored"])
     sub.close()
     stored = batches[1:]
     assert [len(b) for b in stored] == [3, 3, 3, 3]

@@ -19,6 +19,8 @@ def test_there_are_notebooks():
 def test_notebook_runs(path):
     notebook = nbformat.read(path, as_version=4)
     # Executed in a copy: the committed outputs stay as they are.
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    # startup_timeout: a kernel may take well over nbclient's default 60 s to start on a loaded CI machine
+    NotebookClient(notebook, timeout=900, startup_timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     errors = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", []) if o.output_type == "error"]
     assert not errors, errors

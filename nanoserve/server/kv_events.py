@@ -92,4 +92,6 @@ class KVEventPublisher:
         self._thread.join()
         self.flush()
         with self._lock:
-            self.socket.close()
+            # the last batches (the flush just above) may still wait in the socket's queue: LINGER 0 (set at bind, so
+            # that an unread socket never holds anything up) would drop them at close, so give them a second to go
+            self.socket.close(linger=1000)
