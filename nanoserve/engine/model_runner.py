@@ -39,6 +39,7 @@ import torch
 from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
+from nanoserve.kernels.cpu_decode import NativeDecoder
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs
 import nanoserve.sampling as reference_sampling
@@ -103,6 +104,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request
         self.tp_group = get_tp_group(model)  # chapter 11: rank 0 sends each step to the other ranks
+        self.native_decoders: dict[tuple, NativeDecoder | None] = {}  # chapter 09: (model, pool) -> its C step
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the step into index tensors, built once per step (never per layer)."""
@@ -194,7 +196,9 @@ class ModelRunner:
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
         ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
-        hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
+        hidden = self.native_step(model, batch)
+        if hidden is None:
+            hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
             return None
         rows, k = batch.logits_indices.to(self.device), batch.num_sampling_rows
@@ -206,6 +210,31 @@ class ModelRunner:
         if parts[0] is None:
             return None
         return torch.cat([p.cpu() for p in parts]) if split else parts[0].cpu()  # (num_sampled [+ prompt rows], vocab)
+
+    def native_step(self, model, batch: ModelInput) -> torch.Tensor | None:
+        """Chapter 09: the hidden state (1, hidden) of a step that is one sequence's one token, computed by
+        kernels/cpu_decode.c in one call, where the model asks for it (`native_decode`, set at load: LLM's
+        native_decode) and this runner's pool and attention are what the C code reads; None: run the forward.
+
+        Why only there: the C step does batch 1's whole layer loop without Python in between, which is where a
+        batch-1 step spends most of its time; a larger batch's time is its products, which the forward already
+        runs in the same kernels. What the C code needs comes from the step's metadata (block table row,
+        position, slot), so the model never sees the scheduler. The LM head stays the model's (compute_logits)."""
+        llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
+        if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
+                or self.attention is not PagedAttention):
+            return None
+        first = llama.layers[0].self_attn.qkv_proj
+        key = (id(llama), getattr(first, "blocks", first).data_ptr(), self.kv_cache.k_cache[0].data_ptr())
+        if key not in self.native_decoders:  # once per model and pool: a pool rebuilt (a wake) gets a new one
+            self.native_decoders[key] = (NativeDecoder(llama, self.kv_cache)
+                                         if not NativeDecoder.why_not(llama, self.kv_cache) else None)
+        decoder = self.native_decoders[key]
+        if decoder is None:
+            return None
+        meta = batch.attn_metadata
+        return decoder.step(batch.input_ids, int(batch.positions[0]), meta.block_tables[0], int(meta.seq_lens[0]),
+                            int(meta.slot_mapping[0]))
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples
