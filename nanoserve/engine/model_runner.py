@@ -196,9 +196,13 @@ class ModelRunner:
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
         ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
-        hidden = self.native_step(model, batch)
-        if hidden is None:
-            hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
+        native = self.native_decoder(model, batch)  # chapter 09: a one-token step in one C call, where it can run
+        if native is not None:
+            hidden = native.step(batch.input_ids, int(batch.positions[0]), batch.attn_metadata.block_tables[0],
+                                 int(batch.attn_metadata.seq_lens[0]), int(batch.attn_metadata.slot_mapping[0]))
+            # its one row: a sampling row, and with prompt logprobs (a one-token prompt) the same row again
+            return native.logits(hidden[batch.logits_indices]) if len(batch.logits_indices) else None
+        hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
             return None
         rows, k = batch.logits_indices.to(self.device), batch.num_sampling_rows
@@ -211,30 +215,25 @@ class ModelRunner:
             return None
         return torch.cat([p.cpu() for p in parts]) if split else parts[0].cpu()  # (num_sampled [+ prompt rows], vocab)
 
-    def native_step(self, model, batch: ModelInput) -> torch.Tensor | None:
-        """Chapter 09: the hidden state (1, hidden) of a step that is one sequence's one token, computed by
-        kernels/cpu_decode.c in one call, where the model asks for it (`native_decode`, set at load: LLM's
-        native_decode) and this runner's pool and attention are what the C code reads; None: run the forward.
+    def native_decoder(self, model, batch: ModelInput) -> NativeDecoder | None:
+        """Chapter 09: the C decode step (kernels/cpu_decode.py) for this step, or None: the model's forward runs.
 
-        Why only there: the C step does batch 1's whole layer loop without Python in between, which is where a
-        batch-1 step spends most of its time; a larger batch's time is its products, which the forward already
-        runs in the same kernels. What the C code needs comes from the step's metadata (block table row,
-        position, slot), so the model never sees the scheduler. The LM head stays the model's (compute_logits)."""
+        It runs a step that is one sequence's one token, where the model asks for it (`native_decode`, set at
+        load: LLM's native_decode) and this runner's pool and attention are what the C code reads (a float32 or
+        bf16 PagedKVCache with chapter 05's attention). Why only there: the C step does batch 1's whole layer
+        loop without Python in between, which is where a batch-1 step spends most of its time; a larger batch's
+        time is its products, which the forward runs in the same kernels. What the C code needs comes from the
+        step's metadata (block table row, position, slot), so the model never sees the scheduler."""
         llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
         if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
                 or self.attention is not PagedAttention):
             return None
-        first = llama.layers[0].self_attn.qkv_proj
-        key = (id(llama), getattr(first, "blocks", first).data_ptr(), self.kv_cache.k_cache[0].data_ptr())
-        if key not in self.native_decoders:  # once per model and pool: a pool rebuilt (a wake) gets a new one
+        first = next(iter([*llama.layers[0].buffers(), *llama.layers[0].parameters()]))  # a weight of layer 0
+        key = (id(llama), first.data_ptr(), self.kv_cache.k_cache[0].data_ptr())
+        if key not in self.native_decoders:  # once per model and pool: weights or a pool rebuilt (a wake): anew
             self.native_decoders[key] = (NativeDecoder(llama, self.kv_cache)
                                          if not NativeDecoder.why_not(llama, self.kv_cache) else None)
-        decoder = self.native_decoders[key]
-        if decoder is None:
-            return None
-        meta = batch.attn_metadata
-        return decoder.step(batch.input_ids, int(batch.positions[0]), meta.block_tables[0], int(meta.seq_lens[0]),
-                            int(meta.slot_mapping[0]))
+        return self.native_decoders[key]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples

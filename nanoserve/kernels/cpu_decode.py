@@ -75,7 +75,7 @@ def why_not_model(model) -> str:
     from nanoserve.model.block import DecoderBlock, LlamaAttention
     from nanoserve.model.layers import MLP, RMSNorm
     from nanoserve.model.llama import Llama
-    from nanoserve.model.quant import Q4Linear
+    from nanoserve.model.quant import Int8Linear, Q4Linear
 
     if not available():
         return f"kernels/cpu_decode.c does not build here: {build_error()}"
@@ -96,6 +96,8 @@ def why_not_model(model) -> str:
             return f"layer {i}: a tensor-parallel shard"
     if type(model.norm) is not RMSNorm:
         return "the final norm is not the reference RMSNorm"
+    if not isinstance(model.lm_head, Int8Linear) or model.lm_head.in_features % cpu_dot.QK:
+        return "the LM head is not int8 rows of a multiple of 32"
     if c.head_dim % 2 or (c.num_attention_heads * c.head_dim) % cpu_dot.QK:
         return f"head_dim {c.head_dim}: the attention output must come in blocks of {cpu_dot.QK}"
     return ""
@@ -106,6 +108,8 @@ class NativeDecoder:
 
     step(token (1,), position, block_table (>= blocks,), seq_len, slot) -> hidden (1, hidden): what
     model(ids, positions, attn) returns for a one-token step of that sequence, with this token's K/V stored.
+    logits(hidden (N, hidden)) -> (N, vocab): the LM head in cpu_dot.c's int8 product, whatever the model's layers
+    take for their small steps (integer_dot): a native step is integer products throughout, as llama.cpp's.
     """
 
     def __init__(self, model, kv_cache):
@@ -157,6 +161,11 @@ class NativeDecoder:
         lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), position, table.data_ptr(), seq_len, slot,
                         _aligned(self.scratch), threads)
         return x
+
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        return cpu_dot.int8_matmul(hidden, head.qweight, head.scale_f32)
 
 
 def _ptr(t: torch.Tensor) -> int:
