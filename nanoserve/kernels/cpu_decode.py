@@ -3,14 +3,15 @@
 Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
     one sequence, one token, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
-        -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C
+        -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C;
+           NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
     anything else (prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
     LoRA, a quantized KV pool, another attention class, tensor parallelism)
         -> the model's forward (eager or compiled), as before
 
 Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU; the rest is Python and op
 dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
-in about the products' time. The C step computes what the eager q4 integer_dot step computes, in the same
+in about the products' time. Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`). The C step computes what the eager q4 integer_dot step computes, in the same
 order per layer; what differs is float32 rounding only (the order of a norm's sum, cosf/expf against torch's),
 and where such a difference moves an activation across an int8 rounding boundary, the products differ by up to
 one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
