@@ -165,9 +165,9 @@ def serving_format(args) -> str:
         if args.weights == "q4":
             from nanoserve.model.quant import default_native_decode
 
-            native = ({"on": True, "off": False}.get(args.native_decode)
-                      if args.native_decode != "auto" else default_native_decode("q4", dot))
-            if native and "10" not in parse_selection(args.student):
+            choice = getattr(args, "native_decode", "auto")
+            native = choice == "on" if choice != "auto" else default_native_decode("q4", dot)
+            if native and "10" not in parse_selection(args.student) and not getattr(args, "enable_lora", False):
                 said += "; one-token steps in kernels/cpu_decode.c (chapter 09)"
     return said
 

@@ -149,6 +149,9 @@ class NativeDecoder:
     def step(self, token: torch.Tensor, position: int, block_table: torch.Tensor, seq_len: int, slot: int) -> torch.Tensor:
         lib = library()
         x = self.model.embed_tokens(token).float().contiguous()  # (1, hidden): a fresh row, the C code's in and out
+        if position >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, refused here too
+            raise ValueError(f"position {position} is beyond the model's context of "
+                             f"{self.model.config.max_position_embeddings} tokens")
         if position != seq_len - 1:
             raise ValueError(f"native decode: a one-token step is the sequence's last position, got {position} of {seq_len}")
         threads = torch.get_num_threads()
@@ -159,10 +162,11 @@ class NativeDecoder:
             block_table.to(torch.int64).contiguous()
         if table.numel() * self.kv_cache.block_size < seq_len:
             raise ValueError(f"native decode: a block table of {table.numel()} blocks for {seq_len} tokens")
+        if not 0 <= slot < self.kv_cache.num_blocks * self.kv_cache.block_size:  # the C code writes there unchecked
+            raise ValueError(f"native decode: slot {slot} is outside the pool")
         lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), position, table.data_ptr(), seq_len, slot,
                         _aligned(self.scratch), threads)
         return x
-
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.lm_head
