@@ -192,7 +192,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
-        """The forward pass (on the degraded copy of the weights if asked, chapter 10); the logits
+        """The forward pass (on the degraded copy of the weights if asked, chapter 10; a q4 one-token step in
+        kernels/cpu_decode.c instead where native_decoder says it can run, chapter 09); the logits
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
         ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
@@ -200,7 +201,8 @@ class ModelRunner:
         if native is not None:
             hidden = native.step(batch.input_ids, int(batch.positions[0]), batch.attn_metadata.block_tables[0],
                                  int(batch.attn_metadata.seq_lens[0]), int(batch.attn_metadata.slot_mapping[0]))
-            # its one row: a sampling row, and with prompt logprobs (a one-token prompt) the same row again
+            # the rows asked for, all of them the one token's row (sampling, a prompt logprob, or both); one LM head
+            # call is exact here: cpu_dot.c computes each row alone, whatever the row count
             return native.logits(hidden[batch.logits_indices]) if len(batch.logits_indices) else None
         hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
@@ -222,7 +224,7 @@ class ModelRunner:
         load: LLM's native_decode) and this runner's pool and attention are what the C code reads (a float32 or
         bf16 PagedKVCache with chapter 05's attention). Why only there: the C step does batch 1's whole layer
         loop without Python in between, which is where a batch-1 step spends most of its time; a larger batch's
-        time is its products, which the forward runs in the same kernels. What the C code needs comes from the
+        time is its products, which the forward runs over all its rows at once (not measured natively here). What the C code needs comes from the
         step's metadata (block table row, position, slot), so the model never sees the scheduler."""
         llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
         if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
