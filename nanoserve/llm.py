@@ -42,7 +42,7 @@ class LLM:
                  compile_mode: str = "eager", kv_tier_blocks: int = 0, kv_tier_path: str | None = None,
                  preemption_mode: str = "recompute", enable_lora: bool = False, max_loras: int = 4, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, lora_modules: dict | None = None,
-                 kv_transfer_config=None, integer_dot: bool | None = None):
+                 kv_transfer_config=None, integer_dot: bool | None = None, native_decode: bool | None = None):
         """model: None (the embedded GGUF), a path to a GGUF file, or an already loaded Llama
         (its tokenizer is then the embedded one). student: run your finished exercises instead of the
         reference (True: every chapter; ["05"] or "05,06": those), see nanoserve/student.py.
@@ -65,6 +65,10 @@ class LLM:
         integer_dot: int8 / q4 small steps in kernels/cpu_dot.c's integer products (True) or torch's kernels (False);
         None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, a model
         given, tensor parallelism, no build); a learner's exercise 10.2 / 10.3 code keeps torch's int4 kernel.
+        native_decode: q4 steps of one sequence's one token run every layer in one C call (kernels/cpu_decode.c,
+        chapter 09 section 5) instead of the model's forward; None: quant.default_native_decode() (on for q4 unless
+        integer_dot=False). Refused where it cannot be honoured (other weights, integer_dot=False, a model given,
+        tensor parallelism, LoRA, no build); a learner's exercise 10 quantizer keeps the model's forward.
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
         scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
@@ -84,7 +88,8 @@ class LLM:
         prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
-        from nanoserve.model.quant import check_crossover, check_integer_dot, check_weight_format
+        from nanoserve.model.quant import (check_crossover, check_integer_dot, check_native_decode, check_weight_format,
+                                           default_native_decode)
         from nanoserve.text.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
@@ -95,6 +100,12 @@ class LLM:
                 raise ValueError("integer_dot applies to the weights LLM loads from a GGUF; a model given keeps what "
                                  "quantize_model(..., integer_dot=...) made of it")
             check_integer_dot(integer_dot, weights or "fp32", tensor_parallel_size)
+        if native_decode is not None:
+            if model is not None and path is None:
+                raise ValueError("native_decode applies to the weights LLM loads from a GGUF; a model given runs its "
+                                 "one-token steps native where its `native_decode` attribute says so")
+            check_native_decode(native_decode, weights or "fp32", integer_dot, tensor_parallel_size,
+                                bool(enable_lora or lora_modules))
         if kernel_crossover_tokens is not None or large_step_weights is not None:  # given: they must apply
             if model is not None and path is None:
                 raise ValueError("kernel_crossover_tokens and large_step_weights apply to the weights LLM loads from a "
@@ -128,6 +139,11 @@ class LLM:
                 from nanoserve.model.quant import set_kernel_crossover
 
                 set_kernel_crossover(loaded, kernel_crossover_tokens, large_step_weights)
+            # chapter 09: one-token steps in kernels/cpu_decode.c (the runner reads this; a learner's quantizer
+            # is what the model's forward runs, so it keeps the forward)
+            native = (default_native_decode(weights or "fp32", integer_dot) and not (enable_lora or lora_modules)
+                      if native_decode is None else native_decode)
+            loaded.native_decode = native and quantizer is sys.modules["nanoserve.model.quant"]
             return loaded
 
         loader = None

@@ -43,6 +43,9 @@ def register(sub):
     p.add_argument("--integer-dot", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                    help="int8 / q4 small-step kernels: each quantized format runs once per choice given (chapter 10: "
                         "on = kernels/cpu_dot.c, off = torch's kernels)")
+    p.add_argument("--native-decode", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                   help="q4's one-token steps: each q4 format runs once per choice given (chapter 09: on = "
+                        "kernels/cpu_decode.c, the whole layer loop in one C call; off = the model's forward)")
     p.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="llama.cpp's llama-bench: its tg128 and pp512 on the same GGUF beside the batch-1 figures")
     p.add_argument("--hf", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
@@ -125,15 +128,16 @@ def alternate(names: list[str], round_index: int) -> list[str]:
     return names if round_index % 2 == 0 else names[::-1]
 
 
-def system_name(weights: str, kv: str, mode: str, dot: str = "auto") -> str:
+def system_name(weights: str, kv: str, mode: str, dot: str = "auto", native: str = "auto") -> str:
     return (f"nanoserve {weights}" + ("" if kv == "auto" else f", kv {kv}") + ("" if mode == "eager" else f", {mode}")
-            + {"auto": "", "on": ", cpu_dot", "off": ", torch kernels"}[dot])
+            + {"auto": "", "on": ", cpu_dot", "off": ", torch kernels"}[dot]
+            + {"auto": "", "on": ", native", "off": ", no native"}[native])
 
 
 @torch.inference_mode()
 def run(args):
     from nanoserve.cli.checks import UsageError
-    from nanoserve.kernels import cpu_dot
+    from nanoserve.kernels import cpu_decode, cpu_dot
     from nanoserve.llm import LLM
     from nanoserve.model import embedded_gguf_path
     from nanoserve.text.tokenizer import Tokenizer
@@ -142,11 +146,16 @@ def run(args):
         raise UsageError("--integer-dot chooses the small-step kernel of int8 / q4 weights: give --formats int8 or q4")
     if "on" in args.integer_dot and not cpu_dot.available():
         raise UsageError(f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})")
+    if args.native_decode != ["auto"] and "q4" not in args.formats:
+        raise UsageError("--native-decode chooses how q4's one-token steps run: give --formats q4")
+    if "on" in args.native_decode and not cpu_decode.available():
+        raise UsageError(f"--native-decode on: kernels/cpu_decode.c does not build here ({cpu_decode.build_error()})")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python -m nanoserve bench peers --num-requests {' '.join(map(str, args.num_requests))} "
           f"--formats {' '.join(args.formats)} --kv-cache-dtype {' '.join(args.kv_cache_dtype)} "
           f"--compile-mode {' '.join(args.compile_mode)} --integer-dot {' '.join(args.integer_dot)} "
+          f"--native-decode {' '.join(args.native_decode)} "
           f"--hf {' '.join(args.hf)} --rounds {args.rounds} --new-tokens {args.new_tokens} "
           f"--prefill-tokens {args.prefill_tokens} --decode-tokens {args.decode_tokens} --seed {args.seed}"
           + (f" --threads {args.threads}" if args.threads else "")
@@ -158,11 +167,13 @@ def run(args):
     # 24 blocks of 16 tokens per request (200 + 128 tokens at most), and room for the single stream's prompt
     blocks = max(max(args.num_requests) * 24, -(-(args.prefill_tokens + 1) // 16), -(-(32 + args.decode_tokens + 1) // 16))
     dots = {"auto": None, "on": True, "off": False}
-    llms = {system_name(f, kv, mode, dot):
+    llms = {system_name(f, kv, mode, dot, native):
             LLM(weights=f, kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.num_requests),
-                compile_mode=mode, integer_dot=dots[dot])
+                compile_mode=mode, integer_dot=dots[dot], native_decode=dots[native])
             for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode
-            for dot in (args.integer_dot if f in ("int8", "q4") else ["auto"])}
+            for dot in (args.integer_dot if f in ("int8", "q4") else ["auto"])
+            for native in (args.native_decode if f == "q4" else ["auto"])
+            if not (native == "on" and dot == "off")}  # native_decode computes with cpu_dot.c: refused with off
     hf = {}
     if args.hf:
         from transformers import AutoModelForCausalLM

@@ -8,6 +8,8 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   attention         the attention of prefill chunks and decode groups (chapter 05), less its gathers
   K/V gather/store  writing new K/V into the pool and gathering blocks out of it (index ops)
   norms/RoPE/act    RMSNorm, RoPE, SiLU · up, residual adds, the embedding lookup
+  native step       a q4 step of one sequence's one token in kernels/cpu_decode.c (chapter 09): every layer and
+                    the final norm in one C call, its parts not split (its LM head counts as "linear")
   LoRA              the adapters' gathers, x·A·B for each row's adapter (chapter 19; with --lora-rank only)
   sampling          the next tokens: argmax for the default greedy requests; with --temperature > 0 (and
                     --top-p < 1) the softmax, the top-p sort and the draw of chapter 03's sampler
@@ -49,7 +51,8 @@ from pathlib import Path
 
 import torch
 
-PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "LoRA", "sampling", "scheduler/Python"]
+PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "native step", "LoRA", "sampling",
+         "scheduler/Python"]
 GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading blocks out of the pool
 # inside a compiled step's graphs (no Python method runs there to label): the products, by their op
 PRODUCT_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::_weight_int4pack_mm_for_cpu",
@@ -84,6 +87,7 @@ def register(sub):
 def labelled_methods():
     """(owner, method name, part) of everything the profile labels."""
     from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.kernels.cpu_decode import NativeDecoder
     from nanoserve.engine.scheduler import Scheduler
     from nanoserve.kv.paged_attention import PagedAttention, PagedKVCache
     from nanoserve.model.block import DecoderBlock, LlamaAttention
@@ -98,6 +102,7 @@ def labelled_methods():
             (RMSNorm, "forward", "norms/RoPE/act"), (MLP, "forward", "norms/RoPE/act"),
             (LlamaAttention, "forward", "norms/RoPE/act"), (DecoderBlock, "forward", "norms/RoPE/act"),
             (Llama, "forward", "norms/RoPE/act"), (CompiledModel, "forward", "norms/RoPE/act"),
+            (NativeDecoder, "step", "native step"), (NativeDecoder, "logits", "linear"),
             (LoRAMapping, "apply", "LoRA"), (ModelRunner, "sample", "sampling"),
             (Scheduler, "schedule", "scheduler/Python"), (Scheduler, "update_from_output", "scheduler/Python"),
             (ModelRunner, "prepare_inputs", "scheduler/Python"), (PagedAttention, "__init__", "scheduler/Python")]
@@ -328,7 +333,9 @@ def run(args):
     for r in results:
         for phase in ("decode", "prefill"):
             r[phase]["roofline"] = bound(r[phase], bandwidth, peak)
-    shown = [p for p in PARTS if args.lora_rank or p != "LoRA"]  # without adapters the LoRA part is 0
+    # without adapters the LoRA part is 0, and without a native step (not q4, or no batch 1) its part
+    native = any(r[phase]["parts_ms"]["native step"] for r in results for phase in ("decode", "prefill"))
+    shown = [p for p in PARTS if (args.lora_rank or p != "LoRA") and (native or p != "native step")]
     header = f"{'step':>16s} {'ms':>8s} " + " ".join(f"{p[:12]:>12s}" for p in shown) + "   roofline ms (mem/compute)  bound"
     print(header)
     for phase in ("decode", "prefill"):

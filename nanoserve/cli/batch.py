@@ -94,6 +94,9 @@ def add_engine_args(p):
                    help="int8 / q4 small steps in kernels/cpu_dot.c's integer products (on) or torch's kernels (off); "
                         "auto: cpu_dot where the CPU has no native bf16 (chapter 10); a learner's exercise "
                         "10.2 / 10.3 code keeps torch's int4 kernel")
+    p.add_argument("--native-decode", default="auto", choices=["auto", "on", "off"],
+                   help="q4: a step of one sequence's one token runs every layer in one C call (kernels/cpu_decode.c, "
+                        "chapter 09) instead of the model's forward; auto: on for q4 unless --integer-dot off")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
 
@@ -112,7 +115,8 @@ def engine_kwargs(args, **extra) -> dict:
                 slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
                 compile_mode=args.compile_mode, kv_tier_blocks=args.kv_tier_blocks, kv_tier_path=args.kv_tier_path,
                 preemption_mode=args.preemption_mode,
-                integer_dot={"auto": None, "on": True, "off": False}[args.integer_dot], **extra)
+                integer_dot={"auto": None, "on": True, "off": False}[args.integer_dot],
+                native_decode={"auto": None, "on": True, "off": False}[getattr(args, "native_decode", "auto")], **extra)
 
 
 def check_engine_args(args) -> str | None:
@@ -128,6 +132,15 @@ def check_engine_args(args) -> str | None:
             return "--integer-dot is single-process only (tensor parallelism runs float32 weights)"
         if args.integer_dot == "on" and not cpu_dot.available():
             return f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})"
+    if getattr(args, "native_decode", "auto") == "on":
+        from nanoserve.model.quant import check_native_decode
+
+        try:
+            check_native_decode(True, args.weights, {"auto": None, "on": True, "off": False}[args.integer_dot],
+                                args.tensor_parallel_size, bool(getattr(args, "enable_lora", False)
+                                                                or getattr(args, "lora_modules", None)))
+        except ValueError as e:
+            return f"--native-decode on: {e}"
     if args.num_speculative_tokens is not None and args.speculative is None:
         return "--num-speculative-tokens needs --speculative ngram or draft"
     if args.attention_backend == "triton" and args.kv_cache_dtype not in (None, "auto"):

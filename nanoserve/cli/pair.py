@@ -40,7 +40,8 @@ FORWARDED = ("model", "served_model_name", "api_key", "api_keys", "request_timeo
              "metrics_need_key", "max_waiting_requests", "max_body_bytes", "shutdown_timeout", "log_level", "threads",
              "block_size", "num_blocks", "kv_cache_mib", "max_num_seqs", "max_num_batched_tokens",
              "no_chunked_prefill", "no_prefix_caching", "student", "attention_backend", "weights", "kv_cache_dtype",
-             "scheduling_policy", "slo_ttft_ms", "slo_tpot_ms", "slo_reject", "metrics_compat", "integer_dot")
+             "scheduling_policy", "slo_ttft_ms", "slo_tpot_ms", "slo_reject", "metrics_compat", "integer_dot",
+             "native_decode")
 OWN = ("host", "port", "disaggregated")  # the proxy's (--log-level and --shutdown-timeout serve it too)
 EAGER = "each engine runs chapter 17's eager single-process step"
 PLAIN_KV = "the KV connector moves plain KV blocks of the base model"

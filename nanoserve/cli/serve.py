@@ -157,10 +157,18 @@ def serving_format(args) -> str:
 
         said += ("; large steps in bf16 (this CPU multiplies bf16)" if str(LARGE_STEP_DTYPE) == "torch.bfloat16"
                  else "; large steps in float32 (no bf16 instructions on this CPU)")
-        on = default_integer_dot() if args.integer_dot == "auto" else args.integer_dot == "on"
+        dot = {"auto": None, "on": True, "off": False}[args.integer_dot]
+        on = default_integer_dot() if dot is None else dot
         said += ("; small steps in cpu_dot.c's integer products" if on else "; small steps in torch's integer kernels")
         if on and args.weights == "q4" and "10" in parse_selection(args.student):
             said += " (torch's int4 kernel where your exercise 10.2 / 10.3 code reads the blocks)"
+        if args.weights == "q4":
+            from nanoserve.model.quant import default_native_decode
+
+            choice = getattr(args, "native_decode", "auto")
+            native = choice == "on" if choice != "auto" else default_native_decode("q4", dot)
+            if native and "10" not in parse_selection(args.student) and not getattr(args, "enable_lora", False):
+                said += "; one-token steps in kernels/cpu_decode.c (chapter 09)"
     return said
 
 

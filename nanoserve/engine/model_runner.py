@@ -39,6 +39,7 @@ import torch
 from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
+from nanoserve.kernels.cpu_decode import NativeDecoder
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs
 import nanoserve.sampling as reference_sampling
@@ -103,6 +104,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.generators: dict[str, torch.Generator | None] = {}  # per live request
         self.tp_group = get_tp_group(model)  # chapter 11: rank 0 sends each step to the other ranks
+        self.native_decoders: dict[tuple, NativeDecoder | None] = {}  # chapter 09: (model, pool) -> its C step
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the step into index tensors, built once per step (never per layer)."""
@@ -190,10 +192,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
-        """The forward pass (on the degraded copy of the weights if asked, chapter 10); the logits
+        """The forward pass (on the degraded copy of the weights if asked, chapter 10; a q4 one-token step in
+        kernels/cpu_decode.c instead where native_decoder says it can run, chapter 09); the logits
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
         ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
+        native = self.native_decoder(model, batch)  # chapter 09: a one-token step in one C call, where it can run
+        if native is not None:
+            hidden = native.step(batch.input_ids, int(batch.positions[0]), batch.attn_metadata.block_tables[0],
+                                 int(batch.attn_metadata.seq_lens[0]), int(batch.attn_metadata.slot_mapping[0]))
+            # the rows asked for, all of them the one token's row (sampling, a prompt logprob, or both); one LM head
+            # call is exact here: cpu_dot.c computes each row alone, whatever the row count
+            return native.logits(hidden[batch.logits_indices]) if len(batch.logits_indices) else None
         hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
             return None
@@ -206,6 +216,26 @@ class ModelRunner:
         if parts[0] is None:
             return None
         return torch.cat([p.cpu() for p in parts]) if split else parts[0].cpu()  # (num_sampled [+ prompt rows], vocab)
+
+    def native_decoder(self, model, batch: ModelInput) -> NativeDecoder | None:
+        """Chapter 09: the C decode step (kernels/cpu_decode.py) for this step, or None: the model's forward runs.
+
+        It runs a step that is one sequence's one token, where the model asks for it (`native_decode`, set at
+        load: LLM's native_decode) and this runner's pool and attention are what the C code reads (a float32 or
+        bf16 PagedKVCache with chapter 05's attention). Why only there: the C step does batch 1's whole layer
+        loop without Python in between, which is where a batch-1 step spends most of its time; a larger batch's
+        time is its products, which the forward runs over all its rows at once (not measured natively here). What the C code needs comes from the
+        step's metadata (block table row, position, slot), so the model never sees the scheduler."""
+        llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
+        if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
+                or self.attention is not PagedAttention):
+            return None
+        first = next(iter([*llama.layers[0].buffers(), *llama.layers[0].parameters()]))  # a weight of layer 0
+        key = (id(llama), first.data_ptr(), self.kv_cache.k_cache[0].data_ptr())
+        if key not in self.native_decoders:  # once per model and pool: weights or a pool rebuilt (a wake): anew
+            self.native_decoders[key] = (NativeDecoder(llama, self.kv_cache)
+                                         if not NativeDecoder.why_not(llama, self.kv_cache) else None)
+        return self.native_decoders[key]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples

@@ -42,21 +42,23 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-_errors: dict[tuple, str] = {}  # gcc flags -> why that build failed
+_errors: dict[tuple, str] = {}  # (*gcc flags, source file) -> why that build failed
 
 
-def build(cflags: list[str]) -> ctypes.CDLL | None:
-    """cpu_dot.c compiled with these gcc flags and loaded (without -march=native: the plain C branch)."""
+def build(cflags: list[str], source: Path = SOURCE) -> ctypes.CDLL | None:
+    """cpu_dot.c (or a source that includes it: cpu_decode.c) compiled with these gcc flags and loaded (without
+    -march=native: the plain C branch)."""
     gcc = shutil.which("gcc")
+    key = (*cflags, source.name)
     if gcc is None:
-        _errors[tuple(cflags)] = "no gcc on PATH"
+        _errors[key] = "no gcc on PATH"
         return None
-    with tempfile.TemporaryDirectory(prefix="nanoserve_cpu_dot_") as tmp:
-        path = Path(tmp) / "cpu_dot.so"
-        done = subprocess.run([gcc, *cflags, "-o", str(path), str(SOURCE), "-lm"], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix=f"nanoserve_{source.stem}_") as tmp:
+        path = Path(tmp) / f"{source.stem}.so"
+        done = subprocess.run([gcc, *cflags, "-o", str(path), str(source), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-            _errors[tuple(cflags)] = f"gcc failed: {last}"
+            _errors[key] = f"gcc failed: {last}"
             return None
         lib = ctypes.CDLL(str(path))  # mapped now: the file can go with the folder
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -67,9 +69,9 @@ def build(cflags: list[str]) -> ctypes.CDLL | None:
     return lib
 
 
-def build_error(cflags: list[str] = CFLAGS) -> str:
+def build_error(cflags: list[str] = CFLAGS, source: Path = SOURCE) -> str:
     """Why the build with these flags (default: this CPU's) failed ('' if it did not, or was not tried)."""
-    return _errors.get(tuple(cflags), "")
+    return _errors.get((*cflags, source.name), "")
 
 
 def available() -> bool:

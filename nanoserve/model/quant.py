@@ -365,6 +365,35 @@ def check_integer_dot(integer_dot: bool, weights: str, tensor_parallel_size: int
         raise ValueError(f"integer_dot=True but kernels/cpu_dot.c does not build here: {cpu_dot.build_error()}")
 
 
+def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
+    """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
+    q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
+    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: this course's
+    Zen 4) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps keep
+    torch's kernels; chapter 09 section 5 has the measurement that made it the default."""
+    from nanoserve.kernels import cpu_decode
+
+    return weights == "q4" and integer_dot is not False and cpu_decode.available()
+
+
+def check_native_decode(native_decode: bool, weights: str, integer_dot: bool | None,
+                        tensor_parallel_size: int = 1, lora: bool = False) -> None:
+    """ValueError where an explicit native_decode=True cannot be honoured."""
+    from nanoserve.kernels import cpu_decode
+
+    if not native_decode:
+        return
+    if weights != "q4":
+        raise ValueError(f"native_decode runs q4 weights' one-token steps in C, not {weights!r} weights")
+    if integer_dot is False:
+        raise ValueError("native_decode computes with cpu_dot.c's integer products; integer_dot=False asks for "
+                         "torch's kernels")
+    if tensor_parallel_size > 1 or lora:
+        raise ValueError("native_decode runs one whole q4 model in one process: not with tensor parallelism or LoRA")
+    if not cpu_decode.available():
+        raise ValueError(f"native_decode=True but kernels/cpu_decode.c does not build here: {cpu_decode.build_error()}")
+
+
 def reference_q4_mapping(f) -> bool:
     """Whether `f`'s Q4_1 reading (unpack_q4_1, int4_scale_and_zero) is this module's: a learner's is read only by
     torch's int4 kernel (the packed integers and its scales), which cpu_dot.c bypasses for the file's bytes."""

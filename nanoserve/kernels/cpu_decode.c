@@ -1,0 +1,249 @@
+/* Chapters 09 and 10 — one batch-1 decode step in C: every layer of a q4 Llama for one sequence's one new token
+   (cpu_decode.py builds and calls it).
+
+   Why: at batch 1 the products are half of nanoserve's step and llama.cpp's whole step is about as long as
+   them; the rest of ours is Python and dispatch around a few KB of arithmetic (RMSNorm, RoPE, SiLU, the
+   attention's gather: dozens of torch ops per layer, or 60 compiled-graph calls with their guards). Here one
+   call runs all of it, with the products of cpu_dot.c itself (this file includes it: one translation unit, so
+   the same dot_q4_1 and quantize_q8_1 compute each row, bit for bit what a q4 layer with integer_dot computes
+   for the same input).
+
+   Per layer, for x (hidden,) float32, the residual stream:
+       xn = rmsnorm(x) · w1                           qkv = Q4_1(qkv) · q8_1(xn)      (H·D + 2·Hkv·D,)
+       q, k rotated (rotate-half RoPE: pair i with i + D/2, rope.py)   k, v -> the pool at `slot`
+       att[h] = softmax(q_h · K_jᵀ / √D) · V_j   j = h / (H / Hkv), K and V read through the block table
+       x += Q4_1(o) · q8_1(att)
+       xn = rmsnorm(x) · w2     gu = Q4_1(gate_up) · q8_1(xn)     x += Q4_1(down) · q8_1(silu(gate) · up)
+   and after the last layer x = rmsnorm(x) · w_final (the LM head stays cpu_dot.py's int8 product).
+
+   A bf16 pool is what the eager step does with it: k and v rounded to bf16 when stored, q rounded to bf16
+   before the scores, the output rounded to bf16 (torch's bf16 attention returns bf16); the sums are float32.
+
+   Threads: one OpenMP region for the whole step. The products split their output rows over the threads
+   (`omp for`), the attention its query heads; the element-wise work between them is a few KB, and every thread
+   does all of it on its own copy (below, "Scratch"), so the threads meet only at the 5 barriers a layer that
+   the products' rows need. No allocation: the caller's scratch.
+*/
+#include "cpu_dot.c"
+#include <omp.h>
+
+typedef struct {
+    const float *norm1, *norm2;                      /* (hidden,) the two RMSNorm weights */
+    const block_q4_1 *qkv, *o, *gate_up, *down;      /* rows of Q4_1 blocks, as the GGUF stores them */
+    void *k, *v;                                     /* this layer's pool: (Hkv, num_blocks, block_size, D) */
+} layer_t;
+
+typedef struct {
+    int64_t hidden, inter, heads, kv_heads, head_dim, layers, num_blocks, block_size;
+    int64_t kv_bf16;                                 /* the pool's dtype: 0 float32, 1 bfloat16 */
+    float eps;                                       /* RMSNorm's */
+    const float *inv_freq;                           /* (D/2,) RoPE's theta_i, computed by rope.py's formula */
+    const float *final_norm;                         /* (hidden,) */
+    const layer_t *layer;                            /* (layers,) */
+} model_t;
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);  /* nan stays nan */
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+/* Scratch, in floats: shared, what the products write (qkv, att, tmp, gate_up) and the scores (heads · max_seq);
+   then per thread its own residual stream x, a normed / activated input, its rotated q and k, and its q8_1 blocks.
+   Each thread keeps its own copy of everything between two products, computed identically, so a thread waits for
+   the others only where it needs rows they computed: after each product and after the attention, 5 barriers a
+   layer. (With one thread per core and a neighbour's process on a core, every barrier can wait for a time slice:
+   fewer of them is most of what keeps a busy machine's step short.) */
+static int64_t widest(const model_t *m) {  /* the longest input a product quantizes */
+    int64_t w = m->hidden > m->inter ? m->hidden : m->inter;
+    return w > m->heads * m->head_dim ? w : m->heads * m->head_dim;
+}
+
+static int64_t shared_floats(const model_t *m, int64_t max_seq) {
+    return (m->heads + 2 * m->kv_heads) * m->head_dim + m->heads * m->head_dim + m->hidden + 2 * m->inter
+           + m->heads * max_seq;
+}
+
+static int64_t private_bytes(const model_t *m) {  /* one thread's, a multiple of 64 bytes */
+    int64_t floats = m->hidden + widest(m) + (m->heads + m->kv_heads) * m->head_dim;
+    int64_t bytes = floats * (int64_t)sizeof(float) + widest(m) / QK * (int64_t)sizeof(block_q8_1);
+    return (bytes + 63) / 64 * 64;
+}
+
+/* Bytes of scratch decode_step needs for a sequence of up to max_seq tokens on `threads` threads. */
+int64_t decode_scratch_bytes(const model_t *m, int64_t max_seq, int threads) {
+    return (shared_floats(m, max_seq) * (int64_t)sizeof(float) + 63) / 64 * 64 + threads * private_bytes(m) + 64;
+}
+
+static void rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* y (out,) = rows of w · the quantized input; the caller's threads share the rows (an orphaned omp for). */
+static void rows_q4_1(const block_q4_1 *w, const block_q8_1 *xq, int64_t in, int64_t out, float *y) {
+    int64_t nb = in / QK;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < out; r++) dot_q4_1(w + r * nb, xq, nb, 1, y + r);
+}
+
+/* Rotate-half RoPE of one head vector x (D,) at angles pos · inv_freq: pair (x[i], x[i + D/2]). */
+static void rope(float *x, const float *cos_, const float *sin_, int64_t D) {
+    for (int64_t i = 0; i < D / 2; i++) {
+        float a = x[i], b = x[i + D / 2];
+        x[i] = a * cos_[i] - b * sin_[i];
+        x[i + D / 2] = b * cos_[i] + a * sin_[i];
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+#if SIMD
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline float dot_bf16(const float *a, const uint16_t *b, int64_t n) {
+#if SIMD
+    if (n % 8 == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {  /* 8 bf16 -> 8 floats: the 16 bits moved up */
+            __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + i))), 16);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_castsi256_ps(w), acc);
+        }
+        return hsum(acc);
+    }
+#endif
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * bf16_to_float(b[i]);
+    return s;
+}
+
+/* One query head against its kv head's keys and values, positions 0..seq_len-1: the earlier ones read through
+   the block table (the pool's row of position t: table[t / bs] · bs + t % bs), this token's own (the last) from
+   k, v (D,), already what the pool holds (rounded to bf16 for a bf16 pool): another thread may be storing them.
+   q (D,), scores (seq_len,) scratch, out (D,). */
+static void attend_head(const model_t *m, const layer_t *L, int64_t j, const float *q, const float *k,
+                        const float *v, const int64_t *table, int64_t seq_len, float *scores, float *out) {
+    int64_t D = m->head_dim, bs = m->block_size, base = j * m->num_blocks * bs;  /* kv head j's first row */
+    float scale = 1.f / sqrtf((float)D), top = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < seq_len - 1; t++) {
+        int64_t row = base + table[t / bs] * bs + t % bs;
+        scores[t] = scale * (m->kv_bf16 ? dot_bf16(q, (const uint16_t *)L->k + row * D, D)
+                                        : dot_f32(q, (const float *)L->k + row * D, D));
+        top = fmaxf(top, scores[t]);
+    }
+    scores[seq_len - 1] = scale * dot_f32(q, k, D);
+    top = fmaxf(top, scores[seq_len - 1]);
+    for (int64_t t = 0; t < seq_len; t++) sum += (scores[t] = expf(scores[t] - top));
+    for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+    for (int64_t t = 0; t < seq_len; t++) {
+        int64_t row = base + table[t / bs] * bs + t % bs;
+        float p = scores[t] / sum;
+        if (t == seq_len - 1) {
+            for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
+        } else if (m->kv_bf16) {
+            const uint16_t *v = (const uint16_t *)L->v + row * D;
+            for (int64_t d = 0; d < D; d++) out[d] += p * bf16_to_float(v[d]);
+        } else {
+            const float *v = (const float *)L->v + row * D;
+            for (int64_t d = 0; d < D; d++) out[d] += p * v[d];
+        }
+    }
+    if (m->kv_bf16)
+        for (int64_t d = 0; d < D; d++) out[d] = round_bf16(out[d]);
+}
+
+/* k, v (Hkv, D) of this token into the pool's row `slot` of every kv head (the pool seen as (Hkv, slots, D)). */
+static void store_kv(const model_t *m, const layer_t *L, const float *k, const float *v, int64_t slot) {
+    int64_t D = m->head_dim, slots = m->num_blocks * m->block_size;
+    for (int64_t j = 0; j < m->kv_heads; j++)
+        for (int64_t d = 0; d < D; d++) {
+            int64_t at = (j * slots + slot) * D + d;
+            if (m->kv_bf16) {
+                ((uint16_t *)L->k)[at] = float_to_bf16(k[j * D + d]);
+                ((uint16_t *)L->v)[at] = float_to_bf16(v[j * D + d]);
+            } else {
+                ((float *)L->k)[at] = k[j * D + d];
+                ((float *)L->v)[at] = v[j * D + d];
+            }
+        }
+}
+
+/* The step. x (hidden,): the token's embedding in, the final-normed hidden state out. pos: its position, the
+   sequence's last (seq_len - 1); table: the sequence's block table (>= ceil(seq_len / block_size) entries); slot:
+   this token's pool row (table[pos / bs] · bs + pos % bs, the runner's slot_mapping). scratch: at least
+   decode_scratch_bytes(m, seq_len, threads) bytes, 64-byte aligned. */
+void decode_step(const model_t *m, float *x, int64_t pos, const int64_t *table, int64_t seq_len, int64_t slot,
+                 void *scratch, int threads) {
+    int64_t H = m->heads, Hkv = m->kv_heads, D = m->head_dim, G = H / Hkv;
+    int64_t hidden = m->hidden, inter = m->inter, nqkv = (H + 2 * Hkv) * D;
+    float *qkv = scratch, *att = qkv + nqkv, *tmp = att + H * D, *gu = tmp + hidden, *scores = gu + 2 * inter;
+    char *privates = (char *)scratch + (shared_floats(m, seq_len) * (int64_t)sizeof(float) + 63) / 64 * 64;
+    float cos_[D / 2], sin_[D / 2];  /* this position's angles, float32 as rope_cos_sin's */
+    for (int64_t i = 0; i < D / 2; i++) {
+        float angle = (float)pos * m->inv_freq[i];
+        cos_[i] = cosf(angle);
+        sin_[i] = sinf(angle);
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        float *xr = (float *)(privates + omp_get_thread_num() * private_bytes(m));  /* this thread's stream */
+        float *xn = xr + hidden, *q = xn + widest(m), *k = q + H * D;               /* its rotated q, k */
+        block_q8_1 *xq = (block_q8_1 *)(k + Hkv * D);
+        memcpy(xr, x, (size_t)hidden * sizeof(float));
+        for (int64_t l = 0; l < m->layers; l++) {
+            const layer_t *L = m->layer + l;
+            rmsnorm(xr, L->norm1, xn, hidden, m->eps);
+            quantize_q8_1(xn, xq, hidden);
+            rows_q4_1(L->qkv, xq, hidden, nqkv, qkv);                            /* barrier 1 */
+            float *v = qkv + (H + Hkv) * D;
+            memcpy(q, qkv, (size_t)(H + Hkv) * D * sizeof(float));
+            for (int64_t h = 0; h < H + Hkv; h++) rope(q + h * D, cos_, sin_, D);  /* q's heads, then k's */
+            if (m->kv_bf16)  /* what the eager step attends with: q in the pool's dtype, k and v as stored */
+                for (int64_t i = 0; i < (H + Hkv) * D; i++) q[i] = round_bf16(q[i]);
+            #pragma omp master
+            store_kv(m, L, k, v, slot);  /* read back by later steps only: this one uses k and v directly */
+            #pragma omp for schedule(static)
+            for (int64_t h = 0; h < H; h++) {                                    /* barrier 2 */
+                int64_t j = h / G;
+                float vj[D];
+                for (int64_t d = 0; d < D; d++) vj[d] = m->kv_bf16 ? round_bf16(v[j * D + d]) : v[j * D + d];
+                attend_head(m, L, j, q + h * D, k + j * D, vj, table, seq_len, scores + h * seq_len, att + h * D);
+            }
+            quantize_q8_1(att, xq, H * D);
+            rows_q4_1(L->o, xq, H * D, hidden, tmp);                             /* barrier 3 */
+            for (int64_t i = 0; i < hidden; i++) xr[i] += tmp[i];
+            rmsnorm(xr, L->norm2, xn, hidden, m->eps);
+            quantize_q8_1(xn, xq, hidden);
+            rows_q4_1(L->gate_up, xq, hidden, 2 * inter, gu);                    /* barrier 4 */
+            for (int64_t i = 0; i < inter; i++) {  /* silu(gate) · up */
+                float g = gu[i];
+                xn[i] = g / (1.f + expf(-g)) * gu[inter + i];
+            }
+            quantize_q8_1(xn, xq, inter);
+            rows_q4_1(L->down, xq, inter, hidden, tmp);                          /* barrier 5 */
+            for (int64_t i = 0; i < hidden; i++) xr[i] += tmp[i];
+        }
+        #pragma omp master
+        rmsnorm(xr, m->final_norm, x, hidden, m->eps);
+    }
+}

@@ -1,0 +1,186 @@
+"""Chapters 09 and 10 — a batch-1 decode step in one C call (cpu_decode.c, which includes cpu_dot.c's products).
+
+Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
+
+    one sequence, one token, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
+        -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C;
+           NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
+    anything else (prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
+    LoRA, a quantized KV pool, another attention class, tensor parallelism)
+        -> the model's forward (eager or compiled), as before
+
+Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU; the rest is Python and op
+dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
+in about the products' time. Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`). The C step computes what the eager q4 integer_dot step computes, in the same
+order per layer; what differs is float32 rounding only (the order of a norm's sum, cosf/expf against torch's),
+and where such a difference moves an activation across an int8 rounding boundary, the products differ by up to
+one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
+
+Not refused but passed by: the runner falls back to the model's forward for any step this cannot run
+(`NativeDecoder.why_not` says why), so the switch (`LLM(native_decode=...)`) only chooses between the two
+where both can run; `native_decode=True` is refused where the weights could never take it.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from nanoserve.kernels import cpu_dot
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
+
+
+class Layer(ctypes.Structure):  # cpu_decode.c's layer_t
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "qkv", "o", "gate_up", "down", "k", "v")]
+
+
+class Model(ctypes.Structure):  # cpu_decode.c's model_t
+    _fields_ = [*((name, ctypes.c_int64) for name in ("hidden", "inter", "heads", "kv_heads", "head_dim", "layers",
+                                                       "num_blocks", "block_size", "kv_bf16")),
+                ("eps", ctypes.c_float), ("inv_freq", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("layer", ctypes.POINTER(Layer))]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """cpu_decode.c built for this CPU (with its AVX2 branch) and loaded, or None (the reason: build_error())."""
+    if not cpu_dot.simd():  # the plain-C products are slower than torch's kernels: no point in a native step
+        return None
+    lib = cpu_dot.build(cpu_dot.CFLAGS, SOURCE)
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.decode_scratch_bytes.argtypes = [ptr, i64, ctypes.c_int]
+    lib.decode_scratch_bytes.restype = i64
+    lib.decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.decode_step.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def build_error() -> str:
+    if not cpu_dot.simd():
+        return "kernels/cpu_dot.c has no AVX2 branch here (or does not build)"
+    return cpu_dot.build_error(cpu_dot.CFLAGS, SOURCE)
+
+
+def why_not_model(model) -> str:
+    """'' where this model's layers are what the C step reads, else why not (the Llama itself, not a compiled
+    wrapper). Checked once per model: q4 layers taking the integer products, plain RMSNorms, head dims of 32s."""
+    from nanoserve.model.block import DecoderBlock, LlamaAttention
+    from nanoserve.model.layers import MLP, RMSNorm
+    from nanoserve.model.llama import Llama
+    from nanoserve.model.quant import Int8Linear, Q4Linear
+
+    if not available():
+        return f"kernels/cpu_decode.c does not build here: {build_error()}"
+    if getattr(model, "weight_format", "fp32") != "q4":
+        return f"weights {getattr(model, 'weight_format', 'fp32')!r}: the native step runs q4 weights only"
+    if not isinstance(model, Llama) or type(model).forward is not Llama.forward:
+        return "not the reference Llama's forward (a learner's model, or one that does more than its layers)"
+    c = model.config
+    for i, block in enumerate(model.layers):
+        if (type(block), type(block.self_attn), type(block.mlp)) != (DecoderBlock, LlamaAttention, MLP):
+            return f"layer {i}: not the reference block (a learner's chapter 02 code runs in the model's forward)"
+        layers = (block.self_attn.qkv_proj, block.self_attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj)
+        if not all(type(m) is Q4Linear for m in layers):  # a LoRA wrapper, a learner's layer, another format
+            return f"layer {i}: a product that is not a plain Q4Linear"
+        if not all(type(n) is RMSNorm for n in (block.input_layernorm, block.post_attention_layernorm)):
+            return f"layer {i}: a norm that is not the reference RMSNorm"
+        if block.self_attn.num_heads != c.num_attention_heads or block.self_attn.num_kv_heads != c.num_key_value_heads:
+            return f"layer {i}: a tensor-parallel shard"
+    if type(model.norm) is not RMSNorm:
+        return "the final norm is not the reference RMSNorm"
+    if not isinstance(model.lm_head, Int8Linear) or model.lm_head.in_features % cpu_dot.QK:
+        return "the LM head is not int8 rows of a multiple of 32"
+    if c.head_dim % 2 or (c.num_attention_heads * c.head_dim) % cpu_dot.QK:
+        return f"head_dim {c.head_dim}: the attention output must come in blocks of {cpu_dot.QK}"
+    return ""
+
+
+class NativeDecoder:
+    """One model's C decode step over one KV pool: the pointers gathered once, a scratch buffer grown as needed.
+
+    step(token (1,), position, block_table (>= blocks,), seq_len, slot) -> hidden (1, hidden): what
+    model(ids, positions, attn) returns for a one-token step of that sequence, with this token's K/V stored.
+    logits(hidden (N, hidden)) -> (N, vocab): the LM head in cpu_dot.c's int8 product, whatever the model's layers
+    take for their small steps (integer_dot): a native step is integer products throughout, as llama.cpp's.
+    """
+
+    def __init__(self, model, kv_cache):
+        c = model.config
+        self.model, self.kv_cache = model, kv_cache
+        self.inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        self.layers = (Layer * c.num_hidden_layers)()
+        for i, (block, k, v) in enumerate(zip(model.layers, kv_cache.k_cache, kv_cache.v_cache)):
+            a, mlp = block.self_attn, block.mlp
+            self.layers[i] = Layer(*(_ptr(t) for t in (block.input_layernorm.weight, block.post_attention_layernorm.weight,
+                                                        a.qkv_proj.blocks, a.o_proj.blocks, mlp.gate_up_proj.blocks,
+                                                        mlp.down_proj.blocks, k, v)))
+        self.desc = Model(c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          c.num_hidden_layers, kv_cache.num_blocks, kv_cache.block_size,
+                          POOL_DTYPES[kv_cache.k_cache[0].dtype], model.norm.eps, _ptr(self.inv_freq),
+                          _ptr(model.norm.weight), self.layers)
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    @staticmethod
+    def why_not(model, kv_cache) -> str:
+        """'' where NativeDecoder(model, kv_cache) can run its steps, else why not."""
+        from nanoserve.kv.paged_attention import PagedKVCache
+
+        reason = why_not_model(model)
+        if reason:
+            return reason
+        if type(kv_cache) is not PagedKVCache or kv_cache.k_cache[0].device.type != "cpu":
+            return "the KV pool is not chapter 05's PagedKVCache on the CPU"
+        if kv_cache.k_cache[0].dtype not in POOL_DTYPES:
+            return f"a {kv_cache.k_cache[0].dtype} KV pool (the native step reads float32 and bf16 pools)"
+        if any(b.input_layernorm.eps != model.norm.eps or b.post_attention_layernorm.eps != model.norm.eps
+               for b in model.layers):
+            return "the norms' eps differ"
+        return ""
+
+    def step(self, token: torch.Tensor, position: int, block_table: torch.Tensor, seq_len: int, slot: int) -> torch.Tensor:
+        lib = library()
+        x = self.model.embed_tokens(token).float().contiguous()  # (1, hidden): a fresh row, the C code's in and out
+        if position >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, refused here too
+            raise ValueError(f"position {position} is beyond the model's context of "
+                             f"{self.model.config.max_position_embeddings} tokens")
+        if position != seq_len - 1:
+            raise ValueError(f"native decode: a one-token step is the sequence's last position, got {position} of {seq_len}")
+        threads = torch.get_num_threads()
+        need = lib.decode_scratch_bytes(ctypes.byref(self.desc), seq_len, threads)
+        if self.scratch.numel() < need:  # grown, never per step: doubled, so a growing sequence reallocates rarely
+            self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8)
+        table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
+            block_table.to(torch.int64).contiguous()
+        if table.numel() * self.kv_cache.block_size < seq_len:
+            raise ValueError(f"native decode: a block table of {table.numel()} blocks for {seq_len} tokens")
+        if not 0 <= slot < self.kv_cache.num_blocks * self.kv_cache.block_size:  # the C code writes there unchecked
+            raise ValueError(f"native decode: slot {slot} is outside the pool")
+        lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), position, table.data_ptr(), seq_len, slot,
+                        _aligned(self.scratch), threads)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.lm_head
+        return cpu_dot.int8_matmul(hidden, head.qweight, head.scale_f32)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """The address the C code reads: refuse a tensor whose memory is not one dense block."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"native decode reads contiguous CPU tensors, got one of shape {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def _aligned(buf: torch.Tensor) -> int:
+    """The scratch's address rounded up to 64 bytes (decode_scratch_bytes leaves the room)."""
+    return (buf.data_ptr() + 63) // 64 * 64
+
