@@ -139,17 +139,21 @@ def serve(engine, requests):
     return results, widest
 
 
-@pytest.mark.parametrize("weights", ["q4", "int8"])
-def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, workload, weights):
+@pytest.mark.parametrize("weights, native, at_least", [("q4", False, 8), ("q4", True, 6), ("int8", False, 8)])
+def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, workload, weights, native, at_least):
     """LLM(weights=...) runs every product up to KERNEL_CROSSOVER_TOKENS tokens in the kernel, beyond on a bf16
     copy of its weight. With a 16-token budget every step stays in the kernel, whose rows do not depend on the
     batch (test_ch10_quant.py); still, batched and alone differ for some requests (measured, AVX-512 CPU, printed under
     pytest -s: 11 of 12 identical in q4 and in int8; the batched decode attention gives a sequence other last bits beside others than
-    alone, notebook 10's section 5), so it states the bound, not equality. Each request alone runs on an engine
+    alone, notebook 10's section 5), so it states the bound, not equality. With chapter 09's native decode step
+    (LLM's default for q4) a request decoding alone takes another path than inside a batch: its activations are
+    rounded to int8 there, to bf16 in the batched kernel on a CPU with native bf16 (8 of 12 on the AVX-512 CPU),
+    so its bound is lower. Each request alone runs on an engine
     without prefix caching, so it computes its whole prompt itself instead of reading blocks the batched run
     computed. The default engine (2048-token steps, the bf16 copy) serves the workload without leaks."""
     model = request.getfixturevalue(weights)
     set_kernel_crossover(model)  # what LLM(weights=...) does to the model it loads (llm.py), with its defaults
+    model.native_decode = native  # LLM's default for q4 where kernels/cpu_decode.c builds (chapter 09)
     try:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.large_step_copy is not None for m in layers)
@@ -161,13 +165,14 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
                                              scheduler_config=SchedulerConfig(max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS)))
         alone = {i: serve(solo, [req])[0][0] for i, req in enumerate(workload)}
         same = sum(batched[i] == alone[i] for i in alone)
-        print(f"{weights}: batched equal to alone for {same} of {len(alone)} requests")  # the chapter's figure, with -s
-        assert same >= 8, (batched, alone)
+        print(f"{weights}{', native step' if native else ''}: batched equal to alone for {same} of {len(alone)} requests")  # the chapter's figure, with -s
+        assert same >= at_least, (batched, alone)
         wide, widest = serve(LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96))), workload)
         assert widest > KERNEL_CROSSOVER_TOKENS and len(wide) == len(workload)
         assert all(len(wide[i]) == n for i, (_, n) in enumerate(workload))
     finally:  # the module's other tests measure the bare model
         set_kernel_crossover(model, QUANT_MAX_TOKENS, "dequantize")
+        model.native_decode = False
 
 
 def test_batch_with_student_10_reports_the_learners_quantizer(exercises, tmp_path, capsys):
