@@ -224,8 +224,9 @@ class ModelRunner:
         load: LLM's native_decode) and this runner's pool and attention are what the C code reads (a float32 or
         bf16 PagedKVCache with chapter 05's attention). Why only there: the C step does batch 1's whole layer
         loop without Python in between, which is where a batch-1 step spends most of its time; a larger batch's
-        time is its products, which the forward runs over all its rows at once (not measured natively here). What the C code needs comes from the
-        step's metadata (block table row, position, slot), so the model never sees the scheduler."""
+        time is its products, which the forward runs over all its rows at once (not measured natively here). What
+        the C code needs comes from the step's metadata (block table row, position, slot), so the model never sees
+        the scheduler."""
         llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
         if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
                 or self.attention is not PagedAttention):
