@@ -54,7 +54,9 @@ class LLM:
         degrade_under_load: with this many requests waiting, steps run on a q4 copy of the weights loaded beside
         them (chapter 10; 161.5 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
-        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
+        and KV heads (chapter 11); what they cannot run is refused before any starts
+        (EngineConfig.check_tensor_parallel), and a failure after they started stops them; call close() after (or
+        use `with LLM(...) as llm:`).
         kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
         a GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS: a default, the crossover is the CPU's), in bf16 where
         the CPU multiplies bf16 natively, else float32 (quant.LARGE_STEP_DTYPE); large_step_weights (None: "copy"):
