@@ -54,7 +54,9 @@ class LLM:
         degrade_under_load: with this many requests waiting, steps run on a q4 copy of the weights loaded beside
         them (chapter 10; 161.5 MB more for SmolLM2).
         tensor_parallel_size > 1 starts that many − 1 worker processes, each holding a shard of the weights
-        and KV heads (chapter 11); call close() after (or use `with LLM(...) as llm:`).
+        and KV heads (chapter 11); what they cannot run is refused before any starts
+        (EngineConfig.check_tensor_parallel), and a failure after they started stops them; call close() after (or
+        use `with LLM(...) as llm:`).
         kernel_crossover_tokens: int8 / q4 layers use their integer kernel on steps of up to this many tokens,
         a GEMM beyond (default quant.KERNEL_CROSSOVER_TOKENS: a default, the crossover is the CPU's), in bf16 where
         the CPU multiplies bf16 natively, else float32 (quant.LARGE_STEP_DTYPE); large_step_weights (None: "copy"):
@@ -115,17 +117,21 @@ class LLM:
                                  f"and the GEMM of int8 / q4 weights; weights={weights or 'fp32'!r} has no integer kernel")
         large_step_weights = "copy" if large_step_weights is None else large_step_weights
         check_crossover(kernel_crossover_tokens, large_step_weights)  # before the model loads
-        if tensor_parallel_size > 1 and ((weights or "fp32") != "fp32" or degrade_under_load is not None
-                                         or attention_backend == "triton" or kv_cache_dtype != "auto"
-                                         or compile_mode != "eager" or speculative == "draft"):
-            raise ValueError("tensor_parallel_size > 1 runs float32 weights with the torch attention backend: "
-                             "weights, degrade_under_load, kv_cache_dtype, compile_mode, attention_backend='triton' "
-                             "and speculative='draft' (its layers would run on rank 0 alone) are single-process only")
-        if tensor_parallel_size > 1 and (enable_lora or lora_modules or kv_tier_blocks or kv_transfer_config is not None):
-            # the engine refuses these too (LLMEngine), but only once every worker has loaded its shard
-            raise ValueError("tensor_parallel_size > 1 runs one model's shards in worker processes: LoRA adapters "
-                             "(enable_lora, lora_modules), the KV tier (kv_tier_blocks) and a KV connector "
-                             "(kv_transfer_config) are single-process only")
+        # the flat keyword arguments above (vLLM's EngineArgs), grouped by idea (nanoserve/engine/config.py): a bad
+        # setting is refused here, before any model loads or worker process starts
+        config = engine_config(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+            slo_reject=slo_reject, tenant_weights=tenant_weights, tenant_slos=tenant_slos, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
+            degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_tier_blocks=kv_tier_blocks,
+            kv_tier_path=kv_tier_path, preemption_mode=preemption_mode,
+            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
+            kv_transfer_config=kv_transfer_config)
+        if tensor_parallel_size > 1:  # the engine checks too, but only once every worker has loaded its shard
+            config.check_tensor_parallel(weights or "fp32")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
 
@@ -159,26 +165,14 @@ class LLM:
                              f"{getattr(model, 'weight_format', 'fp32')!r}: use load_gguf(..., weights={weights!r})")
         else:
             self.model = model
-        degraded = None
-        if degrade_under_load is not None:
-            if not (model is None or path is not None) or (weights or "fp32") == "q4":
-                raise ValueError("degrade_under_load loads a q4 copy of the GGUF beside fp32 or int8 weights: "
-                                 "give a GGUF path (or none) and weights 'fp32' or 'int8'")
-            degraded = load_gguf(path, "q4", integer_dot=integer_dot)
-        self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
-        # the flat keyword arguments above (vLLM's EngineArgs), grouped by idea (nanoserve/engine/config.py)
-        config = engine_config(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-            slo_reject=slo_reject, tenant_weights=tenant_weights, tenant_slos=tenant_slos, speculative=speculative,
-            num_speculative_tokens=num_speculative_tokens, student=student, attention_backend=attention_backend,
-            degrade_under_load=degrade_under_load, compile_mode=compile_mode, kv_tier_blocks=kv_tier_blocks,
-            kv_tier_path=kv_tier_path, preemption_mode=preemption_mode,
-            lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
-            kv_transfer_config=kv_transfer_config)
-        try:
+        try:  # from here on a failure stops the workers started above
+            degraded = None
+            if degrade_under_load is not None:
+                if not (model is None or path is not None) or (weights or "fp32") == "q4":
+                    raise ValueError("degrade_under_load loads a q4 copy of the GGUF beside fp32 or int8 weights: "
+                                     "give a GGUF path (or none) and weights 'fp32' or 'int8'")
+                degraded = load_gguf(path, "q4", integer_dot=integer_dot)
+            self.tokenizer = tokenizer or Tokenizer.from_gguf(path)
             self.engine = LLMEngine(self.model, config, self.tokenizer, degraded_model=degraded, student=code,
                                     model_loader=loader)
             for name, adapter_path in (lora_modules or {}).items():

@@ -157,9 +157,11 @@ def test_column_then_row_is_the_whole_mlp():
 
 
 @pytest.mark.exercise("11.4")
-@pytest.mark.parametrize("vocab,n,sizes", [(256, 3, [86, 86, 84]), (10, 4, [3, 3, 3, 1]), (12, 2, [6, 6]), (7, 1, [7])])
+@pytest.mark.parametrize("vocab,n,sizes", [(256, 3, [86, 86, 84]), (10, 4, [3, 3, 3, 1]), (12, 2, [6, 6]), (7, 1, [7]),
+                                           (5, 4, [2, 2, 1, 0])])
 def test_vocab_parallel_embedding_and_lm_head(vocab, n, sizes):
-    """sizes: each rank's rows of the real vocabulary, by hand (ceil(V / n) rows each, the last ones padded)."""
+    """sizes: each rank's rows of the real vocabulary, by hand (ceil(V / n) rows each, the last ones padded; V = 5
+    over 4 ranks: rank 3 holds padding alone, from row 6, past the vocabulary)."""
     V = implementation("nanoserve.distributed.vocab")
     torch.manual_seed(vocab)
     W = torch.randn(vocab, 5)

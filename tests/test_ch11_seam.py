@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_DISTRIBUTED = ["nanoserve.engine.scheduler", "nanoserve.engine.sequence", "nanoserve.kv.block_allocator",
-                  "nanoserve.kv.prefix_cache", "nanoserve.kv.block_manager", "nanoserve.kv.paged_attention",
-                  "nanoserve.kv.reservation", "nanoserve.kv.naive"]
+KV = sorted(f"nanoserve.kv.{p.stem}" for p in (ROOT / "nanoserve" / "kv").glob("*.py") if p.stem != "__init__")
+NO_DISTRIBUTED = ["nanoserve.engine.scheduler", "nanoserve.engine.sequence", *KV]  # every module of kv/
 NO_TEXT = NO_DISTRIBUTED + ["nanoserve.engine.model_runner"]  # below LLMEngine's output step
 SERVER = sorted(f"nanoserve.server.{p.stem}" for p in (ROOT / "nanoserve" / "server").glob("*.py") if p.stem != "__init__")
 TEXT_AND_SERVER = ("nanoserve.text", "nanoserve.server")
@@ -76,6 +75,7 @@ def test_the_check_sees_imports():
     assert any(m.startswith("nanoserve.text") for m in static_closure(["nanoserve.server.api_server"]))
     # the server reaches distributed/ only through the engine it talks to
     assert "nanoserve.server.api_server" in SERVER and len(SERVER) > 10
+    assert {"nanoserve.kv.block_manager", "nanoserve.kv.tiered_block_manager"} <= set(KV) and len(KV) > 10
     assert "nanoserve.distributed.parallel_state" in static_closure(["nanoserve.server.api_server"])
     assert "nanoserve.distributed.parallel_state" in static_closure(["nanoserve.engine.async_engine"])
 

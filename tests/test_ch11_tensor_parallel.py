@@ -5,6 +5,7 @@ Tiny random models keep it affordable on 2 cores: 6 query / 3 KV heads (TP 3: KV
 refused) and 6 / 1 (TP 2: the one KV head replicated). One real-model test at TP 3 is marked slow."""
 
 import os
+import re
 import signal
 import time
 
@@ -176,36 +177,92 @@ def test_refused_mlp_split_names_the_features_and_starts_nothing():
     assert child_pids() == before
 
 
-@pytest.mark.parametrize("setting, name", [
-    (dict(enable_lora=True), "enable_lora"), (dict(lora_modules={"a": "/nowhere"}), "lora_modules"),
-    (dict(kv_tier_blocks=8), "kv_tier_blocks"), (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"), (dict(kv_transfer_config=KVTransferConfig()), "kv_transfer_config")],
-    ids=["lora", "lora_modules", "kv_tier", "int8_pool", "fp8_pool", "kv_connector"])
+# everything tensor parallelism cannot run, by the name the refusal gives it (EngineConfig.check_tensor_parallel)
+SINGLE_PROCESS_ONLY = [
+    pytest.param(dict(weights="int8"), "weights='int8'", id="weights"),
+    pytest.param(dict(degrade_under_load=2), "degrade_under_load", id="degrade"),
+    pytest.param(dict(attention_backend="triton"), "attention_backend='triton'", id="triton"),
+    pytest.param(dict(kv_cache_dtype="bf16"), "kv_cache_dtype='bf16'", id="bf16_pool"),
+    pytest.param(dict(kv_cache_dtype="int8"), "kv_cache_dtype='int8'", id="int8_pool"),
+    pytest.param(dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'", id="fp8_pool"),
+    pytest.param(dict(compile_mode="buckets"), "compile_mode='buckets'", id="compiled"),
+    pytest.param(dict(speculative="draft"), "speculative='draft'", id="draft"),
+    pytest.param(dict(enable_lora=True), "enable_lora", id="lora"),
+    pytest.param(dict(lora_modules={"a": "/nowhere"}), "lora_modules", id="lora_modules"),
+    pytest.param(dict(kv_tier_blocks=8), "kv_tier_blocks", id="kv_tier"),
+    pytest.param(dict(kv_transfer_config=KVTransferConfig()), "kv_transfer_config", id="kv_connector")]
+# LLMEngine is given a model, not `weights`, and a LoRAConfig; on the CPU it refuses Triton without Triton's
+# interpreter before this check
+IN_THE_ENGINE = [p for p in SINGLE_PROCESS_ONLY if p.id not in ("weights", "lora", "lora_modules", "triton")] + [
+    pytest.param(dict(lora_config=LoRAConfig()), "enable_lora", id="lora")]
+REFUSED = r"tensor_parallel_size > 1 runs .*: .*{}.* single-process only"
+
+
+@pytest.mark.parametrize("setting, name", SINGLE_PROCESS_ONLY)
 def test_llm_refuses_what_the_workers_cannot_do_before_starting_them(model63, monkeypatch, setting, name):
     from nanoserve.distributed import multiproc
 
     monkeypatch.setattr(multiproc, "start_workers", lambda *args, **kwargs: pytest.fail("a worker process started"))
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size > 1 runs .*{name}.* single-process only"):
+    with pytest.raises(ValueError, match=REFUSED.format(re.escape(name))):
         LLM(model63, tensor_parallel_size=3, **setting)
 
 
-@pytest.mark.parametrize("setting, words", [
-    (dict(lora_config=LoRAConfig()), r"LoRA adapters run on one eager model: .* tensor parallelism are refused"),
-    (dict(kv_tier_blocks=8), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
-    (dict(kv_cache_dtype="int8"), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
-    (dict(kv_cache_dtype="fp8"), r"kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only"),
-    (dict(kv_transfer_config=KVTransferConfig()), r"cannot be combined with tensor parallelism")],
-    ids=["lora", "kv_tier", "int8_pool", "fp8_pool", "kv_connector"])
-def test_the_engine_refuses_what_the_workers_cannot_do(model63, setting, words):
+@pytest.mark.parametrize("setting, name", IN_THE_ENGINE)
+def test_the_engine_refuses_what_the_workers_cannot_do(model63, setting, name):
     """LLMEngine's own refusals, for rank 0's shard handed to it directly (LLM refuses the same earlier, above): a
-    shard of a group of 3 whose other ranks never started, refused before the engine's first collective."""
+    shard of a group of 3 whose other ranks never started, refused before the engine's first collective (which
+    would fail with "Default process group has not been initialized")."""
     from nanoserve.distributed.parallel_state import TPGroup
     from nanoserve.distributed.shard import shard_llama
     from nanoserve.engine.config import engine_config
     from nanoserve.engine.llm_engine import LLMEngine
 
-    with pytest.raises(ValueError, match=words):
-        LLMEngine(shard_llama(model63.config, TPGroup(0, 3)), engine_config(**POOL, **setting))
+    shard = shard_llama(model63.config, TPGroup(0, 3))
+    degraded = shard_llama(model63.config, TPGroup(0, 3)) if "degrade_under_load" in setting else None
+    with pytest.raises(ValueError, match=REFUSED.format(re.escape(name))):
+        LLMEngine(shard, engine_config(**POOL, **setting), degraded_model=degraded)
+
+
+def test_engine_settings_are_refused_before_any_worker_starts(model63, monkeypatch):
+    """A setting the engine's config rejects is refused before the workers start, as the split is."""
+    from nanoserve.distributed import multiproc
+
+    monkeypatch.setattr(multiproc, "start_workers", lambda *args, **kwargs: pytest.fail("a worker process started"))
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        LLM(model63, tensor_parallel_size=3, max_num_seqs=0)
+
+
+def test_a_failure_after_the_workers_started_stops_them():
+    """The engine refuses a pool of no block only once rank 0 holds its shard, so after the workers started: the
+    constructor stops them and leaves the process group, so the next LLM may start a group of its own."""
+    import torch.distributed as dist
+
+    before = child_pids()
+    with pytest.raises(ValueError, match="holds no block"):
+        LLM(tiny(1), tensor_parallel_size=2, kv_cache_memory=1)
+    assert child_pids() == before and not dist.is_initialized()
+
+
+def test_tp2_ngram_speculation_on_an_explicit_float32_pool_gives_tp1():
+    """What tensor parallelism runs, asked for by name: kv_cache_dtype="fp32" and n-gram speculation (the
+    proposer reads token ids on rank 0; the verify step is one forward pass of every rank). The tokens are those
+    without speculation, and every draft and acceptance is TP 1's."""
+    model = tiny(1)
+    # this model's greedy tokens come back to ones seen before twice (3, then 89): 2 proposals, 1 token accepted
+    prompt = {"prompt_token_ids": list(range(3, 13)) * 2}
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    pool = dict(num_blocks=16, block_size=4)  # 44 tokens and the proposals verified past them
+    plain = LLM(model, **pool).generate(prompt, greedy, use_tqdm=False)[0].token_ids
+    one = LLM(model, speculative="ngram", **pool)
+    want = one.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+    before = child_pids()
+    with LLM(model, tensor_parallel_size=2, kv_cache_dtype="fp32", speculative="ngram", **pool) as llm:
+        assert llm.engine.executor.workers[0].model_runner.kv_cache.k_cache[0].dtype == torch.float32
+        got = llm.generate(prompt, greedy, use_tqdm=False)[0].token_ids
+        stats = llm.engine.spec_stats
+    assert child_pids() == before
+    assert got == want == plain
+    assert stats == one.engine.spec_stats and stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
 @pytest.mark.exercise("11.3")

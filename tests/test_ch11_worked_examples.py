@@ -62,7 +62,10 @@ def test_gathering_logits():
     row = V * 4
     says(CH, f"rank 0 receives (n − 1)/n of the {V} × 4 = {row:,} B row: {row // 2:,} B at TP 2, {row * 2 // 3:,} B\n"
              f"at TP 3")
-    says(CH, f"(max, argmax) instead, 16 bytes, and rank 0 would receive\n(n − 1) · 16 B: {2 * 16} B at TP 3")
+    pair = 2 * torch.tensor([0.5, 2.0]).argmax().element_size()  # the max and the index in one int64 tensor
+    says(CH, f"(max, argmax) instead, as one tensor of two {pair // 2}-byte values (a collective sends one dtype, and "
+             f"torch's argmax gives an int64), {pair} bytes, and rank 0 would receive (n − 1) · {pair} B: {2 * pair} B "
+             f"at TP 3")
     llama = KNOWN_CONFIGS["llama-3-8b"]
     whole = 64 * llama.vocab_size * 2
     says(CH, f"for Llama-3 at\nB = 64 and TP 8, {whole * 7 / 8 / 1e6:.1f} MB of the 64 × {llama.vocab_size:,} × 2 = "

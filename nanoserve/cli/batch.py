@@ -98,7 +98,8 @@ def add_engine_args(p):
                    help="q4: a step of one sequence's one token runs every layer in one C call (kernels/cpu_decode.c, "
                         "chapter 09) instead of the model's forward; auto: on for q4 unless --integer-dot off")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
-                   help="split the model over this many processes (chapter 11); SmolLM2 splits 1, 3 or 9 ways")
+                   help="split the model over this many processes (chapter 11); SmolLM2 splits 1 or 3 ways (9 would "
+                        "split its heads, but not its 1536 MLP features)")
 
 
 def engine_kwargs(args, **extra) -> dict:

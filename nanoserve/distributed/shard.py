@@ -2,11 +2,13 @@
 and its slice of the weights (from a full model in memory, or read straight from the GGUF file).
 
 Heads. Attention is split by whole heads: rank r computes query heads [r·H/n, (r+1)·H/n) and the KV
-heads they read. With GQA (G = H / Hkv query heads share one KV head) there are two cases:
+heads they read, so H % n != 0 is refused first (SmolLM2, 9 / 3 heads, at TP 2: 9 query heads do not split).
+With GQA (G = H / Hkv query heads share one KV head) there are then two cases:
 
-    Hkv % n == 0   shard the KV heads: rank r holds Hkv/n of them     SmolLM2 (9 / 3 heads) at TP 3: 3 + 1
-    n % Hkv == 0   replicate: each KV head lives on n/Hkv ranks        SmolLM2 at TP 9: 1 + 1 (3 copies of each)
-    otherwise      refused (ValueError naming the counts)             SmolLM2 at TP 2: 9 query heads do not split
+    Hkv % n == 0   shard the KV heads: rank r holds Hkv/n of them     SmolLM2 at TP 3: 3 + 1
+    n % Hkv == 0   replicate: each KV head lives on n/Hkv ranks        SmolLM2's heads at TP 9: 1 + 1 (3 copies of
+                                                                       each; its 1536 MLP features refuse TP 9)
+    otherwise      refused (ValueError naming the counts)             6 query / 3 KV heads at TP 2
 
 This is vLLM's rule. Why refuse rather than replicate unevenly: with 6 query / 3 KV heads at TP 2,
 rank 0 would hold query heads 0-2, which read KV heads 0 and 1, and rank 1 heads 3-5, reading KV 1 and 2

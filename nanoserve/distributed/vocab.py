@@ -33,7 +33,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, full_weight: torch.Tensor) -> None:
         """Copy this rank's rows of the full (V, hidden) matrix; the padding rows stay zero."""
         self.weight.data.zero_()
-        self.weight.data[:self.shard_size] = full_weight.narrow(0, self.shard_offset, self.shard_size)
+        # a slice, not narrow(): a rank of padding alone starts past the vocabulary (V = 5 over 4: rank 3 at row 6)
+        self.weight.data[:self.shard_size] = full_weight[self.shard_offset:self.shard_offset + self.shard_size]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, hidden)
         local = input_ids - self.shard_offset

@@ -192,6 +192,33 @@ class EngineConfig:
     # None: it serves alone (KVTransferConfig, above)
     kv_transfer_config: KVTransferConfig | None = None
 
+    def check_tensor_parallel(self, weights: str = "fp32") -> None:
+        """Refuse, in one ValueError naming each, the settings given here that tensor parallelism (chapter 11)
+        cannot run: its ranks run float32 shards (LLM's `weights`) on a float32 pool ("auto" or "fp32") with torch's
+        attention, eager, each rank holding its slice of every layer and block. LLM calls it before any worker
+        starts, LLMEngine for a shard handed to it.
+
+            EngineConfig(compile_mode="buckets").check_tensor_parallel()
+            ValueError: tensor_parallel_size > 1 runs ...: compile_mode='buckets' is single-process only
+        """
+        cache, spec = self.cache_config, self.speculative_config
+        given = {
+            f"weights={weights!r}": weights != "fp32",
+            f"kv_cache_dtype={cache.kv_cache_dtype!r}": cache.kv_cache_dtype not in ("auto", "fp32"),
+            f"compile_mode={self.compile_mode!r}": self.compile_mode != "eager",
+            "degrade_under_load": self.degrade_under_load is not None,
+            "attention_backend='triton'": self.attention_backend == "triton",
+            "speculative='draft' (its layers would run on rank 0 alone)": spec is not None and spec.method == "draft",
+            "LoRA adapters (enable_lora, lora_modules)": self.lora_config is not None,
+            "the KV tier (kv_tier_blocks)": cache.kv_tier_blocks > 0,
+            "a KV connector (kv_transfer_config)": self.kv_transfer_config is not None,
+        }
+        refused = [name for name, on in given.items() if on]
+        if refused:
+            raise ValueError("tensor_parallel_size > 1 runs float32 shards in worker processes, on a float32 KV pool, "
+                             f"eager, with the torch attention backend: {', '.join(refused)} "
+                             f"{'is' if len(refused) == 1 else 'are'} single-process only")
+
 
 # the flat names LLM(...) and the CLI use, where they differ from the sub-config's field
 _RENAMED = {"scheduling_policy": "policy", "speculative": "method", "speculative_disable_by_batch_size":

@@ -140,6 +140,10 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
+        from nanoserve.distributed.parallel_state import get_tp_group
+
+        if get_tp_group(model).size > 1:  # chapter 11: rank 0's shard, whose workers run the eager float32 step
+            config.check_tensor_parallel()
         if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
             raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
                              f"tier's slots), got {cache.kv_tier_blocks}")
@@ -167,10 +171,9 @@ class LLMEngine:
         lora = config.lora_config
         spec = config.speculative_config
         if lora is not None and (degraded_model is not None or config.compile_mode != "eager"
-                                 or (spec is not None and spec.method == "draft")
-                                 or getattr(model, "tp_group", None) is not None):
-            raise ValueError("LoRA adapters run on one eager model: degrade_under_load, compile_mode, the draft "
-                             "proposer and tensor parallelism are refused with them")
+                                 or (spec is not None and spec.method == "draft")):
+            raise ValueError("LoRA adapters run on one eager model: degrade_under_load, compile_mode and the draft "
+                             "proposer are refused with them")
         # chapter 19: the adapter slots' LRU and the batched gather (the learner's, exercises/19, where finished)
         lora_code = {} if lora is None else {"lora_manager_class": student.module("nanoserve.lora.manager").LoRAModelManager,
                                              "punica": student.module("nanoserve.lora.punica")}
@@ -181,7 +184,7 @@ class LLMEngine:
         if transfer is not None and not transfer.is_producer and student.serves("nanoserve.engine.scheduler", "6.1"):
             raise ValueError("a decode engine (kv_role kv_consumer, chapter 17) loads prompt K/V at admission, in the "
                              "reference scheduler's schedule_waiting: not with your exercise 6.1 (student 06)")
-        kv_worker = self._kv_connector_worker(model)  # chapter 17 (None unless config.kv_transfer_config)
+        kv_worker = self._kv_connector_worker()  # chapter 17 (None unless config.kv_transfer_config)
         self.executor = Executor([Worker(model, KV_CACHE_DTYPES[cache.kv_cache_dtype],
                                           attention_backend=self.attention_backend, paged_attention=kernel,
                                           degraded_model=degraded_model, paged_kv=paged_kv,
@@ -194,8 +197,6 @@ class LLMEngine:
                                           sampling=student.module("nanoserve.sampling"),
                                           lora_config=lora, kv_connector=kv_worker, model_loader=model_loader,
                                           **lora_code)])
-        if self.executor.tp_group.size > 1 and (cache.kv_tier_blocks or cache.kv_cache_dtype in ("int8", "fp8")):
-            raise ValueError("kv_tier_blocks and kv_cache_dtype int8 / fp8 are single-process only (tensor parallel 1)")
         num_blocks = cache.num_blocks or self.executor.num_blocks_for(cache.kv_cache_memory, cache.block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {cache.block_size} "
@@ -263,19 +264,17 @@ class LLMEngine:
                                                   choice_module=student.module("nanoserve.structured.choice"))
 
     # ---- chapter 17: the KV connector ----------------------------------------------------------
-    def _kv_connector_worker(self, model):
+    def _kv_connector_worker(self):
         """The connector's worker side for config.kv_transfer_config (None without one); what it cannot serve
         with is refused here."""
         c = self.config
         if c.kv_transfer_config is None:
             return None
         from nanoserve.disagg.connector import SharedMemoryConnectorWorker
-        from nanoserve.distributed.parallel_state import get_tp_group
 
         refused = [name for name, on in (("compile_mode", c.compile_mode != "eager"),
                                          ("speculative", c.speculative_config is not None),
-                                         ("degrade_under_load", c.degrade_under_load is not None),
-                                         ("tensor parallelism", get_tp_group(model).size > 1)) if on]
+                                         ("degrade_under_load", c.degrade_under_load is not None)) if on]
         if refused:
             raise ValueError(f"kv_transfer_config (chapter 17) runs the eager single-process step; it cannot be "
                              f"combined with {refused[0]}")
