@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from nanoserve.bench import experiment, routing as bench_routing
 from nanoserve.cluster import policies, routing
-from nanoserve.distributed.shard import split_heads
+from nanoserve.distributed.shard import check_tp_size, split_heads
 from nanoserve.model import LlamaConfig
 from nanoserve.server.api_server import ServerConfig
 from nanoserve.server.kv_events import KVEventPublisher, hash_bytes
@@ -250,19 +250,21 @@ def test_what_a_fleet_router_reads():
 
 
 def test_tensor_parallel_splits():
-    def splits(config):
+    def splits(config, check):
         ways = []
         for n in range(1, config.num_attention_heads + 1):
             try:
-                split_heads(config, n)
+                check(config, n)
                 ways.append(n)
             except ValueError:
                 pass
         return ways
 
     smol, tiny = LlamaConfig(), LlamaConfig.tiny()
-    ways = splits(smol)
-    says(CH, f"SmolLM2's {smol.num_attention_heads} heads split {', '.join(map(str, ways[:-1]))} or {ways[-1]} ways")
+    ways, heads = splits(smol, check_tp_size), splits(smol, split_heads)  # the whole model, its heads alone
+    assert set(ways) < set(heads)
+    says(CH, f"SmolLM2 splits only {', '.join(map(str, ways[:-1]))} or {ways[-1]} ways (its {smol.num_attention_heads} "
+             f"heads would split {heads[-1]} ways, its {smol.intermediate_size} MLP features not)")
     assert 3 in ways  # the command's --tensor-parallel-size 3
-    assert 2 in splits(tiny)
+    assert 2 in splits(tiny, check_tp_size)
     says(CH, f"the tiny model ({tiny.num_attention_heads} heads,\n2 ways)")
