@@ -229,7 +229,7 @@ class ModelRunner:
         the scheduler."""
         llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
         if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
-                or self.attention is not PagedAttention):
+                or self.attention is not PagedAttention or type(self.kv_cache) is not PagedKVCache):
             return None
         first = next(iter([*llama.layers[0].buffers(), *llama.layers[0].parameters()]))  # a weight of layer 0
         key = (id(llama), first.data_ptr(), self.kv_cache.k_cache[0].data_ptr())

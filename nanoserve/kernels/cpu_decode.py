@@ -131,14 +131,13 @@ class NativeDecoder:
 
     @staticmethod
     def why_not(model, kv_cache) -> str:
-        """'' where NativeDecoder(model, kv_cache) can run its steps, else why not."""
-        from nanoserve.kv.paged_attention import PagedKVCache
-
+        """'' where NativeDecoder(model, kv_cache) can run its steps, else why not. kv_cache is chapter 05's
+        PagedKVCache (the model runner checks its class: the kernels know nothing of kv/); here its tensors."""
         reason = why_not_model(model)
         if reason:
             return reason
-        if type(kv_cache) is not PagedKVCache or kv_cache.k_cache[0].device.type != "cpu":
-            return "the KV pool is not chapter 05's PagedKVCache on the CPU"
+        if kv_cache.k_cache[0].device.type != "cpu":
+            return "the KV pool is not on the CPU"
         if kv_cache.k_cache[0].dtype not in POOL_DTYPES:
             return f"a {kv_cache.k_cache[0].dtype} KV pool (the native step reads float32 and bf16 pools)"
         if any(b.input_layernorm.eps != model.norm.eps or b.post_attention_layernorm.eps != model.norm.eps
