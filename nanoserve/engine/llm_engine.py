@@ -140,6 +140,11 @@ class LLMEngine:
             raise ValueError(f"unknown kv_cache_dtype {cache.kv_cache_dtype!r}; known: {', '.join(KV_CACHE_DTYPES)}")
         if config.compile_mode not in COMPILE_MODES:
             raise ValueError(f"unknown compile_mode {config.compile_mode!r}; known: {', '.join(COMPILE_MODES)}")
+        if config.compile_mode != "eager" and "02" in student.chapters:
+            # CompiledModel runs its own layer loop over the reference's block halves: 2.2 and 2.3 would not run
+            raise ValueError(f"compile_mode {config.compile_mode} runs its own loop over the reference block's halves, "
+                             "not Llama.forward and DecoderBlock.forward: not with chapter 02's exercises selected "
+                             "in student")
         if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
             raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
                              f"tier's slots), got {cache.kv_tier_blocks}")
