@@ -11,7 +11,7 @@ from nanoserve.model.stacked import stack_parts
 # sequences. Derived from three runs of `OMP_NUM_THREADS=1 python -m nanoserve bench linear --tokens 1 4 8 16 32 64`
 # and two of `--tokens 1 2 4 6 8 12 16` (--repeats 3, the two forms interleaved after a warm-up) on the course's
 # 2-core AMD EPYC at load 0.9-1.8, 2026-12-04, over the fused matrices the model runs: the swapped form was faster
-# at 2 tokens (2.7-2.8x) and 4 (1.38-1.44x) in every run, tied at 1, 6 and 8 (0.93-1.03x), and slower from 12 tokens
+# at 2 tokens (2.72-2.77x) and 4 (1.38-1.44x) in every run, tied at 1, 6 and 8 (0.93-1.03x), and slower from 12 tokens
 # on (0.60x at 12, 0.87-0.95x at 16-64). The largest count where it won in every run is 4. (The limit was 64 before,
 # set on unfused matrices, which the runs above do not support.) `bench linear` on the CPU at hand says where its
 # crossover is.
@@ -36,9 +36,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     A decode step has few tokens (one per running sequence) and wide weights, and MKL may pick a better
     kernel for the swapped call: `python -m nanoserve bench linear` times both over all of the model's
-    matrices. On the course's CPU the swapped call was faster at 2 and 4 tokens in every run, tied at 1 to 8,
-    and slower from 12 tokens on (SWAP_AB_MAX_TOKENS above says which runs). GPU GEMM kernels play the same trick on decode-sized batches under the same
-    name (vLLM's CUTLASS FP8 GEMMs have swap-AB configurations for small batches), so that the tiny
+    matrices. On the course's CPU the swapped call was faster at 2 and 4 tokens in every run, tied at 1, 6
+    and 8, and slower from 12 tokens on (SWAP_AB_MAX_TOKENS above says which runs). GPU GEMM kernels play
+    the same trick on decode-sized batches under the same name (vLLM's CUTLASS FP8 GEMMs have swap-AB
+    configurations for small batches), so that the tiny
     dimension lands where the kernel's tiles can afford it. Which form wins is a property of the library,
     the hardware and the shapes: measure before you copy it.
     """
