@@ -24,7 +24,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.kv.paged_attention import AttentionMetadata, num_blocks_for_budget
 from nanoserve.memory import kv_bytes_per_token, parameter_counts
 from nanoserve.model import Llama, LlamaConfig
-from nanoserve.model.layers import Linear
+from nanoserve.model.layers import SWAP_AB_MAX_TOKENS, Linear
 from nanoserve.sampling import SamplingParams
 from tests.chapter_text import ROOT, chapter, command_defaults, normalise, notebook_output, says, table_rows, word
 from tests.test_ch06_scheduler import add, drain, make, step
@@ -406,11 +406,28 @@ def test_the_linear_table():
         return f"{min(values):.2f}{sign}{max(values):.2f}"
 
     assert min(speedups[4]) > 1
-    says(CH, f"won at 4 tokens in all three runs ({span(4)}×); at 1 and 16 tokens the runs disagree ({span(1, 16)}×: "
-             f"noise), and at 64 it tied or lost ({span(64)}×)")
+    says(CH, f"In the three runs above the swapped call won at 4 tokens ({span(4)}×), and at 1 and 16 tokens the "
+             f"runs disagree ({span(1, 16)}×: noise)")
+    # The limit comes from five later runs that the chapter quotes as ranges: the default, its comment, chapter 02
+    # and the README's ledger row must give the same limit and the same ranges.
+    later = re.search(r"won at 2 tokens \(([\d.]+)–([\d.]+)×\) and at 4 \(([\d.]+)–([\d.]+)×\) in every run, tied at "
+                      r"1, 6 and 8 \(([\d.]+)–([\d.]+)×\), and lost from 12 tokens on \(([\d.]+)× at 12, "
+                      r"([\d.]+)–([\d.]+)× at 16–64\); (\d+) is the largest count at which it won in every run",
+                      chapter(CH))
+    assert later, "chapter 06 no longer quotes the five runs the limit comes from"
+    two_lo, two_hi, four_lo, four_hi, tie_lo, tie_hi, at_12, loss_lo, loss_hi, limit = later.groups()
+    assert int(limit) == SWAP_AB_MAX_TOKENS and float(four_lo) > 1 and float(tie_hi) < float(four_lo)
+    says(CH, f"computes up to `SWAP_AB_MAX_TOKENS` = {SWAP_AB_MAX_TOKENS} tokens the swapped way")
     comment = normalise((ROOT / "nanoserve/model/layers.py").read_text().replace("#", " "))  # the default's comment
-    assert (f"gave {span(4, sign='-')}x at 4 tokens, {span(1, 16, sign='-')}x at 1 and 16 (noise) and "
-            f"{span(64, sign='-')}x at 64") in comment
+    assert (f"faster at 2 tokens ({two_lo}-{two_hi}x) and 4 ({four_lo}-{four_hi}x) in every run, tied at 1, 6 and 8 "
+            f"({tie_lo}-{tie_hi}x), and slower from 12 tokens on ({at_12}x at 12, {loss_lo}-{loss_hi}x at 16-64). "
+            f"The largest count where it won in every run is {SWAP_AB_MAX_TOKENS}.") in comment
+    says("02", f"the swapped form was {two_lo}–{two_hi}× faster at 2 tokens and {four_lo}–{four_hi}× at 4, tied at "
+               f"1, 6 and 8, and slower from 12 tokens on ({min(at_12, loss_lo)}–{loss_hi}×). So the limit, "
+               f"`SWAP_AB_MAX_TOKENS`, is {SWAP_AB_MAX_TOKENS}")
+    ledger = normalise((ROOT / "README.md").read_text())
+    assert f"**{two_lo}–{two_hi}×** / **{four_lo}–{four_hi}×**" in ledger
+    assert f"so `SWAP_AB_MAX_TOKENS` = {SWAP_AB_MAX_TOKENS} (chapter 06" in ledger
     gate_up = max(w.shape for w in weights[:4])  # a layer's widest product: the fused gate and up
     says(CH, f"for the {gate_up[0]} × {gate_up[1]} fused gate and up product: `SGEMM(T,N,{gate_up[0]},16,{gate_up[1]}…)` "
              f"vs `SGEMM(T,N,16,{gate_up[0]},{gate_up[1]}…)`")

@@ -122,6 +122,8 @@ BAD = [
     (["batch", "--input", "{d}/empty.jsonl", "--output", "{d}/out.jsonl"], ["holds no requests"]),
     (["batch", "--input", "{d}/binary.jsonl", "--output", "{d}/out.jsonl"], ["not UTF-8"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "20"], ["chapters with exercises"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "02", "--compile-mode", "dynamic"],
+     ["--compile-mode dynamic", "not with --student 02"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--block-size", "0"], ["--block-size"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--kv-cache-mib", "-1"], ["--kv-cache-mib"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--model", "{d}/not.gguf"], ["not a GGUF file"]),

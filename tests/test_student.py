@@ -69,8 +69,10 @@ def finish(module: str, qualnames: list[str]) -> Path:
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9 + i, 20 + i, 30 + i] for i in range(5)]
 
 
-def serve(model, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
-    engine = LLMEngine(model, engine_config(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config))
+def serve(model, code: StudentCode | None = None, **config) -> tuple[LLMEngine, dict[str, list[int]]]:
+    """The 5 PROMPTS through an engine on `model` (`code`: the StudentCode that built it, reported by the engine)."""
+    engine = LLMEngine(model, engine_config(num_blocks=11, block_size=4, max_num_batched_tokens=16, **config),
+                       student=code)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     tokens = {}
@@ -186,6 +188,50 @@ def test_a_finished_02_rmsnorm_runs_every_norm_of_the_model(tiny, exercises):
         smollm2 = code.module("nanoserve.model.llama").Llama(LlamaConfig(), code.module)
     norms = [m for m in smollm2.modules() if type(m).__name__ == "RMSNorm"]
     assert len(norms) == 61 and all(type(m) is learners for m in norms)
+
+
+# Each rung of chapter 02 alone (the other files still stubs), and all three: what the learner wrote runs in the
+# engine's steps, whose forward passes are the paged cache's (`--student 02` without chapter 01).
+RUNGS_02 = {"2.1": {"nanoserve.model.layers": ["RMSNorm.forward"]},
+            "2.2": {"nanoserve.model.block": ["DecoderBlock.forward"]},
+            "2.3": {"nanoserve.model.llama": ["Llama.forward", "Llama.compute_logits"]}}
+RUNGS_02["all"] = {module: names for rung in RUNGS_02.values() for module, names in rung.items()}
+
+
+@pytest.mark.parametrize("rung", sorted(RUNGS_02))
+def test_a_finished_02_rung_serves_in_the_engine(tiny, exercises, rung):
+    """`batch --student 02` with one rung done (or all three): the engine serves the model built from the learner's
+    file, the learner's functions are the ones called in its steps, and the tokens are the reference's."""
+    _, expected = serve(tiny)
+    for module, qualnames in RUNGS_02[rung].items():
+        finish(module, qualnames)
+    code = StudentCode("02")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = code.module("nanoserve.model.llama").Llama(tiny.config, code.module).eval()
+    model.load_state_dict(tiny.state_dict())
+    todo = {f"Exercise {r}" for r in ("2.1", "2.2", "2.3") if rung not in (r, "all")}
+    assert {m for m in todo if any(m in str(w.message) for w in caught)} == todo  # the stubs fall back, with a warning
+    engine, tokens = serve(model, code, student="02")
+    assert tokens == expected
+    calls = {name: n for name, n in code.calls.items() if not name.split(".")[-1].startswith("_")}
+    assert set(calls) == {name for names in RUNGS_02[rung].values() for name in names}
+    layers, steps = tiny.config.num_hidden_layers, calls.get("Llama.forward")
+    if "DecoderBlock.forward" in calls:  # every block of every pass is the learner's
+        assert calls["DecoderBlock.forward"] % layers == 0 and calls["DecoderBlock.forward"] >= layers * len(PROMPTS)
+        assert steps is None or calls["DecoderBlock.forward"] == layers * steps
+    if "RMSNorm.forward" in calls:  # and every norm: 2 per block, the final one
+        assert calls["RMSNorm.forward"] % (2 * layers + 1) == 0 and calls["RMSNorm.forward"] >= len(PROMPTS)
+    if steps is not None:
+        assert steps >= len(PROMPTS) and calls["Llama.compute_logits"] >= len(PROMPTS)
+    assert engine.student_proof().startswith("--student: your code served: ")
+
+
+def test_02_refuses_a_compiled_step(tiny, exercises):
+    """A compiled step runs its own loop over the reference block's halves (chapter 09), never the learner's
+    Llama.forward or DecoderBlock.forward: the engine refuses the pair rather than serve without them."""
+    with pytest.raises(ValueError, match="compile_mode dynamic .* not with chapter 02's exercises"):
+        serve(tiny, compile_mode="dynamic", student="02")
 
 
 OFFSET = "offset = num_keys - num_queries"  # the line of chapter 01's causal_mask that the classic bug drops

@@ -9,7 +9,9 @@ class RMSNorm(nn.Module):
 
     Each row (each token) is normalised on its own: only the last axis is averaged. Keep the `weight`
     parameter as created here (transformers' LlamaRMSNorm has the same one, and the tests load weights into
-    it). The statistic is taken in float32 whatever x's dtype, and y has x's dtype and shape.
+    it). y has x's shape. The statistic is taken in float32 whatever x's dtype; the normalised x is cast back to
+    x's dtype before `weight` multiplies it, so when `weight` has x's dtype (a model in float16 or bf16), so has y.
+    (A float32 weight on a bf16 x gives a float32 y, by torch's type promotion, as in transformers' LlamaRMSNorm.)
 
     Example: x = [[3, 4]], eps = 0, weight = [2, -1]: mean(x²) = 12.5, so y = [[6, -4]] / √12.5 = [[1.697, -1.131]].
     """

@@ -25,8 +25,10 @@ class Llama(ReferenceLlama):
         - Every block gets the same RoPE tables for these positions, (num_tokens, head_dim) each, in the
           embedding's dtype, and the attention function `attn` (None: `self.causal_attention`, the no-cache one).
         - The result is the final norm's output: hidden states, not logits (see `compute_logits`).
-        - Raise ValueError if input_ids is not 1-D (name its shape), or if a position is at or beyond
-          config.max_position_embeddings (name that limit).
+        - Raise ValueError if input_ids is not 1-D, its message naming the shape (ids of shape (1, 4): a
+          message holding "(1, 4)" or "torch.Size([1, 4])"), or if a position is at or beyond
+          config.max_position_embeddings, its message naming that limit as a plain number ("512" for the tiny
+          config).
 
         Example (LlamaConfig.tiny(): hidden_size 64, head_dim 16): model(torch.tensor([5, 9, 2])) has shape
         (3, 64). Row i depends on tokens 0..i only (the causal attention), so the first two rows equal

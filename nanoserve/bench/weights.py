@@ -6,7 +6,7 @@
                 with bf16 activations, or cpu_dot.c's integers where the layers take it: quant.py) vs
                 dequantize-then-F.linear; at 1 token also torch's kernels with float32 activations.
                 Where a `dequant` column overtakes its kernel is this CPU's crossover for a bare model; the
-                bare model's QUANT_MAX_TOKENS (nanoserve/model/quant.py) is chapter 06's swap-AB bound, 64,
+                bare model's QUANT_MAX_TOKENS (nanoserve/model/quant.py), 64, is chapter 06's old swap-AB bound,
                 not derived from this table (on the course's AMX CPU int8's crossover lies below 64, q4's above).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;

@@ -152,6 +152,10 @@ def check_engine_args(args) -> str | None:
         return "--preemption-mode swap writes preempted requests' KV blocks to the second tier: give --kv-tier-blocks N"
     if args.preemption_mode == "swap" and args.tensor_parallel_size > 1:
         return "--preemption-mode swap needs the KV tier, which is single-process: not with --tensor-parallel-size"
+    if args.compile_mode != "eager" and "02" in parse_selection(args.student):
+        # refused here, before the model loads; the engine refuses the same (LLMEngine: "its own loop")
+        return (f"--compile-mode {args.compile_mode} runs its own loop over the reference block's halves, not your "
+                "Llama.forward and DecoderBlock.forward: not with --student 02 (a bare --student selects every chapter)")
     if args.preemption_mode == "swap" and {"06", "18"} & parse_selection(args.student):
         # refused here, before the model loads; the engine refuses the same (LLMEngine: "reference scheduler")
         return ("--preemption-mode swap runs on the reference scheduler and tier index: not with --student 06 or 18 "

@@ -144,6 +144,11 @@ class LLMEngine:
 
         if get_tp_group(model).size > 1:  # chapter 11: rank 0's shard, whose workers run the eager float32 step
             config.check_tensor_parallel()
+        if config.compile_mode != "eager" and "02" in student.chapters:
+            # CompiledModel runs its own layer loop over the reference's block halves: 2.2 and 2.3 would not run
+            raise ValueError(f"compile_mode {config.compile_mode} runs its own loop over the reference block's halves, "
+                             "not Llama.forward and DecoderBlock.forward: not with chapter 02's exercises selected "
+                             "in student")
         if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
             raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
                              f"tier's slots), got {cache.kv_tier_blocks}")

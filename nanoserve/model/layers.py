@@ -7,16 +7,15 @@ from torch.nn import functional as F
 from nanoserve.model.stacked import stack_parts
 
 
-# Up to this many tokens a product is computed "swap AB" (see `linear`): all decode steps of the
-# default engine (64 running sequences at most), not the prefill chunks. Chosen from one run of
-# `bench linear` on the course CPU with the projections still unfused (swapped 2.35x faster at 4 tokens,
-# 1.20x at 16, 1.12x at 64); other runs there gave 1.1-1.5x at 16 but 1.0-1.35x at 64, and 1.00x in the
-# engine's decode steps of 17-64 sequences: at 64 tokens the gain was within the noise. Not re-derived for
-# the fused qkv_proj and gate_up_proj the model runs now: three runs on a shared 2-core AMD EPYC (chapter
-# 06, section 8; F.linear first in every round, before bench linear alternated the order) gave 1.26-1.39x at 4 tokens, 0.77-1.13x at 1 and 16 (noise) and 0.80-1.00x at 64 (no gain,
-# perhaps a loss). Kept, as no quiet measurement of the fused shapes supports another value; `bench linear`
-# on the CPU at hand says where its crossover is.
-SWAP_AB_MAX_TOKENS = 64
+# Up to this many tokens a product is computed "swap AB" (see `linear`): the decode steps of up to 4 running
+# sequences. Derived from three runs of `OMP_NUM_THREADS=1 python -m nanoserve bench linear --tokens 1 4 8 16 32 64`
+# and two of `--tokens 1 2 4 6 8 12 16` (--repeats 3, the two forms interleaved after a warm-up) on the course's
+# 2-core AMD EPYC at load 0.9-1.8, 2026-12-04, over the fused matrices the model runs: the swapped form was faster
+# at 2 tokens (2.72-2.77x) and 4 (1.38-1.44x) in every run, tied at 1, 6 and 8 (0.93-1.03x), and slower from 12 tokens
+# on (0.60x at 12, 0.87-0.95x at 16-64). The largest count where it won in every run is 4. (The limit was 64 before,
+# set on unfused matrices, which the runs above do not support.) `bench linear` on the CPU at hand says where its
+# crossover is.
+SWAP_AB_MAX_TOKENS = 4
 
 
 def swap_ab(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -37,10 +36,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     A decode step has few tokens (one per running sequence) and wide weights, and MKL may pick a better
     kernel for the swapped call: `python -m nanoserve bench linear` times both over all of the model's
-    matrices. At 4 tokens the swapped call was faster in every run chapter 06 quotes; from 16 tokens on the
-    difference is within the noise, and from 256 tokens on (prefill) it is usually slower (SWAP_AB_MAX_TOKENS
-    above says which runs). GPU GEMM kernels play the same trick on decode-sized batches under the same
-    name (vLLM's CUTLASS FP8 GEMMs have swap-AB configurations for small batches), so that the tiny
+    matrices. On the course's CPU the swapped call was faster at 2 and 4 tokens in every run, tied at 1, 6
+    and 8, and slower from 12 tokens on (SWAP_AB_MAX_TOKENS above says which runs). GPU GEMM kernels play
+    the same trick on decode-sized batches under the same name (vLLM's CUTLASS FP8 GEMMs have swap-AB
+    configurations for small batches), so that the tiny
     dimension lands where the kernel's tiles can afford it. Which form wins is a property of the library,
     the hardware and the shapes: measure before you copy it.
     """

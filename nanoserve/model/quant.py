@@ -54,7 +54,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from nanoserve.kernels import cpu_dot
-from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 
 WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
 
@@ -76,15 +75,16 @@ Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
 # Up to this many tokens (<=) a product runs in the quantized kernel; beyond, a GEMM in LARGE_STEP_DTYPE (bf16 on
 # AMX tiles, or float32) on a weight in that dtype. Where that weight is dequantized for each call (a bare
-# quantized model), the crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill
-# chunks on the GEMM, since the dequantize pass costs more than a decode step's product. Where a copy is kept
+# quantized model), the crossover is 64 (chapter 06's swap-AB bound until that was re-derived as 4, kept here):
+# decode steps (≤ 64 sequences) on the kernel, prefill chunks on the GEMM, since the dequantize pass costs more
+# than a decode step's product. Where a copy is kept
 # (LLM's default, set_kernel_crossover), the GEMM costs only itself: the int4 kernel's time grows with the rows
 # (its arithmetic bounds it, unpacking every weight, even at one row), the bf16 GEMM's barely does up to ~32 rows
 # on AMX, and the two cross near 16 rows, on a side of 16 that depends on the CPU (one loaded AMX run: between 8
 # and 16; AVX-512 BF16 without AMX: between 16 and 32; `python -m nanoserve bench linear --formats fp32 bf16 q4`,
 # chapter 10 "The crossover"). 16 is a default that keeps every batch-16 decode step on the kernel, not a measured
 # optimum; a config value: LLM(kernel_crossover_tokens=...).
-QUANT_MAX_TOKENS = SWAP_AB_MAX_TOKENS
+QUANT_MAX_TOKENS = 64
 KERNEL_CROSSOVER_TOKENS = 16
 # How a quantized layer gets its large-step weight (LARGE_STEP_DTYPE): "dequantize" it per call (no extra memory,
 # one pass over the weight per step) or keep a "copy" beside the quantized one (2 bytes per weight more in
