@@ -368,8 +368,8 @@ def check_integer_dot(integer_dot: bool, weights: str, tensor_parallel_size: int
 def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
     """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
     q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
-    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: this course's
-    Zen 4) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps keep
+    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
+    and AMX machines) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps keep
     torch's kernels; chapter 09 section 5 has the measurement that made it the default."""
     from nanoserve.kernels import cpu_decode
 
