@@ -1,7 +1,7 @@
 """Chapter 10 — degrading under overload, on a tiny random model and its int8 copy (fast).
 
 Hand-computed expectations: with max_num_seqs=1 the queue length of every step is known, so is the mode
-the hysteresis rule must pick; with degradation off (or never triggered) every output equals the plain
+the hysteresis rule must pick (the queue rises and falls through the gap between its two thresholds); with degradation off (or never triggered) every output equals the plain
 engine's, token for token, and carries no precision metrics.
 """
 
@@ -50,23 +50,33 @@ def test_off_or_never_triggered_changes_nothing(models):
 
 
 def test_switches_under_load_and_back_with_hysteresis(models):
+    """The queue rises through 3 without reaching 4 (stays fp32), reaches 4 (degrades), then falls to 3 (stays
+    degraded) and to 2 (back): only a rule with two thresholds gives that; `waiting > 2` alone degrades at the
+    first 3, `waiting >= 4` alone comes back at the second."""
     fp32, int8 = models
-    engine = LLMEngine(fp32, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4),
-                                          scheduler_config=SchedulerConfig(max_num_seqs=1),
-                                          degrade_under_load=4),
-                       degraded_model=int8)
-    outs, modes = run(engine)
-    # One request runs at a time, 4 tokens each; 5 then 4, 3, ... wait. Degraded from the first step
-    # (5 waiting >= 4), and back only once the queue is down to 4 // 2 = 2 — not at 3 (hysteresis).
-    for waiting, degraded in modes:
-        assert degraded == (waiting > 2), modes
-    precisions = [outs[str(i)].metrics["token_precisions"] for i in range(6)]
-    assert precisions[0] == ["int8"] * 4 and precisions[-1] == ["fp32"] * 4
-    assert all(len(p) == 4 for p in precisions)
+    config = dict(num_blocks=32, block_size=4, max_num_seqs=1)
+    engine = LLMEngine(fp32, engine_config(**config, degrade_under_load=4), degraded_model=int8)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)  # each request: a prefill, a decode
+    for i in range(4):
+        engine.add_request(str(i), REQUESTS[i], params)
+    outs, modes = {}, []
+    while engine.has_unfinished_requests():
+        if len(modes) == 1:  # request 0 runs its decode: a fifth request arrives, 4 now wait
+            engine.add_request("4", REQUESTS[4], params)
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        modes.append((len(engine.scheduler.waiting), engine.degraded))
+    # (requests waiting after scheduling, degraded?) step by step, by hand: one seat, two steps a request
+    assert modes == [(3, False), (4, True), (3, True), (3, True), (2, False), (2, False),
+                     (1, False), (1, False), (0, False), (0, False)]
+    assert [outs[str(i)].metrics["token_precisions"] for i in range(5)] == \
+        [["fp32", "int8"], ["int8", "int8"], ["fp32", "fp32"], ["fp32", "fp32"], ["fp32", "fp32"]]
     # a request computed wholly in fp32 gets exactly the tokens the plain engine gives it
-    plain, _ = run(LLMEngine(fp32, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=4),
-                                                scheduler_config=SchedulerConfig(max_num_seqs=1))))
-    assert outs["5"].token_ids == plain["5"].token_ids
+    plain = LLMEngine(fp32, engine_config(**config))
+    for i in range(5):
+        plain.add_request(str(i), REQUESTS[i], params)
+    while plain.has_unfinished_requests():
+        outs.update((f"plain {o.request_id}", o) for o in plain.step() if o.finished)
+    assert all(outs[str(i)].token_ids == outs[f"plain {i}"].token_ids for i in (2, 3, 4))
 
 
 def test_threshold_and_copy_go_together(models):

@@ -438,10 +438,11 @@ def test_a_finished_rung_of_exercise_10_builds_the_served_weights(tiny_pair, exe
     with pytest.warns(UserWarning, match="Exercise 10.1, Exercise 10.2 not finished"):
         functions = code.module("nanoserve.model.quant")
     model, blocks = tiny_pair
-    # the learner's mapping is what torch's int4 kernel reads: with it the q4 layers keep that kernel, never
-    # cpu_dot.c's integer products (which read the file's d and m themselves)
-    assert not any(getattr(m, "integer_dot", False) for name, m in
-                   quantize_model(copy.deepcopy(model), "q4", blocks, functions).named_modules() if "proj" in name)
+    # the learner's mapping is what torch's int4 kernel reads: with it the q4 layers keep that kernel even when
+    # cpu_dot.c's integer products (which read the file's d and m themselves) are asked for; the reference's take them
+    asked = [quantize_model(copy.deepcopy(model), "q4", blocks, f, integer_dot=True) for f in (functions, None)]
+    assert [[m.integer_dot for name, m in q.named_modules() if name.endswith("_proj")] for q in asked] == \
+        [[False] * 8, [True] * 8]
     code.calls.clear()
     theirs = quantize_model(copy.deepcopy(model), "q4", blocks, functions, integer_dot=False)
     ours = quantize_model(copy.deepcopy(model), "q4", blocks, integer_dot=False)  # the same kernels, the reference's code

@@ -216,7 +216,7 @@ def test_the_speed_tables_ratios():
     one = {r[0]: r for r in products}["1"]
     slow8, slow4 = (float(x) for x in re.search(r"take ([\d.]+) ms \(int8\) and ([\d.]+) ms \(q4\)", chapter(CH)).groups())
     says(CH, f"{slow8 / number(one[2]):.1f}× and {slow4 / number(one[4]):.0f}× slower than with bf16")
-    engine = {r[0]: r for r in table_rows(CH, r"batch-1 decode|batch-16 decode step|batch-64 decode step|prefill, 512 tokens|"
+    engine = {r[0]: r for r in table_rows(CH, r"batch-1 decode|batch-16 decode step|batch-64 decode step|prefill, 512 tokens.*|"
                                                 r"chapter 06's 16 requests.*")}
     assert len(engine) == 5
     for name, (_, fp32, int8, q4, r8, r4) in engine.items():
@@ -266,3 +266,18 @@ def test_the_degrade_bursts():
         assert rounds_to(ratio_in_cell(mixed[3]), number(mixed[3]), number(fp32[3]), 2), mixed  # tok/s
         identical, total = (int(x) for x in mixed[6].split("/"))
         says(CH, f"{identical} of {total} requests")
+        # every request runs max_tokens tokens (EOS ignored), so `seats` requests start together, in waves; the
+        # mode of each wave by the rule the chapter states (switch at >= threshold waiting, back at <= threshold // 2)
+        seats, threshold = ((4, 8), (d.max_num_seqs, d.threshold))[i]
+        degraded, waits = False, []
+        for start in range(0, total, seats):
+            waiting = total - start - seats
+            degraded = waiting >= threshold or (degraded and waiting > threshold // 2)
+            waits.append((waiting, degraded))
+        on_q4 = seats * sum(degraded for _, degraded in waits)
+        assert mixed[4] == f"{100 * on_q4 / total:.1f} %", mixed  # the share of tokens on q4
+        q4_waits = [str(w) for w, degraded in waits if degraded]
+        says(CH, f"start with {', '.join(q4_waits[:-1])} and {q4_waits[-1]} waiting")
+        says(CH, f"{on_q4} requests ran wholly on q4")
+        says(CH, f"{total - on_q4} wholly in float32")
+        says(CH, f"so at least {identical - (total - on_q4)} of them ran wholly on q4")

@@ -2,7 +2,7 @@
 
   memory        bytes per weight and per decode step (scales and zeros included), bytes held
   products      every Linear of the model once over a batch of T tokens, cold from memory, best of
-                --repeats: the float32 product vs each quantized layer's small-step product (torch's kernel
+                --repeats after a warm-up round, the order alternating (bench linear's best_of): the float32 product vs each quantized layer's small-step product (torch's kernel
                 with bf16 activations, or cpu_dot.c's integers where the layers take it: quant.py) vs
                 dequantize-then-F.linear; at 1 token also torch's kernels with float32 activations.
                 Where a `dequant` column overtakes its kernel is this CPU's crossover for a bare model; the
@@ -23,6 +23,7 @@ import time
 import torch
 from torch.nn import functional as F
 
+from nanoserve.bench.linear import best_of
 from nanoserve.cli.checks import weight_format
 
 FORMATS = ["fp32", "int8", "q4"]
@@ -91,7 +92,7 @@ def product_table(models: dict, tokens: list[int], repeats: int):
                                                                          layer.dequantize().to(LARGE_STEP_DTYPE)))
     dtype = str(LARGE_STEP_DTYPE).removeprefix("torch.")
     print(f"\nproducts: all {len(next(iter(layers.values())))} Linear layers "
-          f"once, ms (best of {repeats}, interleaved); kernel = the layer's small-step product ("
+          f"once, ms (best of {repeats} after a warm-up, the order alternating); kernel = the layer's small-step product ("
           f"{'cpu_dot.c, activations in int8 blocks' if integer_dot(models) else 'torch kernel, bf16 activations'}); "
           f"dequant = the weight dequantized to {dtype} + {dtype} F.linear (a large step without a kept copy: "
           f"quant.LARGE_STEP_DTYPE on this CPU)")
@@ -99,10 +100,8 @@ def product_table(models: dict, tokens: list[int], repeats: int):
     widths = {layer.in_features for layer in next(iter(layers.values()))}  # hidden and intermediate size
     for T in tokens:
         inputs = {n: torch.randn(T, n) for n in widths}
-        best = {c: float("inf") for c in calls}
-        for _ in range(repeats + 1):  # the first round warms up
-            for c, (name, call) in calls.items():
-                best[c] = min(best[c], time_pass(layers[name], inputs, call))
+        best = best_of({c: lambda name=name, call=call: time_pass(layers[name], inputs, call)
+                        for c, (name, call) in calls.items()}, repeats)
         print(f"{T:7d}" + "".join(f"{best[c] * 1e3:15.1f}" for c in calls))
     quantized = [n for n in models if n != "fp32"]
     if quantized:
@@ -197,8 +196,8 @@ def run(args):
         if name in ("int8", "q4"):
             set_kernel_crossover(model)
     with torch.inference_mode():
-        config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=384 << 20))
-        engines = {n: LLMEngine(m, config) for n, m in models.items()}
+        engine_config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=384 << 20))
+        engines = {n: LLMEngine(m, engine_config) for n, m in models.items()}
         lockstep(engines, make_workload(4, (8, 16), (2, 4), 1, config.vocab_size))  # warm up
         rng = random.Random(0)
         print(f"\nengine (one engine per format, stepped in lockstep; median decode step of {args.decode_steps})")
@@ -209,10 +208,9 @@ def run(args):
             decode[batch] = {n: median(t) for n, t in lockstep(engines, requests, decode_only=True).items()}
             progress(f"batch-{batch} decode done")
         prompt = torch.randint(0, config.vocab_size, (args.prefill_len,), generator=torch.Generator().manual_seed(0))
-        prefill = {n: float("inf") for n in models}
-        for _ in range(args.repeats):
-            for n, m in models.items():
-                prefill[n] = min(prefill[n], timed(lambda: m.compute_logits(m(prompt)[-1:]), 1))
+        # the model's own forward over the prompt (no engine step), the formats taking turns as in the products
+        prefill = best_of({n: lambda m=m: timed(lambda: m.compute_logits(m(prompt)[-1:]), 1)
+                           for n, m in models.items()}, args.repeats)
         progress("prefill done")
         workload = None
         if args.workload_requests:
@@ -230,7 +228,7 @@ def run(args):
     if 1 in decode:
         # the weights over a whole engine step (attention, norms, casts included), not the products' own rate
         rows.append(("batch-1 decode, weight MB / step s", {n: per_step[n] / decode[1][n] / 1e6 for n in models}, True))
-    rows += [(f"prefill {args.prefill_len} tokens, tok/s", {n: args.prefill_len / prefill[n] for n in models}, True)]
+    rows += [(f"prefill {args.prefill_len} (forward), tok/s", {n: args.prefill_len / prefill[n] for n in models}, True)]
     if workload:
         rows.append((f"{len(workload)}-request workload, out tok/s", {n: out_tokens / wall[n] for n in models}, True))
     print(f"{'':34s}" + "".join(f"{n:>10s}" for n in models) + "".join(f"{n + '/' + base:>12s}" for n in models if n != base))

@@ -32,8 +32,9 @@ built with. The two paths see the same inputs; the large-step path's weights car
 bf16: at most 2^-8 relative, half a unit in the last of its 8 significant bits), and the order of the
 float32 additions differs.
 
-All of that holds on a CPU that multiplies bf16 natively (AMX, or AVX-512 BF16). On one that does not (AVX2
-only: AMD's Zen 3, Intel before Cooper Lake) oneDNN emulates the bf16 GEMM, and it runs several times slower
+All of that holds on a CPU that multiplies bf16 natively (AMX, or AVX-512 BF16). On one that does not (no
+amx_bf16 or avx512_bf16 flag: AMD's Zen 3, Intel's client CPUs and its servers before Sapphire Rapids, Cooper
+Lake aside) oneDNN emulates the bf16 GEMM, and it runs several times slower
 than float32's (`python -m nanoserve bench linear --bf16` on the machine at hand): there the large step's
 weight is float32 instead (LARGE_STEP_DTYPE: a float32 copy, 4 bytes per weight, or dequantized per call) and
 the large step multiplies float32 activations, as the oracle does. And there the small steps leave torch's
@@ -368,8 +369,8 @@ def check_integer_dot(integer_dot: bool, weights: str, tensor_parallel_size: int
 def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
     """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
     q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
-    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: this course's
-    Zen 4) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps keep
+    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
+    and AMX machines) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps keep
     torch's kernels; chapter 09 section 5 has the measurement that made it the default."""
     from nanoserve.kernels import cpu_decode
 
