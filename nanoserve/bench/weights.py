@@ -10,7 +10,11 @@
                 not derived from this table (on the course's AMX CPU int8's crossover lies below 64, q4's above).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
-                int8 and q4 as LLM serves them: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond (quant.LARGE_STEP_DTYPE)
+                int8 and q4 with LLM's crossover: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond
+                (quant.LARGE_STEP_DTYPE). Every step goes through the model's forward: LLM(weights="q4") runs
+                q4's one-token steps in chapter 09's native decode step instead, which this bench does not turn
+                on (its batch-1 row is q4 with --native-decode off; `bench peers --native-decode auto off`
+                measures both)
 
 The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
 timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
@@ -193,7 +197,7 @@ def run(args):
 
     from nanoserve.model.quant import set_kernel_crossover
 
-    for name, model in models.items():  # the engines serve as LLM does: the kernel up to the crossover, a copy beyond
+    for name, model in models.items():  # LLM's crossover: the kernel up to it, a copy beyond
         if name in ("int8", "q4"):
             set_kernel_crossover(model)
     with torch.inference_mode():
