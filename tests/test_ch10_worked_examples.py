@@ -181,7 +181,9 @@ def test_the_quality_table_and_the_notebook(smollm2_tokenizer):
     assert printed["fp32"][0] == rows["fp32"][4]  # float32's perplexity is the same on either CPU
     says(CH, f"the same\nheld-out pass gives int8 {' / '.join(printed['int8'])} % and q4 {' / '.join(printed['q4'])} % "
              f"(perplexity / max |Δlogit| /\ntop-1)")
-    assert re.search(r"CPU: AVX512 ", out)  # "On a CPU without AMX (... prints `AVX512`)"
+    # "On a CPU without AMX (AVX-512 BF16: ... prints `avx512_bf16`)": torch's AVX512 alone would fit AMX too
+    says(CH, "bf16 instructions: avx512_bf16")
+    assert re.search(r"CPU: AVX512  bf16 instructions: avx512_bf16 ", out)
     q4, fp32head = rows["q4"], re.search(r"greedy agreement ([\d.]+) %, (\d+)/12 prompts identical, perplexity ([\d.]+),\n?"
                                           r" ?max \|Δlogit\| ([\d.]+), top-1 = fp32 on \*\*([\d.]+) %", chapter(CH)).groups()
     says(CH, f"q4's top-1 agreement goes from\n{q4[6]} to {fp32head[4]} %, its largest logit error falls from {q4[5]} to "
@@ -234,7 +236,7 @@ def test_the_speed_tables_ratios():
     says(CH, f"q4 reads {weight_bytes(SMOL, 'fp32') / weight_bytes(SMOL, 'q4'):.1f}× fewer bytes ({weight_bytes(SMOL, 'q4') / MB:.1f} MB")
     says(CH, f"At 1 token q4 reads {weight_bytes(SMOL, 'fp32') / weight_bytes(SMOL, 'q4'):.1f}× fewer bytes than float32 "
              f"but runs the\nproducts only {ratio_in_cell(one[4]):.1f}× faster (the product table), and a whole decode step "
-             f"{number(decode[5]):.2f}×")
+             f"{number(decode[5]):.2f}× (through the model's forward")
 
 
 def test_batch_invariance_as_the_notebook_printed_it():

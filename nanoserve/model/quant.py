@@ -59,14 +59,21 @@ from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
 
 
-def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AMX's or AVX-512's), read from the kernel's flags
-    (False where there is no /proc/cpuinfo: the float32 GEMM is the safe choice everywhere)."""
+def bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """This CPU's bf16 dot-product instructions, read from the kernel's flags: "amx_bf16" (AMX's tiles; such a
+    CPU has AVX-512 BF16 too), "avx512_bf16", or None (neither, or no /proc/cpuinfo to read). What tells the
+    machines apart: torch.backends.cpu.get_cpu_capability() prints AVX512 on the first two alike."""
     try:
         flags = Path(cpuinfo).read_text()
     except OSError:
-        return False
-    return re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) is not None
+        return None
+    return next((f for f in ("amx_bf16", "avx512_bf16") if re.search(rf"\b{f}\b", flags)), None)
+
+
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 dot-product instructions, AMX's or AVX-512's (False where there is no
+    /proc/cpuinfo: the float32 GEMM is the safe choice everywhere)."""
+    return bf16_instructions(cpuinfo) is not None
 
 
 # The dtype of a quantized layer's large-step GEMM (module docstring): bf16 where the CPU multiplies it natively
