@@ -82,6 +82,9 @@ def test_what_llm_holds_beside_the_plan():
     copy, blocks = 2 * (decoder + head), decoder * (0.5 + 4 / 32)
     says(CH, f"({decoder:,} + {head:,}) × 2 B = {format_bytes(copy)}")
     says(CH, f"0.625 bytes per weight more, {format_bytes(blocks)}")
+    # the untied embedding table inside memory.weight_bytes: held, a row of it read per token
+    assert not config.tie_word_embeddings
+    says(CH, f"{format_bytes(2 * head)} of the bf16 row, {format_bytes(head + 2 * config.vocab_size)} of the int8 and q4 rows")
     plan = memory_plan(config, 24 * GiB, 4096)
     as_held = {"int8 + the bf16 copy (`LLM`'s default)": weight_bytes(config, "int8") + copy,
             "q4 + the file's blocks + the bf16 copy (`LLM`'s default)": weight_bytes(config, "q4") + blocks + copy,
