@@ -83,8 +83,9 @@ Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
 # Up to this many tokens (<=) a product runs in the quantized kernel; beyond, a GEMM in LARGE_STEP_DTYPE (bf16 on
 # AMX tiles, or float32) on a weight in that dtype. Where that weight is dequantized for each call (a bare
-# quantized model), the crossover stays at swap AB's 64: decode steps (≤ 64 sequences) on the kernel, prefill
-# chunks on the GEMM, since the dequantize pass costs more than a decode step's product. Where a copy is kept
+# quantized model), the crossover stays at swap AB's 64, a plain default not measured for this path: decode steps
+# (≤ 64 sequences) on the kernel, prefill chunks on the GEMM (bench weights' dequant columns put the CPU's own
+# crossover above 64 for q4 and below it for int8, chapter 10). Where a copy is kept
 # (LLM's default, set_kernel_crossover), the GEMM costs only itself: the int4 kernel's time grows with the rows
 # (its arithmetic bounds it, unpacking every weight, even at one row), the bf16 GEMM's barely does up to ~32 rows
 # on AMX, and the two cross near 16 rows, on a side of 16 that depends on the CPU (one loaded AMX run: between 8
