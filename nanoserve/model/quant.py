@@ -167,7 +167,8 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
 class QuantLinear(nn.Module):
     """What both formats share: bf16 into the kernel for small batches, the large-step GEMM for big ones.
 
-    Subclasses give `kernel(x_bf16)` and `dequantize()`; `name` (e.g. "layers.3.mlp.up_proj") is for errors.
+    Subclasses give `kernel(x_bf16)` (BF16Linear, with no small-step kernel, none) and `dequantize()`; `name`
+    (e.g. "layers.3.mlp.up_proj") is for errors.
     The quantized tensors are non-persistent buffers: they are built from the GGUF, not from a state_dict.
     """
 
@@ -275,15 +276,12 @@ class Q4Linear(QuantLinear):
 
 class BF16Linear(QuantLinear):
     """`weights="bf16"`: the weight rounded to bfloat16 (2 bytes, 8 bits of mantissa), every product a bf16
-    GEMM accumulated in float32 (oneDNN; AMX on this CPU). No integer kernel: `kernel` is the same GEMM."""
+    GEMM accumulated in float32 (oneDNN; AMX on this CPU). No small-step kernel: every step takes the GEMM."""
 
     def __init__(self, weight: torch.Tensor, name: str = ""):
         super().__init__(weight.shape[1], weight.shape[0], name)
         self.register_buffer("weight", weight.detach().to(torch.bfloat16), persistent=False)  # (out, in)
         self.max_kernel_tokens = -1  # no small-step kernel: always the GEMM
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
     def large_step_weight(self) -> torch.Tensor:  # the format is bf16: its every product is a bf16 GEMM
         return self.weight
