@@ -16,8 +16,9 @@
                 on (its batch-1 row is q4 with --native-decode off; `bench peers --native-decode auto off`
                 measures both)
 
-The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
-timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
+The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, then the other way
+round — each timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all
+three alike; the product table's columns and the prefill's formats alternate their order the same way.
 """
 
 import os
@@ -103,8 +104,9 @@ def product_table(models: dict, tokens: list[int], repeats: int):
     for T in tokens:
         inputs = {n: torch.randn(T, n) for n in widths}
         best = {c: float("inf") for c in calls}
-        for _ in range(repeats + 1):  # the first round warms up
-            for c, (name, call) in calls.items():
+        for r in range(repeats + 1):  # the first round warms up; every other round the other way round
+            for c in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+                name, call = calls[c]
                 best[c] = min(best[c], time_pass(layers[name], inputs, call))
         print(f"{T:7d}" + "".join(f"{best[c] * 1e3:15.1f}" for c in calls))
     quantized = [n for n in models if n != "fp32"]
@@ -118,7 +120,8 @@ def product_table(models: dict, tokens: list[int], repeats: int):
 # ---- engine measurements, in lockstep ---------------------------------------------------------------
 
 def lockstep(engines: dict, requests: list, decode_only: bool = False, outputs: dict | None = None) -> dict[str, list[float]]:
-    """Submit `requests` [(prompt ids, max_tokens)] to every engine, then step them in turn until all are idle.
+    """Submit `requests` [(prompt ids, max_tokens)] to every engine, then step them in turn until all are idle (the
+    turn's order reversed every other round: no engine always steps first).
     Returns each engine's step times (seconds); with decode_only, only steps in which every token was a decode.
     outputs: a dict that gets, per engine, [(its clock after the step: the sum of its step times, the step's
     RequestOutputs)] — what `bench degrade` computes TTFT and agreement from."""
@@ -129,8 +132,11 @@ def lockstep(engines: dict, requests: list, decode_only: bool = False, outputs: 
             engine.add_request(str(i), prompt, params(n))
     times = {name: [] for name in engines}
     clocks = dict.fromkeys(engines, 0.0)
+    names, turn = list(engines), 0
     while any(e.has_unfinished_requests() for e in engines.values()):
-        for name, engine in engines.items():
+        turn += 1
+        for name in (names if turn % 2 else names[::-1]):
+            engine = engines[name]
             if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
@@ -213,9 +219,12 @@ def run(args):
             progress(f"batch-{batch} decode done")
         prompt = torch.randint(0, config.vocab_size, (args.prefill_len,), generator=torch.Generator().manual_seed(0))
         prefill = {n: float("inf") for n in models}
-        for _ in range(args.repeats):
-            for n, m in models.items():
-                prefill[n] = min(prefill[n], timed(lambda: m.compute_logits(m(prompt)[-1:]), 1))
+        for r in range(args.repeats + 1):  # a warm-up round first (not kept), then the order alternates
+            for n in (list(models) if r % 2 == 0 else list(reversed(models))):
+                m = models[n]
+                seconds = timed(lambda: m.compute_logits(m(prompt)[-1:]), 1)
+                if r:
+                    prefill[n] = min(prefill[n], seconds)
         progress("prefill done")
         workload = None
         if args.workload_requests:
