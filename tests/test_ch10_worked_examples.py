@@ -188,7 +188,7 @@ def test_the_quality_table_and_the_notebook(smollm2_tokenizer):
              f"(perplexity / max |Δlogit| /\ntop-1)")
     # "On a CPU without AMX (AVX-512 BF16: ... prints `avx512_bf16`)": torch's AVX512 alone would fit AMX too
     says(CH, "bf16 instructions: avx512_bf16")
-    assert re.search(r"CPU: AVX512  bf16 instructions: avx512_bf16 ", out)
+    assert re.search(r"CPU: AVX512 +bf16 instructions: avx512_bf16 ", out)
     q4, fp32head = rows["q4"], re.search(r"greedy agreement ([\d.]+) %, (\d+)/12 prompts identical, perplexity ([\d.]+),\n?"
                                           r" ?max \|Δlogit\| ([\d.]+), top-1 = fp32 on \*\*([\d.]+) %", chapter(CH)).groups()
     says(CH, f"q4's top-1 agreement goes from\n{q4[6]} to {fp32head[4]} %, its largest logit error falls from {q4[5]} to "
