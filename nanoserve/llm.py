@@ -133,6 +133,11 @@ class LLM:
         if tensor_parallel_size > 1:  # the engine checks too, but only once every worker has loaded its shard
             config.check_tensor_parallel(weights or "fp32")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
+        reference_quant = sys.modules["nanoserve.model.quant"]
+        if native_decode and weights == "q4" and code.module("nanoserve.model.quant") is not reference_quant:
+            # the C step reads the reference's q4 layers and would bypass a learner's quantizer: asked for, refused
+            raise ValueError("native_decode=True runs q4's one-token steps in C, bypassing your chapter 10 quantizer "
+                             "(student): leave native_decode unset (or False) and the model's forward serves your code")
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
 
         def load():
@@ -146,10 +151,10 @@ class LLM:
 
                 set_kernel_crossover(loaded, kernel_crossover_tokens, large_step_weights)
             # chapter 09: one-token steps in kernels/cpu_decode.c (the runner reads this; a learner's quantizer
-            # is what the model's forward runs, so it keeps the forward)
+            # is what the model's forward runs, so by default it keeps the forward, and asked for, it was refused)
             native = (default_native_decode(weights or "fp32", integer_dot) and not (enable_lora or lora_modules)
                       if native_decode is None else native_decode)
-            loaded.native_decode = native and quantizer is sys.modules["nanoserve.model.quant"]
+            loaded.native_decode = native and quantizer is reference_quant
             return loaded
 
         loader = None

@@ -44,8 +44,9 @@ def parameter_counts(config: LlamaConfig) -> dict[str, int]:
 
 
 def weight_bytes(config: LlamaConfig, weights: str = "fp32") -> float:
-    """Chapter 10: bytes of the weights in one of nanoserve's formats, scales and zeros included — what a
-    decode step reads (every weight once; the embedding table counts once, as the tied LM head).
+    """Chapter 10: bytes of the weights in one of nanoserve's formats, scales and zeros included — what the
+    model holds, every matrix once (a tied embedding and LM head once). For a tied model that is what a decode
+    step reads; an untied one's embedding table is held too, though a step reads only a row of it per token.
 
       fp32  4 B per weight
       int8  decoder Linears 1 B per weight + a bf16 scale per output row; embedding / LM head the same

@@ -175,11 +175,45 @@ def test_bench_degrade_summary_by_hand():
     assert row["agreement"] == (2 + 1) / 4 and row["identical"] == 1
 
 
-def test_bench_weights_refuses_unknown_weights_before_loading():
+def test_lockstep_alternates_which_engine_steps_first():
+    """bench weights' and bench degrade's lockstep: every engine one step per round, the round's order reversed
+    every other round (so no engine always runs first, on a machine that drifts), each engine stepped until idle."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench.weights import lockstep
+
+    order = []
+
+    class Engine:  # steps left for its one request; a step is one decode token
+        def __init__(self, name):
+            self.name, self.left = name, 0
+            self.last_scheduler_output = SimpleNamespace(total_num_scheduled_tokens=1, scheduled_seqs=[0])
+
+        def add_request(self, rid, prompt, params):
+            self.left = params.max_tokens
+
+        def has_unfinished_requests(self):
+            return self.left > 0
+
+        def step(self):
+            order.append(self.name)
+            self.left -= 1
+            return []
+
+    times = lockstep({n: Engine(n) for n in ("a", "b", "c")}, [([1, 2], 4)])
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    assert {n: len(t) for n, t in times.items()} == {"a": 4, "b": 4, "c": 4}
+
+
+@pytest.mark.parametrize("weights", ["int9", "bf16"])
+def test_bench_weights_refuses_unknown_weights_before_loading(weights):
+    """An unknown format, and bf16, which has no small-step kernel to time (bench linear --formats compares it):
+    one error: line, exit 2, before any model loads."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "nanoserve", "bench", "weights", "--weights", "fp32", "int9"],
+    r = subprocess.run([sys.executable, "-m", "nanoserve", "bench", "weights", "--weights", "fp32", weights],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: argument --weights: unknown weights 'int9'")
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: argument --weights: invalid choice: '{weights}' (choose from 'fp32', 'int8', 'q4') "
+        "(see python -m nanoserve bench weights --help)"]

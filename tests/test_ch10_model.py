@@ -5,6 +5,7 @@ those values), the float32 model's logits and greedy outputs, and the engine's r
 """
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -179,6 +180,25 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
         model.native_decode = False
 
 
+def test_native_decode_on_is_refused_with_the_learners_quantizer(exercises, tmp_path, capsys):
+    """The C step reads the reference's q4 layers and would bypass the learner's: `--native-decode on` with
+    `--student 10` (any rung finished) is one error: line, exit 2, before the model loads; `auto` serves their
+    code in the model's forward (the test below)."""
+    from nanoserve.cli import main
+    from nanoserve.llm import LLM
+
+    finish("nanoserve.model.quant", ["unpack_q4_1"])
+    with pytest.warns(UserWarning, match="not finished"), pytest.raises(ValueError, match="bypassing your chapter 10"):
+        LLM(weights="q4", student="10", native_decode=True)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi", "max_tokens": 1}\n')
+    with pytest.warns(UserWarning, match="not finished"):
+        code = main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--weights", "q4",
+                     "--student", "10", "--native-decode", "on", "--no-progress"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(err) == 1 and "native_decode=True runs q4's one-token steps in C" in err[0], err
+
+
 def test_batch_with_student_10_reports_the_learners_quantizer(exercises, tmp_path, capsys):
     """`batch --weights q4 --student 10` with exercise 10 done: the run's report names the learner's five
     functions, and its proof counts them building the weights: 120 q4 products (30 layers x qkv, o, gate_up,
@@ -197,3 +217,43 @@ def test_batch_with_student_10_reports_the_learners_quantizer(exercises, tmp_pat
                         ("int4_scale_and_zero", 120), ("dequantize_q4", 120)]:
         assert f"{name} ×{calls}" in proof, proof
     assert len(out.read_text().splitlines()) == 1 and len(json.loads(out.read_text())["token_ids"]) == 4
+
+
+PROMPT = '{"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}\n'
+
+
+@pytest.fixture(scope="module")
+def reference_q4_tokens(tmp_path_factory):
+    """The greedy tokens `batch --weights q4` gives PROMPT with the reference's quantizer."""
+    from nanoserve.cli import main
+
+    src, out = tmp_path_factory.mktemp("ref") / "in.jsonl", tmp_path_factory.mktemp("ref") / "out.jsonl"
+    src.write_text(PROMPT)
+    assert main(["batch", "--input", str(src), "--output", str(out), "--weights", "q4", "--num-blocks", "8",
+                 "--no-progress"]) == 0
+    return json.loads(out.read_text())["token_ids"]
+
+
+@pytest.mark.parametrize("rung", ["10.1", "10.2", "10.3"])
+def test_each_rung_of_exercise_10_serves_alone(exercises, tmp_path, capsys, rung, reference_q4_tokens):
+    """`batch --weights q4 --student 10` with one rung done, the others stubbed: the engine serves, the report names
+    that rung's functions as the learner's, their calls build the weights (10.1: the tied int8 embedding / LM head
+    once; 10.2 and 10.3: the 120 q4 products), and the greedy tokens are the reference's run's (the same numbers)."""
+    from nanoserve.cli import main
+    from nanoserve.student import RUNGS
+
+    names = RUNGS["nanoserve.model.quant"][rung]
+    finish("nanoserve.model.quant", names)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(PROMPT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "Exercise 10.x not finished": the other rungs
+        assert main(["batch", "--input", str(src), "--output", str(out), "--weights", "q4", "--student", "10",
+                     "--num-blocks", "8", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"yours      {', '.join(names)}  from exercises/10-quantization/quant.py" in err, err
+    proof = next(line for line in err.splitlines() if line.startswith("--student: "))
+    calls = {"quantize_int8": 1, "dequantize_int8": 1, "unpack_q4_1": 120, "int4_scale_and_zero": 120, "dequantize_q4": 120}
+    assert all(f"{name} ×{calls[name]}" in proof for name in names), proof
+    tokens = json.loads(out.read_text())["token_ids"]
+    assert len(tokens) == 4 and tokens == reference_q4_tokens

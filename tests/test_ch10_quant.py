@@ -311,15 +311,24 @@ def test_quantized_tiny_model_stays_near_float32(tiny_pair, weights):
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8", "q4", "bf16"])
-def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weights):
-    """memory.weight_bytes (counted from the config) == decode_bytes (counted over the model's tensors)."""
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_formula_matches_the_tensors_a_step_reads(tiny_pair, weights, tied):
+    """memory.weight_bytes (counted from the config) == decode_bytes (counted over the model's tensors), plus an
+    untied model's embedding table: held, but a decode step reads only a row of it."""
     import copy
+    import dataclasses
 
     from nanoserve.memory import weight_bytes
     from nanoserve.model.quant import decode_bytes
 
-    model = quantize_model(copy.deepcopy(tiny_pair[0]), weights, tiny_pair[1])
-    assert decode_bytes(model) == weight_bytes(LlamaConfig.tiny(), weights)
+    config = dataclasses.replace(LlamaConfig.tiny(), tie_word_embeddings=tied)
+    model = Llama(config).eval()
+    model.load_state_dict(copy.deepcopy(tiny_pair[0].state_dict()))  # untied: the head starts as the embedding's copy
+    model = quantize_model(model, weights, tiny_pair[1])
+    table = [*model.embed_tokens.parameters(), *model.embed_tokens.buffers()]  # weight, or qweight and scale
+    embedding = 0 if tied else sum(t.numel() * t.element_size() for t in table)
+    assert tied or embedding >= config.vocab_size * config.hidden_size  # at least a byte per weight
+    assert decode_bytes(model) + embedding == weight_bytes(config, weights)
 
 
 def test_q4_without_blocks_names_the_layer(tiny_pair):

@@ -168,14 +168,18 @@ def test_a_bf16_kv_pool_holds_twice_the_blocks_and_attends_like_float32():
 
 def test_the_large_step_dtype_follows_the_cpus_bf16_instructions(tmp_path):
     """bf16 only where the kernel's flags list AMX's or AVX-512's bf16 dot products; float32 on an AVX2 CPU and
-    where there is no /proc/cpuinfo to read."""
-    from nanoserve.model.quant import native_bf16
+    where there is no /proc/cpuinfo to read. bf16_instructions names which (AMX first: an AMX CPU lists both),
+    what torch's get_cpu_capability() cannot tell apart (AVX512 on either)."""
+    from nanoserve.model.quant import bf16_instructions, native_bf16
 
-    cases = {"fpu sse avx2 fma f16c": False, "avx2 avx512f avx512bw avx512_vnni": False,
-             "avx2 avx512f avx512_bf16": True, "avx512f amx_tile amx_bf16 amx_int8": True, "amx_bf16x": False}
-    for flags, native in cases.items():
+    cases = {"fpu sse avx2 fma f16c": None, "avx2 avx512f avx512bw avx512_vnni": None,
+             "avx2 avx512f avx512_bf16": "avx512_bf16", "avx512f avx512_bf16 amx_tile amx_bf16 amx_int8": "amx_bf16",
+             "amx_bf16x": None}
+    for flags, instructions in cases.items():
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        assert native_bf16(str(tmp_path / "cpuinfo")) is native, flags
+        assert bf16_instructions(str(tmp_path / "cpuinfo")) == instructions, flags
+        assert native_bf16(str(tmp_path / "cpuinfo")) is (instructions is not None), flags
+    assert bf16_instructions(str(tmp_path / "missing")) is None
     assert native_bf16(str(tmp_path / "missing")) is False
 
 

@@ -7,9 +7,10 @@ three engines stepped in lockstep, each timed on its own clock (bench weights' `
   fp32+degrade    the same float32 weights and a q4 copy, bare as LLM(degrade_under_load=N) loads it (the
                   kernel up to QUANT_MAX_TOKENS, dequantized beyond): with --threshold requests waiting, steps
                   run on the q4 copy until the queue is down to half of it
-  q4              q4 weights all the time, as LLM(weights="q4") and `serve` run them (set_kernel_crossover's
-                  defaults: the kernel up to KERNEL_CROSSOVER_TOKENS, the large-step copy beyond): the other end
-                  of the trade
+  q4              q4 weights all the time with LLM(weights="q4")'s crossover (set_kernel_crossover's
+                  defaults: the kernel up to KERNEL_CROSSOVER_TOKENS, the large-step copy beyond), every step
+                  through the model's forward (LLM would run a step of one sequence's one token in chapter 09's
+                  native decode step): the other end of the trade
 
 Per engine: TTFT p50 / p99 (every request arrives at 0 on its engine's clock), output tok/s, the share of
 tokens computed on q4 weights, and the quality cost: greedy agreement with the fp32 run's tokens, counted
@@ -72,8 +73,8 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    # two q4 models: the degrading engine's copy stays bare, as LLM loads it; the q4 engine's gets what
-    # LLM(weights="q4") does to its model (llm.py), so its row is q4 as served
+    # two q4 models: the degrading engine's copy stays bare, as LLM loads it; the q4 engine's gets
+    # LLM(weights="q4")'s crossover (llm.py), through the model's forward: no native decode step
     fp32, degraded, q4 = load_gguf(weights="fp32"), load_gguf(weights="q4"), load_gguf(weights="q4")
     set_kernel_crossover(q4)
     tokenizer = Tokenizer.from_gguf()

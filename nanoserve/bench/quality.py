@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from nanoserve.cli.checks import weight_format
+from nanoserve.cli.checks import positive_int, weight_format
 
 HELDOUT = Path(__file__).with_name("heldout.txt")
 
@@ -50,6 +50,8 @@ def register(sub):
     p.add_argument("--weights", nargs="+", default=["int8", "q4"], type=weight_format, help="formats to compare with fp32")
     p.add_argument("--max-tokens", type=int, default=32, help="N: greedy tokens per chat prompt")
     p.add_argument("--num-prompts", type=int, default=len(CHAT_PROMPTS))
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: torch's, the cores); the figures' last digits can follow it")
     p.set_defaults(func=run)
 
 
@@ -98,8 +100,11 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 def run(args):
     from nanoserve.model import load_gguf
+    from nanoserve.model.quant import bf16_instructions
     from nanoserve.text.tokenizer import Tokenizer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
     formats = [w for w in formats if w != "fp32"]
     tokenizer = Tokenizer.from_gguf()
@@ -111,10 +116,12 @@ def run(args):
     rows = compare(models, tokenizer, prompts, args.max_tokens)
     n_ids = len(tokenizer.encode(HELDOUT.read_text()))
     print(f"command: python -m nanoserve bench quality --weights {' '.join(args.weights)} "
-          f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}")
-    # the bf16 GEMMs' order of additions follows the kernel oneDNN picks for the CPU: the figures too
-    print(f"threads: {torch.get_num_threads()}; CPU: {torch.backends.cpu.get_cpu_capability()}; "
-          f"load average at the start: {os.getloadavg()[0]:.2f}")
+          f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}"
+          + (f" --threads {args.threads}" if args.threads else ""))
+    # the bf16 GEMMs' order of additions follows the kernel oneDNN picks for the CPU: the figures too. torch's
+    # capability reads AVX512 with AMX or without; the bf16 flag tells those machines apart
+    print(f"threads: {torch.get_num_threads()}; CPU: {torch.backends.cpu.get_cpu_capability()}, "
+          f"bf16 instructions: {bf16_instructions()}; load average at the start: {os.getloadavg()[0]:.2f}")
     print(f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens; held-out text: {HELDOUT.name}, {n_ids} tokens")
     print(f"{'weights':12s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
           f"{'max |dlogit|':>13s} {'top-1 = fp32':>13s}")

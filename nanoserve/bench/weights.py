@@ -10,10 +10,15 @@
                 not derived from this table (on the course's AMX CPU int8's crossover lies below 64, q4's above).
   engine        batch-1 decode tok/s, batch-16 and batch-64 decode step time, prefill tok/s, and chapter 06's
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
-                int8 and q4 as LLM serves them: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond (quant.LARGE_STEP_DTYPE)
+                int8 and q4 with LLM's crossover: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond
+                (quant.LARGE_STEP_DTYPE). Every step goes through the model's forward: LLM(weights="q4") runs
+                q4's one-token steps in chapter 09's native decode step instead, which this bench does not turn
+                on (its batch-1 row is q4 with --native-decode off; `bench peers --native-decode auto off`
+                measures both)
 
-The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, and again — each
-timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all three alike.
+The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, then the other way
+round — each timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all
+three alike; the product table's columns and the prefill's formats alternate their order the same way.
 """
 
 import os
@@ -24,14 +29,14 @@ import torch
 from torch.nn import functional as F
 
 from nanoserve.bench.linear import best_of
-from nanoserve.cli.checks import weight_format
 
 FORMATS = ["fp32", "int8", "q4"]
 
 
 def register(sub):
     p = sub.add_parser("weights", help="speed and memory of fp32 / int8 / q4 weights, side by side (chapter 10)")
-    p.add_argument("--weights", nargs="+", default=FORMATS, type=weight_format,
+    # bf16 has no small-step kernel to time (`bench linear --formats` compares it): refused by argparse
+    p.add_argument("--weights", nargs="+", default=FORMATS, choices=FORMATS,
                    help="formats to compare (default: all three)")
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256],
                    help="batch sizes of the product table (none: skip it)")
@@ -114,7 +119,8 @@ def product_table(models: dict, tokens: list[int], repeats: int):
 # ---- engine measurements, in lockstep ---------------------------------------------------------------
 
 def lockstep(engines: dict, requests: list, decode_only: bool = False, outputs: dict | None = None) -> dict[str, list[float]]:
-    """Submit `requests` [(prompt ids, max_tokens)] to every engine, then step them in turn until all are idle.
+    """Submit `requests` [(prompt ids, max_tokens)] to every engine, then step them in turn until all are idle (the
+    turn's order reversed every other round: no engine always steps first).
     Returns each engine's step times (seconds); with decode_only, only steps in which every token was a decode.
     outputs: a dict that gets, per engine, [(its clock after the step: the sum of its step times, the step's
     RequestOutputs)] — what `bench degrade` computes TTFT and agreement from."""
@@ -125,8 +131,11 @@ def lockstep(engines: dict, requests: list, decode_only: bool = False, outputs: 
             engine.add_request(str(i), prompt, params(n))
     times = {name: [] for name in engines}
     clocks = dict.fromkeys(engines, 0.0)
+    names, turn = list(engines), 0
     while any(e.has_unfinished_requests() for e in engines.values()):
-        for name, engine in engines.items():
+        turn += 1
+        for name in (names if turn % 2 else names[::-1]):
+            engine = engines[name]
             if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
@@ -158,7 +167,7 @@ def run(args):
     from nanoserve.model import load_gguf
     from nanoserve.model.quant import decode_bytes, resident_bytes
 
-    formats = list(dict.fromkeys(args.weights))  # checked by argparse (weight_format), each once
+    formats = list(dict.fromkeys(args.weights))  # checked by argparse (choices), each once
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_host_memory()
@@ -192,7 +201,7 @@ def run(args):
 
     from nanoserve.model.quant import set_kernel_crossover
 
-    for name, model in models.items():  # the engines serve as LLM does: the kernel up to the crossover, a copy beyond
+    for name, model in models.items():  # LLM's crossover: the kernel up to it, a copy beyond
         if name in ("int8", "q4"):
             set_kernel_crossover(model)
     with torch.inference_mode():

@@ -59,14 +59,21 @@ from nanoserve.kernels import cpu_dot
 WEIGHT_FORMATS = ("fp32", "int8", "q4", "bf16")
 
 
-def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AMX's or AVX-512's), read from the kernel's flags
-    (False where there is no /proc/cpuinfo: the float32 GEMM is the safe choice everywhere)."""
+def bf16_instructions(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """This CPU's bf16 dot-product instructions, read from the kernel's flags: "amx_bf16" (AMX's tiles; such a
+    CPU has AVX-512 BF16 too), "avx512_bf16", or None (neither, or no /proc/cpuinfo to read). What tells the
+    machines apart: torch.backends.cpu.get_cpu_capability() prints AVX512 on the first two alike."""
     try:
         flags = Path(cpuinfo).read_text()
     except OSError:
-        return False
-    return re.search(r"\b(amx_bf16|avx512_bf16)\b", flags) is not None
+        return None
+    return next((f for f in ("amx_bf16", "avx512_bf16") if re.search(rf"\b{f}\b", flags)), None)
+
+
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 dot-product instructions, AMX's or AVX-512's (False where there is no
+    /proc/cpuinfo: the float32 GEMM is the safe choice everywhere)."""
+    return bf16_instructions(cpuinfo) is not None
 
 
 # The dtype of a quantized layer's large-step GEMM (module docstring): bf16 where the CPU multiplies it natively
@@ -76,9 +83,10 @@ Q4_GROUP_SIZE = 32  # weights per Q4_1 block (and per group of the int4 kernel)
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 32 nibbles
 # Up to this many tokens (<=) a product runs in the quantized kernel; beyond, a GEMM in LARGE_STEP_DTYPE (bf16 on
 # AMX tiles, or float32) on a weight in that dtype. Where that weight is dequantized for each call (a bare
-# quantized model), the crossover is 64 (chapter 06's swap-AB bound until that was re-derived as 4, kept here):
-# decode steps (≤ 64 sequences) on the kernel, prefill chunks on the GEMM, since the dequantize pass costs more
-# than a decode step's product. Where a copy is kept
+# quantized model), the crossover is 64 (chapter 06's swap-AB bound until that was re-derived as 4, kept here), a
+# plain default not measured for this path: decode steps (≤ 64 sequences) on the kernel, prefill chunks on the GEMM
+# (bench weights' dequant columns put the CPU's own crossover above 64 for q4 and below it for int8, chapter 10).
+# Where a copy is kept
 # (LLM's default, set_kernel_crossover), the GEMM costs only itself: the int4 kernel's time grows with the rows
 # (its arithmetic bounds it, unpacking every weight, even at one row), the bf16 GEMM's barely does up to ~32 rows
 # on AMX, and the two cross near 16 rows, on a side of 16 that depends on the CPU (one loaded AMX run: between 8
@@ -160,7 +168,8 @@ def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> t
 class QuantLinear(nn.Module):
     """What both formats share: bf16 into the kernel for small batches, the large-step GEMM for big ones.
 
-    Subclasses give `kernel(x_bf16)` and `dequantize()`; `name` (e.g. "layers.3.mlp.up_proj") is for errors.
+    Subclasses give `kernel(x_bf16)` (BF16Linear, with no small-step kernel, none) and `dequantize()`; `name`
+    (e.g. "layers.3.mlp.up_proj") is for errors.
     The quantized tensors are non-persistent buffers: they are built from the GGUF, not from a state_dict.
     """
 
@@ -268,15 +277,12 @@ class Q4Linear(QuantLinear):
 
 class BF16Linear(QuantLinear):
     """`weights="bf16"`: the weight rounded to bfloat16 (2 bytes, 8 bits of mantissa), every product a bf16
-    GEMM accumulated in float32 (oneDNN; AMX on this CPU). No integer kernel: `kernel` is the same GEMM."""
+    GEMM accumulated in float32 (oneDNN; AMX on this CPU). No small-step kernel: every step takes the GEMM."""
 
     def __init__(self, weight: torch.Tensor, name: str = ""):
         super().__init__(weight.shape[1], weight.shape[0], name)
         self.register_buffer("weight", weight.detach().to(torch.bfloat16), persistent=False)  # (out, in)
         self.max_kernel_tokens = -1  # no small-step kernel: always the GEMM
-
-    def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
 
     def large_step_weight(self) -> torch.Tensor:  # the format is bf16: its every product is a bf16 GEMM
         return self.weight
