@@ -142,6 +142,44 @@ def test_an_explicit_native_decode_is_refused_where_it_cannot_be_honoured():
         LLM(weights="q4", integer_dot=False, native_decode=True)
     with pytest.raises(ValueError, match="a model given"):
         LLM(tiny_llama(), native_decode=True)
+    # the runner would pass these by (NativeDecoder.why_not, ModelRunner.native_decoder): refused before loading
+    for settings, reason in [(dict(kv_cache_dtype="int8"), "kv_cache_dtype 'int8'"),
+                             (dict(kv_cache_dtype="fp8"), "kv_cache_dtype 'fp8'"),
+                             (dict(attention_backend="triton"), "triton attention backend"),
+                             (dict(student="02"), "your chapter 02 blocks"),
+                             (dict(student="05"), "your chapter 05 attention"),
+                             (dict(student="10"), "your chapter 10 quantizer"),
+                             (dict(enable_lora=True), "LoRA")]:
+        with pytest.raises(ValueError, match=reason):
+            LLM(weights="q4", native_decode=True, **settings)
+
+
+@pytest.mark.parametrize("flags, native", [
+    ([], True), (["--kv-cache-dtype", "fp32"], True), (["--native-decode", "off"], False),
+    (["--kv-cache-dtype", "int8"], False), (["--kv-cache-dtype", "fp8"], False), (["--student", "02"], False),
+    (["--student", "05"], False), (["--student", "10"], False), (["--integer-dot", "off"], False),
+])
+def test_serve_says_where_one_token_steps_run(flags, native):
+    """serve's banner names cpu_decode.c exactly where LLM turns the native step on (native_decode_blocker), and
+    `--native-decode on` is refused with the same settings that turn `auto` off."""
+    import argparse
+
+    from nanoserve.cli import serve
+    from nanoserve.cli.batch import check_engine_args, native_settings
+    from nanoserve.model.quant import native_decode_blocker
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", *flags])
+    text = serve.serving_format(args)
+    off = flags == ["--native-decode", "off"]
+    assert ("one-token steps in kernels/cpu_decode.c" in text) == native
+    assert ("one-token steps in the model's forward" in text) == (not native and not off)
+    assert (native_decode_blocker(*native_settings(args)) == "") == (native or off)
+    if "--native-decode" not in flags:
+        args.native_decode = "on"
+        problem = check_engine_args(args)
+        assert (problem is None) == native and (native or problem.startswith("--native-decode on: "))
 
 
 @pytest.mark.slow

@@ -148,6 +148,9 @@ def run(args):
         raise UsageError(f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})")
     if args.native_decode != ["auto"] and "q4" not in args.formats:
         raise UsageError("--native-decode chooses how q4's one-token steps run: give --formats q4")
+    if "on" in args.native_decode and "off" in args.integer_dot:
+        raise UsageError("--native-decode on computes with cpu_dot.c's integer products: not with --integer-dot off "
+                         "(give --native-decode auto, which turns it off there)")
     if "on" in args.native_decode and not cpu_decode.available():
         raise UsageError(f"--native-decode on: kernels/cpu_decode.c does not build here ({cpu_decode.build_error()})")
     if args.threads:
@@ -172,8 +175,7 @@ def run(args):
                 compile_mode=mode, integer_dot=dots[dot], native_decode=dots[native])
             for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode
             for dot in (args.integer_dot if f in ("int8", "q4") else ["auto"])
-            for native in (args.native_decode if f == "q4" else ["auto"])
-            if not (native == "on" and dot == "off")}  # native_decode computes with cpu_dot.c: refused with off
+            for native in (args.native_decode if f == "q4" else ["auto"])}
     hf = {}
     if args.hf:
         from transformers import AutoModelForCausalLM
