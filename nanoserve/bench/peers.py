@@ -6,7 +6,8 @@ generating exactly --new-tokens tokens, greedy, EOS ignored. Per round every sys
 once, in turn (nanoserve: all submitted at once, continuous batching; transformers: one static left-padded
 batch of all of them, as bench offline's HF baseline), so a drift of the shared machine's speed hits every
 system in every round; each system's figure is its median round. Then, per nanoserve format, batch-1 decode
-tokens/s and the prefill rate of one --prefill-tokens prompt.
+tokens/s (--decode-tokens after a 32-token prompt: a short context) and the prefill rate of one --prefill-tokens
+prompt.
 
 With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the attention in bf16), and with
 `--compile-mode eager buckets` each also through the compiled step (chapter 09, nanoserve/model/compiled.py), and
@@ -52,7 +53,7 @@ def register(sub):
                    help="transformers dtypes to compare with (none: skip them)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prefill-tokens", type=int, default=2000)
-    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens timed per format")
+    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens timed per format, after a 32-token prompt (not --prefill-tokens')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, = the cores); 1 on a machine busy with other jobs")
