@@ -2,10 +2,11 @@
 
 Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
-    one sequence, one token, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
+    one sequence, one token (a decode step, or a prefill chunk of one token), q4 weights, the model's
+    `native_decode` on, a float32 or bf16 PagedKVCache
         -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C;
            NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
-    anything else (prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
+    anything else (longer prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
     LoRA, a quantized KV pool, another attention class, tensor parallelism)
         -> the model's forward (eager or compiled), as before
 
