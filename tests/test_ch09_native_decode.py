@@ -20,7 +20,10 @@ On the real SmolLM2 crossings do happen (its residual stream has outliers of sev
 the K it stores agreed to float32 rounding through layer 14 and then by up to 0.14 in values of ~15, logits
 by up to 1 in ~20, with the greedy token the same at all but near-ties; the slow test below holds it to
 test_ch10_model's bar against float32. Greedy tokens are compared as the eager step's own argmax or within a
-near-tie of it (MARGIN).
+near-tie of it (MARGIN, a fraction of the row's largest |logit|): on a float32 pool the step's own tolerance,
+REL; on a bf16 pool 2 %, since the pool's rounding moves the logits from the uncached float32 forward's by about
+as much as the bf16 case above measured (1.6 %). On these prompts every token was the exact argmax in both
+(gap 0, with top-1 minus top-2 down to 0.005 where the largest |logit| is 0.60).
 """
 
 import pytest
@@ -38,7 +41,7 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason=f"kernels/cpu
                                 f"({cpu_decode.build_error()}): install gcc with OpenMP on an AVX2 CPU")
 
 REL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # by the pool's dtype (module docstring)
-MARGIN = 0.05  # a near-tie: the eager step's top logit minus the native token's, in the tiny model's logits
+MARGIN = {"fp32": REL[torch.float32], "bf16": 2e-2}  # a near-tie, over the row's largest |logit| (module docstring)
 
 
 def tiny_q4():
@@ -117,7 +120,8 @@ def test_the_engine_takes_the_native_step_and_decodes_what_the_eager_step_would(
         logits = model.compute_logits(model(ids))[len(prompt) - 1:-1]  # (max_tokens, vocab): row i predicts out[i]
         picked = logits[torch.arange(len(out)), torch.tensor(out)]
         gap = logits.max(-1).values - picked
-        assert (gap <= MARGIN).all(), f"tokens off the eager argmax by more than a near-tie: {gap.tolist()}"
+        tie = MARGIN[kv_cache_dtype] * logits.abs().max(-1).values
+        assert (gap <= tie).all(), f"tokens off the eager argmax by more than a near-tie: {gap.tolist()}"
 
 
 @torch.inference_mode()
