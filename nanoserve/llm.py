@@ -69,8 +69,9 @@ class LLM:
         given, tensor parallelism, no build); a learner's exercise 10.2 / 10.3 code keeps torch's int4 kernel.
         native_decode: q4 steps of one sequence's one token run every layer in one C call (kernels/cpu_decode.c,
         chapter 09 section 5) instead of the model's forward; None: quant.default_native_decode() (on for q4 unless
-        integer_dot=False). Refused where it cannot be honoured (other weights, integer_dot=False, a model given,
-        tensor parallelism, LoRA, no build); a learner's exercise 10 quantizer keeps the model's forward.
+        integer_dot=False, and off where it cannot run). True is refused where it cannot be honoured (other weights,
+        integer_dot=False, a model given, tensor parallelism, LoRA, an int8 / fp8 KV pool, the triton attention
+        backend, a learner's chapter 02, 05 or 10 code selected in `student`, no build: quant.native_decode_blocker).
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
         scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
@@ -91,7 +92,8 @@ class LLM:
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
         from nanoserve.model.quant import (check_crossover, check_integer_dot, check_native_decode, check_weight_format,
-                                           default_native_decode)
+                                           default_native_decode, native_decode_blocker)
+        from nanoserve.student import parse_selection
         from nanoserve.text.tokenizer import Tokenizer
 
         path = model if isinstance(model, (str, Path)) else None
@@ -102,12 +104,14 @@ class LLM:
                 raise ValueError("integer_dot applies to the weights LLM loads from a GGUF; a model given keeps what "
                                  "quantize_model(..., integer_dot=...) made of it")
             check_integer_dot(integer_dot, weights or "fp32", tensor_parallel_size)
+        # chapter 09: where one-token steps may run in kernels/cpu_decode.c; refused for True where they cannot
+        native_settings = (weights or "fp32", integer_dot, tensor_parallel_size, bool(enable_lora or lora_modules),
+                           kv_cache_dtype, attention_backend, parse_selection(student))
         if native_decode is not None:
             if model is not None and path is None:
                 raise ValueError("native_decode applies to the weights LLM loads from a GGUF; a model given runs its "
                                  "one-token steps native where its `native_decode` attribute says so")
-            check_native_decode(native_decode, weights or "fp32", integer_dot, tensor_parallel_size,
-                                bool(enable_lora or lora_modules))
+            check_native_decode(native_decode, *native_settings)
         if kernel_crossover_tokens is not None or large_step_weights is not None:  # given: they must apply
             if model is not None and path is None:
                 raise ValueError("kernel_crossover_tokens and large_step_weights apply to the weights LLM loads from a "
@@ -133,11 +137,6 @@ class LLM:
         if tensor_parallel_size > 1:  # the engine checks too, but only once every worker has loaded its shard
             config.check_tensor_parallel(weights or "fp32")
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
-        reference_quant = sys.modules["nanoserve.model.quant"]
-        if native_decode and weights == "q4" and code.module("nanoserve.model.quant") is not reference_quant:
-            # the C step reads the reference's q4 layers and would bypass a learner's quantizer: asked for, refused
-            raise ValueError("native_decode=True runs q4's one-token steps in C, bypassing your chapter 10 quantizer "
-                             "(student): leave native_decode unset (or False) and the model's forward serves your code")
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
 
         def load():
@@ -150,11 +149,10 @@ class LLM:
                 from nanoserve.model.quant import set_kernel_crossover
 
                 set_kernel_crossover(loaded, kernel_crossover_tokens, large_step_weights)
-            # chapter 09: one-token steps in kernels/cpu_decode.c (the runner reads this; a learner's quantizer
-            # is what the model's forward runs, so by default it keeps the forward, and asked for, it was refused)
-            native = (default_native_decode(weights or "fp32", integer_dot) and not (enable_lora or lora_modules)
-                      if native_decode is None else native_decode)
-            loaded.native_decode = native and quantizer is reference_quant
+            # chapter 09: one-token steps in kernels/cpu_decode.c (the runner reads this)
+            loaded.native_decode = (default_native_decode(weights or "fp32", integer_dot)
+                                    and not native_decode_blocker(*native_settings)
+                                    if native_decode is None else native_decode)
             return loaded
 
         loader = None

@@ -369,6 +369,34 @@ def test_the_timed_tables_ratios():
     for tokens, fp32, bf16, ratio in linear:
         assert f"{number(bf16) / number(fp32):.2f}×" == ratio, tokens
 
+def test_the_native_step_table():
+    """Section 5's batch-1 table: each median is its five rounds', and the ratios and falls the text draws from it."""
+    def runs(first_cell):  # [(median, [rounds])] per run
+        (row,) = table_rows(CH, first_cell)
+        cells = [re.fullmatch(r"\**([\d.]+)\** \(([\d. ]+)\)", c) for c in row[1:]]
+        return [(float(m[1]), [float(x) for x in m[2].split()]) for m in cells]
+
+    native, forward, llama = (runs(f) for f in (r"q4, native step \(the default now\)", r"q4, the model's forward .*",
+                                                r"llama\.cpp `llama-bench -t 2` tg128"))
+    for median, rounds in native + forward + llama:
+        assert len(rounds) == 5 and median == statistics.median(rounds)
+    over = [n[0] / ll[0] for n, ll in zip(native, llama)]
+    says(CH, "So one sequence decodes at " + ", ".join(f"**{r:.2f}×**" for r in over[:2]) + f" and **{over[2]:.2f}×**")
+    old = [f[0] / ll[0] for f, ll in zip(forward, llama)][1:]  # run 1's forward collapsed: not drawn
+    gain = [n[0] / f[0] for n, f in zip(native, forward)][1:]
+    says(CH, f"from {old[0]:.2f}× and {old[1]:.2f}× for the previous default in runs 2 and 3 ({gain[0]:.1f}× and "
+             f"{gain[1]:.1f}× faster;")
+
+    def fall(system):  # the largest best-to-worst fall of one run's rounds: (factor, best, worst, run)
+        return max((max(r) / min(r), max(r), min(r), i + 1) for i, (_, r) in enumerate(system))
+
+    for what, system in (("native step's fell furthest,", native), ("the old forward's", forward),
+                         ("llama.cpp's at most", llama)):
+        f, best, worst, run = fall(system)
+        says(CH, f"{what} {f:.1f}× ({best} to {worst} in run {run})")
+    assert fall(native)[0] > fall(forward)[0] > fall(llama)[0]  # "the most fragile of the three"
+
+
 def test_the_concurrency_experiment():
     """The levels' ratios, within a round, from the table; the per-level request counts from the experiment's rule."""
     rows = {int(r[0].split()[0]): r for r in table_rows(CH, r"(1|4|16) \(\d+\)")}

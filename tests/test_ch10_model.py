@@ -188,15 +188,14 @@ def test_native_decode_on_is_refused_with_the_learners_quantizer(exercises, tmp_
     from nanoserve.llm import LLM
 
     finish("nanoserve.model.quant", ["unpack_q4_1"])
-    with pytest.warns(UserWarning, match="not finished"), pytest.raises(ValueError, match="bypassing your chapter 10"):
+    with pytest.raises(ValueError, match="your chapter 10 quantizer"):
         LLM(weights="q4", student="10", native_decode=True)
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "hi", "max_tokens": 1}\n')
-    with pytest.warns(UserWarning, match="not finished"):
-        code = main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--weights", "q4",
-                     "--student", "10", "--native-decode", "on", "--no-progress"])
+    code = main(["batch", "--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--weights", "q4",
+                 "--student", "10", "--native-decode", "on", "--no-progress"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(err) == 1 and "native_decode=True runs q4's one-token steps in C" in err[0], err
+    assert code == 2 and len(err) == 1 and "your chapter 10 quantizer" in err[0], err
 
 
 def test_batch_with_student_10_reports_the_learners_quantizer(exercises, tmp_path, capsys):

@@ -6,7 +6,8 @@ generating exactly --new-tokens tokens, greedy, EOS ignored. Per round every sys
 once, in turn (nanoserve: all submitted at once, continuous batching; transformers: one static left-padded
 batch of all of them, as bench offline's HF baseline), so a drift of the shared machine's speed hits every
 system in every round; each system's figure is its median round. Then, per nanoserve format, batch-1 decode
-tokens/s and the prefill rate of one --prefill-tokens prompt.
+tokens/s (--decode-tokens after a 32-token prompt: a short context) and the prefill rate of one --prefill-tokens
+prompt.
 
 With `--kv-cache-dtype auto bf16` each format also runs on a bf16 KV pool (the attention in bf16), and with
 `--compile-mode eager buckets` each also through the compiled step (chapter 09, nanoserve/model/compiled.py), and
@@ -52,7 +53,7 @@ def register(sub):
                    help="transformers dtypes to compare with (none: skip them)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prefill-tokens", type=int, default=2000)
-    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens timed per format")
+    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode: tokens timed per format, after a 32-token prompt (not --prefill-tokens')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's, = the cores); 1 on a machine busy with other jobs")
@@ -148,6 +149,9 @@ def run(args):
         raise UsageError(f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})")
     if args.native_decode != ["auto"] and "q4" not in args.formats:
         raise UsageError("--native-decode chooses how q4's one-token steps run: give --formats q4")
+    if "on" in args.native_decode and "off" in args.integer_dot:
+        raise UsageError("--native-decode on computes with cpu_dot.c's integer products: not with --integer-dot off "
+                         "(give --native-decode auto, which turns it off there)")
     if "on" in args.native_decode and not cpu_decode.available():
         raise UsageError(f"--native-decode on: kernels/cpu_decode.c does not build here ({cpu_decode.build_error()})")
     if args.threads:
@@ -172,8 +176,7 @@ def run(args):
                 compile_mode=mode, integer_dot=dots[dot], native_decode=dots[native])
             for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode
             for dot in (args.integer_dot if f in ("int8", "q4") else ["auto"])
-            for native in (args.native_decode if f == "q4" else ["auto"])
-            if not (native == "on" and dot == "off")}  # native_decode computes with cpu_dot.c: refused with off
+            for native in (args.native_decode if f == "q4" else ["auto"])}
     hf = {}
     if args.hf:
         from transformers import AutoModelForCausalLM

@@ -33,7 +33,9 @@ means overhead bounds it. With `--compile-mode buckets | dynamic` (chapter 09) t
 call no labelled method, so the compiled forward is labelled "norms/RoPE/act" as a whole, the attention (eager)
 claims its own time inside it, and the product ops found inside it (PRODUCT_OPS) count as "linear": what stays
 is the fused element-wise kernels. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
-but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor.
+but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor (the table
+says so; a q4 step reads about a sixth of those bytes and can run below it). With q4 a batch-1 decode step runs
+in kernels/cpu_decode.c by default ("native step"); `--native-decode off` profiles the model's forward there.
 Every request samples with --temperature and --top-p (default 0 and 1: greedy, so the sampling part is one argmax
 per sequence; chapter 03 measures the share of a real draw with them). With `--lora-rank R` (chapter 19) the engine
 serves --max-loras random adapters of rank R on every projection (`max_lora_rank` R), the batch's requests spread
@@ -73,6 +75,9 @@ def register(sub):
                    help="the KV pool's dtype (auto: float32)")
     p.add_argument("--compile-mode", default="eager", choices=["eager", "buckets", "dynamic"],
                    help="eager, or the compiled step (chapter 09)")
+    p.add_argument("--native-decode", default="auto", choices=["auto", "on", "off"],
+                   help="q4's one-token steps (chapter 09): auto / on = kernels/cpu_decode.c where it can run, "
+                        "off = the model's forward (eager or compiled), the only way to profile that at batch 1")
     p.add_argument("--lora-rank", type=positive_int, default=None,
                    help="serve random LoRA adapters of this rank on every projection (chapter 19): their share")
     p.add_argument("--max-loras", type=positive_int, default=None,
@@ -305,12 +310,19 @@ def run(args):
     if args.lora_rank and args.compile_mode != "eager":
         print("error: --lora-rank needs --compile-mode eager (LoRA runs on the eager engine)", file=sys.stderr)
         return 2
+    if args.native_decode != "auto":
+        from nanoserve.model.quant import native_decode_blocker
+
+        reason = native_decode_blocker(args.weights, None, 1, bool(args.lora_rank), args.kv_cache_dtype)
+        if args.weights != "q4" or args.native_decode == "on" and reason:
+            print(f"error: --native-decode {args.native_decode}: {reason or 'give --weights q4'}", file=sys.stderr)
+            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     biggest = max(args.batch_sizes)
     llm = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
               num_blocks=biggest * (args.prompt_len // 16 + 2) + 8, compile_mode=args.compile_mode,
-              enable_lora=bool(args.lora_rank), max_loras=args.max_loras, max_lora_rank=args.lora_rank or 16)
+              native_decode={"auto": None, "on": True, "off": False}[args.native_decode], enable_lora=bool(args.lora_rank), max_loras=args.max_loras, max_lora_rank=args.lora_rank or 16)
     adapters: tuple[str | None, ...] = (None,)
     with tempfile.TemporaryDirectory(prefix="nanoserve-profile-lora-") as tmp:
         if args.lora_rank:  # the directory lives as long as the run: an adapter memory drops is read again
@@ -325,7 +337,8 @@ def run(args):
     bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
     print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
           f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}"
-          f" --compile-mode {args.compile_mode}" + (f" --threads {args.threads}" if args.threads else "")
+          f" --compile-mode {args.compile_mode}" + (f" --native-decode {args.native_decode}" if args.weights == "q4" else "")
+          + (f" --threads {args.threads}" if args.threads else "")
           + (f" --lora-rank {args.lora_rank} --max-loras {args.max_loras}" if args.lora_rank else "")
           + (f" --temperature {args.temperature} --top-p {args.top_p}" if args.temperature else ""))
     print(f"threads: {torch.get_num_threads()}, weights {args.weights}; this machine: read bandwidth {bandwidth / 1e9:.1f} GB/s, "
@@ -346,6 +359,8 @@ def run(args):
                   + " ".join(f"{100 * x['parts_ms'][p] / total:11.0f}%" for p in shown)
                   + f"   {roof['memory_ms']:8.1f} / {roof['compute_ms']:8.1f}       {roof['bound']}")
     print("(parts: % of the profiled step; ms: the same step without the profiler)")
+    if args.weights != "fp32":  # step_cost counts float32 bytes: a quantized step can run below this "floor"
+        print(f"(roofline: float32 weights' bytes and GEMM peak, not {args.weights}'s: read it as float32's floor)")
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "profile.json"), "w") as f:
         json.dump({"bandwidth_bytes_per_s": bandwidth, "gemm_flop_per_s": peak, "threads": torch.get_num_threads(),

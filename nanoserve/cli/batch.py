@@ -96,7 +96,8 @@ def add_engine_args(p):
                         "10.2 / 10.3 code keeps torch's int4 kernel")
     p.add_argument("--native-decode", default="auto", choices=["auto", "on", "off"],
                    help="q4: a step of one sequence's one token runs every layer in one C call (kernels/cpu_decode.c, "
-                        "chapter 09) instead of the model's forward; auto: on for q4 unless --integer-dot off")
+                        "chapter 09) instead of the model's forward; auto: on for q4 where it can run (not with "
+                        "--integer-dot off, an int8 / fp8 KV pool, Triton, LoRA, --student 02, 05 or 10; on: refused there)")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1 or 3 ways (9 would "
                         "split its heads, but not its 1536 MLP features)")
@@ -120,6 +121,15 @@ def engine_kwargs(args, **extra) -> dict:
                 native_decode={"auto": None, "on": True, "off": False}[getattr(args, "native_decode", "auto")], **extra)
 
 
+def native_settings(args) -> tuple:
+    """quant.native_decode_blocker's arguments from the engine flags (chapter 09's native step)."""
+    from nanoserve.student import parse_selection
+
+    return (args.weights, {"auto": None, "on": True, "off": False}[args.integer_dot], args.tensor_parallel_size,
+            bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)), args.kv_cache_dtype,
+            args.attention_backend, parse_selection(args.student))
+
+
 def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
     from nanoserve.student import parse_selection
@@ -137,11 +147,9 @@ def check_engine_args(args) -> str | None:
         from nanoserve.model.quant import check_native_decode
 
         try:
-            check_native_decode(True, args.weights, {"auto": None, "on": True, "off": False}[args.integer_dot],
-                                args.tensor_parallel_size, bool(getattr(args, "enable_lora", False)
-                                                                or getattr(args, "lora_modules", None)))
+            check_native_decode(True, *native_settings(args))
         except ValueError as e:
-            return f"--native-decode on: {e}"
+            return f"--native-decode on: {str(e).removeprefix('native_decode=True, but ')}"
     if args.num_speculative_tokens is not None and args.speculative is None:
         return "--num-speculative-tokens needs --speculative ngram or draft"
     if args.attention_backend == "triton" and args.kv_cache_dtype not in (None, "auto"):

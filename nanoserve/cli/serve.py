@@ -163,12 +163,16 @@ def serving_format(args) -> str:
         if on and args.weights == "q4" and "10" in parse_selection(args.student):
             said += " (torch's int4 kernel where your exercise 10.2 / 10.3 code reads the blocks)"
         if args.weights == "q4":
-            from nanoserve.model.quant import default_native_decode
+            from nanoserve.cli.batch import native_settings
+            from nanoserve.model.quant import native_decode_blocker
 
+            # LLM's choice: on refuses where the native step cannot run (check_engine_args), auto turns it off
             choice = getattr(args, "native_decode", "auto")
-            native = choice == "on" if choice != "auto" else default_native_decode("q4", dot)
-            if native and "10" not in parse_selection(args.student) and not getattr(args, "enable_lora", False):
+            blocker = native_decode_blocker(*native_settings(args))
+            if choice == "on" or choice == "auto" and not blocker:
                 said += "; one-token steps in kernels/cpu_decode.c (chapter 09)"
+            elif choice == "auto":
+                said += f"; one-token steps in the model's forward (the native step cannot run: {blocker})"
     return said
 
 

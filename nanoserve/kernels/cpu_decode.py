@@ -2,10 +2,11 @@
 
 Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
-    one sequence, one token, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
+    one sequence, one token (a decode step, or a prefill chunk of one token), q4 weights, the model's
+    `native_decode` on, a float32 or bf16 PagedKVCache
         -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C;
            NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
-    anything else (prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
+    anything else (longer prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
     LoRA, a quantized KV pool, another attention class, tensor parallelism)
         -> the model's forward (eager or compiled), as before
 
@@ -16,9 +17,10 @@ The C step computes what the eager q4 integer_dot step computes, in the same ord
 float32 rounding only (the order of a norm's sum, cosf/expf against torch's), and where such a difference moves
 an activation across an int8 rounding boundary, the products differ by up to one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
 
-Not refused but passed by: the runner falls back to the model's forward for any step this cannot run
-(`NativeDecoder.why_not` says why), so the switch (`LLM(native_decode=...)`) only chooses between the two
-where both can run; `native_decode=True` is refused where the weights could never take it.
+The runner falls back to the model's forward for any step this cannot run (`NativeDecoder.why_not` says why);
+the settings that rule it out for a whole run (a quantized pool, the Triton backend, a learner's chapter 02, 05
+or 10 code, ...) turn the default off and refuse `native_decode=True` before the model loads
+(quant.native_decode_blocker).
 """
 
 import ctypes
