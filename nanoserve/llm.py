@@ -68,10 +68,10 @@ class LLM:
         None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, a model
         given, tensor parallelism, no build); a learner's exercise 10.2 / 10.3 code keeps torch's int4 kernel.
         native_decode: q4 steps of one sequence's one token run every layer in one C call (kernels/cpu_decode.c,
-        chapter 09 section 5) instead of the model's forward; None: quant.default_native_decode() (on for q4 unless
+        chapter 09 section 5) instead of the model's forward; None: cpu_decode.default_native_decode() (on for q4 unless
         integer_dot=False, and off where it cannot run). True is refused where it cannot be honoured (other weights,
         integer_dot=False, a model given, tensor parallelism, LoRA, an int8 / fp8 KV pool, the triton attention
-        backend, a learner's chapter 02, 05 or 10 code selected in `student`, no build: quant.native_decode_blocker).
+        backend, a learner's chapter 02, 05 or 10 code selected in `student`, no build: cpu_decode.native_decode_blocker).
         speculative: "ngram" or "draft" with num_speculative_tokens proposals per step (chapter 14).
         scheduling_policy: "fcfs", "priority" (default), "slo" or "fair" (chapter 15), with the slo policy's
         default targets slo_ttft_ms / slo_tpot_ms and slo_reject (refuse a request whose TTFT is lost);
@@ -91,8 +91,8 @@ class LLM:
         prefill (kv_producer) or the decode (kv_consumer) half of a disaggregated pair; close() after."""
         from nanoserve.kernels.backend import resolve_attention_backend
         from nanoserve.model import load_gguf
-        from nanoserve.model.quant import (check_crossover, check_integer_dot, check_native_decode, check_weight_format,
-                                           default_native_decode, native_decode_blocker)
+        from nanoserve.kernels.cpu_decode import check_native_decode, default_native_decode, native_decode_blocker
+        from nanoserve.model.quant import check_crossover, check_integer_dot, check_weight_format
         from nanoserve.student import parse_selection
         from nanoserve.text.tokenizer import Tokenizer
 

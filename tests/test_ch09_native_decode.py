@@ -173,7 +173,7 @@ def test_serve_says_where_one_token_steps_run(flags, native):
 
     from nanoserve.cli import serve
     from nanoserve.cli.batch import check_engine_args, native_settings
-    from nanoserve.model.quant import native_decode_blocker
+    from nanoserve.kernels.cpu_decode import native_decode_blocker
 
     parser = argparse.ArgumentParser()
     serve.register(parser.add_subparsers())

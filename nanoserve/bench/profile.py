@@ -311,7 +311,7 @@ def run(args):
         print("error: --lora-rank needs --compile-mode eager (LoRA runs on the eager engine)", file=sys.stderr)
         return 2
     if args.native_decode != "auto":
-        from nanoserve.model.quant import native_decode_blocker
+        from nanoserve.kernels.cpu_decode import native_decode_blocker
 
         reason = native_decode_blocker(args.weights, None, 1, bool(args.lora_rank), args.kv_cache_dtype)
         if args.weights != "q4" or args.native_decode == "on" and reason:

@@ -122,7 +122,7 @@ def engine_kwargs(args, **extra) -> dict:
 
 
 def native_settings(args) -> tuple:
-    """quant.native_decode_blocker's arguments from the engine flags (chapter 09's native step)."""
+    """cpu_decode.native_decode_blocker's arguments from the engine flags (chapter 09's native step)."""
     from nanoserve.student import parse_selection
 
     return (args.weights, {"auto": None, "on": True, "off": False}[args.integer_dot], args.tensor_parallel_size,
@@ -144,7 +144,7 @@ def check_engine_args(args) -> str | None:
         if args.integer_dot == "on" and not cpu_dot.available():
             return f"--integer-dot on: kernels/cpu_dot.c does not build here ({cpu_dot.build_error()})"
     if getattr(args, "native_decode", "auto") == "on":
-        from nanoserve.model.quant import check_native_decode
+        from nanoserve.kernels.cpu_decode import check_native_decode
 
         try:
             check_native_decode(True, *native_settings(args))

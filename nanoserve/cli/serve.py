@@ -164,7 +164,7 @@ def serving_format(args) -> str:
             said += " (torch's int4 kernel where your exercise 10.2 / 10.3 code reads the blocks)"
         if args.weights == "q4":
             from nanoserve.cli.batch import native_settings
-            from nanoserve.model.quant import native_decode_blocker
+            from nanoserve.kernels.cpu_decode import native_decode_blocker
 
             # LLM's choice: on refuses where the native step cannot run (check_engine_args), auto turns it off
             choice = getattr(args, "native_decode", "auto")

@@ -20,7 +20,7 @@ an activation across an int8 rounding boundary, the products differ by up to one
 The runner falls back to the model's forward for any step this cannot run (`NativeDecoder.why_not` says why);
 the settings that rule it out for a whole run (a quantized pool, the Triton backend, a learner's chapter 02, 05
 or 10 code, ...) turn the default off and refuse `native_decode=True` before the model loads
-(quant.native_decode_blocker).
+(native_decode_blocker).
 """
 
 import ctypes
@@ -70,6 +70,53 @@ def build_error() -> str:
     if not cpu_dot.simd():
         return "kernels/cpu_dot.c has no AVX2 branch here (or does not build)"
     return cpu_dot.build_error(cpu_dot.CFLAGS, SOURCE)
+
+
+def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
+    """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
+    q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
+    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
+    and AMX machines) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps
+    keep torch's kernels; chapter 09 section 5 has the measurement that made it the default. The rest of the run's
+    settings can still rule it out (native_decode_blocker)."""
+    return weights == "q4" and integer_dot is not False and available()
+
+
+# a learner's code the native step bypasses: chapter 02's blocks, chapter 05's attention, chapter 10's quantizer
+NATIVE_BYPASSES = {"02": "your chapter 02 blocks", "05": "your chapter 05 attention", "10": "your chapter 10 quantizer"}
+
+
+def native_decode_blocker(weights: str, integer_dot: bool | None, tensor_parallel_size: int = 1, lora: bool = False,
+                          kv_cache_dtype: str | None = "auto", attention_backend: str | None = None,
+                          student: frozenset = frozenset()) -> str:
+    """Why the native step cannot run with these settings (a reason in words), or '' where it can.
+
+    One check for all three places that decide: check_native_decode (native_decode=True refused), LLM's
+    default (native_decode=None: off where this names a reason) and serve's banner. student: the chapters
+    --student selects (student.parse_selection)."""
+    if weights != "q4":
+        return f"it runs q4 weights' one-token steps in C, not {weights!r} weights"
+    if integer_dot is False:
+        return "it computes with cpu_dot.c's integer products; integer_dot=False asks for torch's kernels"
+    if tensor_parallel_size > 1 or lora:
+        return "it runs one whole q4 model in one process: not with tensor parallelism or LoRA"
+    if kv_cache_dtype not in (None, "auto", "fp32", "bf16"):
+        return f"it reads a float32 or bf16 KV pool, not kv_cache_dtype {kv_cache_dtype!r} (chapter 18's codes)"
+    if attention_backend == "triton":
+        return "it reads the pool as chapter 05's torch attention does, not with the triton attention backend"
+    yours = [NATIVE_BYPASSES[ch] for ch in sorted(student) if ch in NATIVE_BYPASSES]
+    if yours:
+        return f"{' and '.join(yours)} (--student) run in the model's forward, which it replaces"
+    if not available():
+        return f"kernels/cpu_decode.c does not build here: {build_error()}"
+    return ""
+
+
+def check_native_decode(native_decode: bool, *args, **kwargs) -> None:
+    """ValueError where an explicit native_decode=True cannot be honoured (native_decode_blocker's arguments)."""
+    reason = native_decode and native_decode_blocker(*args, **kwargs)
+    if reason:
+        raise ValueError(f"native_decode=True, but {reason}")
 
 
 def why_not_model(model) -> str:

@@ -372,57 +372,6 @@ def check_integer_dot(integer_dot: bool, weights: str, tensor_parallel_size: int
         raise ValueError(f"integer_dot=True but kernels/cpu_dot.c does not build here: {cpu_dot.build_error()}")
 
 
-def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
-    """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
-    q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
-    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
-    and AMX machines) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps
-    keep torch's kernels; chapter 09 section 5 has the measurement that made it the default. The rest of the run's
-    settings can still rule it out (native_decode_blocker)."""
-    from nanoserve.kernels import cpu_decode
-
-    return weights == "q4" and integer_dot is not False and cpu_decode.available()
-
-
-# a learner's code the native step bypasses: chapter 02's blocks, chapter 05's attention, chapter 10's quantizer
-NATIVE_BYPASSES = {"02": "your chapter 02 blocks", "05": "your chapter 05 attention", "10": "your chapter 10 quantizer"}
-
-
-def native_decode_blocker(weights: str, integer_dot: bool | None, tensor_parallel_size: int = 1, lora: bool = False,
-                          kv_cache_dtype: str | None = "auto", attention_backend: str | None = None,
-                          student: frozenset = frozenset()) -> str:
-    """Why the native step cannot run with these settings (a reason in words), or '' where it can.
-
-    One check for all three places that decide: check_native_decode (native_decode=True refused), LLM's
-    default (native_decode=None: off where this names a reason) and serve's banner. student: the chapters
-    --student selects (student.parse_selection)."""
-    from nanoserve.kernels import cpu_decode
-
-    if weights != "q4":
-        return f"it runs q4 weights' one-token steps in C, not {weights!r} weights"
-    if integer_dot is False:
-        return "it computes with cpu_dot.c's integer products; integer_dot=False asks for torch's kernels"
-    if tensor_parallel_size > 1 or lora:
-        return "it runs one whole q4 model in one process: not with tensor parallelism or LoRA"
-    if kv_cache_dtype not in (None, "auto", "fp32", "bf16"):
-        return f"it reads a float32 or bf16 KV pool, not kv_cache_dtype {kv_cache_dtype!r} (chapter 18's codes)"
-    if attention_backend == "triton":
-        return "it reads the pool as chapter 05's torch attention does, not with the triton attention backend"
-    yours = [NATIVE_BYPASSES[ch] for ch in sorted(student) if ch in NATIVE_BYPASSES]
-    if yours:
-        return f"{' and '.join(yours)} (--student) run in the model's forward, which it replaces"
-    if not cpu_decode.available():
-        return f"kernels/cpu_decode.c does not build here: {cpu_decode.build_error()}"
-    return ""
-
-
-def check_native_decode(native_decode: bool, *args, **kwargs) -> None:
-    """ValueError where an explicit native_decode=True cannot be honoured (native_decode_blocker's arguments)."""
-    reason = native_decode and native_decode_blocker(*args, **kwargs)
-    if reason:
-        raise ValueError(f"native_decode=True, but {reason}")
-
-
 def reference_q4_mapping(f) -> bool:
     """Whether `f`'s Q4_1 reading (unpack_q4_1, int4_scale_and_zero) is this module's: a learner's is read only by
     torch's int4 kernel (the packed integers and its scales), which cpu_dot.c bypasses for the file's bytes."""
