@@ -3,13 +3,18 @@ ids and the ids the chapter names, the greedy reply's ids and text pieces — is
 in the slow test, by the model through chapter 03's generate loop, as the chapter's `generate` command runs it) and
 must appear in the chapter word for word. The layering rules of section 5 are read from its picture (each row's
 paths under nanoserve/) and checked on every `import` statement in nanoserve/ (a function's lazy import included);
-modules loaded by name at run time (importlib, the `--student` switch's `modules(...)`) are not followed.
+modules loaded by name at run time (importlib, the `--student` switch's `modules(...)`) are not followed. The third
+rule (the scheduler decides with integers) is also checked in a fresh interpreter, which sees what a library
+imported by the scheduler's modules imports in turn.
 tests/test_ch11_seam.py checks the seams below the engine core (distributed/ and text/ against the scheduler, the
 block manager, kv/ and the model runner), here not repeated."""
 
 import ast
 import json
+import os
 import re
+import subprocess
+import sys
 from functools import cache
 
 import pytest
@@ -234,6 +239,41 @@ def test_the_engine_never_tokenizes():
     says(CH, "the engine may hold a detokenizer, to produce text deltas and check stop strings, but it never tokenizes")
     reached = closure(under("engine"))
     assert not [m for m in reached if is_in(m, "text.tokenizer", "text.chat_template")]
+
+
+THE_SCHEDULERS = ("nanoserve.engine.scheduler", "nanoserve.engine.policies", "nanoserve.engine.policies.fair",
+                  "nanoserve.engine.policies.slo", "nanoserve.kv.block_manager", "nanoserve.kv.block_allocator",
+                  "nanoserve.kv.prefix_cache")  # what decides a step: the scheduler, its policies, the block manager
+ARRAYS = ("torch", "numpy")  # the libraries a tensor (or an array) would come from
+
+
+def outside_imports(module: str) -> set[str]:
+    """The top-level names of the non-nanoserve modules `module`'s file imports, anywhere in it (lazily too)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add(node.module.split(".")[0])
+    return found - {"nanoserve"}
+
+
+def test_the_scheduler_decides_with_integers():
+    """The scheduler, its policies and the block manager import no tensor library and nothing of structured/ (the
+    token masks), neither in their files (a lazy import included) nor through what they import: imported in a fresh
+    interpreter, they leave torch, numpy and nanoserve.structured out of sys.modules."""
+    says(CH, "**The scheduler decides with integers.** Token counts, block counts, a token budget — never tensors.")
+    says(CH, "the scheduler never sees them")
+    reached = closure(THE_SCHEDULERS)
+    assert not [m for m in reached if is_in(m, "structured", "model", "kernels")], sorted(reached)
+    assert not {m: found for m in reached if (found := outside_imports(m) & set(ARRAYS))}
+    code = (f"import sys\nfor m in {THE_SCHEDULERS!r}: __import__(m)\n"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules if m.split('.')[0] in {ARRAYS!r}}}"
+            f" | {{m for m in sys.modules if m == 'nanoserve.structured'}}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["[]"], f"importing the scheduler loads {run.stdout.strip()}"
 
 
 def test_the_side_packages_import_only_the_engines_config():
