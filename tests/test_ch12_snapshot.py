@@ -5,12 +5,14 @@ last block freed first) and chapter 06's scheduler (running first, then the wait
 least urgent). The comments walk through each step.
 """
 
+import asyncio
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineStepError
 from nanoserve.engine.event_feed import EventFeed, Subscription
 from nanoserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config
 from nanoserve.engine.llm_engine import LLMEngine
@@ -413,6 +415,62 @@ def test_feed_throttles_and_flushes(tiny):
     assert owners(last) == ["cached"] + ["free"] * 15
     feed.unsubscribe(sub)
     assert not feed.watched
+
+
+@pytest.mark.parametrize("end", ["the client leaves", "its step fails"])
+def test_an_abort_that_leaves_the_engine_idle_reaches_the_page(tiny, end):
+    """The real AsyncLLMEngine with one viewer on watch(), a snapshot after every step (min_interval 0, so nothing
+    is pending when the request ends): a client that stops reading after 3 tokens (or a step that fails) aborts the
+    only request between two steps. No step follows, yet the page's last frame must be the idle engine: the request
+    aborted, no queue, no block held, KV usage 0 (not the frame before, with the request running)."""
+    llm = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=128, block_size=4)))
+    executor, real = llm.executor, llm.executor.execute_model
+    outputs_seen = []
+
+    def execute_model(scheduler_output):  # 5 ms a step: 400 tokens would take 2 s, the abort comes after 3
+        time.sleep(0.005)
+        if end == "its step fails" and len(outputs_seen) >= 3:
+            raise RuntimeError("simulated kernel failure")
+        return real(scheduler_output)
+
+    executor.execute_model = execute_model
+    engine = AsyncLLMEngine(llm)
+    engine.event_feed.min_interval = 0
+
+    async def main():
+        engine.start()
+        frames, ended = [], asyncio.Event()
+
+        async def page():
+            quiet = 0
+            async for snap in engine.watch(keepalive=0.2):
+                if snap is not None:
+                    frames.append(snap)
+                elif ended.is_set() and not llm.has_unfinished_requests():
+                    quiet += 1  # 2 pings in a row with the engine idle: the page has its last frame
+                    if quiet == 2:
+                        return
+
+        viewer = asyncio.create_task(page())
+        try:
+            async for out in engine.generate("a", [1, 2, 3, 4, 5], params(400)):
+                outputs_seen.append(out)
+                if len(outputs_seen) == 3 and end == "the client leaves":
+                    break
+        except EngineStepError:
+            assert end == "its step fails"
+        ended.set()
+        await viewer
+        return frames
+
+    try:
+        frames = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+    assert any([r["id"] for r in f["running"]] == ["a"] for f in frames)  # the page saw it run
+    last = frames[-1]
+    assert last["aborted"] == ["a"] and last["running"] == [] and last["waiting"] == [] and last["finished"] == []
+    assert set(owners(last)) <= {"free", "cached"} and last["pool"]["num_free"] == 128 and last["pool"]["usage"] == 0
 
 
 def test_a_failing_view_never_stops_the_engine(tiny):

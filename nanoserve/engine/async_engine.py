@@ -265,10 +265,13 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._wakeup.clear()  # before draining: an add that lands after this sets it again
+            busy = self.engine.has_unfinished_requests()
             self._run_calls()
             self._drain_inbox()
             self._publish()  # the adds just left the inbox: num_requests_waiting counts them in the scheduler now
             if not self.engine.has_unfinished_requests():
+                if busy:  # the inbox's aborts ended the last requests: no step will tell a viewer, so say it here
+                    self.event_feed.changed()
                 self._wakeup.wait(self.event_feed.flush(self.engine))  # a viewer gets the idle state too
                 continue
             self.engine.last_scheduler_output = None
@@ -357,6 +360,7 @@ class AsyncLLMEngine:
         for request_id in victims:
             self.engine.abort_request(request_id)
             self._end(request_id, EngineStepError(f"request {request_id!r} failed in an engine step: {error!r}"))
+        self.event_feed.changed()  # no step record tells a viewer of these aborts
         self._publish()
 
     def _publish(self) -> None:

@@ -19,7 +19,8 @@ Four promises, each one line of the design:
            grow with how far behind it is.
 
 After the last step of a burst the engine goes idle; `flush` (called by the idle engine loop) sends
-the final state, so a viewer sees the pool empty again rather than the last throttled frame.
+the final state, so a viewer sees the pool empty again rather than the last throttled frame. Aborts that
+leave the engine idle happen between steps, with no step to record them: the loop calls `changed` first.
 
 Exercise 12.3 writes the mailbox (`Subscription.put`, `Subscription.take`), 12.4 the throttle
 (`EventFeed.emit_if_due`); with --student 12 the async engine builds the learner's EventFeed.
@@ -81,7 +82,7 @@ class EventFeed:
         self._subscribers: tuple[Subscription, ...] = ()  # replaced, never mutated: the engine reads it unlocked
         self._builder: SnapshotBuilder | None = None
         self._last_emit = float("-inf")
-        self._pending = False  # steps observed since the last snapshot, or a new viewer wants one
+        self._pending = False  # steps observed since the last snapshot, a new viewer, or a change between steps
         self.t0 = time.time()  # the origin of every step record's time, the history's and the snapshots'
         self.history: deque[list] = deque(maxlen=HISTORY_STEPS)  # the last steps' records, watched or not
 
@@ -121,6 +122,10 @@ class EventFeed:
             raise
         except Exception as e:  # noqa: BLE001 — a bug in the view (say a learner's block_owners) must not stop serving
             self._failed(e)
+
+    def changed(self) -> None:
+        """The engine changed between two steps (aborts that left it idle): the next flush sends a snapshot."""
+        self._pending = True
 
     def flush(self, engine) -> float | None:
         """When the engine is idle: send what is pending as soon as the throttle allows. Returns the

@@ -40,8 +40,8 @@ MAX_EVENT_STREAMS = 2  # open /engine/events streams per tenant
 
 
 def tenant_view(snap: dict, tenant: str) -> dict:
-    """What `tenant` may see of a snapshot: its own requests; the pool as its own requests hold it (every block they
-    do not hold is "other", shared or not); no prefix figures.
+    """What `tenant` may see of a snapshot: its own requests; the pool as its own requests hold it (every block held
+    only by others is "other", shared or not; free and cached blocks stay as they are); no prefix figures.
 
         >>> snap = {"running": [{"id": "a1"}, {"id": "b1"}], "waiting": [], "finished": [{"id": "b0"}],
         ...         "preempted": ["b1"], "aborted": [], "prefix": {"hit_tokens": 32},
