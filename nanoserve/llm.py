@@ -21,7 +21,7 @@ from pathlib import Path
 from nanoserve.engine.config import LoRAConfig, engine_config
 from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
 from nanoserve.sampling import SamplingParams
-from nanoserve.student import StudentCode
+from nanoserve.student import StudentCode, check_engine_selection
 
 
 def _is_chat(item) -> bool:
@@ -136,6 +136,7 @@ class LLM:
             kv_transfer_config=kv_transfer_config)
         if tensor_parallel_size > 1:  # the engine checks too, but only once every worker has loaded its shard
             config.check_tensor_parallel(weights or "fp32")
+        check_engine_selection(student)  # the engine checks too, but only once the model has loaded
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
 

@@ -206,6 +206,33 @@ PLUG_IN = {"07": "with the Triton attention backend: add --attention-backend tri
            "15": "under a policy that asks it: add --scheduling-policy slo or fair"}
 
 
+# chapters whose exercises no engine run (batch, serve, LLM) calls, and why: the engine refuses a --student selection
+# that names one (a bare --student, every chapter, is taken: its report says what ran and what never did)
+NOT_IN_ENGINE = {"01": "the engine attends with chapter 05's paged attention and never calls chapter 01's code; "
+                       "generate --student 01 runs it"}
+
+
+def engine_refusal(selection) -> str | None:
+    """Why the engine refuses this --student / `student=` selection, or None: it names a chapter of NOT_IN_ENGINE.
+
+    >>> engine_refusal("01,05")
+    "the engine attends with chapter 05's paged attention and never calls chapter 01's code; generate --student 01 runs it"
+    >>> engine_refusal(True) is None and engine_refusal("05") is None
+    True
+    """
+    if selection is True:
+        return None
+    return "; ".join(NOT_IN_ENGINE[ch] for ch in sorted(parse_selection(selection) & NOT_IN_ENGINE.keys())) or None
+
+
+def check_engine_selection(selection) -> None:
+    """ValueError where the engine refuses `selection` (engine_refusal): LLM asks before its model loads, LLMEngine
+    before it builds anything."""
+    refused = engine_refusal(selection)
+    if refused is not None:
+        raise ValueError(f"student={selection!r}: {refused}")
+
+
 def use_student() -> bool:
     return os.environ.get("NANOSERVE_IMPL", "reference") == "student"
 

@@ -163,6 +163,29 @@ def test_attention_rejects_mismatched_shapes_naming_them():
             assert str(shape) in text, (why, text)
 
 
+# --- Why RoPE: what attention without it can tell of order ------------------------------------
+
+def test_attention_cannot_order_the_keys_a_query_sees():
+    """Section 7: without the mask a shuffle of the keys (with their values) changes no output; with it, a shuffle
+    across the diagonal does, but one among the keys a query sees leaves that query's output as it was."""
+    from nanoserve.model.attention import scaled_dot_product_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 1, 1, 5, 8, generator=g, dtype=torch.float64)  # (B, H, T = S = 5, D)
+
+    def shuffled(order, causal):
+        return scaled_dot_product_attention(q, k[:, :, order], v[:, :, order], causal=causal)
+
+    across, within = [2, 0, 4, 1, 3], [2, 0, 1, 3, 4]  # `within` reorders keys 0-2 among themselves
+    torch.testing.assert_close(shuffled(across, False), scaled_dot_product_attention(q, k, v, causal=False))
+    plain = scaled_dot_product_attention(q, k, v, causal=True)
+    assert not torch.allclose(shuffled(across, True)[:, :, 0], plain[:, :, 0])  # query 0 now sees key 2, not key 0
+    torch.testing.assert_close(shuffled(across, True)[:, :, 4], plain[:, :, 4])  # the last query sees them all
+    out = shuffled(within, True)
+    torch.testing.assert_close(out[:, :, 2:], plain[:, :, 2:])  # queries 2-4 see keys 0-2 in either order
+    assert not torch.allclose(out[:, :, :2], plain[:, :, :2])  # queries 0, 1 see other keys than before
+
+
 # --- RoPE (reference only): against transformers ------------------------------------------------
 
 def test_rope_matches_transformers():

@@ -2,11 +2,13 @@
 what the attention, the mask, RoPE's tables and SmolLM2's config give, and must appear in the text word for word;
 the figures the chapter quotes from the notebook must be what the committed notebook printed."""
 
+import dataclasses
 import math
 import re
 
 import torch
 
+from nanoserve.memory import kv_bytes_per_token
 from nanoserve.model import LlamaConfig
 from nanoserve.model.attention import causal_mask, merge_heads, repeat_kv, scaled_dot_product_attention, split_heads
 from nanoserve.model.rope import rope_cos_sin
@@ -84,10 +86,11 @@ def test_stable_softmax_example():
 
 
 def test_kv_bytes_per_token_and_context():
+    """Chapter 04's kv_bytes_per_token on SmolLM2's config, as it is (GQA, 3 K/V heads) and with 9 (multi-head)."""
     c = smol()
     L, D = c.num_hidden_layers, c.head_dim
-    for heads, label in ((c.num_attention_heads, "multi-head"), (c.num_key_value_heads, "GQA")):
-        per_token = 2 * L * heads * D * 4
+    for heads in (c.num_attention_heads, c.num_key_value_heads):
+        per_token = int(kv_bytes_per_token(dataclasses.replace(c, num_key_value_heads=heads), "fp32"))
         mib = per_token * 8192 // 2**20
         says(CH, f"2 × {L} × {heads} × {D} × 4 = {per_token:,} B")
         says(CH, f"{mib} MiB")

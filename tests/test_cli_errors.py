@@ -124,6 +124,15 @@ BAD = [
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "20"], ["chapters with exercises"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "02", "--compile-mode", "dynamic"],
      ["--compile-mode dynamic", "not with --student 02"]),
+    # chapter 01's attention never runs in the engine (it attends with chapter 05's paged attention): the engine's
+    # commands refuse a selection that names 01, and name the command that runs it
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "01"],
+     ["--student 01: the engine attends with chapter 05's paged attention", "generate --student 01 runs it"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "1,05"],
+     ["--student 1,05:", "never calls chapter 01's code"]),
+    (["serve", "--student", "01,02"], ["--student 01,02:", "generate --student 01 runs it"]),
+    (["serve", "--disaggregated", "--student", "01"], ["--student 01:", "generate --student 01 runs it"]),
+    (["bench", "offline", "--student", "01"], ["--student 01:", "generate --student 01 runs it"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--block-size", "0"], ["--block-size"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--kv-cache-mib", "-1"], ["--kv-cache-mib"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--model", "{d}/not.gguf"], ["not a GGUF file"]),

@@ -120,13 +120,12 @@ def test_finished_05_serves_and_untouched_06_falls_back(tiny, exercises, capsys)
     assert f"prefix-cache hits: {engine.block_manager.stats.hit_blocks} blocks" in proof
 
 
-def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys):
-    """--student 01,02: the model is built from the learner's Llama, blocks and RMSNorm (02); without a cache it
-    attends with the learner's attention (01). Same weights, so the same tokens as the reference."""
+def test_finished_01_and_02_build_the_model_that_attends_without_a_cache(tiny, exercises):
+    """`generate --no-cache --student 01,02`: the model is built from the learner's Llama, blocks and RMSNorm (02),
+    and without a cache it attends with the learner's attention (01). Same weights, so the reference's logits."""
     for module in ("nanoserve.model.attention", "nanoserve.model.layers", "nanoserve.model.block",
                    "nanoserve.model.llama"):
         exercises(module)
-    _, expected = serve(tiny)
     code = StudentCode("01,02")
     model = code.module("nanoserve.model.llama").Llama(tiny.config, code.module).eval()
     model.load_state_dict(tiny.state_dict())
@@ -136,24 +135,47 @@ def test_finished_01_and_02_build_the_model_that_serves(tiny, exercises, capsys)
     ids = torch.tensor(PROMPTS[0])
     with torch.no_grad():  # no cache: the model's own attention is the learner's (chapter 01)
         torch.testing.assert_close(model.compute_logits(model(ids)), tiny.compute_logits(tiny(ids)))
-    assert code.calls["scaled_dot_product_attention"] == tiny.config.num_hidden_layers
-    engine = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=11, block_size=4),
-                                           scheduler_config=SchedulerConfig(max_num_batched_tokens=16),
-                                           student="01,02"), student=code)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    tokens = {}
-    while engine.has_unfinished_requests():
-        tokens.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
-    assert tokens == expected
     calls = code.calls
-    assert calls["Llama.forward"] > len(PROMPTS) and calls["Llama.compute_logits"] > len(PROMPTS)
-    assert calls["DecoderBlock.forward"] == tiny.config.num_hidden_layers * calls["Llama.forward"]
-    assert calls["RMSNorm.forward"] == (2 * tiny.config.num_hidden_layers + 1) * calls["Llama.forward"]
-    err = capsys.readouterr().err
+    assert calls["scaled_dot_product_attention"] == tiny.config.num_hidden_layers == calls["DecoderBlock.forward"]
+    assert calls["Llama.forward"] == 1 and calls["RMSNorm.forward"] == 2 * tiny.config.num_hidden_layers + 1
+    report = code.describe(runs="the generate loop ran")
     for file in ("02-the-model/llama.py", "02-the-model/block.py", "02-the-model/layers.py", "01-attention/attention.py"):
-        assert f"from exercises/{file}" in err
-    assert f"DecoderBlock.forward ×{calls['DecoderBlock.forward']}" in engine.student_proof()
+        assert f"from exercises/{file}" in report
+
+
+REFUSED_01 = "the engine attends with chapter 05's paged attention and never calls chapter 01's code; " \
+             "generate --student 01 runs it"
+
+
+@pytest.mark.parametrize("selection", ["01", "1,05", ["01", "02"]], ids=["01", "1,05", "01+02"])
+def test_the_engine_refuses_a_selection_that_names_01(tiny, monkeypatch, selection):
+    """The engine attends with chapter 05's paged attention, so chapter 01's code never runs in a step: a selection
+    that names 01 is refused by the engine (LLMEngine before it builds anything, LLM before its model loads), naming
+    the command that runs it."""
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(tiny, engine_config(num_blocks=11, student=selection))
+    assert str(refused.value) == f"student={selection!r}: {REFUSED_01}"
+    import nanoserve.model
+    from nanoserve.llm import LLM
+
+    monkeypatch.setattr(nanoserve.model, "load_gguf", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    with pytest.raises(ValueError, match="never calls chapter 01's code; generate --student 01 runs it$"):
+        LLM(student=selection)
+
+
+def test_a_bare_student_is_taken_and_reports_01_as_never_called(tiny, exercises):
+    """A bare --student (True: every chapter) serves; the model asks for chapter 01's module, the engine never
+    calls it, and the report says so."""
+    exercises("nanoserve.model.attention")
+    code = StudentCode(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the other chapters' stubs fall back, each with its warning
+        model = code.module("nanoserve.model.llama").Llama(tiny.config, code.module).eval()
+        model.load_state_dict(tiny.state_dict())
+        serve(model, code, student=True)
+    assert "scaled_dot_product_attention" in code.never_called()
+    assert not set(code.calls) & {name for names in RUNGS["nanoserve.model.attention"].values() for name in names}
+    assert "scaled_dot_product_attention" in code.proof().splitlines()[-1]  # "yours, never called in this run: ..."
 
 
 def test_a_finished_02_rmsnorm_runs_every_norm_of_the_model(tiny, exercises):

@@ -53,7 +53,7 @@ def add_engine_args(p):
                    help="run YOUR finished exercises from exercises/ (the allocator and prefix cache of 05, the "
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
                         "e.g. --student 05,06 (serve: also your SSE streaming, 08); an unfinished one falls back to the reference "
-                        "with a warning")
+                        "with a warning. Chapter 01's attention runs with generate, not here: --student 01 is refused")
     p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
                         "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
@@ -132,8 +132,11 @@ def native_settings(args) -> tuple:
 
 def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
-    from nanoserve.student import parse_selection
+    from nanoserve.student import engine_refusal, parse_selection
 
+    refused = engine_refusal(args.student)  # refused here, before the model loads; the engine refuses the same
+    if refused is not None:
+        return f"--student {args.student}: {refused}"
     if args.integer_dot != "auto":
         from nanoserve.kernels import cpu_dot
 

@@ -34,7 +34,7 @@ from nanoserve.spec_decode.policy import SpecDecodeStats, num_speculative_tokens
 from nanoserve.spec_decode.proposer import make_proposer
 from nanoserve.structured.manager import StructuredOutputManager
 from nanoserve.text.output_text import add_token_to_output
-from nanoserve.student import StudentCode
+from nanoserve.student import StudentCode, check_engine_selection
 
 
 _STATUS = {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH}
@@ -123,7 +123,8 @@ class LLMEngine:
         self.precision_names = (getattr(model, "weight_format", "fp32"), getattr(degraded_model, "weight_format", None))
         self.token_precisions: dict[str, list[str]] = {}  # with degradation on: per request, per token
         # with config.student: the learner's finished exercises where selected, the reference's elsewhere
-        # (`student`: the StudentCode that already built the model, under --student 01,02, to report it too)
+        # (`student`: the StudentCode that already built the model, under --student 02, to report it too)
+        check_engine_selection(config.student)  # a chapter whose code no step calls (chapter 01's) is refused
         self.student = student = student if student is not None else StudentCode(config.student)
         # the attention backend (chapter 07), checked before anything is built; with "triton" and chapter 07
         # selected, the learner's kernels from exercises/07
