@@ -254,7 +254,7 @@ def test_bench_paged_kv_part_4_a_memory_cap():
     assert paged["output_tokens"] == reserved["output_tokens"]  # "the same output tokens"
     says(CH, f"the same output tokens in **{paged['steps']} steps instead of {reserved['steps']}**, "
              f"{reserved['steps'] / paged['steps']:.2f}× fewer")
-    says(CH, f"the whole 2048-token context, {2048 // 16} blocks — and would not fit a single request in this pool")
+    says(CH, f"its `max_len` of 2048 positions, {2048 // 16} blocks — and would not fit a single request in this pool")
     assert 2048 // 16 > num_blocks
 
 
