@@ -122,6 +122,24 @@ def test_seeded_sampling_does_not_depend_on_the_batch(smollm2, workload):
         assert run(engine, [workload[i]], [params[i]])[0] == together[i]
 
 
+def test_a_prefix_computed_in_the_same_step_is_shared_and_changes_nothing(smollm2):
+    """Two prompts with a 20-token common prefix arrive together: the first one's blocks are registered when the
+    step allocates them and written, layer by layer, before anyone attends in that layer, so the second request,
+    scheduled in the same first step, computes only its own 3 tokens (chapter 05, section 5). Its tokens are those
+    of the same two requests with prefix caching off."""
+    from nanoserve.text.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_gguf().encode(TEXT)
+    requests = [(ids[:22], 8), (ids[:20] + ids[40:43], 8)]  # the common prefix: 5 full blocks of 4
+    shared = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=4)))
+    first_steps = []
+    got = run(shared, requests, on_step=lambda so: first_steps.append(dict(so.num_scheduled_tokens)))
+    assert first_steps[0] == {"0": 22, "1": 3}  # both in step 1; the second hit the first one's 20 tokens
+    off = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=4,
+                                                                   enable_prefix_caching=False)))
+    assert got == run(off, requests)
+
+
 def test_prefix_cache_hit_skips_tokens_and_changes_nothing(smollm2, workload, alone):
     engine = LLMEngine(smollm2, EngineConfig(cache_config=CacheConfig(num_blocks=64, block_size=4)))
     prompt, max_tokens = workload[3]

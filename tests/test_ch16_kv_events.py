@@ -4,6 +4,7 @@ The subscriber decodes with msgpack alone (vLLM's schema written out by hand) an
 cached blocks from the events; it must equal what the block manager's prefix cache holds."""
 
 import time
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -176,6 +177,33 @@ def test_kv_events_refuse_a_learners_block_manager(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="allocate_slots, _register_full_blocks"):
         record_kv_events(learners)
     assert record_kv_events(reference.BlockManager(8, 4)).take() == [AllBlocksCleared()]
+
+
+def test_kv_events_refuse_a_learners_hash_that_names_blocks_otherwise(tmp_path, monkeypatch):
+    """Exercise 5.2 finished with another cryptographic hash (SHA-512: a wider int, which meets 5.2's graded
+    contract): the events' 32-byte hashes could not hold it, and a router recomputing the reference's chain would
+    never match it, so recording is refused before the first request (serve prints it as one error: line). The
+    reference's own hash, in the learner's file, is accepted."""
+    import shutil
+
+    from nanoserve import student
+    from nanoserve.kv import block_manager, prefix_cache
+
+    root = tmp_path / "exercises"
+    shutil.copytree(student.EXERCISES, root, ignore=shutil.ignore_patterns("__pycache__"))
+    learners_file = root / student.STUDENT_FILES["nanoserve.kv.prefix_cache"]
+    monkeypatch.setattr(student, "EXERCISES", root)
+    source = Path(prefix_cache.__file__).read_text()
+    learners_file.write_text(source.replace("hashlib.sha256()", "hashlib.sha512()").replace(
+        "parent_hash.to_bytes(32,", "parent_hash.to_bytes(64,"))
+    learners = student.StudentCode("05").module("nanoserve.kv.prefix_cache").PrefixCache()
+    assert learners.hash_block(None, [1, 2, 3]) >= 2**256  # wider than the wire's 32 bytes
+    with pytest.raises(ValueError, match=r"your hash_block \(exercise 5\.2\) names blocks otherwise"):
+        record_kv_events(block_manager.BlockManager(8, 4, prefix_cache=learners))
+    learners_file.write_text(source)
+    learners = student.StudentCode("05").module("nanoserve.kv.prefix_cache").PrefixCache()
+    assert type(learners).__module__.startswith("student_")
+    assert record_kv_events(block_manager.BlockManager(8, 4, prefix_cache=learners)).take() == [AllBlocksCleared()]
 
 
 def test_kv_events_follow_blocks_loaded_from_a_kv_tier(tiny):

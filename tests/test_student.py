@@ -497,6 +497,20 @@ def test_all_of_chapter_05_serves(tiny, exercises):
         assert calls[name] > 0, name
 
 
+def test_all_of_chapter_05_serves_on_a_bf16_pool(tiny, exercises):
+    """`serve`'s default pool is bf16 under a float32 model: the learner's PagedAttention and DecodeGroup store
+    and attend in the pool's dtype and hand the model back float32, token for token as the reference does."""
+    for module in [m for m, path in STUDENT_FILES.items() if path.startswith("05-")]:
+        exercises(module)
+    engine, expected = serve(tiny, kv_cache_dtype="bf16")
+    assert engine.executor.workers[0].model_runner.kv_cache.k_cache[0].dtype == torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine, tokens = serve(tiny, student="05", kv_cache_dtype="bf16")
+    assert tokens == expected
+    assert engine.student.calls["PagedAttention.__call__"] > 0 and engine.student.calls["DecodeGroup.attend"] > 0
+
+
 @pytest.mark.parametrize("rung", ["7.1", "7.3", "7.4"])
 def test_a_finished_kernel_rung_serves_inside_the_reference_kernel(tiny, exercises, rung):
     """One rung of the paged kernel done (and 7.2, store-KV), the other two not: the engine's triton backend

@@ -9,6 +9,10 @@ The pool, per layer:   k_cache[layer], v_cache[layer]: (Hkv, num_blocks, block_s
 One step's flat batch: q (num_tokens, H, D), k and v (num_tokens, Hkv, D); sequence i's queries are rows
 cu_seqlens_q[i]:cu_seqlens_q[i + 1], the LAST q_len_i of its seq_lens[i] positions, causal. GQA: query
 head h reads kv head h // (H // Hkv).
+Dtypes: the pool may be narrower than the model. `serve`'s default pool is bf16 (--kv-cache-dtype) under a
+model whose q, k, v are float32: PagedAttention stores and attends in the pool's dtype and returns the model's;
+attend_sequence and DecodeGroup get q in the pool's dtype, and whatever they allocate (gather buffers, masks)
+is in the pool's dtype too.
 """
 
 import torch  # noqa: F401  (you will want it)
@@ -64,9 +68,10 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Exercise 5.5. One sequence's T queries q (T, H, D) — the last T of its seq_len positions — against
     its K/V in the pool (gather_kv). Returns (T, H, D).
 
-    mask: the (T, seq_len) additive causal mask with its offset (causal_mask(T, seq_len)), or None for a
-    whole prompt (T == seq_len), which must be causal all the same: query t sees positions 0 .. t. Query
-    head h reads kv head h // (H // Hkv); K/V are not repeated per query head.
+    q is in the pool's dtype (PagedAttention converted it). mask: the (T, seq_len) additive causal mask
+    with its offset (causal_mask(T, seq_len), in the pool's dtype), or None for a whole prompt (T ==
+    seq_len), which must be causal all the same: query t sees positions 0 .. t. Query head h reads kv head
+    h // (H // Hkv); K/V are not repeated per query head.
 
         T = 2 queries of a seq_len = 5 sequence are its positions 3 and 4: the first sees positions 0..3,
         the second 0..4.
@@ -91,7 +96,9 @@ class PagedAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Exercise 5.5. Layer layer_idx's attention for the whole flat batch: q (N, H, D), k, v (N, Hkv, D)
-        -> (N, H, D). Afterwards the layer's pool holds this step's k, v at the metadata's slot_mapping, and
+        -> (N, H, D). q, k, v come in the model's dtype, which may differ from the pool's (a bf16 pool under a
+        float32 model is serve's default): store and attend in the pool's dtype, return the output in q's.
+        Afterwards the layer's pool holds this step's k, v at the metadata's slot_mapping, and
         row t of the output is token t's query attended over its own sequence's positions up to its own — this
         step's new tokens included, nobody else's. Each row is computed once: by the decode group that holds
         it (DecodeGroup, 5.6) or by attend_sequence."""
@@ -104,7 +111,8 @@ class DecodeGroup:
     def __init__(self, cache: PagedKVCache, metadata: ReferenceAttentionMetadata, seqs: list[int]):
         """Exercise 5.6. The Sd decoding sequences `seqs` (indices into the metadata, one query each, any
         order), built once per step; attend then runs in every layer, so whatever does not depend on the
-        layer (which blocks to read, what to hide) is worked out here, once.
+        layer (which blocks to read, what to hide) is worked out here, once, in the pool's dtype (a gather
+        buffer of float32 cannot take a bf16 pool's rows).
 
         self.tokens: a long tensor (Sd,), each sequence's query row in the flat batch, in the order of seqs.
 
@@ -115,11 +123,11 @@ class DecodeGroup:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Exercise 5.6. One query per sequence, all sequences at once: q (Sd, H, D), row i the query of
-        seqs[i], against one layer's pool -> (Sd, H, D). Row i equals plain attention of that query over its
-        sequence's seq_len positions, read through its block table, and over nothing else: the sequences'
-        contexts differ in length, and whatever a shorter one's batch is padded with (another sequence's
-        block, garbage) gets no weight. One gather for K and one for V serve the whole group, whatever Sd
-        is: no Python loop over the sequences.
+        seqs[i], in the pool's dtype, against one layer's pool -> (Sd, H, D) in that dtype. Row i equals plain
+        attention of that query over its sequence's seq_len positions, read through its block table, and over
+        nothing else: the sequences' contexts differ in length, and whatever a shorter one's batch is padded
+        with (another sequence's block, garbage) gets no weight. One gather for K and one for V serve the
+        whole group, whatever Sd is: no Python loop over the sequences.
 
             seq_lens [3, 6], block_size 4: sequence 0 reads its 3 positions (1 block), sequence 1 its 6 (2 blocks)
         """

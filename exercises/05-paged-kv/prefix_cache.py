@@ -20,6 +20,9 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     hard to make on purpose (else one user could make another's request read their K/V): a
     cryptographic hash from hashlib, fed with bytes that stand for None or for the parent hash, then for
     the tokens. Which bytes keep [1, 23] and [12, 3] apart?
+    Any such hash serves the engine. Chapter 16's KV events (serve --kv-events-endpoint) need the reference's
+    own: each hash goes out as 32 bytes and routers recompute the chain from prompts, so serve refuses them
+    with --student 05 unless yours gives the reference's ints.
 
         hash_block(None, [1, 2, 3]) == hash_block(None, [1, 2, 3])        # an int, every run
         len({hash_block(None, [1, 2, 3]), hash_block(None, [3, 2, 1]), hash_block(None, [1, 2]),

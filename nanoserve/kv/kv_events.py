@@ -20,6 +20,8 @@ is the server's business (nanoserve/server/kv_events.py), so the KV code imports
 import threading
 from dataclasses import dataclass, field
 
+from nanoserve.kv.prefix_cache import hash_block
+
 
 @dataclass
 class BlockStored:
@@ -80,6 +82,15 @@ def record_kv_events(block_manager) -> KVEventLog:
     if learner:  # exercise 5.4's code calls the prefix cache itself: its changes would reach no listener
         raise ValueError(f"KV events need the reference block manager: with --student 05, {', '.join(learner)} "
                          "change the prefix cache without telling BlockManager.kv_listeners; leave 05 out of --student")
+    # The hashes go out as 32 bytes each (vLLM's wire format), and a router matches them against the chain it
+    # computes from the prompt with the reference's hash_block: a learner's hash (exercise 5.2) that names blocks
+    # otherwise would not fit the bytes or would never match. Probed here, before the first request.
+    named = block_manager.prefix_cache.hash_block
+    probes = [(None, [1, 2, 3]), (hash_block(None, [1, 2, 3]), [4, 5])]
+    if any(named(parent, tokens) != hash_block(parent, tokens) for parent, tokens in probes):
+        raise ValueError("KV events carry the reference's block hashes (SHA-256 of the parent's 32 bytes and the "
+                         "int64 token ids), which routers recompute from prompts: with --student 05, your hash_block "
+                         "(exercise 5.2) names blocks otherwise; leave 05 out of --student")
     log = KVEventLog(block_manager.block_size)
     log.append(AllBlocksCleared())
     block_manager.kv_listeners.append(log)
