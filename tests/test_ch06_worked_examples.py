@@ -345,11 +345,6 @@ def test_what_limits_a_step_the_profile_row():
     rate = 2 * n * 256 / float(run1[5].split(" / ")[0]) / 1e6  # GFLOP/s
     assert rate > float(peak)
     says(CH, f"ran at about {rate:.0f} GFLOP/s in one run, {rate / float(peak):.2f}× this peak")
-    floor16 = comp16 * float(peak) / round(rate)  # ms: the same FLOPs at the rate the text rounds to
-    assert 2 * 16 // 4 > rate / float(bandwidth)
-    says(CH, f"At the {rate:.0f} GFLOP/s `bench linear` reached, the same FLOPs take about {floor16:.0f} ms and the step "
-             f"ran {t16 / floor16:.1f}× above them; the ridge moves to {rate / float(bandwidth):.1f} FLOPs a byte, and "
-             f"{2 * 16 // 4} is still above it")
     linear = [rows[("decode", b)][1][0] for b in (1, 4, 16)]
     says(CH, f"**The linear layers ({min(linear)}–{max(linear)} % of a decode step in the quoted run) are the largest part")
     linear16, attention, gather, norms, sampling, scheduler = parts16

@@ -38,6 +38,8 @@ runs for the others. What you have:
                                    without adapters)
     self.choose_victim(i)          the preemption victim among self.running[i:] (the policy's choice), taken
                                    out of self.running
+    self.clock()                   the scheduler's time source, in seconds: time.perf_counter in the engine, a
+                                   fake clock in the tests (read the time from it, never from `time` directly)
 
 A Sequence gives you num_tokens, num_computed_tokens, token_ids, num_seats, status, seq_id,
 num_preemptions, scheduled_time, needs_prompt_logprobs. README.md has the design questions to answer before
@@ -49,7 +51,6 @@ prompt K/V at admission).
 """
 
 import bisect  # noqa: F401  (you will want bisect.insort)
-import time  # noqa: F401  (seq.scheduled_time, for the queue-time metric)
 
 from nanoserve.engine.scheduler import Scheduler as ReferenceScheduler
 from nanoserve.engine.scheduler import SchedulerConfig, _urgency  # noqa: F401
@@ -73,11 +74,13 @@ class Scheduler(ReferenceScheduler):
             as 6.2 allows from there, has blocks for them, is RUNNING, is in `self.running` (where in it does
             not matter: the policy orders the running set at the start of the next step), is in `out` with its
             token count, and those tokens are off the budget;
-          - its `scheduled_time` is when it was *first* admitted (chapter 09 measures queueing time from it:
-            a preempted sequence coming back keeps its first one);
+          - its `scheduled_time` is `self.clock()` at its *first* admission, and is set only then (chapter 09
+            measures queueing time from it: a preempted sequence coming back keeps its first one; a sequence
+            that never ran has None there);
           - a sequence that is not admitted is left exactly as it was (it holds no new blocks).
         Example: budget 8, chunking off, waiting [A (5-token prompt), B (5), C (1)]: A is admitted (3 left);
-        B does not fit whole, so B and C both wait, although C would fit.
+        B does not fit whole, so B and C both wait, although C would fit. With a clock reading 1.0 at that
+        step, A's scheduled_time is 1.0; if A is preempted at 2.0 and readmitted at 5.0, it is still 1.0.
         """
         raise NotImplementedError("Exercise 6.1: write Scheduler.schedule_waiting (see its docstring and README.md)")
 

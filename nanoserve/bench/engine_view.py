@@ -24,7 +24,7 @@ import time
 import torch
 
 from nanoserve.bench.offline import make_workload, params
-from nanoserve.cli.checks import UsageError, context_length, positive_int
+from nanoserve.cli.checks import UsageError, add_pool_size_args, context_length, positive_int
 
 
 def register(sub):
@@ -35,8 +35,7 @@ def register(sub):
                    help="default 16 48; 300 400 with --tiny, whose steps are so short that a whole run of 16-48 "
                         "tokens is over in a few snapshots")
     p.add_argument("--rounds", type=positive_int, default=3, help="each system runs the workload this many times, interleaved")
-    p.add_argument("--num-blocks", type=positive_int, default=None, help="KV pool size (default: from --kv-cache-mib)")
-    p.add_argument("--kv-cache-mib", type=positive_int, default=1024)
+    add_pool_size_args(p)
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--tiny", action="store_true",
                    help="a tiny random-weight model instead of SmolLM2: the shortest steps, the worst case for the feed's share")

@@ -41,10 +41,7 @@ def register(sub):
 def add_engine_args(p):
     """The engine knobs, shared with `bench offline`."""
     p.add_argument("--block-size", type=checks.positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=checks.positive_int, default=None,
-                   help="KV pool size in blocks (default: from --kv-cache-mib)")
-    p.add_argument("--kv-cache-mib", type=checks.positive_int, default=1024,
-                   help="KV pool bytes, in MiB, when --num-blocks is not given")
+    checks.add_pool_size_args(p)
     p.add_argument("--max-num-seqs", type=checks.positive_int, default=64, help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=checks.positive_int, default=2048, help="token budget of a step")
     p.add_argument("--no-chunked-prefill", action="store_true", help="a prompt that does not fit the budget waits")

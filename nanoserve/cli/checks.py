@@ -62,6 +62,17 @@ def positive_int(text: str) -> int:
     return _number(int, text, lambda v: v > 0, "an integer > 0")
 
 
+def add_pool_size_args(p) -> None:
+    """--num-blocks and --kv-cache-mib: two ways to size one KV pool, so a command takes one of them. argparse refuses
+    the pair, in either order and whatever the values, with one `error:` line; --kv-cache-mib's default applies only
+    where neither is given."""
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=positive_int, default=None,
+                      help="KV pool size in blocks (default: from --kv-cache-mib; not with it)")
+    size.add_argument("--kv-cache-mib", type=positive_int, default=1024,
+                      help="KV pool bytes, in MiB, where --num-blocks is not given (not with it)")
+
+
 def non_negative_int(text: str) -> int:
     return _number(int, text, lambda v: v >= 0, "an integer >= 0")
 
