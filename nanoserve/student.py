@@ -200,8 +200,10 @@ RUNGS: dict[str, dict[str, list[str]]] = {
 }
 
 
-# chapters whose exercises a run uses only under a flag: what --student NN's notice tells the learner to add
-PLUG_IN = {"07": "with the Triton attention backend: add --attention-backend triton (attention_backend=\"triton\" "
+# chapters whose exercises a run uses only under a flag, or only in the server: what --student NN's notice tells the
+# learner to add or run
+PLUG_IN = {"08": "behind the HTTP server: serve --student 08 lists it when the server starts",
+           "07": "with the Triton attention backend: add --attention-backend triton (attention_backend=\"triton\" "
                   "from Python; on a CPU, with TRITON_INTERPRET=1 in the environment from the start)",
            "15": "under a policy that asks it: add --scheduling-policy slo or fair"}
 
@@ -504,10 +506,14 @@ class StudentCode:
             else:
                 lines.append(f"  reference  {name}  ({use})")
         idle = sorted(self.chapters - {STUDENT_FILES[name][:2] for name in self.used}) if idle else []
-        if idle:
-            lines.append(f"  (no exercise of chapter {', '.join(idle)} plugs into this run: grade them with "
-                         f"make grade CH=NN)")
-        lines += [f"  (chapter {ch}'s code runs only {PLUG_IN[ch]})" for ch in idle if ch in PLUG_IN]
+        # a chapter whose code plugs in elsewhere (another backend, policy or layer) says where; the others, how to
+        # grade them
+        elsewhere = [ch for ch in idle if ch in PLUG_IN]
+        if nowhere := [ch for ch in idle if ch not in PLUG_IN]:
+            lines.append(f"  (no exercise of chapter {', '.join(nowhere)} plugs into this run: grade "
+                         f"{'it' if len(nowhere) == 1 else 'them'} with "
+                         f"{', '.join(f'make grade CH={ch}' for ch in nowhere)})")
+        lines += [f"  (chapter {ch}'s code runs only {PLUG_IN[ch]})" for ch in elsewhere]
         return "\n".join(lines)
 
     def proof(self, served: str = "") -> str:

@@ -208,6 +208,27 @@ def test_bench_http_workload_and_ratios():
     says(CH, f"at least {min(ratios + earlier):.0%} of offline in every measurement".replace("%", " %"))
 
 
+def test_bench_http_names_the_format_it_ran_and_the_command_gives_it_back():
+    """The quoted run names its weights and KV pool (bench http's defaults), and the `command:` line a run prints
+    carries every engine flag given, so that running it again measures the same engine."""
+    import shlex
+
+    from nanoserve.cli.batch import command_line
+
+    a = command_defaults(bench_http, "http")
+    says(CH, f"weights {a.weights}, KV pool float32 (bench http's defaults")
+    argv = ("--weights", "q4", "--kv-cache-dtype", "bf16", "--native-decode", "off", "--compile-mode", "buckets",
+            "--concurrency", "1", "--rounds", "3")
+    args = command_defaults(bench_http, "http", *argv)
+    line = command_line(args, bench_http.add_arguments, "bench http")
+    assert line.startswith("python -m nanoserve bench http ")
+    for flag, value in zip(argv[::2], argv[1::2]):
+        assert f"{flag} {value}" in line, flag
+    again = command_defaults(bench_http, "http", *shlex.split(line.removeprefix("python -m nanoserve bench http ")))
+    assert vars(again) == vars(args)
+    assert "--block-size" not in line  # an engine flag at its default is left out
+
+
 def quoted_run(command: str) -> list[str]:
     """The lines of the chapter's code block that starts with `command`, up to its "5xx:" line."""
     (path,) = (ROOT / "chapters").glob(f"{CH}-*.md")

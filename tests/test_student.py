@@ -942,10 +942,25 @@ def test_student_15_under_a_policy_that_asks_nothing_says_which_flag_plugs_it_in
     finish("nanoserve.engine.policies.fair", ["fair_order", "FairPolicy.catch_up", "FairPolicy.on_scheduled"])
     engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="15"))
     lines = engine.student.describe().splitlines()
-    assert "  (no exercise of chapter 15 plugs into this run: grade them with make grade CH=NN)" in lines
     assert any("add --scheduling-policy slo or fair" in line for line in lines), lines
     fair = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, scheduling_policy="fair", student="15"))
     assert "--scheduling-policy" not in fair.student.describe()
+
+
+def test_student_08_in_the_engine_points_to_the_server_and_idle_chapters_name_their_grade_command(tiny):
+    """--student 08 under the engine alone (`batch`, or `serve` before its server starts): no line says that chapter
+    08 plugs into nothing — it plugs into the server — and a chapter with no exercise in the run is named with the
+    very command that grades it."""
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="08"))
+    assert engine.student.describe().splitlines() == [
+        "--student 08: the engine runs",
+        "  (chapter 08's code runs only behind the HTTP server: serve --student 08 lists it when the server starts)"]
+    lines = StudentCode("01,08,11").describe().splitlines()  # nothing loaded yet: every chapter idle
+    assert lines[1:] == [
+        "  (no exercise of chapter 01, 11 plugs into this run: grade them with make grade CH=01, make grade CH=11)",
+        "  (chapter 08's code runs only behind the HTTP server: serve --student 08 lists it when the server starts)"]
+    assert StudentCode("11").describe().splitlines()[1] == \
+        "  (no exercise of chapter 11 plugs into this run: grade it with make grade CH=11)"
 
 
 def test_student_07_with_the_torch_backend_says_which_flag_plugs_it_in(tiny):
@@ -954,7 +969,6 @@ def test_student_07_with_the_torch_backend_says_which_flag_plugs_it_in(tiny):
     engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="07"))
     assert engine.attention_backend == "torch"
     lines = engine.student.describe().splitlines()
-    assert "  (no exercise of chapter 07 plugs into this run: grade them with make grade CH=NN)" in lines
     assert any("add --attention-backend triton" in line and "TRITON_INTERPRET=1" in line for line in lines), lines
 
 

@@ -34,9 +34,10 @@ def too_many_requests(wait: float, message: str) -> APIError:
 
 
 def check_queue(num_waiting: int, max_waiting: int | None, retry_after_s: int) -> None:
-    """Exercise 8.4: the bound on the waiting queue (vLLM's --max-num-queued-reqs). With `max_waiting` or more
-    requests already waiting (None: no bound), raise a 503 whose message says how many wait and the bound,
-    with the header Retry-After: `retry_after_s`. Otherwise return."""
+    """Exercise 8.4: the bound on the waiting queue: requests with no completion running yet (vLLM's nearest,
+    --max-num-queued-reqs, counts the running ones too). With `max_waiting` or more requests already waiting
+    (None: no bound), raise a 503 whose message says how many wait and the bound, with the header
+    Retry-After: `retry_after_s`. Otherwise return."""
     raise NotImplementedError("Exercise 8.4: refuse with 503 when the waiting queue is full")
 
 

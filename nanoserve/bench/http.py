@@ -27,16 +27,20 @@ from nanoserve.metrics import percentile
 
 
 def register(sub):
+    p = sub.add_parser("http", help="HTTP server with C streaming clients vs the offline engine (chapter 08)")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p) -> None:
     from nanoserve.cli.batch import add_engine_args
 
-    p = sub.add_parser("http", help="HTTP server with C streaming clients vs the offline engine (chapter 08)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 32])
     p.add_argument("--prompt-len", type=int, nargs=2, default=[20, 200], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="workloads per concurrency, alternating the order")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
-    p.set_defaults(func=run)
 
 
 def workload(n: int, prompt_len, vocab_size: int, seed: int) -> list[list[int]]:
@@ -84,7 +88,8 @@ def percentiles(values: list[float]) -> str:
 
 
 def run(args):
-    from nanoserve.cli.batch import llm_from_args
+    from nanoserve.bench.offline import served_format
+    from nanoserve.cli.batch import command_line, llm_from_args
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling import SamplingParams
     from nanoserve.server.runner import serving
@@ -93,13 +98,10 @@ def run(args):
     served = LLMEngine(llm.model, llm.engine.config, llm.tokenizer)  # the server's own, same model and knobs
     vocab = llm.model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    print("command: python -m nanoserve bench http " + " ".join([
-        "--concurrency " + " ".join(map(str, args.concurrency)), f"--prompt-len {args.prompt_len[0]} {args.prompt_len[1]}",
-        f"--output-len {args.output_len}", f"--rounds {args.rounds}", f"--seed {args.seed}",
-        f"--max-num-seqs {args.max_num_seqs}", f"--max-num-batched-tokens {args.max_num_batched_tokens}",
-        f"--kv-cache-mib {args.kv_cache_mib}"]))
-    print(f"threads: {torch.get_num_threads()}, float32, KV pool: {served.block_manager.num_blocks} blocks "
-          f"of {args.block_size} tokens per engine; server and clients in this process")
+    weights, pool = served_format(llm.model, served)
+    print("command: " + command_line(args, add_arguments, "bench http"))
+    print(f"threads: {torch.get_num_threads()}; weights {weights}, KV pool {pool}, {served.block_manager.num_blocks} "
+          f"blocks of {args.block_size} tokens per engine; server and clients in this process")
     # both engines stop what they started beside themselves (a tier's file and writer, a KV connector)
     with llm, contextlib.closing(served), serving(served, llm.tokenizer) as (url, _):
         warm = workload(2, (8, 16), vocab, -1)

@@ -32,9 +32,7 @@ model loads: tensor parallelism with the one-at-a-time baseline (chapter 04's lo
 shard alone), and --weights other than fp32 with the HF baseline (transformers runs the float32 model).
 """
 
-import argparse
 import random
-import shlex
 import statistics
 import time
 from functools import partial
@@ -91,25 +89,9 @@ def check_args(args) -> str | None:
 
 def command_line(args) -> str:
     """The command that reproduces this run: this benchmark's own flags, and every engine flag not at its default."""
-    from nanoserve.cli.batch import add_engine_args
+    from nanoserve.cli.batch import command_line as engine_command_line
 
-    engine = argparse.ArgumentParser()
-    add_engine_args(engine)
-    engine_flags = {a.dest for a in engine._actions}  # noqa: SLF001 — argparse's list of actions
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    words = []
-    for action in p._actions:  # noqa: SLF001
-        value = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest == "help" or value is None or (
-                action.dest in engine_flags and value == action.default):
-            continue
-        flag = max(action.option_strings, key=len)
-        if value is True:
-            words.append(flag)
-        elif value is not False:
-            words.append(" ".join([flag, *(shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value]))]))
-    return "python -m nanoserve bench offline " + " ".join(words)
+    return engine_command_line(args, add_arguments, "bench offline")
 
 
 def make_workload(num_requests: int, prompt_len, output_len, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -268,6 +250,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def served_format(model, engine) -> tuple[str, str]:
+    """(the weights' format, the KV pool's dtype) the engine runs: what a benchmark's header says it measured."""
+    kv = engine.config.cache_config.kv_cache_dtype
+    return getattr(model, "weight_format", "fp32"), dtype_name(next(model.parameters()).dtype) if kv == "auto" else kv
+
+
 def run(args):
     from nanoserve.cli.batch import llm_from_args
 
@@ -304,9 +292,9 @@ def measure(args, llm) -> None:
         job()
 
     print("command: " + command_line(args))
-    kv, weights = engine.config.cache_config.kv_cache_dtype, getattr(model, "weight_format", "fp32")
-    print(f"threads: {torch.get_num_threads()}; nanoserve: weights {weights}, KV pool "
-          f"{dtype_name(next(model.parameters()).dtype) if kv == 'auto' else kv}, {engine.block_manager.num_blocks} "
+    weights, pool = served_format(model, engine)
+    print(f"threads: {torch.get_num_threads()}; nanoserve: weights {weights}, KV pool {pool}, "
+          f"{engine.block_manager.num_blocks} "
           f"blocks of {args.block_size} tokens, {args.max_num_seqs} seats"
           + (f"; one at a time: weights {weights}, a contiguous {dtype_name(model.norm.weight.dtype)} cache"
              if sequential else "") + ("; HF static: transformers, float32" if hf_batch else ""))

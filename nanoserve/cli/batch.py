@@ -49,7 +49,7 @@ def add_engine_args(p):
     p.add_argument("--student", nargs="?", const=True, default=False, type=checks.chapters, metavar="CHAPTERS",
                    help="run YOUR finished exercises from exercises/ (the allocator and prefix cache of 05, the "
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
-                        "e.g. --student 05,06 (serve: also your SSE streaming, 08); an unfinished one falls back to the reference "
+                        "e.g. --student 05,06 (serve: also your request params, stream, async engine and limiter, 08); an unfinished one falls back to the reference "
                         "with a warning. Chapter 01's attention runs with generate, not here: --student 01 is refused")
     p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
@@ -99,6 +99,31 @@ def add_engine_args(p):
                    help="split the model over this many processes (chapter 11); SmolLM2 splits 1 or 3 ways (9 would "
                         "split its heads, but not its 1536 MLP features)")
 
+
+
+def command_line(args, add_arguments, command: str) -> str:
+    """The command that reproduces a run of `command` ("bench offline"): every flag `add_arguments` adds, the engine's
+    (add_engine_args) only where not at their default."""
+    import argparse
+    import shlex
+
+    engine = argparse.ArgumentParser()
+    add_engine_args(engine)
+    engine_flags = {a.dest for a in engine._actions}  # noqa: SLF001 — argparse's list of actions
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    words = []
+    for action in p._actions:  # noqa: SLF001
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "help" or value is None or (
+                action.dest in engine_flags and value == action.default):
+            continue
+        flag = max(action.option_strings, key=len)
+        if value is True:
+            words.append(flag)
+        elif value is not False:
+            words.append(" ".join([flag, *(shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value]))]))
+    return f"python -m nanoserve {command} " + " ".join(words)
 
 def engine_kwargs(args, **extra) -> dict:
     """LLM's keyword arguments (all but the model and the tokenizer) that the engine flags describe; `extra`: more

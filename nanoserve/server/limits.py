@@ -55,8 +55,9 @@ def too_many_requests(wait: float, message: str) -> APIError:
 
 
 def check_queue(num_waiting: int, max_waiting: int | None, retry_after_s: int) -> None:
-    """Exercise 8.4: the bound on the waiting queue (vLLM's --max-num-queued-reqs). With `max_waiting` requests
-    already waiting (None: no bound), the next one is a 503 with Retry-After: come back, or go elsewhere."""
+    """Exercise 8.4: the bound on the waiting queue: requests with no completion running yet (vLLM's nearest,
+    --max-num-queued-reqs, counts the running ones too). With `max_waiting` requests already waiting (None: no
+    bound), the next one is a 503 with Retry-After: come back, or go elsewhere."""
     if max_waiting is not None and num_waiting >= max_waiting:
         raise APIError(503, f"the server is busy: {num_waiting} requests are waiting (max {max_waiting})",
                        headers={"Retry-After": str(retry_after_s)})
