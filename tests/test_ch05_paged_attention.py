@@ -198,6 +198,19 @@ def test_a_decode_group_finds_its_rows_among_prefills(pa):
         assert (out[row] - reference_attention(q[row:row + 1], k_full[i], k_full[i])[0]).abs().max() < 1e-4
 
 
+def test_a_step_plans_its_masks_on_the_pool_device():
+    """A pool on another device than the CPU (a GPU's, here "meta", which checks devices as strictly and needs
+    none): the causal mask of a chunk on a cached prefix must be made on the pool's device, or the attention call
+    mixes devices and fails. The step's plan (cu_seqlens_q, seq_lens, block tables) stays on the host, as it may."""
+    bs, Hkv, G, D = 4, 2, 3, 8
+    cache = PagedKVCache(1, 8, bs, Hkv, D, torch.bfloat16, "meta")
+    host = AttentionMetadata.build([[5, 0, 7], [2]], [10, 3], [4, 3], bs)  # a 4-token chunk on 6 cached; a prompt
+    meta = AttentionMetadata(host.slot_mapping.to("meta"), host.block_tables, host.seq_lens, host.cu_seqlens_q)
+    q, k, v = torch.empty(7, Hkv * G, D, device="meta"), *(torch.empty(7, Hkv, D, device="meta") for _ in range(2))
+    out = PagedAttention(cache, meta)(0, q, k, v)
+    assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype
+
+
 def test_copy_blocks_and_store_kv_shapes():
     cache = PagedKVCache(num_layers=2, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=4)
     k = torch.randn(2, 1, 4)

@@ -329,6 +329,10 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
     assert {k: seen[0][k] for k in ("batch", "context", "dtype", "block_size", "peak_gbs")} == {
         "batch": [2], "context": [128, 512, 2048, 8192], "dtype": "fp16", "block_size": 16, "peak_gbs": None}
     monkeypatch.undo()
+    # the GPU run's mixed step (decodes, a prompt, chunks on cached prefixes), here in the interpreter on the CPU:
+    # the kernel against chapter 05's path on the same pool
+    triton_err, _ = attention.mixed_step_errors(torch.float32, torch.device("cpu"), 16)
+    assert triton_err < 1e-4
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main(["bench", "attention"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

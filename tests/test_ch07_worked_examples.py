@@ -77,7 +77,8 @@ def test_the_memory_math_of_a_decode_step():
              f"{kv / (PEAK_GBS['H200'] * 1e9) * 1e6:.0f} µs at an H200's {PEAK_GBS['H200'] / 1000:.1f} TB/s")
     says(CH, f"past 2³¹ elements ({2**31 * 2 // 2**30} GiB of bf16 in one pool tensor")
     says(CH, f"The grid of a decode step is batch × Hkv programs: 64 × {HKV} = {64 * HKV} at batch 64 — about "
-             f"{64 * HKV / H200_SMS:.1f} per SM on an H200, fine. At batch 1 it is {HKV} programs: {HKV} of {H200_SMS} SMs")
+             f"{64 * HKV / H200_SMS:.1f} per SM on an H200, too few to keep the memory busy. At batch 1 it is {HKV} programs: "
+             f"{HKV} of {H200_SMS} SMs")
 
 
 def test_the_float32_dots_flops_per_byte():
@@ -120,3 +121,36 @@ def test_bench_attention_programs_and_the_interpreters_cost():
     served = [layers * p + 3 * layers * d for p, d in ((prefill, decode), (second[3], second[2]))]
     says(CH, f"{layers} × {prefill:.2f} s + {3 * layers} × {decode:.2f} s ≈ {served[0]:.0f} s of interpreted attention "
              f"in round 1 (≈ {served[1]:.0f} s in round 2)")
+
+
+def gpu_row(text: str, batch: int, context: int) -> dict:
+    """One row of section 9's H200 table (the chapter's text, whitespace normalised): MB moved, triton us, GB/s,
+    % peak, torch us, sdpa us."""
+    row = re.search(rf" {batch} {context} ([\d.]+) \| ([\d.]+) (\d+) ([\d.]+)% \| ([\d.]+) ([\d.]+) \|", text)
+    assert row, (batch, context)
+    return dict(zip(("mb", "triton", "gbs", "pct", "torch", "sdpa"), map(float, row.groups())))
+
+
+def test_the_gpu_runs_aim_and_its_miss():
+    """Section 9: the figures drawn from the H200 table, recomputed from its rows."""
+    text = chapter(CH)
+    peak = PEAK_GBS["H200"]
+    for batch in (1, 4, 16, 64, 256):
+        for context in (128, 512, 2048, 8192):  # every row's GB/s and % peak follow from its bytes and time
+            r = gpu_row(text, batch, context)
+            printed = r["gbs"] * (0.05 / r["mb"] + 0.05 / r["triton"]) + 0.5  # MB and us printed to 0.1, GB/s to 1
+            assert abs(r["mb"] / r["triton"] * 1000 - r["gbs"]) <= printed, (batch, context)
+            assert abs(r["gbs"] / peak * 100 - r["pct"]) <= 0.06, (batch, context)
+    r = gpu_row(text, 64, 2048)
+    aim_us = r["mb"] * 1e6 / (0.70 * peak * 1e9) * 1e6
+    says(CH, f"It moves {r['mb']} MB in\n  {r['triton']} µs: {r['gbs']:.0f} GB/s, **{r['pct']} % of the peak**, "
+             f"{70 - r['pct']:.1f} points short. At 70 % the same bytes would take {aim_us:.1f} µs, so the\n  kernel is "
+             f"**{r['triton'] / aim_us:.1f}× too slow** there. SDPA on contiguous K/V takes {r['sdpa']} µs "
+             f"({r['mb'] / r['sdpa'] * 1000 / peak * 100:.0f} %); chapter 05's torch path takes\n  {r['torch']} µs, "
+             f"{r['torch'] / r['triton']:.0f}× the kernel.")
+    fp32 = re.search(r"`--dtype fp32` gave ([\d.]+) µs", text)
+    says(CH, f"It moves twice fp16's bytes and takes {float(fp32[1]) / r['triton']:.1f} times as long "
+             f"({fp32[1]} against\n  {r['triton']} µs)")
+    same_bytes = [gpu_row(text, b, c) for b, c in ((16, 8192), (64, 2048), (256, 512))]
+    assert all(abs(x["mb"] - 101) < 1 for x in same_bytes) and [x["triton"] for x in same_bytes] == sorted(
+        [x["triton"] for x in same_bytes], reverse=True)  # the same bytes, faster with more programs

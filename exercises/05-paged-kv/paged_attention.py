@@ -69,8 +69,8 @@ def attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     its K/V in the pool (gather_kv). Returns (T, H, D).
 
     q is in the pool's dtype (PagedAttention converted it). mask: the (T, seq_len) additive causal mask
-    with its offset (causal_mask(T, seq_len), in the pool's dtype), or None for a whole prompt (T ==
-    seq_len), which must be causal all the same: query t sees positions 0 .. t. Query head h reads kv head
+    with its offset (causal_mask(T, seq_len), in the pool's dtype and on its device), or None for a whole
+    prompt (T == seq_len), which must be causal all the same: query t sees positions 0 .. t. Query head h reads kv head
     h // (H // Hkv); K/V are not repeated per query head.
 
         T = 2 queries of a seq_len = 5 sequence are its positions 3 and 4: the first sees positions 0..3,
@@ -90,7 +90,8 @@ class PagedAttention:
             the reference's until you write yours);
           - the rest (all of them without batch_decodes), one at a time: where its queries are in the flat
             batch, its seq_len, its block table cut to cdiv(seq_len, block_size) blocks, and its mask (None
-            for a whole prompt, causal_mask(T, seq_len) in the cache's dtype for a chunk on a prefix).
+            for a whole prompt, causal_mask(T, seq_len) in the cache's dtype and on its device for a chunk on
+            a prefix).
         """
         raise NotImplementedError("Exercise 5.5: plan the step (decode groups, and the sequences one at a time)")
 

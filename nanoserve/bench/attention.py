@@ -10,7 +10,9 @@ On a CUDA device — decode steps (one query per sequence) over batch x context,
 Achieved bandwidth = bytes that must move (every sequence's K and V, the queries, the output) / kernel
 time, against the device's peak (a table below, or --peak-gbs). The systems are timed alternately, each
 with triton.testing.do_bench (the L2 cache flushed before every run), in 3 rounds, the second in the
-reverse order; each system keeps its fastest round (do_bench's median of the round).
+reverse order; each system keeps its fastest round (do_bench's median of the round). Before the table, one
+mixed step (decodes, a whole prompt, chunks on cached prefixes) checks both paged paths on the GPU against
+chapter 05's path in float32 on the CPU.
 
 On a CPU there is no bandwidth to measure: with TRITON_INTERPRET=1 it runs the kernels on the chapter's
 test shapes in the interpreter instead — a sanity check (parity with torch) and the interpreter's time
@@ -42,7 +44,8 @@ def register(sub):
     defaults = {name: " ".join(map(str, v)) if isinstance(v, list) else v for name, v in GPU_ONLY_DEFAULTS.items()}
     p.add_argument("--batch", type=int, nargs="+", help=f"GPU only (default: {defaults['batch']})")
     p.add_argument("--context", type=int, nargs="+", help=f"GPU only (default: {defaults['context']})")
-    # fp16 by default: the dtype the interpreter tests (test_ch07_kernels); bf16 is checked only by the max err column
+    # fp16 by default: the dtype the interpreter tests (test_ch07_kernels); bf16 is checked only by the GPU run's own
+    # mixed step and max err column
     p.add_argument("--dtype", choices=sorted(DTYPES), help=f"GPU only (default: {defaults['dtype']})")
     p.add_argument("--block-size", type=int, help=f"GPU only (default: {defaults['block_size']})")
     p.add_argument("--peak-gbs", type=float, help="GPU only: the device's memory bandwidth (default: from its name)")
@@ -108,6 +111,10 @@ def run_gpu(args):
     print(f"command: python -m nanoserve bench attention --batch {' '.join(map(str, args.batch))} --context "
           f"{' '.join(map(str, args.context))} --dtype {args.dtype} --block-size {args.block_size}")
     print(f"device: {name}, dtype: {args.dtype}, assumed peak {peak:.0f} GB/s; decode, 9/3 heads, head_dim 64")
+    print(f"torch {torch.__version__}, triton {triton.__version__}")
+    triton_err, torch_err = mixed_step_errors(dtype, device, args.block_size)
+    print(f"mixed step ({MIXED_STEP_TEXT}), max err against chapter 05's torch path in float32 on the CPU: "
+          f"triton {triton_err:.1e}, torch paged path on {device.type} {torch_err:.1e}")
     print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | "
           f"{'torch us':>9s} {'sdpa us':>8s} | {'max err':>8s}")
     for batch in args.batch:
@@ -140,6 +147,42 @@ def run_gpu(args):
                   f"{err:8.1e}")
             del cache, attn, k, v
             torch.cuda.empty_cache()
+
+
+# the GPU run's parity check: one engine step of every kind, SmolLM2's heads; seq_lens, query_lens
+MIXED_STEP = ([1, 37, 200, 513, 94], [1, 37, 16, 1, 30])
+MIXED_STEP_TEXT = "a decode, a 37-token prompt, a 16-token chunk on 184 cached, a decode at 513, a 30-token chunk on 64"
+
+
+def mixed_step_errors(dtype, device, block_size: int, H: int = 9, Hkv: int = 3, D: int = 64) -> tuple[float, float]:
+    """MIXED_STEP on `device` in `dtype`, cached prefixes in shuffled blocks: the Triton kernel's and chapter 05's
+    torch path's max abs difference from chapter 05's path run in float32 on a CPU copy of the same pool."""
+    from nanoserve.kernels.triton_paged_attention import paged_attention
+    from nanoserve.kv.block_manager import slot_mapping
+    from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
+
+    seq_lens, query_lens = MIXED_STEP
+    need = [-(-s // block_size) for s in seq_lens]
+    blocks = list(range(sum(need)))
+    random.Random(0).shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(n)] for n in need]
+    cache = PagedKVCache(1, sum(need), block_size, Hkv, D, dtype, device)
+    for table, s, n in zip(tables, seq_lens, query_lens):  # the cached prefixes
+        slots = torch.tensor(slot_mapping(table, 0, s - n, block_size), dtype=torch.long, device=device)
+        cache.store_kv(0, *(torch.randn(s - n, Hkv, D, device=device, dtype=dtype) for _ in range(2)), slots)
+    host = PagedKVCache(1, sum(need), block_size, Hkv, D)  # float32, CPU: the same values
+    host.k_cache[0].copy_(cache.k_cache[0])
+    host.v_cache[0].copy_(cache.v_cache[0])
+    meta = AttentionMetadata.build(tables, seq_lens, query_lens, block_size)
+    N = sum(query_lens)
+    q, k, v = torch.randn(N, H, D, device=device, dtype=dtype), *(torch.randn(N, Hkv, D, device=device, dtype=dtype)
+                                                                  for _ in range(2))
+    expected = PagedAttention(host, meta)(0, q.float().cpu(), k.float().cpu(), v.float().cpu())
+    meta = AttentionMetadata(*(t.to(device) for t in vars(meta).values()))
+    torch_out = PagedAttention(cache, meta)(0, q, k, v)  # stores this step's k, v in the pool, then attends
+    triton_out = paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+                                 meta.cu_seqlens_q)
+    return tuple((out.float().cpu() - expected).abs().max().item() for out in (triton_out, torch_out))
 
 
 # the interpreter run's cases: name, (Hkv, G, D, block_size), seq_lens, query_lens

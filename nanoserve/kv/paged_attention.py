@@ -152,9 +152,11 @@ class PagedAttention:
         # the rest (prefill chunks), one by one: (first token, last token + 1, context length, its block
         # table, its (T, S) causal mask). A whole prompt (T = S) gets None and goes to the kernel as
         # is_causal, which skips the key blocks above the diagonal instead of reading a mask that hides them
-        # (about half a prompt's scores never computed); a chunk on top of a cached prefix needs the mask.
+        # (about half a prompt's scores never computed); a chunk on top of a cached prefix needs the mask, made
+        # where the pool is (a GPU's pool with a CPU mask fails in the attention call) and in its dtype.
+        pool = cache.k_cache[0]
         self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)],
-                          None if q_len == seq_lens[i] else causal_mask(q_len, seq_lens[i]).to(cache.k_cache[0].dtype))
+                          None if q_len == seq_lens[i] else causal_mask(q_len, seq_lens[i], pool.device, pool.dtype))
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
