@@ -211,7 +211,9 @@ PLUG_IN = {"08": "behind the HTTP server: serve --student 08 lists it when the s
 # chapters whose exercises no engine run (batch, serve, LLM) calls, and why: the engine refuses a --student selection
 # that names one (a bare --student, every chapter, is taken: its report says what ran and what never did)
 NOT_IN_ENGINE = {"01": "the engine attends with chapter 05's paged attention and never calls chapter 01's code; "
-                       "generate --student 01 runs it"}
+                       "generate --student 01 runs it",
+                 "04": "the engine keeps its K/V in chapter 05's paged blocks and never calls chapter 04's code; "
+                       "generate --student 04 runs your cache, memory --student 04 your formula"}
 
 
 def engine_refusal(selection) -> str | None:

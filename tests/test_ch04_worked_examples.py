@@ -1,18 +1,22 @@
 """Chapter 04's worked examples, computed by the code: the cache's bytes, the KV table, the memory plan and the
 reservation waste are built here from nanoserve/kv/naive.py, nanoserve/memory.py and `bench kv-cache`'s request
 mix, and must appear in the chapter word for word; the figures it quotes from the notebook must be what the
-committed notebook printed."""
+committed notebook printed. The measured figures cannot come from the code: section 4's must be chapter 06's
+profile, section 6's table must agree with its own speed-ups and shares and with the README's ledger."""
+
+import re
 
 import pytest
 
 from nanoserve.bench.kv_cache import request_lengths, reservation_waste
+from nanoserve.generate import check_prompt_fits
 from nanoserve.cli import main
 from nanoserve.kv.naive import NaiveKVCache
 from nanoserve.memory import GiB, activation_bytes, format_bytes, kv_bytes_per_token, memory_plan, parameter_counts
 from nanoserve.model import LlamaConfig
 from nanoserve.model.known_configs import KNOWN_CONFIGS
 from nanoserve.text.tokenizer import Tokenizer
-from tests.chapter_text import notebook_output, says, table_rows
+from tests.chapter_text import ROOT, chapter, notebook_output, says, table_rows
 
 CH = "04"
 SMOL = LlamaConfig()
@@ -58,6 +62,9 @@ def test_the_kv_table(row):
         assert cell.replace("*", "").split(" (")[0].split(" = ")[-1] == f"{kv_bytes_per_token(config, dtype):,.0f} B"
     seq = kv_bytes_per_token(config, "bf16") * 4096
     assert sequence == (f"{seq / MIB:.0f} MiB" if seq < GiB else f"{seq / GiB:g} GiB")
+    if seq >= GiB:  # the exact size, then what the CLI's one decimal makes of it
+        says(CH, f"{name}'s {sequence} is {seq:,} B, which the `memory` command and the notebook print to one "
+                 f"decimal, as {format_bytes(seq)}.")
 
 
 def test_the_kv_table_has_every_model_and_the_ratios():
@@ -66,7 +73,12 @@ def test_the_kv_table_has_every_model_and_the_ratios():
     params = parameter_counts(big)["total"] / parameter_counts(small)["total"]
     kv = kv_bytes_per_token(big) / kv_bytes_per_token(small)
     says(CH, f"Llama-3-70B has {params:.0f}× the parameters of Llama-3-8B and only {kv:g}× the KV per token")
-    assert kv_bytes_per_token(KNOWN_CONFIGS["qwen2.5-7b"]) < kv_bytes_per_token(small) / 2  # "less than half"
+    qwen = KNOWN_CONFIGS["qwen2.5-7b"]
+    # "less than half": half from the K/V heads, the rest from the layers
+    assert kv_bytes_per_token(qwen) / kv_bytes_per_token(small) == \
+        (qwen.num_key_value_heads / small.num_key_value_heads) * (qwen.num_hidden_layers / small.num_hidden_layers)
+    says(CH, f"it has {qwen.num_key_value_heads} K/V heads instead of {small.num_key_value_heads} (and "
+             f"{qwen.num_hidden_layers} layers instead of {small.num_hidden_layers})")
 
 
 def test_the_memory_command_output_is_quoted_as_printed(capsys):
@@ -111,6 +123,7 @@ def test_the_reservation_waste(capsys):
     says(CH, f"KV reserved {format_bytes(1000 * 2048 * per_token)}, used {format_bytes(used.sum().item() * per_token)}")
     waste = reservation_waste(used, 2048)
     says(CH, f"waste = 1 - used / reserved = {waste:.1%}")
+    says(CH, "After its table, `.venv/bin/python -m nanoserve bench kv-cache` counts this waste")
     says(CH, f"**{waste:.1%} of the reserved cache is never used.**")
     # the same device as section 5, Llama-3-8B, planned for 2048-token requests: the command the text names
     args = ["memory", "--model", "llama-3-8b", "--device-gb", "80", "--seq-len", "2048", "--dtype", "bf16"]
@@ -125,6 +138,14 @@ def test_the_reservation_waste(capsys):
              f"{plan.num_sequences} requests at 2048 reserved tokens ({plan.kv_per_sequence / MIB:.0f} MiB) each. Were "
              f"each request to hold only the {mean} tokens it uses on average, the same bytes would hold about "
              f"{at_mean} — the same device, {at_mean / plan.num_sequences:.1f} times the batch")
+
+
+def test_a_prompt_that_leaves_no_room_for_one_token_is_refused():
+    context = SMOL.max_position_embeddings
+    check_prompt_fits(context - 1, context)  # one token's room: taken
+    with pytest.raises(ValueError) as refused:
+        check_prompt_fits(context, context)
+    says(CH, f"a prompt of exactly {context} tokens too: `{refused.value}`")
 
 
 def test_the_score_matrix_of_a_prefill():
@@ -153,3 +174,68 @@ def test_the_repeat_kv_copy_of_a_decode_step():
     weights = parameter_counts(SMOL)["total"] * 4
     says(CH, f"2 × {H} × {S} × {D} × 4 B = {per_layer / MIB:.1f} MiB per layer, {L * per_layer / MIB:.0f} MiB per "
              f"step, written and then read again — next to the {weights / MIB:.0f} MiB of fp32 weights")
+
+
+def test_the_profile_quoted_in_section_4_is_chapter_06s():
+    """Section 4 quotes chapter 06's `bench profile` run: its figures must be that block's, and the arithmetic
+    between them (69 % of 62.4 ms, 78.4 / 62.4) must hold."""
+    text = chapter("06")
+    command = "bench profile --batch-sizes 1 4 16 --prompt-len 128 --threads 1"
+    block = text[text.index("$ .venv/bin/python -m nanoserve " + command):]
+    bandwidth, ridge = re.search(r"read bandwidth ([\d.]+) GB/s, .* \(ridge at ([\d.]+) FLOP/byte\)", block).groups()
+    one = re.search(r"decode B=1 ([\d.]+) (\d+)% \d+% \d+% (\d+)% \d+% \d+% ([\d.]+) /", block).groups()
+    step, linear, small_ops, reads = float(one[0]), int(one[1]), int(one[2]), one[3]
+    four = float(re.search(r"decode B=4 ([\d.]+) ", block).group(1))
+    says(CH, f"one run of `.venv/bin/python -m nanoserve {command}`")
+    says(CH, f"at {reads} ms, at the {bandwidth} GB/s it measured, and the decode step of one sequence at {step} ms. "
+             f"The linear layers took {linear} % of that step, about {round(linear / 100 * step)} ms")
+    says(CH, f"took {small_ops} %")
+    says(CH, f"a decode step of 4 sequences took {four} ms, {four / step:.2f}× the step of one")
+    says(CH, f"whose ridge chapter 06's profile (quoted next) measures at {ridge},")
+    # a prefill does 2·P flops per weight: P/2 flops a byte in fp32, P in bf16; arithmetic-bound past the ridge
+    says(CH, f"from about {2 * float(ridge):.0f} tokens on, and the table's 41-token prompt is well past it")
+    flops, bandwidth = 989, 3.35  # H100 SXM datasheet, as chapter 11 quotes it
+    assert f"HBM {bandwidth} TB/s, {flops} TFLOP/s bf16" in chapter("11")
+    says(CH, f"({flops} TFLOP/s bf16, {bandwidth} TB/s) puts its ridge near {flops / bandwidth:.0f}, so there a "
+             f"prompt shorter than a few hundred tokens is memory-bound too")
+
+
+def test_the_cache_benchmark_table_and_what_follows_from_it():
+    """Section 6's table is measured, once (its command and load are named); its speed-ups, attention shares and the
+    line through its attention column are arithmetic on its own cells, and the README's ledger repeats its rows."""
+    rows = {int(r[0]): r[1:] for r in table_rows(CH, r"64|256|512")}
+    assert sorted(rows) == [64, 256, 512]
+    def span(cell: str) -> tuple[float, float]:
+        """The values a printed figure stands for: "0.54" is 0.535 .. 0.545 (the command divides unrounded rates)."""
+        half = 0.5 * 10 ** -len(cell.partition(".")[2])
+        return float(cell) - half, float(cell) + half
+
+    attention = {}
+    for context, (no_cache, cache, speed_up, attn) in rows.items():
+        (slow_lo, slow_hi), (fast_lo, fast_hi) = span(no_cache.split()[0]), span(cache.split()[0])
+        lo, hi = span(speed_up.removesuffix("×"))
+        assert fast_lo / slow_hi <= hi and lo <= fast_hi / slow_lo, (context, speed_up)  # cache ÷ no cache
+        ms, share = re.fullmatch(r"([\d.]+) ms \((\d+)%(?: of the step)?\)", attn).groups()
+        (ms_lo, ms_hi), (lo, hi) = span(ms), span(share)
+        assert ms_lo * fast_lo / 10 <= hi and lo <= ms_hi * fast_hi / 10, (context, attn)  # ms × steps/s, in %
+        attention[context] = float(ms)
+        (slow, slow_worst), (fast, fast_worst) = (map(float, re.fullmatch(r"([\d.]+) \(([\d.]+)\)", cell).groups())
+                                                  for cell in (no_cache, cache))
+        assert slow / slow_worst <= 1.1 and fast / fast_worst <= 1.1, context  # "agree within 10 %"
+        assert fast_worst > slow, context  # "even the cache's worst round beats the best round without it"
+    says(CH, "A path's two rounds agree within 10 %.")
+    says(CH, "even the cache's worst round beats the best round without it")
+    slope = (attention[512] - attention[64]) / (512 - 64)
+    says(CH, f"a fixed part of about {attention[64] - 64 * slope:.1f} ms a step plus about {slope:.3f} ms per cached "
+             f"key (({attention[512]} − {attention[64]}) / {512 - 64})")
+    says(CH, f"From 256 to 512 tokens that is {attention[512] - attention[256]:.1f} ms more a step")
+    share = {context: rows[context][3].split("(")[1].split("%")[0] for context in rows}
+    says(CH, f"from {attention[64]} ms, {share[64]} % of the step, at 64 tokens to {attention[512]} ms, {share[512]} %, "
+             f"at 512")
+    ledger = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| 04 | decode with the KV cache"))
+    fast512, slow512 = rows[512][1].split()[0], rows[512][0].split()[0]
+    assert f"{fast512} tokens/s (attention over the cache: {share[512]} % of a step)" in ledger
+    assert f"without a cache: {slow512} tokens/s → **{rows[512][2]}** (64 tokens: {rows[64][2]}, 256: {rows[256][2]})" \
+        in ledger
+    assert "`.venv/bin/python -m nanoserve bench kv-cache --contexts 64 256 512 --rounds 2 --threads 1`" in ledger
+    says(CH, "`.venv/bin/python -m nanoserve bench kv-cache --contexts 64 256 512 --rounds 2 --threads 1`")

@@ -133,6 +133,16 @@ BAD = [
     (["serve", "--student", "01,02"], ["--student 01,02:", "generate --student 01 runs it"]),
     (["serve", "--disaggregated", "--student", "01"], ["--student 01:", "generate --student 01 runs it"]),
     (["bench", "offline", "--student", "01"], ["--student 01:", "generate --student 01 runs it"]),
+    # nor does chapter 04's cache or formula (the engine keeps its K/V in chapter 05's paged blocks)
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "04"],
+     ["--student 04: the engine keeps its K/V in chapter 05's paged blocks and never calls chapter 04's code",
+      "generate --student 04 runs your cache, memory --student 04 your formula"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "03,4"],
+     ["--student 03,4:", "never calls chapter 04's code"]),
+    (["serve", "--student", "04,05"], ["--student 04,05:", "generate --student 04 runs your cache"]),
+    (["serve", "--disaggregated", "--student", "04"], ["--student 04:", "generate --student 04 runs your cache"]),
+    (["bench", "offline", "--student", "01,04"],
+     ["--student 01,04:", "generate --student 01 runs it; the engine keeps its K/V", "memory --student 04"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--block-size", "0"], ["--block-size"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--kv-cache-mib", "-1"], ["--kv-cache-mib"]),
     # two sizes of one KV pool: the pair is refused in either order, the default's own value (1024) included

@@ -145,27 +145,34 @@ def test_finished_01_and_02_build_the_model_that_attends_without_a_cache(tiny, e
 
 REFUSED_01 = "the engine attends with chapter 05's paged attention and never calls chapter 01's code; " \
              "generate --student 01 runs it"
+REFUSED_04 = "the engine keeps its K/V in chapter 05's paged blocks and never calls chapter 04's code; " \
+             "generate --student 04 runs your cache, memory --student 04 your formula"
 
 
-@pytest.mark.parametrize("selection", ["01", "1,05", ["01", "02"]], ids=["01", "1,05", "01+02"])
-def test_the_engine_refuses_a_selection_that_names_01(tiny, monkeypatch, selection):
-    """The engine attends with chapter 05's paged attention, so chapter 01's code never runs in a step: a selection
-    that names 01 is refused by the engine (LLMEngine before it builds anything, LLM before its model loads), naming
-    the command that runs it."""
+@pytest.mark.parametrize("selection, reason", [
+    ("01", REFUSED_01), ("1,05", REFUSED_01), (["01", "02"], REFUSED_01),
+    ("04", REFUSED_04), ("03,4", REFUSED_04), (["04", "05"], REFUSED_04),
+    ("01,04", f"{REFUSED_01}; {REFUSED_04}"),
+], ids=["01", "1,05", "01+02", "04", "03,4", "04+05", "01,04"])
+def test_the_engine_refuses_a_selection_that_names_01_or_04(tiny, monkeypatch, selection, reason):
+    """The engine attends with chapter 05's paged attention over chapter 05's paged blocks, so neither chapter 01's
+    attention nor chapter 04's cache and formula run in a step: a selection that names 01 or 04 is refused by the
+    engine (LLMEngine before it builds anything, LLM before its model loads), naming the commands that run them."""
     with pytest.raises(ValueError) as refused:
         LLMEngine(tiny, engine_config(num_blocks=11, student=selection))
-    assert str(refused.value) == f"student={selection!r}: {REFUSED_01}"
+    assert str(refused.value) == f"student={selection!r}: {reason}"
     import nanoserve.model
     from nanoserve.llm import LLM
 
     monkeypatch.setattr(nanoserve.model, "load_gguf", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
-    with pytest.raises(ValueError, match="never calls chapter 01's code; generate --student 01 runs it$"):
+    with pytest.raises(ValueError) as refused:
         LLM(student=selection)
+    assert str(refused.value).endswith(reason)
 
 
 def test_a_bare_student_is_taken_and_reports_01_as_never_called(tiny, exercises):
     """A bare --student (True: every chapter) serves; the model asks for chapter 01's module, the engine never
-    calls it, and the report says so."""
+    calls it, and the report says so. Chapter 04's files the engine never even loads."""
     exercises("nanoserve.model.attention")
     code = StudentCode(True)
     with warnings.catch_warnings():
@@ -176,6 +183,9 @@ def test_a_bare_student_is_taken_and_reports_01_as_never_called(tiny, exercises)
     assert "scaled_dot_product_attention" in code.never_called()
     assert not set(code.calls) & {name for names in RUNGS["nanoserve.model.attention"].values() for name in names}
     assert "scaled_dot_product_attention" in code.proof().splitlines()[-1]  # "yours, never called in this run: ..."
+    assert not {"nanoserve.kv.naive", "nanoserve.memory"} & set(code.used)  # chapter 04's files: not even loaded
+    (idle,) = [line for line in code.describe().splitlines() if line.startswith("  (no exercise of chapter ")]
+    assert "04" in idle.removeprefix("  (no exercise of chapter ").split(" plugs")[0].split(", ")
 
 
 def test_a_finished_02_rmsnorm_runs_every_norm_of_the_model(tiny, exercises):

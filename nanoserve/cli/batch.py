@@ -50,7 +50,8 @@ def add_engine_args(p):
                    help="run YOUR finished exercises from exercises/ (the allocator and prefix cache of 05, the "
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
                         "e.g. --student 05,06 (serve: also your request params, stream, async engine and limiter, 08); an unfinished one falls back to the reference "
-                        "with a warning. Chapter 01's attention runs with generate, not here: --student 01 is refused")
+                        "with a warning. Chapter 01's attention and chapter 04's cache run with generate (04's formula with "
+                        "memory), not here: --student 01 and --student 04 are refused")
     p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
                         "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
