@@ -234,3 +234,51 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     print("the wrong rule, chi-square over the threshold at tokens 1, 2, 3:",
           " ".join(f"{stat / chi2_quantile(df):.2f}x" for stat, df in stats))
     assert max(stat / chi2_quantile(df) for stat, df in stats) > 1, stats  # rejected at the same 1e-6 level
+
+
+@torch.inference_mode()
+def test_speculation_beside_the_native_step_keeps_the_plain_engines_greedy_tokens():
+    """On q4 weights chapter 09's native step (kernels/cpu_decode.c) runs every step that is one sequence's one
+    token; a speculative engine keeps it for its steps that verify nothing (no n-gram match) and runs a step that
+    verifies k proposals (k + 1 query tokens) through the model's forward. One request at a time, every step is
+    batch 1, so both paths run; the greedy tokens are the plain engine's (native too), and each is the eager q4
+    model's argmax over the same prefix (teacher-forced, no cache) or within a near-tie of it (chapter 09's MARGIN)."""
+    from nanoserve.kernels import cpu_decode
+    from tests.test_ch09_native_decode import MARGIN, tiny_q4
+
+    if not cpu_decode.available():
+        pytest.skip(f"kernels/cpu_decode.c does not run here ({cpu_decode.build_error()})")
+    q4 = tiny_q4()
+    q4.native_decode = True  # what LLM(weights="q4", native_decode=True) sets on the model it loads
+    plain_q4, spec = engine(q4), engine(q4, "ngram", num_speculative_tokens=3)
+    widths = set()  # query tokens of the speculative engine's one-sequence decode steps
+    for prompt, max_tokens in requests(6):
+        want = run(plain_q4, [(prompt, max_tokens)])[0]
+        got = run(spec, [(prompt, max_tokens)], on_step=lambda so: widths.update(
+            so.num_scheduled_tokens[s.seq_id] for s in so.scheduled_seqs if s.num_output_tokens > 0))[0]
+        assert got == want
+        ids = torch.tensor(prompt + got)
+        logits = q4.compute_logits(q4(ids))[len(prompt) - 1:-1]  # row i predicts got[i]
+        gap = logits.max(-1).values - logits[torch.arange(len(got)), torch.tensor(got)]
+        assert (gap <= MARGIN["fp32"] * logits.abs().max(-1).values).all(), gap.tolist()
+    runner = spec.executor.workers[0].model_runner
+    assert [d for d in runner.native_decoders.values() if d is not None], "the speculative engine never ran natively"
+    assert 1 in widths and max(widths) > 1 and spec.spec_stats.num_drafts > 0  # both kinds of step ran
+
+
+def test_native_decode_on_with_speculation_is_accepted():
+    """`--native-decode on` asks for the native step on one-token steps, which a speculative engine still takes
+    (the test above): honoured, not refused, and serve's banner says where one-token steps run."""
+    import argparse
+
+    from nanoserve.cli import serve
+    from nanoserve.cli.batch import check_engine_args
+    from nanoserve.kernels import cpu_decode
+
+    if not cpu_decode.available():
+        pytest.skip(f"kernels/cpu_decode.c does not run here ({cpu_decode.build_error()})")
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--weights", "q4", "--speculative", "ngram", "--native-decode", "on"])
+    assert check_engine_args(args) is None
+    assert "one-token steps in kernels/cpu_decode.c" in serve.serving_format(args)

@@ -174,6 +174,13 @@ BAD = [
     (["bench", "profile", "--native-decode", "off"], ["--native-decode off", "not 'fp32' weights"]),
     (["bench", "profile", "--weights", "q4", "--native-decode", "on", "--lora-rank", "4"],
      ["--native-decode on", "LoRA"]),
+    # bench spec loads the model as LLM would: what the engine refuses is refused before the model loads
+    (["bench", "spec", "--native-decode", "on"], ["--native-decode on", "give --weights q4"]),
+    (["bench", "spec", "--weights", "int8", "--native-decode", "off"], ["--native-decode off", "give --weights q4"]),
+    (["bench", "spec", "--weights", "q4", "--kv-cache-dtype", "fp8", "--native-decode", "on"],
+     ["--native-decode on", "kv_cache_dtype 'fp8'"]),
+    (["bench", "spec", "--weights", "q5"], ["--weights"]),
+    (["bench", "spec", "--kv-cache-dtype", "fp16"], ["--kv-cache-dtype", "invalid choice"]),
     (["memory", "--device-gb", "0"], ["--device-gb", "> 0"]),
     (["memory", "--seq-len", "-5"], ["--seq-len"]),
     (["memory", "--reserve", "1"], ["--reserve", "[0, 1)"]),

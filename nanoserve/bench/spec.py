@@ -21,6 +21,12 @@ Part 2, load: 1, 4, 16 grounded requests at once through the engine, without spe
 at --load-k (the batch-size policy switched off, to see where speculation itself stops paying), both warmed
 up first, over --rounds interleaved rounds (the order reversed from one round or N to the next), each system's
 best round kept (bench experiment's harness).
+
+--weights, --kv-cache-dtype and --native-decode load the model the way `serve` would (its default is q4 weights on
+a bf16 pool, one-token steps in kernels/cpu_decode.c: chapter 09's native step), through LLM, which refuses what
+it cannot honour. Every engine of the run shares that model, so the "off" engine's plain steps and the
+speculative engines' steps that verify nothing (no n-gram match) take the same path; a step verifying k
+proposals (k + 1 query tokens) always runs the model's forward.
 """
 
 import statistics
@@ -30,7 +36,9 @@ from collections import defaultdict
 import torch
 
 from nanoserve.bench.experiment import interleaved
-from nanoserve.cli.checks import positive_int
+from nanoserve.cli.checks import UsageError, positive_int, weight_format
+
+NATIVE = {"auto": None, "on": True, "off": False}
 
 
 def register(sub):
@@ -47,7 +55,26 @@ def register(sub):
     p.add_argument("--seed", type=int, default=0, help="of the prompts (bench/prompts.py course_prompts)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (default: the cores; on a busy machine use 1, as bench weights --help says)")
+    p.add_argument("--weights", default="fp32", type=weight_format,
+                   help="fp32 (default, the chapter's reference), bf16, int8 or q4 (serve's default; chapter 10)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"],
+                   help="the KV pool's dtype (auto: float32; serve's default with q4 is bf16)")
+    p.add_argument("--native-decode", default="auto", choices=list(NATIVE),
+                   help="q4: one-token steps (every plain step, and a speculative step that verifies nothing) in "
+                        "kernels/cpu_decode.c (chapter 09) or the model's forward; auto: native where it can run; "
+                        "on: refused where it cannot")
     p.set_defaults(func=run)
+
+
+def check_args(args) -> None:
+    """A UsageError for what the engine would refuse or not honour, before the model loads."""
+    from nanoserve.kernels.cpu_decode import native_decode_blocker
+
+    if args.native_decode != "auto" and args.weights != "q4":
+        raise UsageError(f"--native-decode {args.native_decode} chooses how q4's one-token steps run: give --weights q4")
+    reason = native_decode_blocker(args.weights, None, 1, False, args.kv_cache_dtype)
+    if args.native_decode == "on" and reason:
+        raise UsageError(f"--native-decode on: {reason}")
 
 
 def generate(engine, prompts: list[list[int]], max_tokens: int, steps: dict | None = None):
@@ -99,10 +126,12 @@ class Measured:
     def __init__(self, engine, k: int = 0):
         self.engine, self.k, self.tokens, self.seconds = engine, k, 0, 0.0
         self.steps: dict[int, list[float]] = defaultdict(list)  # query tokens -> step seconds
+        self.same, self.runs = 0, 0  # outputs identical to the "off" engine's, of all
 
-    def add(self, outputs, seconds):
+    def add(self, outputs, seconds, same: bool = True):
         self.tokens += sum(map(len, outputs))
         self.seconds += seconds
+        self.same, self.runs = self.same + same, self.runs + 1
 
     @property
     def tok_s(self) -> float:
@@ -115,7 +144,7 @@ class Measured:
 
     def row(self, name: str, base: "Measured") -> str:
         s, r = self.engine.spec_stats, self.step_cost(base)
-        head = f"  {name:<12} {self.tok_s:7.2f} {self.tok_s / base.tok_s:7.2f}x"
+        head = f"  {name:<12} {f'{self.same}/{self.runs}':>5} {self.tok_s:7.2f} {self.tok_s / base.tok_s:7.2f}x"
         if not s.num_drafts or r is None:
             return head
         c, e_model = (r - 1) / self.k, expected_length(s.alpha, self.k)
@@ -124,7 +153,7 @@ class Measured:
                 f" {s.mean_accepted_length / r:8.2f}x {best:>6}")
 
 
-HEADER = (f"  {'engine':<12} {'tok/s':>7} {'speedup':>8} {'α':>6} {'E meas':>6} {'E(α,k)':>7} {'r_k':>6} {'c':>6}"
+HEADER = (f"  {'engine':<12} {'same':>5} {'tok/s':>7} {'speedup':>8} {'α':>6} {'E meas':>6} {'E(α,k)':>7} {'r_k':>6} {'c':>6}"
           f" {'E/r_k':>9} {'best k':>6}")
 
 
@@ -133,24 +162,34 @@ def run(args):
     from nanoserve.bench.prompts import course_prompts
     from nanoserve.engine.config import CacheConfig, EngineConfig, SpeculativeConfig
     from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.model import load_gguf
-    from nanoserve.text.tokenizer import Tokenizer
+    from nanoserve.llm import LLM
 
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_gguf(), Tokenizer.from_gguf()
+    # the model as LLM loads it (weights, and whether its one-token steps run natively); every engine below shares it
+    loaded = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, native_decode=NATIVE[args.native_decode],
+                 num_blocks=1)
+    model, tokenizer = loaded.model, loaded.tokenizer
 
     def engine(speculative=None, k=4):
         spec = (SpeculativeConfig(method=speculative, num_speculative_tokens=k, disable_by_batch_size=None,
                                   draft_num_layers=args.draft_layers) if speculative else None)
-        config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=256 << 20), speculative_config=spec)
+        config = EngineConfig(cache_config=CacheConfig(kv_cache_memory=256 << 20, kv_cache_dtype=args.kv_cache_dtype),
+                              speculative_config=spec)
         return LLMEngine(model, config, tokenizer)
 
     configs = {"off": (engine(), 0)} | {f"{p} k={k}": (engine(p, k), k) for p in args.proposers for k in args.k}
     draft = next((e.proposer for e, _ in configs.values() if getattr(e.proposer, "num_layers", None)), None)
-    print(f"batch 1, greedy, up to {args.max_tokens} tokens, {torch.get_num_threads()} thread(s)"
+    print(f"batch 1, greedy, up to {args.max_tokens} tokens, {torch.get_num_threads()} thread(s); {args.weights} weights, "
+          f"{args.kv_cache_dtype} KV pool, one-token steps in "
+          + ("kernels/cpu_decode.c" if getattr(model, "native_decode", False) else "the model's forward")
           + (f"; the draft: {draft.num_layers} of {model.config.num_hidden_layers} layers" if draft else ""))
     warm_up([e for e, _ in configs.values()], tokenizer, args.seed)
+    # float32 weights on a float32 pool: speculation must reproduce "off" token for token (the chapter's parity tests
+    # hold it to that). Elsewhere a step verifying k proposals is rounded unlike a one-token step (the native step's
+    # own arithmetic, the bf16 pool's attention over k + 1 rows), so greedy outputs can part at a near-tie: counted
+    exact = args.weights == "fp32" and args.kv_cache_dtype in ("auto", "fp32")
     turn = 0
     for kind in ("grounded", "chat"):
         prompts = [tokenizer.encode_chat(p["messages"]) for p in course_prompts(args.prompts, args.seed, [kind])]
@@ -160,24 +199,24 @@ def run(args):
         for i, ids in enumerate(prompts):
             turn += 1  # alternate who goes first, counting over both kinds
             names = list(configs) if turn % 2 else list(configs)[::-1]
-            outs = {}
-            for name in names:
-                outs[name], seconds = generate(configs[name][0], [ids], args.max_tokens, totals[name].steps)
-                totals[name].add(outs[name], seconds)
-            if any(o != outs["off"] for o in outs.values()):
-                raise RuntimeError(f"{kind} prompt {i}: a speculative engine's greedy output differs from 'off'")
-        print(f"\n{kind} prompts ({len(prompts)}), outputs identical with and without speculation:\n{HEADER}")
+            outs = {name: generate(configs[name][0], [ids], args.max_tokens, totals[name].steps) for name in names}
+            for name, (out, seconds) in outs.items():
+                totals[name].add(out, seconds, same=out == outs["off"][0])
+                if exact and out != outs["off"][0]:
+                    raise RuntimeError(f"{kind} prompt {i}: {name}'s greedy output differs from 'off'")
+        print(f"\n{kind} prompts ({len(prompts)}):\n{HEADER}")
         for name, m in totals.items():
             print(m.row(name, totals["off"]))
     if args.load:
         load_table(args, engine, tokenizer, course_prompts)
-    print("\nα: accepted / tested proposals; E meas: tokens a verifying step emitted; E(α,k) = (1 - α^(k+1)) / (1 - α);"
+    print("\nsame: outputs identical to 'off' (greedy), of the prompts; α: accepted / tested proposals; E meas: tokens a verifying step emitted; E(α,k) = (1 - α^(k+1)) / (1 - α);"
           "\nr_k: a step verifying k proposals / a plain decode step (medians, this run); c = (r_k - 1) / k;"
           "\nE/r_k: the modelled speedup of the decode steps; best k: argmax E(α,k) / (1 + k·c), off: k = 0."
           "\nshared machine: compare the ratios of one run, not tok/s across runs. Reproduce:\n"
           f"  python -m nanoserve bench spec --prompts {args.prompts} --max-tokens {args.max_tokens} "
           f"-k {' '.join(map(str, args.k))} --proposers {' '.join(args.proposers)} "
-          f"--load {' '.join(map(str, args.load))} --rounds {args.rounds}"
+          f"--load {' '.join(map(str, args.load))} --rounds {args.rounds} --weights {args.weights} "
+          f"--kv-cache-dtype {args.kv_cache_dtype} --native-decode {args.native_decode}"
           + (f" --threads {args.threads}" if args.threads else ""))
     return 0
 
