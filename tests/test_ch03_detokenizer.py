@@ -37,7 +37,10 @@ def test_utf8_char_len(first_byte, length):
 @pytest.mark.parametrize(
     "data,tail",
     [(b"", 0), (b"ab", 0), ("你".encode()[:1], 1), ("a你".encode()[:-1], 2), ("你".encode(), 0),
-     ("🙂".encode()[:3], 3), ("🙂".encode(), 0), (b"\x80\x80", 0)],
+     ("🙂".encode()[:3], 3), ("🙂".encode(), 0), (b"\x80\x80", 0),
+     # only the announced length counts: these can never become a character (overlong E0 80, F4 90 past
+     # U+10FFFF, C0 and F5 never valid) and still wait for the bytes their first byte announces
+     (b"\xe0\x80", 2), (b"\xf4\x90", 2), (b"\xc0", 1), (b"\xf5", 1)],
 )
 def test_incomplete_tail_len(data, tail):
     assert detok.incomplete_tail_len(data) == tail
@@ -59,6 +62,18 @@ def test_a_chinese_character_split_over_two_tokens(tok):
     assert [tok.tokens[i] for i in ids] == ["Ġ", "ä½", "ł"]
     pieces, _ = stream(tok, ids)
     assert pieces == [" ", "", "你"]
+
+
+@pytest.mark.exercise("3.2")
+def test_bytes_that_can_never_form_a_character_wait_only_until_released(tok):
+    single = {b[0]: i for i, b in enumerate(tok.id_to_bytes) if len(b) == 1}
+    # E0 announces 3 bytes but 80 cannot follow it (E0 needs A0-BF); F4 90 is past U+10FFFF
+    ids = [single[0xE0], single[0x80], single[ord("A")], single[0xF4], single[0x90]]
+    pieces, d = stream(tok, ids)
+    assert pieces == ["", "", "\ufffd\ufffdA", "", ""]  # E0 80 wait for a third byte; 'A' releases them
+    assert d.pending == b"\xf4\x90"
+    assert d.flush() == "\ufffd\ufffd" and d.pending == b""  # the end of the stream releases the rest
+    assert d.text == "\ufffd\ufffdA\ufffd\ufffd"
 
 
 @pytest.mark.exercise("3.2")

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from nanoserve.engine.config import CacheConfig
 from nanoserve.model import LlamaConfig
 from nanoserve.model.gguf_loader import embedded_gguf_path, gguf_metadata, open_gguf
 from nanoserve.sampling import MIN_TEMPERATURE, SamplingParams, probabilities
@@ -92,6 +93,14 @@ def test_the_chat_template_prompt_length(tok):
     question = "What is the capital of France?"
     n, total = len(tok.encode(question)), len(tok.encode_chat([{"role": "user", "content": question}]))
     says(CH, f"the {n}-token question becomes a **{total}-token** prompt: {total - n} tokens of the prompt are formatting")
+    # what two chats share: their common prefix (whole blocks of it are cached) and their common end (never shared)
+    a, b = (tok.encode_chat([{"role": "user", "content": q}]) for q in (question, "Tell me a story."))
+    prefix = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    suffix = next(i for i, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y)
+    says(CH, f"prefix caching shares the leading {prefix} of them")
+    assert prefix // CacheConfig().block_size == 1  # "one block of 16 at the default block size"
+    says(CH, f"one block of {CacheConfig().block_size} at the default block size")
+    says(CH, f"The {suffix} after the question")
 
 
 def test_the_sampling_worked_example():

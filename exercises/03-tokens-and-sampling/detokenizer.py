@@ -18,10 +18,13 @@ def utf8_char_len(first_byte: int) -> int:
 
 
 def incomplete_tail_len(data: bytes) -> int:
-    """Exercise 3.2. How many bytes at the end of `data` are the beginning of a character that more bytes
-    could still complete: 1, 2 or 3 when data ends inside a character whose first byte is among its last 3
-    bytes and which is shorter than that first byte announces; else 0 (data ends with a complete character,
-    is empty, or ends with bytes that no later byte can turn into one character).
+    """Exercise 3.2. How many bytes at the end of `data` must wait for more bytes: find the last start byte
+    (not 10xxxxxx) among the last 3 bytes; if `utf8_char_len` announces more bytes than it and the bytes after
+    it make, return that count (1, 2 or 3); else 0 (data ends with a complete character, is empty, or its last
+    3 bytes are all continuation bytes). Only the length counts: whether the bytes could ever form a valid
+    character is not checked. b"\xe0\x80" (overlong) and b"\xf4\x90" (past U+10FFFF) give 2, b"\xf5" gives 1:
+    they wait until the bytes their first byte announces have arrived, or until flush() at the end of the
+    stream, and then decode to '�' just as in the full decode.
 
     >>> incomplete_tail_len("a你".encode()[:-1])   # b'a\\xe4\\xbd': E4 announces 3 bytes, 2 are there
     2

@@ -35,7 +35,9 @@ def utf8_char_len(first_byte: int) -> int:
 
 def incomplete_tail_len(data: bytes) -> int:
     """How many bytes at the end of `data` are the start of a character still waiting for its
-    continuation bytes (0, 1, 2 or 3).
+    continuation bytes (0, 1, 2 or 3). Only the length the start byte announces counts, not whether
+    the bytes can form a valid character: b"\xe0\x80" waits (2) until a third byte or flush(), and
+    then becomes '��' as in the full decode.
 
         >>> incomplete_tail_len("a你".encode()[:-1])   # 'a', E4 BD
         2
