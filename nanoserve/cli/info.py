@@ -54,3 +54,11 @@ def run(args):
     print("  the integer kernel: " + ("cpu_dot.c, llama.cpp's integer dot products (activations rounded to int8 "
                                       "in blocks of 32; no native bf16 here)" if default_integer_dot()
                                       else "torch's int8 / int4 kernels, bf16 activations"))
+    from nanoserve.kernels import cpu_decode
+
+    print("  q4's one-token steps (one sequence, one token): " + (
+        "by default kernels/cpu_decode.c, chapter 09's native step\n"
+        "  (cpu_dot.c's products, activations rounded to int8, whatever the integer kernel above; "
+        "--native-decode off: the model's forward)"
+        if cpu_decode.available() else
+        f"the model's forward, with the kernel above (the native step does not build here: {cpu_decode.build_error()})"))
