@@ -3,7 +3,8 @@
 The oracle: the same requests without speculation. Greedy outputs must be token-identical alone, in mixed
 batches (speculating and plain sequences, prefills and decodes in one step), under preemption (a rollback
 and a preemption in the same run), with stop tokens inside an accepted run, and every run ends with the
-pool whole and nothing rejected in the prefix cache.
+pool whole and nothing rejected in the prefix cache. Beside chapter 09's native step on a bf16 pool, where a verify
+step and a one-token step round unlike each other, the oracle is the eager q4 model's top pick or a near-tie of it.
 """
 
 import random
@@ -236,13 +237,17 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     assert max(stat / chi2_quantile(df) for stat, df in stats) > 1, stats  # rejected at the same 1e-6 level
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp32", "bf16"])
 @torch.inference_mode()
-def test_speculation_beside_the_native_step_keeps_the_plain_engines_greedy_tokens():
+def test_speculation_beside_the_native_step_decodes_the_eager_models_greedy_tokens(kv_cache_dtype):
     """On q4 weights chapter 09's native step (kernels/cpu_decode.c) runs every step that is one sequence's one
     token; a speculative engine keeps it for its steps that verify nothing (no n-gram match) and runs a step that
     verifies k proposals (k + 1 query tokens) through the model's forward. One request at a time, every step is
-    batch 1, so both paths run; the greedy tokens are the plain engine's (native too), and each is the eager q4
-    model's argmax over the same prefix (teacher-forced, no cache) or within a near-tie of it (chapter 09's MARGIN)."""
+    batch 1, so both paths run. Each greedy token is the eager q4 model's argmax over the same prefix
+    (teacher-forced, no cache) or within a near-tie of it (chapter 09's MARGIN for the pool's dtype). On a float32
+    pool the tokens are also the plain engine's (native too); on a bf16 pool, serve's default, the verify step's
+    bf16 attention and the C step's float32 attention round unlike each other, so the two engines may part at a
+    near-tie and only the bound on the eager model holds."""
     from nanoserve.kernels import cpu_decode
     from tests.test_ch09_native_decode import MARGIN, tiny_q4
 
@@ -250,17 +255,18 @@ def test_speculation_beside_the_native_step_keeps_the_plain_engines_greedy_token
         pytest.skip(f"kernels/cpu_decode.c does not run here ({cpu_decode.build_error()})")
     q4 = tiny_q4()
     q4.native_decode = True  # what LLM(weights="q4", native_decode=True) sets on the model it loads
-    plain_q4, spec = engine(q4), engine(q4, "ngram", num_speculative_tokens=3)
+    plain_q4 = engine(q4) if kv_cache_dtype == "fp32" else None
+    spec = engine(q4, "ngram", num_speculative_tokens=3, kv_cache_dtype=kv_cache_dtype)
     widths = set()  # query tokens of the speculative engine's one-sequence decode steps
     for prompt, max_tokens in requests(6):
-        want = run(plain_q4, [(prompt, max_tokens)])[0]
         got = run(spec, [(prompt, max_tokens)], on_step=lambda so: widths.update(
             so.num_scheduled_tokens[s.seq_id] for s in so.scheduled_seqs if s.num_output_tokens > 0))[0]
-        assert got == want
+        if plain_q4 is not None:
+            assert got == run(plain_q4, [(prompt, max_tokens)])[0]
         ids = torch.tensor(prompt + got)
         logits = q4.compute_logits(q4(ids))[len(prompt) - 1:-1]  # row i predicts got[i]
         gap = logits.max(-1).values - logits[torch.arange(len(got)), torch.tensor(got)]
-        assert (gap <= MARGIN["fp32"] * logits.abs().max(-1).values).all(), gap.tolist()
+        assert (gap <= MARGIN[kv_cache_dtype] * logits.abs().max(-1).values).all(), gap.tolist()
     runner = spec.executor.workers[0].model_runner
     assert [d for d in runner.native_decoders.values() if d is not None], "the speculative engine never ran natively"
     assert 1 in widths and max(widths) > 1 and spec.spec_stats.num_drafts > 0  # both kinds of step ran

@@ -175,8 +175,8 @@ BAD = [
     (["bench", "profile", "--weights", "q4", "--native-decode", "on", "--lora-rank", "4"],
      ["--native-decode on", "LoRA"]),
     # bench spec loads the model as LLM would: what the engine refuses is refused before the model loads
-    (["bench", "spec", "--native-decode", "on"], ["--native-decode on", "give --weights q4"]),
-    (["bench", "spec", "--weights", "int8", "--native-decode", "off"], ["--native-decode off", "give --weights q4"]),
+    (["bench", "spec", "--native-decode", "on"], ["--native-decode on", "not 'fp32' weights"]),
+    (["bench", "spec", "--weights", "int8", "--native-decode", "on"], ["--native-decode on", "not 'int8' weights"]),
     (["bench", "spec", "--weights", "q4", "--kv-cache-dtype", "fp8", "--native-decode", "on"],
      ["--native-decode on", "kv_cache_dtype 'fp8'"]),
     (["bench", "spec", "--weights", "q5"], ["--weights"]),
@@ -264,6 +264,19 @@ def test_greedy_takes_the_draw_flags_at_their_off_values():
         assert checks.sampling_params(dict(temperature=0.0, **off), flags=True).greedy, off
     with pytest.raises(checks.UsageError, match="--seed 0 needs"):  # seed 0 is a seed, not "off"
         checks.sampling_params(dict(temperature=0.0, seed=0), flags=True)
+
+
+def test_bench_spec_accepts_native_decode_off_on_any_weights_as_llm_does():
+    """`--native-decode off` asks for the forward, which every format runs: LLM(native_decode=False) takes it on any
+    weights and pool, and so does bench spec (serve and batch refuse only "on")."""
+    import argparse
+
+    from nanoserve.bench.spec import check_args
+    from nanoserve.kernels.cpu_decode import check_native_decode
+
+    for weights, kv in [("fp32", "auto"), ("int8", "auto"), ("bf16", "fp8"), ("q4", "int8")]:
+        check_native_decode(False, weights, None, 1, False, kv)  # LLM's check: not refused
+        check_args(argparse.Namespace(weights=weights, kv_cache_dtype=kv, native_decode="off"))  # nor here
 
 
 def test_docs_quote_commands_the_way_that_runs_from_a_fresh_clone():
