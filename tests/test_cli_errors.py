@@ -171,7 +171,7 @@ BAD = [
       "--native-decode", "on"], ["--native-decode on", "your chapter 05 attention"]),
     (["bench", "peers", "--formats", "q4", "--integer-dot", "off", "--native-decode", "on"],
      ["--native-decode on", "--integer-dot off"]),
-    (["bench", "profile", "--native-decode", "off"], ["--native-decode off", "not 'fp32' weights"]),
+    (["bench", "profile", "--native-decode", "on"], ["--native-decode on", "not 'fp32' weights"]),
     (["bench", "profile", "--weights", "q4", "--native-decode", "on", "--lora-rank", "4"],
      ["--native-decode on", "LoRA"]),
     # bench spec loads the model as LLM would: what the engine refuses is refused before the model loads

@@ -310,12 +310,12 @@ def run(args):
     if args.lora_rank and args.compile_mode != "eager":
         print("error: --lora-rank needs --compile-mode eager (LoRA runs on the eager engine)", file=sys.stderr)
         return 2
-    if args.native_decode != "auto":
+    if args.native_decode == "on":  # off is taken on any weights, as LLM and serve take it: the forward runs
         from nanoserve.kernels.cpu_decode import native_decode_blocker
 
         reason = native_decode_blocker(args.weights, None, 1, bool(args.lora_rank), args.kv_cache_dtype)
-        if args.weights != "q4" or args.native_decode == "on" and reason:
-            print(f"error: --native-decode {args.native_decode}: {reason or 'give --weights q4'}", file=sys.stderr)
+        if reason:
+            print(f"error: --native-decode on: {reason}", file=sys.stderr)
             return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -337,7 +337,7 @@ def run(args):
     bandwidth, peak = max(bandwidth, measure_bandwidth()), max(peak, measure_gemm_peak())  # before and after: the best
     print(f"command: python -m nanoserve bench profile --batch-sizes {' '.join(map(str, args.batch_sizes))} "
           f"--prompt-len {args.prompt_len} --decode-steps {args.decode_steps} --weights {args.weights} --kv-cache-dtype {args.kv_cache_dtype}"
-          f" --compile-mode {args.compile_mode}" + (f" --native-decode {args.native_decode}" if args.weights == "q4" else "")
+          f" --compile-mode {args.compile_mode}" + (f" --native-decode {args.native_decode}" if args.weights == "q4" or args.native_decode != "auto" else "")
           + (f" --threads {args.threads}" if args.threads else "")
           + (f" --lora-rank {args.lora_rank} --max-loras {args.max_loras}" if args.lora_rank else "")
           + (f" --temperature {args.temperature} --top-p {args.top_p}" if args.temperature else ""))
