@@ -354,7 +354,8 @@ def test_what_limits_a_step_the_profile_row():
     says(CH, f"At 128 tokens a sequence holds {128 * kv / 1e6:.1f} MB of K/V, and 16 of them {16 * 128 * kv / 1e6:.0f} MB "
              f"against the weights' {parameter_counts(SMOL)['total'] * 4 / 1e6:.0f} MB")
     says(CH, f"a 32 × 400-token batch holds {32 * 400 * kv / 1e6:.0f} MB of K/V — as much as the weights")
-    says("05", f"the K/V gather and store took {gather} % of it, the attention kernels {attention} %; chapter 06 quotes the run")
+    says("05", f"the K/V gather and store took {gather} % of it, the attention kernels {attention} %, in a run of 2026-12-03")
+    says("05", "chapter 06 quotes the run")
 
 
 def test_bench_linear_warms_up_untimed_and_alternates_the_order():

@@ -206,9 +206,9 @@ def test_the_page_live(browser, model_and_tokenizer, shots):
         server.stop()
         until(lambda: page_state(browser)["status"].endswith("down"), what="the page to notice the server left")
         server = serve(model_and_tokenizer, port)
-        s = until(lambda: (lambda s: s if s["status"].endswith("live") and s["connects"] == "2" else None)(
-            page_state(browser)), what="the page to reconnect")
-        assert s["step"] == "0"
+        # "live" shows when the stream's headers arrive, the step count with its first frame: wait for both
+        until(lambda: (lambda s: s["status"].endswith("live") and s["connects"] == "2" and s["step"] == "0")(
+            page_state(browser)), what="the page to reconnect and show the new server's step 0")
         # while the server was down, the only errors are the browser's own notes of refused connections
         assert console_errors(browser, allow=("ERR_CONNECTION_REFUSED", "ERR_EMPTY_RESPONSE")) == []
     finally:
