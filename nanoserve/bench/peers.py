@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from nanoserve.cli.checks import AUTO_ON_OFF
+
 
 def register(sub):
     p = sub.add_parser("peers", help="nanoserve's formats vs transformers static fp32/bf16, interleaved (chapters 09 and 10)")
@@ -170,10 +172,9 @@ def run(args):
     tokenizer = Tokenizer.from_gguf()
     # 24 blocks of 16 tokens per request (200 + 128 tokens at most), and room for the single stream's prompt
     blocks = max(max(args.num_requests) * 24, -(-(args.prefill_tokens + 1) // 16), -(-(32 + args.decode_tokens + 1) // 16))
-    dots = {"auto": None, "on": True, "off": False}
     llms = {system_name(f, kv, mode, dot, native):
             LLM(weights=f, kv_cache_dtype=kv, num_blocks=blocks, max_num_seqs=max(args.num_requests),
-                compile_mode=mode, integer_dot=dots[dot], native_decode=dots[native])
+                compile_mode=mode, integer_dot=AUTO_ON_OFF[dot], native_decode=AUTO_ON_OFF[native])
             for f in args.formats for kv in args.kv_cache_dtype for mode in args.compile_mode
             for dot in (args.integer_dot if f in ("int8", "q4") else ["auto"])
             for native in (args.native_decode if f == "q4" else ["auto"])}

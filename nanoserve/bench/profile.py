@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.cli.checks import AUTO_ON_OFF
+
 PARTS = ["linear", "attention", "K/V gather/store", "norms/RoPE/act", "native step", "LoRA", "sampling",
          "scheduler/Python"]
 GATHER_OPS = {"aten::index_select", "aten::index"}  # inside attention: reading blocks out of the pool
@@ -322,7 +324,7 @@ def run(args):
     biggest = max(args.batch_sizes)
     llm = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=biggest, max_num_batched_tokens=biggest * args.prompt_len, enable_prefix_caching=False,
               num_blocks=biggest * (args.prompt_len // 16 + 2) + 8, compile_mode=args.compile_mode,
-              native_decode={"auto": None, "on": True, "off": False}[args.native_decode], enable_lora=bool(args.lora_rank), max_loras=args.max_loras, max_lora_rank=args.lora_rank or 16)
+              native_decode=AUTO_ON_OFF[args.native_decode], enable_lora=bool(args.lora_rank), max_loras=args.max_loras, max_lora_rank=args.lora_rank or 16)
     adapters: tuple[str | None, ...] = (None,)
     with tempfile.TemporaryDirectory(prefix="nanoserve-profile-lora-") as tmp:
         if args.lora_rank:  # the directory lives as long as the run: an adapter memory drops is read again

@@ -37,9 +37,7 @@ from collections import defaultdict
 import torch
 
 from nanoserve.bench.experiment import interleaved
-from nanoserve.cli.checks import UsageError, positive_int, weight_format
-
-NATIVE = {"auto": None, "on": True, "off": False}
+from nanoserve.cli.checks import AUTO_ON_OFF, UsageError, positive_int, weight_format
 
 
 def register(sub):
@@ -60,7 +58,7 @@ def register(sub):
                    help="fp32 (default, the chapter's reference), bf16, int8 or q4 (serve's default; chapter 10)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "fp8"],
                    help="the KV pool's dtype (auto: float32; serve's default with q4 is bf16)")
-    p.add_argument("--native-decode", default="auto", choices=list(NATIVE),
+    p.add_argument("--native-decode", default="auto", choices=list(AUTO_ON_OFF),
                    help="q4: one-token steps (every plain step, and a speculative step that verifies nothing) in "
                         "kernels/cpu_decode.c (chapter 09) or the model's forward; auto: native where it can run; "
                         "on: refused where it cannot")
@@ -168,7 +166,7 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     # the model as LLM loads it (weights, and whether its one-token steps run natively); every engine below shares it
-    loaded = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, native_decode=NATIVE[args.native_decode],
+    loaded = LLM(weights=args.weights, kv_cache_dtype=args.kv_cache_dtype, native_decode=AUTO_ON_OFF[args.native_decode],
                  num_blocks=1)
     model, tokenizer = loaded.model, loaded.tokenizer
 

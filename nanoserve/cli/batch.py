@@ -101,7 +101,6 @@ def add_engine_args(p):
                         "split its heads, but not its 1536 MLP features)")
 
 
-
 def command_line(args, add_arguments, command: str) -> str:
     """The command that reproduces a run of `command` ("bench offline"): every flag `add_arguments` adds, the engine's
     (add_engine_args) only where not at their default."""
@@ -126,6 +125,7 @@ def command_line(args, add_arguments, command: str) -> str:
             words.append(" ".join([flag, *(shlex.quote(str(v)) for v in (value if isinstance(value, list) else [value]))]))
     return f"python -m nanoserve {command} " + " ".join(words)
 
+
 def engine_kwargs(args, **extra) -> dict:
     """LLM's keyword arguments (all but the model and the tokenizer) that the engine flags describe; `extra`: more
     of them (serve: the tenants' weights and SLO targets, chapter 15). One function for one process and for every
@@ -140,15 +140,15 @@ def engine_kwargs(args, **extra) -> dict:
                 slo_tpot_ms=args.slo_tpot_ms, slo_reject=args.slo_reject, kv_cache_dtype=args.kv_cache_dtype,
                 compile_mode=args.compile_mode, kv_tier_blocks=args.kv_tier_blocks, kv_tier_path=args.kv_tier_path,
                 preemption_mode=args.preemption_mode,
-                integer_dot={"auto": None, "on": True, "off": False}[args.integer_dot],
-                native_decode={"auto": None, "on": True, "off": False}[getattr(args, "native_decode", "auto")], **extra)
+                integer_dot=checks.AUTO_ON_OFF[args.integer_dot],
+                native_decode=checks.AUTO_ON_OFF[getattr(args, "native_decode", "auto")], **extra)
 
 
 def native_settings(args) -> tuple:
     """cpu_decode.native_decode_blocker's arguments from the engine flags (chapter 09's native step)."""
     from nanoserve.student import parse_selection
 
-    return (args.weights, {"auto": None, "on": True, "off": False}[args.integer_dot], args.tensor_parallel_size,
+    return (args.weights, checks.AUTO_ON_OFF[args.integer_dot], args.tensor_parallel_size,
             bool(getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)), args.kv_cache_dtype,
             args.attention_backend, parse_selection(args.student))
 

@@ -62,6 +62,10 @@ def positive_int(text: str) -> int:
     return _number(int, text, lambda v: v > 0, "an integer > 0")
 
 
+# an auto|on|off flag (--integer-dot, --native-decode) as LLM's keyword takes it: None lets the engine decide
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
+
+
 def add_pool_size_args(p) -> None:
     """--num-blocks and --kv-cache-mib: two ways to size one KV pool, so a command takes one of them. argparse refuses
     the pair, in either order and whatever the values, with one `error:` line; --kv-cache-mib's default applies only

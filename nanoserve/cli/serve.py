@@ -157,7 +157,7 @@ def serving_format(args) -> str:
 
         said += ("; large steps in bf16 (this CPU multiplies bf16)" if str(LARGE_STEP_DTYPE) == "torch.bfloat16"
                  else "; large steps in float32 (no bf16 instructions on this CPU)")
-        dot = {"auto": None, "on": True, "off": False}[args.integer_dot]
+        dot = checks.AUTO_ON_OFF[args.integer_dot]
         on = default_integer_dot() if dot is None else dot
         said += ("; small steps in cpu_dot.c's integer products" if on else "; small steps in torch's integer kernels")
         if on and args.weights == "q4" and "10" in parse_selection(args.student):
