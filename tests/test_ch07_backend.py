@@ -337,3 +337,80 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
     assert main(["bench", "attention"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "TRITON_INTERPRET=1" in err[0]
+
+
+def test_bench_attention_launch_flags(monkeypatch, capsys):
+    """--tile, --block-m, --num-warps, --num-stages and --cuda-graph: GPU flags (refused by the interpreter, as the
+    shape flags are), their values checked by the kernel's own checks before anything runs, one error line each."""
+    from nanoserve.bench import attention
+    from nanoserve.cli import main
+    from nanoserve.kernels import triton_paged_attention  # noqa: F401  (its kernels defined in the interpreter,
+    # before the GPU's environment below: a first import without it would define them for a GPU, for the whole run)
+
+    def refused(flags, starts):
+        assert main(["bench", "attention", *flags]) == 2, flags
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert captured.out == "" and len(err) == 1 and err[0].startswith(starts), (flags, err)
+
+    for flags, named in [(["--tile", "32"], "--tile"), (["--cuda-graph"], "--cuda-graph"),
+                         (["--num-warps", "8", "--num-stages", "3"], "--num-warps, --num-stages")]:
+        refused(flags, f"error: {named}: a GPU run's flag")
+    # on a GPU (stubbed: none here, nor its interpreter) the values are checked first, each bad one named with its flag
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET")  # the GPU's tiles: 16 rows by default (launch_config)
+    monkeypatch.setattr(attention, "run_gpu", lambda args: seen.append(args) or 0)
+    for flags, starts in [(["--tile", "16", "24"], "error: --tile 24: tile = 24, but tl.arange needs a power of two"),
+                          (["--tile", "8"], "error: --tile 8: TILE = 8, but tl.dot on an NVIDIA GPU sums over at "
+                                            "least 16 values for torch.float16"),
+                          (["--block-m", "12"], "error: --block-m 12: block_m = 12"),
+                          (["--num-warps", "4", "3"], "error: --num-warps 3: num_warps = 3"),
+                          (["--num-stages", "0"], "error: --num-stages 0: num_stages = 0")]:
+        refused(flags, starts)
+    assert seen == []
+    assert main(["bench", "attention", "--dtype", "fp32", "--tile", "8"]) == 0  # float32's dots sum over 8
+    # the grid: paged_attention's default first, then the product of the values given, each configuration once
+    assert main(["bench", "attention", "--tile", "32", "64", "--num-warps", "4", "8", "--block-m", "2"]) == 0
+    grid = attention.launch_grid(seen[-1])
+    default = {"tile": 64, "block_m": 16, "num_warps": 4, "num_stages": 2}
+    assert grid[0] == default and len(grid) == 5 and grid[1:] == [  # block_m 2: at least the padded group of 4 rows
+        default | {"tile": t, "block_m": 4, "num_warps": w} for t in (32, 64) for w in (4, 8)]
+    assert main(["bench", "attention", "--tile", "64", "--cuda-graph"]) == 0
+    assert attention.launch_grid(seen[-1]) == [default] and seen[-1].cuda_graph
+    assert main(["bench", "attention"]) == 0 and attention.launch_grid(seen[-1]) is None  # the chapter's table
+    monkeypatch.undo()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    refused(["--cuda-graph"], "error: bench attention measures the Triton kernels on a CUDA GPU")
+
+
+def test_bench_attention_sweep_rows():
+    """The sweep's rows, in the interpreter on a tiny decode step: each configuration's max err against SDPA, a
+    configuration that cannot be built reported (not fatal), an output off by more than the bound marked wrong."""
+    from torch.nn import functional as F
+
+    from nanoserve.bench import attention
+    from nanoserve.kernels.triton_paged_attention import paged_attention
+
+    cache, meta, q, k, v = attention.decode_step(2, 20, 4, torch.float32, torch.device("cpu"), H=2, Hkv=1, D=16)
+    reference = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+
+    def kernel_call(config):
+        if config["tile"] == 2048:
+            raise RuntimeError("out of resource: shared memory\nmore")
+        run = lambda: paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables,  # noqa: E731
+                                      meta.seq_lens, meta.cu_seqlens_q, **config)
+        return (lambda: run() + 1) if config["tile"] == 8 else run
+
+    configs = [{"tile": t, "block_m": m, "num_warps": 4, "num_stages": 2} for t, m in ((16, 16), (4, 2), (2048, 16),
+                                                                                       (8, 16))]
+    times = iter(range(1, 100))
+    rows, others = attention.sweep(configs, kernel_call, reference, lambda fn: next(times), False, None,
+                                   {"sdpa": lambda: None})
+    assert [r["config"]["tile"] for r in rows] == [16, 4, 2048, 8]
+    assert rows[0]["err"] < 1e-5 and rows[1]["err"] < 1e-5 and rows[0]["right"] and rows[1]["right"]
+    assert rows[2] == {"config": configs[2], "failed": "RuntimeError: out of resource: shared memory"}
+    assert rows[3]["err"] > 0.9 and not rows[3]["right"]
+    # alternating rounds: sdpa, 16, 4, 8 | 8, 4, 16, sdpa | sdpa, 16, 4, 8, each keeping its fastest
+    assert others == {"sdpa": 1} and [r["triton"] for r in (rows[0], rows[1], rows[3])] == [2, 3, 4]
+    assert rows[0]["graph"] is None and rows[0]["host"] is None

@@ -308,6 +308,49 @@ def test_a_tile_too_small_for_a_gpu_dot_is_refused_on_cuda_only(monkeypatch):
     assert seen == [(4, torch.float32, "cpu")]
 
 
+@pytest.mark.parametrize("block_m, tile, num_warps, num_stages", [(16, 16, 8, 3), (32, 32, 1, 1)])
+def test_launch_parameters_reach_the_kernel(block_m, tile, num_warps, num_stages):
+    """paged_attention's num_warps and num_stages (bench attention's sweep) go to the launch with the tiles, and
+    the output stays chapter 05's (the interpreter drops warps and stages, so a spy reads them at the launch)."""
+    from nanoserve.kernels import triton_paged_attention as reference
+
+    seen = []
+
+    class Spy:  # kernel[grid](...) records the launch's keywords, then runs the kernel itself
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append({k: kwargs[k] for k in ("num_warps", "num_stages", "TILE", "BLOCK_Q", "G_PAD")})
+                return reference.paged_attention_kernel[grid](*args, **kwargs)
+            return run
+
+    cache, meta, q, k, v = make_step(3, 3, 64, 16, [1, 40, 20], [1, 1, 8], seed=tile)
+    expected = PagedAttention(cache, meta)(0, q, k, v)
+    out = reference.launch(Spy(), reference.online_softmax_step, reference.load_kv_tile, q, cache.k_cache[0],
+                           cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, block_m=block_m,
+                           tile=tile, num_warps=num_warps, num_stages=num_stages)
+    assert seen == [{"num_warps": num_warps, "num_stages": num_stages, "TILE": tile, "BLOCK_Q": block_m // 4,
+                     "G_PAD": 4}]
+    assert (out - expected).abs().max().item() < 1e-4
+    # paged_attention passes them on
+    out = reference.paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+                                    meta.cu_seqlens_q, block_m=block_m, tile=tile, num_warps=num_warps,
+                                    num_stages=num_stages)
+    assert (out - expected).abs().max().item() < 1e-4
+
+
+def test_launch_parameters_no_gpu_takes_are_refused():
+    """Sizes tl.arange cannot build, warps no CTA holds, a pipeline of no stage: a ValueError before the launch."""
+    from nanoserve.kernels import triton_paged_attention as reference
+
+    cache, meta, q, k, v = make_step(1, 1, 16, 4, [3], [1])
+    args = (q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+    for bad, match in [({"tile": 24}, "tile = 24, .* power of two"), ({"block_m": 0}, "block_m = 0, .* power of two"),
+                       ({"num_warps": 3}, "num_warps = 3, .* power of two"), ({"num_warps": 64}, "1 to 32"),
+                       ({"num_stages": 0}, "num_stages = 0, .* at least 1")]:
+        with pytest.raises(ValueError, match=match):
+            reference.paged_attention(*args, **bad)
+
+
 @pytest.mark.exercise("7.2")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_store_kv_finds_block_and_row_in_a_pool_with_padded_blocks(dtype):

@@ -14,14 +14,25 @@ reverse order; each system keeps its fastest round (do_bench's median of the rou
 mixed step (decodes, a whole prompt, chunks on cached prefixes) checks both paged paths on the GPU against
 chapter 05's path in float32 on the CPU.
 
+The kernel's launch parameters — --tile, --block-m, --num-warps, --num-stages, each one or more values — sweep
+their grid (a flag not given keeps paged_attention's default) at each batch x context: one row per configuration,
+paged_attention's default first, each with its max err against SDPA, timed in the same alternating rounds; a
+configuration Triton cannot build is a row saying why. --cuda-graph adds a column of the same timing of the call
+replayed from a CUDA graph, which launches the kernel without paged_attention's Python and Triton's launcher: what
+the graph saves is host time the GPU waited for. Any of these flags prints the sweep's table (with a "host us"
+column: the host's time to issue one call, not waited for) in place of the chapter's.
+
 On a CPU there is no bandwidth to measure: with TRITON_INTERPRET=1 it runs the kernels on the chapter's
 test shapes in the interpreter instead — a sanity check (parity with torch) and the interpreter's time
 per call, which says nothing about GPU speed. Without it, it refuses.
 """
 
+import inspect
+import itertools
 import os
 import random
 import sys
+import time
 
 import torch
 
@@ -37,6 +48,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (the interpreter refuses it whatever its value) and run_gpu fills in the rest
 GPU_ONLY_DEFAULTS = {"batch": [1, 4, 16, 64, 256], "context": [128, 512, 2048, 8192], "dtype": "fp16", "block_size": 16,
                      "peak_gbs": None}
+# paged_attention's launch parameters, swept by the flags of the same names (GPU only too: the interpreter drops
+# num_warps and num_stages, and runs fixed tiles); a flag not given keeps paged_attention's default
+TUNING = ("tile", "block_m", "num_warps", "num_stages")
 
 
 def register(sub):
@@ -49,6 +63,12 @@ def register(sub):
     p.add_argument("--dtype", choices=sorted(DTYPES), help=f"GPU only (default: {defaults['dtype']})")
     p.add_argument("--block-size", type=int, help=f"GPU only (default: {defaults['block_size']})")
     p.add_argument("--peak-gbs", type=float, help="GPU only: the device's memory bandwidth (default: from its name)")
+    for name, what in (("tile", "keys per loop iteration"), ("block_m", "rows (query token, head) per program"),
+                       ("num_warps", "warps per program"), ("num_stages", "software-pipeline depth")):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+",
+                       help=f"GPU only: sweep the kernel's {what} over these values (default: paged_attention's)")
+    p.add_argument("--cuda-graph", action="store_true", default=None,
+                   help="GPU only: also time each configuration replayed from a CUDA graph (no host launch cost)")
     p.set_defaults(func=run)
 
 
@@ -79,11 +99,16 @@ def run(args):
         for name, default in GPU_ONLY_DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, default)
+        error = check_tuning(args)
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         return run_gpu(args)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        # the interpreter runs fixed test shapes in float32: a GPU run's shape and device flags would do nothing,
-        # whatever their values (the GPU's defaults included)
-        given = [f"--{name.replace('_', '-')}" for name in GPU_ONLY_DEFAULTS if getattr(args, name) is not None]
+        # the interpreter runs fixed test shapes in float32: a GPU run's shape, device and launch flags would do
+        # nothing, whatever their values (the GPU's defaults included)
+        given = [f"--{name.replace('_', '-')}" for name in (*GPU_ONLY_DEFAULTS, *TUNING, "cuda_graph")
+                 if getattr(args, name) is not None]
         if given:
             print(f"error: {', '.join(given)}: a GPU run's flag{'s' * (len(given) > 1)}; in Triton's interpreter "
                   "bench attention runs the chapter's test shapes in float32 and takes none", file=sys.stderr)
@@ -93,6 +118,104 @@ def run(args):
           "of the kernels in Triton's interpreter (times per call, no bandwidth): "
           "TRITON_INTERPRET=1 python -m nanoserve bench attention", file=sys.stderr)
     return 2
+
+
+def check_tuning(args) -> str | None:
+    """What is wrong with a launch flag's value on this GPU run (the kernel's own checks, before anything runs)."""
+    from nanoserve.kernels.triton_paged_attention import check_dot_sizes, check_warps_and_stages, launch_config
+
+    for name in TUNING:
+        for value in getattr(args, name) or ():
+            try:
+                if name in ("tile", "block_m"):
+                    cfg = launch_config(9, 3, 64, **{name: value})
+                    check_dot_sizes(cfg, DTYPES[args.dtype], torch.device("cuda"))
+                else:
+                    check_warps_and_stages(**({"num_warps": 4, "num_stages": 2} | {name: value}))
+            except ValueError as e:
+                return f"--{name.replace('_', '-')} {value}: {str(e).removeprefix('paged_attention: ')}"
+    return None
+
+
+def launch_grid(args) -> list[dict] | None:
+    """The launch configurations to time: paged_attention's default first, then the product of the values given
+    (a flag not given keeps the default's), each once. block_m as launch_config rounds it (at least the padded
+    group), so that a row's values, given back as flags, launch the same kernel. None: no launch flag given."""
+    from nanoserve.kernels.triton_paged_attention import launch_config, paged_attention
+
+    if all(getattr(args, name) is None for name in TUNING) and not args.cuda_graph:
+        return None
+    default = {name: inspect.signature(paged_attention).parameters[name].default for name in TUNING}
+    grid = [default] + [dict(zip(TUNING, values)) for values in itertools.product(
+        *(getattr(args, name) or [default[name]] for name in TUNING))]
+    configs = {}
+    for c in grid:
+        cfg = launch_config(9, 3, 64, c["block_m"], c["tile"])
+        c = c | {"block_m": cfg["BLOCK_Q"] * cfg["G_PAD"]}
+        configs.setdefault(tuple(c.values()), c)
+    return list(configs.values())
+
+
+def fastest(fns: dict, bench, rounds: int = 3) -> dict:
+    """Each function's fastest time by `bench`, in alternating rounds: drifts in clock or neighbours hit every
+    system alike, and no system is always the first (or the last) of a round."""
+    times = dict.fromkeys(fns, float("inf"))
+    for round_ in range(rounds):
+        order = list(fns)
+        for key in order[::-1] if round_ % 2 else order:
+            times[key] = min(times[key], bench(fns[key]))
+    return times
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """The host's time to issue one call, in µs, not waiting for the GPU: paged_attention's Python and Triton's
+    launcher (the GPU queues the kernels meanwhile)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds / calls * 1e6
+
+
+def captured(fn):
+    """`fn` captured in a CUDA graph: its replay launches the same kernel with the same arguments, without fn's
+    Python or Triton's launcher. fn must have run once before (compiled: a capture records launches, not builds)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()  # its output tensor comes from the graph's own memory pool, written again by each replay
+    return graph.replay
+
+
+def sweep(configs: list[dict], kernel_call, reference: torch.Tensor, bench, graph: bool, host,
+          others: dict) -> tuple[list, dict]:
+    """Time the kernel under each launch configuration, and `others` (name -> fn), in the same rounds.
+    kernel_call(config) -> a function running the kernel so; reference: the output to compare with; bench(fn)
+    times fn (ms); host(fn) (None: not measured) the host's part of it (µs). Returns one row per configuration,
+    {config, err, right, triton, graph, host} (graph None unless `graph`) or {config, failed: why}, and
+    {name: ms} for the others. right: err within 10x the first (default) configuration's, or 1e-3."""
+    rows, fns = [], dict(others)
+    for i, c in enumerate(configs):
+        try:  # the first call compiles: a configuration Triton cannot build is reported, and the sweep goes on
+            fns[i, "triton"] = kernel_call(c)
+            err = (fns[i, "triton"]().float() - reference.float()).abs().max().item()
+            if graph:
+                fns[i, "graph"] = captured(fns[i, "triton"])
+        except Exception as e:  # OutOfResources (shared memory, registers), a compiler error, a failed capture
+            rows.append({"config": c, "failed": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"})
+            fns.pop((i, "triton"), None)
+            continue
+        rows.append({"config": c, "err": err, "key": i})
+    times = fastest(fns, bench)
+    bound = max(10 * rows[0].get("err", 0.0), 1e-3)  # tiles change the order of the sums, not the error's size
+    for row in rows:
+        if "key" in row:
+            i = row.pop("key")
+            row |= {"right": row["err"] <= bound, "triton": times[i, "triton"], "graph": times.get((i, "graph")),
+                    "host": host and min(host(fns[i, "triton"]) for _ in range(3))}
+    return rows, {name: times[name] for name in others}
 
 
 def run_gpu(args):
@@ -108,25 +231,43 @@ def run_gpu(args):
     if peak is None:
         print(f"error: no peak bandwidth known for {name!r}: pass --peak-gbs", file=sys.stderr)
         return 2
+    configs = launch_grid(args)  # None: the chapter's table
+    launch_flags = "".join(f" --{n.replace('_', '-')} {' '.join(map(str, getattr(args, n)))}" for n in TUNING
+                           if getattr(args, n) is not None) + " --cuda-graph" * bool(args.cuda_graph)
     print(f"command: python -m nanoserve bench attention --batch {' '.join(map(str, args.batch))} --context "
-          f"{' '.join(map(str, args.context))} --dtype {args.dtype} --block-size {args.block_size}")
+          f"{' '.join(map(str, args.context))} --dtype {args.dtype} --block-size {args.block_size}{launch_flags}")
     print(f"device: {name}, dtype: {args.dtype}, assumed peak {peak:.0f} GB/s; decode, 9/3 heads, head_dim 64")
     print(f"torch {torch.__version__}, triton {triton.__version__}")
     triton_err, torch_err = mixed_step_errors(dtype, device, args.block_size)
     print(f"mixed step ({MIXED_STEP_TEXT}), max err against chapter 05's torch path in float32 on the CPU: "
           f"triton {triton_err:.1e}, torch paged path on {device.type} {torch_err:.1e}")
-    print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | "
-          f"{'torch us':>9s} {'sdpa us':>8s} | {'max err':>8s}")
+    if configs is None:
+        print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | "
+              f"{'torch us':>9s} {'sdpa us':>8s} | {'max err':>8s}")
+    else:
+        print(f"{len(configs)} launch configurations, paged_attention's default first; host us: the host's time to "
+              "issue one call" + ("; graph: the call replayed from a CUDA graph" if args.cuda_graph else ""))
+        print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'tile':>5s} {'block_m':>7s} {'warps':>5s} "
+              f"{'stages':>6s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | {'host us':>7s} | "
+              + (f"{'graph us':>10s} {'GB/s':>6s} {'% peak':>7s} | " if args.cuda_graph else "") + f"{'max err':>8s}")
+
+    def median_ms(fn):  # do_bench flushes the L2 cache before every run
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
     for batch in args.batch:
         for context in args.context:
             cache, meta, q, k, v = decode_step(batch, context, args.block_size, dtype, device)
             meta = AttentionMetadata(*(t.to(device) for t in vars(meta).values()))
             attn = PagedAttention(cache, meta)
-            blocks = [t.to(device) for t in query_blocks([*range(batch + 1)], launch_config(9, 3, 64)["BLOCK_Q"])]
 
-            def triton_paged():  # the grid's query blocks built once, as the engine does once per step
-                return paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
-                                       meta.cu_seqlens_q, blocks)
+            def triton_paged(config: dict):
+                """The kernel's call under `config` ({}: paged_attention's defaults). The grid's query blocks are
+                built once, on the GPU, as the engine does once per step: the call reads nothing back to the host."""
+                tiles = {n: config[n] for n in ("block_m", "tile") if n in config}
+                block_q = launch_config(9, 3, 64, **tiles)["BLOCK_Q"]
+                blocks = [t.to(device) for t in query_blocks([*range(batch + 1)], block_q)]
+                return lambda: paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
+                                               meta.cu_seqlens_q, blocks, **config)
 
             def torch_paged():  # chapter 05's decode path, without its store_kv
                 return torch.cat([g.attend(q[g.tokens], cache.k_cache[0], cache.v_cache[0]) for g in attn.decode_groups])
@@ -134,17 +275,38 @@ def run_gpu(args):
             def sdpa():
                 return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
 
-            err = (triton_paged().float() - sdpa()[:, :, 0].float()).abs().max().item()
-            times = {f: float("inf") for f in (triton_paged, torch_paged, sdpa)}
-            for round_ in range(3):  # alternating rounds: drifts in clock or neighbours hit every system alike,
-                order = list(times)  # and no system is always the first (or the last) of a round
-                for f in order[::-1] if round_ % 2 else order:
-                    times[f] = min(times[f], triton.testing.do_bench(f, warmup=5, rep=20, return_mode="median"))
             moved = 2 * k.nbytes + 2 * q.nbytes  # K, V read once; q read, out written
-            t = times[triton_paged] * 1e-3
-            print(f"{batch:6d} {context:8d} {moved / 1e6:9.1f} | {t * 1e6:10.1f} {moved / t / 1e9:6.0f} "
-                  f"{moved / t / 1e9 / peak * 100:6.1f}% | {times[torch_paged] * 1e3:9.1f} {times[sdpa] * 1e3:8.1f} | "
-                  f"{err:8.1e}")
+            shape = f"{batch:6d} {context:8d} {moved / 1e6:9.1f} |"
+
+            def bandwidth(ms):
+                return f"{ms * 1e3:10.1f} {moved / ms / 1e6:6.0f} {moved / ms / 1e6 / peak * 100:6.1f}%"
+
+            if configs is None:
+                triton_default = triton_paged({})
+                err = (triton_default().float() - sdpa()[:, :, 0].float()).abs().max().item()
+                times = fastest({"triton": triton_default, "torch": torch_paged, "sdpa": sdpa}, median_ms)
+                print(f"{shape} {bandwidth(times['triton'])} | {times['torch'] * 1e3:9.1f} "
+                      f"{times['sdpa'] * 1e3:8.1f} | {err:8.1e}")
+            else:
+                rows, times = sweep(configs, triton_paged, sdpa()[:, :, 0], median_ms, args.cuda_graph, host_us,
+                                    {"torch": torch_paged, "sdpa": sdpa})
+                print(f"{shape} torch paged {times['torch'] * 1e3:.1f} us, sdpa {times['sdpa'] * 1e3:.1f} us")
+                for row in rows:
+                    c = row["config"]
+                    line = f"{shape} {c['tile']:5d} {c['block_m']:7d} {c['num_warps']:5d} {c['num_stages']:6d} | "
+                    if "failed" in row:
+                        print(f"{line}failed: {row['failed'][:160]}")
+                        continue
+                    graph = f"{bandwidth(row['graph'])} | " if args.cuda_graph else ""
+                    print(f"{line}{bandwidth(row['triton'])} | {row['host']:7.1f} | {graph}{row['err']:8.1e}"
+                          + "  default" * (c is configs[0]) + "  WRONG: max err" * (not row["right"]))
+                right = [r for r in rows if r.get("right")]
+                if right:
+                    column = "graph" if args.cuda_graph else "triton"
+                    best = min(right, key=lambda r: r[column])
+                    flags = " ".join(f"--{n.replace('_', '-')} {best['config'][n]}" for n in TUNING)
+                    print(f"best at batch {batch} x context {context} by {column} us: {flags} "
+                          f"({best[column] * 1e3:.1f} us, {moved / best[column] / 1e6 / peak * 100:.1f}% of peak)")
             del cache, attn, k, v
             torch.cuda.empty_cache()
 

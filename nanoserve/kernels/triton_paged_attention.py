@@ -154,11 +154,14 @@ def launch_config(num_heads: int, num_kv_heads: int, head_dim: int, block_m: int
     Triton pads a dot with fewer rows up to them, see min_dot_k; a decode fills only G of the rows, and
     more rows would cost registers, not bandwidth), 64 in the interpreter (its cost is per program and per
     op, hardly per row: fewer, larger programs run faster there). The rows have no lower limit; the dots'
-    shared axis does, on an NVIDIA GPU: see min_dot_k.
+    shared axis does, on an NVIDIA GPU: see min_dot_k. ValueError for a size that is not a power of two.
 
     >>> launch_config(num_heads=9, num_kv_heads=3, head_dim=64, block_m=16)  # SmolLM2: G = 3 padded to 4
     {'G': 3, 'HEAD_DIM': 64, 'G_PAD': 4, 'D_PAD': 64, 'BLOCK_Q': 4, 'TILE': 64}
     """
+    for name, size in (("block_m", block_m), ("tile", tile)):
+        if size is not None and (size < 1 or size & (size - 1)):
+            raise ValueError(f"paged_attention: {name} = {size}, but tl.arange needs a power of two")
     if block_m is None:
         block_m = 64 if interpreter_requested() else 16
     g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
@@ -192,32 +195,48 @@ def check_dot_sizes(cfg: dict, dtype: torch.dtype, device: torch.device) -> None
                              + (f": pass tile >= {least}" if name == "TILE" else ""))
 
 
+# a GPU launch's warps per program and software-pipeline depth, untuned (chapter 07, section 9; bench attention's
+# --num-warps, --num-stages sweep them); the interpreter drops both
+NUM_WARPS, NUM_STAGES = 4, 2
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, query_block_index=None,
-                    block_m: int | None = None, tile: int = 64) -> torch.Tensor:
+                    block_m: int | None = None, tile: int = 64, num_warps: int = NUM_WARPS,
+                    num_stages: int = NUM_STAGES) -> torch.Tensor:
     """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D).
 
     Sequence i's queries are tokens cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of its seq_lens[i]
     positions; its keys are found through block_tables[i]. `query_block_index` (from query_blocks, with
     the same BLOCK_Q) can be built once per step, moved to q's device, and passed to every layer's call.
-    block_m, tile: see launch_config.
+    block_m, tile: see launch_config; num_warps, num_stages: see check_warps_and_stages.
     """
     # this module's three rungs, looked up here at call time: in a learner's copy, the learner's (or,
     # for a rung not done yet, the reference's that nanoserve/student.py put in its place)
     return launch(paged_attention_kernel, online_softmax_step, load_kv_tile, q, k_cache, v_cache, block_tables,
-                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile)
+                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile, num_warps, num_stages)
 
 
-NUM_WARPS, NUM_STAGES = 4, 2  # a GPU launch's warps per program and software-pipeline depth (the interpreter drops both)
+def check_warps_and_stages(num_warps: int, num_stages: int) -> None:
+    """A GPU launch's warps per program (a power of two, at most 32: 1024 threads, a CTA's most) and its
+    software-pipeline depth (tiles loaded ahead while one is computed, at least 1). ValueError otherwise;
+    the interpreter drops both, but a value no GPU would take is refused there too."""
+    if num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"paged_attention: num_warps = {num_warps}, but a program has a power of two of warps, "
+                         "1 to 32")
+    if num_stages < 1:
+        raise ValueError(f"paged_attention: num_stages = {num_stages}, but the pipeline is at least 1 stage deep")
 
 
 def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
-           block_m: int | None = None, tile: int = 64) -> torch.Tensor:
+           block_m: int | None = None, tile: int = 64, num_warps: int = NUM_WARPS,
+           num_stages: int = NUM_STAGES) -> torch.Tensor:
     """Launch `kernel` (paged_attention_kernel's signature) over the grid (query blocks, kv heads) with
     `step` (online_softmax_step's) as its tile update and `kv_tile` (load_kv_tile's) as its block walk:
     Triton takes a jit function as a constexpr argument and compiles it into the kernel."""
     for fn in (kernel, step, kv_tile):
         check_launchable(fn, q.device)
+    check_warps_and_stages(num_warps, num_stages)
     N, H, D = q.shape
     Hkv, _, block_size, _ = k_cache.shape
     if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
@@ -238,7 +257,7 @@ def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, c
             q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            D ** -0.5, STEP=step, KV_TILE=kv_tile, BLOCK_SIZE=block_size, num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES, **cfg,
+            D ** -0.5, STEP=step, KV_TILE=kv_tile, BLOCK_SIZE=block_size, num_warps=num_warps,
+            num_stages=num_stages, **cfg,
         )
     return out
