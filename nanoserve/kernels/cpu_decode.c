@@ -1,8 +1,9 @@
 /* Chapters 09 and 10 — one batch-1 decode step in C: every layer of a q4 Llama for one sequence's one new token
    (cpu_decode.py builds and calls it).
 
-   Why: at batch 1 the products are about a third of nanoserve's step (32 % of a 15.9 ms step, chapter 09's
-   profile) and llama.cpp's whole step is about as long as them; the rest of ours is Python and dispatch around a
+   Why: at batch 1 the products are about a third of nanoserve's step (32 % of a 15.9 ms step, about 5 ms,
+   chapter 09's profile) and llama.cpp's whole step (7-9 ms, chapter 09 section 5) is a little longer than
+   them; the rest of ours is Python and dispatch around a
    few KB of arithmetic (RMSNorm, RoPE, SiLU, the attention's gather: dozens of torch ops per layer, or 62
    compiled-graph calls with their guards). Here one
    call runs all of it, with the products of cpu_dot.c itself (this file includes it: one translation unit, so

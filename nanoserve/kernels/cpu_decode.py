@@ -12,7 +12,7 @@ Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
 Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU; the rest is Python and op
 dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
-in about the products' time. Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
+in a little more than the products' time (7-9 ms, chapter 09 section 5). Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
 The C step computes what the eager q4 integer_dot step computes, in the same order per layer; what differs is
 float32 rounding only (the order of a norm's sum, cosf/expf against torch's), and where such a difference moves
 an activation across an int8 rounding boundary, the products differ by up to one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
