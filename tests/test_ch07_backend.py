@@ -340,8 +340,9 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
 
 
 def test_bench_attention_launch_flags(monkeypatch, capsys):
-    """--tile, --block-m, --num-warps, --num-stages and --cuda-graph: GPU flags (refused by the interpreter, as the
-    shape flags are), their values checked by the kernel's own checks before anything runs, one error line each."""
+    """--tile, --block-m, --num-warps, --num-stages, --partition-size and --cuda-graph: GPU flags (refused by the
+    interpreter, as the shape flags are), their values checked by the kernel's own checks before anything runs, one
+    error line each."""
     from nanoserve.bench import attention
     from nanoserve.cli import main
     from nanoserve.kernels import triton_paged_attention  # noqa: F401  (its kernels defined in the interpreter,
@@ -354,7 +355,8 @@ def test_bench_attention_launch_flags(monkeypatch, capsys):
         assert captured.out == "" and len(err) == 1 and err[0].startswith(starts), (flags, err)
 
     for flags, named in [(["--tile", "32"], "--tile"), (["--cuda-graph"], "--cuda-graph"),
-                         (["--num-warps", "8", "--num-stages", "3"], "--num-warps, --num-stages")]:
+                         (["--num-warps", "8", "--num-stages", "3"], "--num-warps, --num-stages"),
+                         (["--partition-size", "none"], "--partition-size")]:
         refused(flags, f"error: {named}: a GPU run's flag")
     # on a GPU (stubbed: none here, nor its interpreter) the values are checked first, each bad one named with its flag
     seen = []
@@ -366,16 +368,23 @@ def test_bench_attention_launch_flags(monkeypatch, capsys):
                                             "least 16 values for torch.float16"),
                           (["--block-m", "12"], "error: --block-m 12: block_m = 12"),
                           (["--num-warps", "4", "3"], "error: --num-warps 3: num_warps = 3"),
-                          (["--num-stages", "0"], "error: --num-stages 0: num_stages = 0")]:
+                          (["--num-stages", "0"], "error: --num-stages 0: num_stages = 0"),
+                          (["--partition-size", "none", "48"], "error: --partition-size 48: partition_size = 48, "
+                                                               "but a partition is a power of two")]:
         refused(flags, starts)
     assert seen == []
     assert main(["bench", "attention", "--dtype", "fp32", "--tile", "8"]) == 0  # float32's dots sum over 8
     # the grid: paged_attention's default first, then the product of the values given, each configuration once
     assert main(["bench", "attention", "--tile", "32", "64", "--num-warps", "4", "8", "--block-m", "2"]) == 0
     grid = attention.launch_grid(seen[-1])
-    default = {"tile": 64, "block_m": 16, "num_warps": 4, "num_stages": 2}
+    default = {"tile": 64, "block_m": 16, "num_warps": 4, "num_stages": 2, "partition_size": None}
     assert grid[0] == default and len(grid) == 5 and grid[1:] == [  # block_m 2: at least the padded group of 4 rows
         default | {"tile": t, "block_m": 4, "num_warps": w} for t in (32, 64) for w in (4, 8)]
+    # --partition-size: numbers of keys, or none (the one-pass kernel); a partition smaller than a tile stays in the
+    # grid, and its row says the launch refused it
+    assert main(["bench", "attention", "--tile", "64", "128", "--partition-size", "none", "128"]) == 0
+    assert attention.launch_grid(seen[-1]) == [default, default | {"partition_size": 128}, default | {"tile": 128},
+                                               default | {"tile": 128, "partition_size": 128}]
     assert main(["bench", "attention", "--tile", "64", "--cuda-graph"]) == 0
     assert attention.launch_grid(seen[-1]) == [default] and seen[-1].cuda_graph
     assert main(["bench", "attention"]) == 0 and attention.launch_grid(seen[-1]) is None  # the chapter's table

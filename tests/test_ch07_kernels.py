@@ -346,9 +346,50 @@ def test_launch_parameters_no_gpu_takes_are_refused():
     args = (q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
     for bad, match in [({"tile": 24}, "tile = 24, .* power of two"), ({"block_m": 0}, "block_m = 0, .* power of two"),
                        ({"num_warps": 3}, "num_warps = 3, .* power of two"), ({"num_warps": 64}, "1 to 32"),
-                       ({"num_stages": 0}, "num_stages = 0, .* at least 1")]:
+                       ({"num_stages": 0}, "num_stages = 0, .* at least 1"),
+                       ({"partition_size": 48}, "partition_size = 48, .* power of two"),
+                       ({"partition_size": 0}, "partition_size = 0, .* power of two"),
+                       ({"partition_size": 32, "tile": 64}, "partition_size = 32, .* whole number of tiles, .* 64")]:
         with pytest.raises(ValueError, match=match):
             reference.paged_attention(*args, **bad)
+
+
+SPLIT_CASES = {  # name: (seq_lens, query_lens); block size 4, partitions of 16 keys, tiles of 8
+    # 1 to 5 partitions (70 = 4 · 16 + 6: a partly filled last one), the grid's 5 for all: a sequence of 1 key
+    # leaves 4 programs with no key at all
+    "decodes": ([1, 4, 5, 16, 33, 70], [1] * 6),
+    # a whole prompt and chunks on cached prefixes: a query block of 16 tokens (the interpreter's 64 rows) spans a
+    # partition edge, so some of its rows see no key of the later partition
+    "mixed step": ([13, 1, 48, 32, 70], [1, 1, 48, 16, 30]),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_kv_equals_one_pass(case, monkeypatch):
+    """partition_size: split-KV (a grid axis of partitions, each program's partial (m, l, acc) combined afterwards)
+    gives the one-pass kernel's output and chapter 05's, over partitions of 16 keys: 5 for the longest sequence."""
+    from nanoserve.kernels import triton_paged_attention as reference
+
+    seq_lens, query_lens = SPLIT_CASES[case]
+    cache, meta, q, k, v = make_step(2, 3, 16, 4, seq_lens, query_lens, seed=len(case))
+    expected = PagedAttention(cache, meta)(0, q, k, v)
+    args = (q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+    grids = []
+    split_kernel = reference.paged_attention_split_kernel
+
+    class Spy:  # records the split kernel's grid, then runs it
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return split_kernel[grid]
+
+    monkeypatch.setattr(reference, "paged_attention_split_kernel", Spy())
+    split = reference.paged_attention(*args, tile=8, partition_size=16)
+    monkeypatch.undo()
+    assert len(grids) == 1 and grids[0][1:] == (2, 5)  # (query blocks, kv heads, partitions)
+    one_pass = reference.paged_attention(*args, tile=8)
+    assert not split.isnan().any()
+    assert (split - expected).abs().max().item() < 1e-4
+    assert (split - one_pass).abs().max().item() < 1e-5
 
 
 @pytest.mark.exercise("7.2")

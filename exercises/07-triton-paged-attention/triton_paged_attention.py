@@ -94,8 +94,9 @@ def paged_attention_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, query_block_index=None,
                     block_m: int | None = None, tile: int = 64, num_warps: int = NUM_WARPS,
-                    num_stages: int = NUM_STAGES) -> torch.Tensor:
+                    num_stages: int = NUM_STAGES, partition_size: int | None = None) -> torch.Tensor:
     """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D).
-    Given: launches this file's three functions (the reference's for a rung not written yet)."""
+    Given: launches this file's three functions (the reference's for a rung not written yet). partition_size:
+    the reference's split-KV kernels (chapter 07, section 9) with your online_softmax_step and load_kv_tile."""
     return launch(paged_attention_kernel, online_softmax_step, load_kv_tile, q, k_cache, v_cache, block_tables,
-                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile, num_warps, num_stages)
+                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile, num_warps, num_stages, partition_size)

@@ -14,7 +14,8 @@ reverse order; each system keeps its fastest round (do_bench's median of the rou
 mixed step (decodes, a whole prompt, chunks on cached prefixes) checks both paged paths on the GPU against
 chapter 05's path in float32 on the CPU.
 
-The kernel's launch parameters — --tile, --block-m, --num-warps, --num-stages, each one or more values — sweep
+The kernel's launch parameters — --tile, --block-m, --num-warps, --num-stages, --partition-size (split-KV's
+partition, or `none`: the one-pass kernel), each one or more values — sweep
 their grid (a flag not given keeps paged_attention's default) at each batch x context: one row per configuration,
 paged_attention's default first, each with its max err against SDPA, timed in the same alternating rounds; a
 configuration Triton cannot build is a row saying why. --cuda-graph adds a column of the same timing of the call
@@ -50,7 +51,16 @@ GPU_ONLY_DEFAULTS = {"batch": [1, 4, 16, 64, 256], "context": [128, 512, 2048, 8
                      "peak_gbs": None}
 # paged_attention's launch parameters, swept by the flags of the same names (GPU only too: the interpreter drops
 # num_warps and num_stages, and runs fixed tiles); a flag not given keeps paged_attention's default
-TUNING = ("tile", "block_m", "num_warps", "num_stages")
+TUNING = ("tile", "block_m", "num_warps", "num_stages", "partition_size")
+
+
+def partition_value(text: str) -> int | None:
+    """--partition-size's values: a number of keys, or `none` (no split: the one-pass kernel)."""
+    return None if text.lower() == "none" else int(text)
+
+
+def flag_value(value) -> str:
+    return "none" if value is None else str(value)
 
 
 def register(sub):
@@ -67,6 +77,9 @@ def register(sub):
                        ("num_warps", "warps per program"), ("num_stages", "software-pipeline depth")):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+",
                        help=f"GPU only: sweep the kernel's {what} over these values (default: paged_attention's)")
+    p.add_argument("--partition-size", type=partition_value, nargs="+",
+                   help="GPU only: sweep split-KV's keys per partition over these values, `none` for the one-pass "
+                        "kernel (default: paged_attention's, none)")
     p.add_argument("--cuda-graph", action="store_true", default=None,
                    help="GPU only: also time each configuration replayed from a CUDA graph (no host launch cost)")
     p.set_defaults(func=run)
@@ -122,7 +135,8 @@ def run(args):
 
 def check_tuning(args) -> str | None:
     """What is wrong with a launch flag's value on this GPU run (the kernel's own checks, before anything runs)."""
-    from nanoserve.kernels.triton_paged_attention import check_dot_sizes, check_warps_and_stages, launch_config
+    from nanoserve.kernels.triton_paged_attention import (check_dot_sizes, check_partition_size,
+                                                          check_warps_and_stages, launch_config)
 
     for name in TUNING:
         for value in getattr(args, name) or ():
@@ -130,6 +144,8 @@ def check_tuning(args) -> str | None:
                 if name in ("tile", "block_m"):
                     cfg = launch_config(9, 3, 64, **{name: value})
                     check_dot_sizes(cfg, DTYPES[args.dtype], torch.device("cuda"))
+                elif name == "partition_size":  # against the tiles: a row of the sweep says "failed", not here
+                    check_partition_size(value, 1)
                 else:
                     check_warps_and_stages(**({"num_warps": 4, "num_stages": 2} | {name: value}))
             except ValueError as e:
@@ -232,7 +248,7 @@ def run_gpu(args):
         print(f"error: no peak bandwidth known for {name!r}: pass --peak-gbs", file=sys.stderr)
         return 2
     configs = launch_grid(args)  # None: the chapter's table
-    launch_flags = "".join(f" --{n.replace('_', '-')} {' '.join(map(str, getattr(args, n)))}" for n in TUNING
+    launch_flags = "".join(f" --{n.replace('_', '-')} {' '.join(map(flag_value, getattr(args, n)))}" for n in TUNING
                            if getattr(args, n) is not None) + " --cuda-graph" * bool(args.cuda_graph)
     print(f"command: python -m nanoserve bench attention --batch {' '.join(map(str, args.batch))} --context "
           f"{' '.join(map(str, args.context))} --dtype {args.dtype} --block-size {args.block_size}{launch_flags}")
@@ -248,7 +264,7 @@ def run_gpu(args):
         print(f"{len(configs)} launch configurations, paged_attention's default first; host us: the host's time to "
               "issue one call" + ("; graph: the call replayed from a CUDA graph" if args.cuda_graph else ""))
         print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'tile':>5s} {'block_m':>7s} {'warps':>5s} "
-              f"{'stages':>6s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | {'host us':>7s} | "
+              f"{'stages':>6s} {'partition':>9s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | {'host us':>7s} | "
               + (f"{'graph us':>10s} {'GB/s':>6s} {'% peak':>7s} | " if args.cuda_graph else "") + f"{'max err':>8s}")
 
     def median_ms(fn):  # do_bench flushes the L2 cache before every run
@@ -293,7 +309,8 @@ def run_gpu(args):
                 print(f"{shape} torch paged {times['torch'] * 1e3:.1f} us, sdpa {times['sdpa'] * 1e3:.1f} us")
                 for row in rows:
                     c = row["config"]
-                    line = f"{shape} {c['tile']:5d} {c['block_m']:7d} {c['num_warps']:5d} {c['num_stages']:6d} | "
+                    line = (f"{shape} {c['tile']:5d} {c['block_m']:7d} {c['num_warps']:5d} {c['num_stages']:6d} "
+                            f"{flag_value(c['partition_size']):>9s} | ")
                     if "failed" in row:
                         print(f"{line}failed: {row['failed'][:160]}")
                         continue
@@ -304,7 +321,7 @@ def run_gpu(args):
                 if right:
                     column = "graph" if args.cuda_graph else "triton"
                     best = min(right, key=lambda r: r[column])
-                    flags = " ".join(f"--{n.replace('_', '-')} {best['config'][n]}" for n in TUNING)
+                    flags = " ".join(f"--{n.replace('_', '-')} {flag_value(best['config'][n])}" for n in TUNING)
                     print(f"best at batch {batch} x context {context} by {column} us: {flags} "
                           f"({best[column] * 1e3:.1f} us, {moved / best[column] / 1e6 / peak * 100:.1f}% of peak)")
             del cache, attn, k, v
@@ -316,9 +333,11 @@ MIXED_STEP = ([1, 37, 200, 513, 94], [1, 37, 16, 1, 30])
 MIXED_STEP_TEXT = "a decode, a 37-token prompt, a 16-token chunk on 184 cached, a decode at 513, a 30-token chunk on 64"
 
 
-def mixed_step_errors(dtype, device, block_size: int, H: int = 9, Hkv: int = 3, D: int = 64) -> tuple[float, float]:
-    """MIXED_STEP on `device` in `dtype`, cached prefixes in shuffled blocks: the Triton kernel's and chapter 05's
-    torch path's max abs difference from chapter 05's path run in float32 on a CPU copy of the same pool."""
+def mixed_step_errors(dtype, device, block_size: int, H: int = 9, Hkv: int = 3, D: int = 64,
+                      **launch) -> tuple[float, float]:
+    """MIXED_STEP on `device` in `dtype`, cached prefixes in shuffled blocks: the Triton kernel's (launched with
+    `launch`: paged_attention's keywords) and chapter 05's torch path's max abs difference from chapter 05's path
+    run in float32 on a CPU copy of the same pool."""
     from nanoserve.kernels.triton_paged_attention import paged_attention
     from nanoserve.kv.block_manager import slot_mapping
     from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
@@ -343,7 +362,7 @@ def mixed_step_errors(dtype, device, block_size: int, H: int = 9, Hkv: int = 3, 
     meta = AttentionMetadata(*(t.to(device) for t in vars(meta).values()))
     torch_out = PagedAttention(cache, meta)(0, q, k, v)  # stores this step's k, v in the pool, then attends
     triton_out = paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
-                                 meta.cu_seqlens_q)
+                                 meta.cu_seqlens_q, **launch)
     return tuple((out.float().cpu() - expected).abs().max().item() for out in (triton_out, torch_out))
 
 

@@ -27,6 +27,13 @@ passed that way into the kernel, so each rung can be swapped for a learner's on 
 
     # q (N, H, D), the pool's k_cache/v_cache (Hkv, num_blocks, block_size, D), chapter 05's metadata
     out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+
+Split-KV ("flash decoding", vLLM's paged attention v2; chapter 07, section 9), an option: with
+partition_size=P the grid gets a third axis, (query blocks, kv heads, partitions of P keys).
+paged_attention_split_kernel walks only its partition's keys, with the same STEP and KV_TILE, and writes
+its rows' partial (m, l, acc) to float32 scratch; combine_partitions_kernel merges the partials of each
+(query token, head) with section 2's rescaling and writes out. More programs for the same bytes: what
+a step of few sequences needs to fill the GPU. partition_size=None (the default) is the one-pass kernel.
 """
 
 import torch
@@ -91,6 +98,98 @@ def paged_attention_kernel(
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def paged_attention_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, m_ptr, l_ptr, acc_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, q_block_seq_ptr, q_block_start_ptr,
+    stride_qt, stride_qh,  # q: (num_tokens, H, D), last stride 1
+    stride_mt, stride_mh,  # m, l: (num_tokens, H, num_partitions), last stride 1
+    stride_at, stride_ah, stride_ap,  # acc: (num_tokens, H, num_partitions, D), last stride 1
+    stride_kh, stride_kb, stride_ks, stride_bt, sm_scale,
+    STEP: tl.constexpr, KV_TILE: tl.constexpr,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
+):
+    """Split-KV, pass 1: paged_attention_kernel's program (qb, j) over key positions part · PARTITION ..
+    + PARTITION - 1 alone; it stores its rows' unnormalised (m, l, acc) at partition `part`, not acc / l."""
+    qb, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(q_block_seq_ptr + qb)
+    q_first = tl.load(q_block_start_ptr + qb)
+    token_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - token_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # the rows, the q tile and the causal edge: as in paged_attention_kernel
+    rows = tl.arange(0, BLOCK_Q * G_PAD)
+    q_idx = q_first + rows // G_PAD  # (BLOCK_M,)
+    head = kv_head * G + rows % G_PAD  # (BLOCK_M,)
+    row_ok = (q_idx < q_len) & (rows % G_PAD < G)
+    query_pos = context_len + q_idx
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    token = (token_begin + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, D_PAD)
+
+    # m starts at a floor far below any score, not -inf: a row may see no key of its partition (a partition past
+    # the row's own position, inside a chunk), and STEP on an all -inf tile from m = -inf is exp(-inf - -inf) = NaN;
+    # from the floor it is alpha = 1, p = 0, as for a later tile a row cannot see in the one-pass kernel
+    m_i = tl.full((BLOCK_Q * G_PAD,), -1e30, tl.float32)
+    l_i = tl.zeros((BLOCK_Q * G_PAD,), tl.float32)
+    acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), tl.float32)
+
+    num_keys = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
+    part_start = part * PARTITION
+    part_end = tl.minimum(part_start + PARTITION, num_keys)  # <= part_start: nothing to walk, (m, l) = (-inf, 0)
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(part_start, part_end, TILE):  # PARTITION is whole tiles: no tile crosses its end
+        k, v, key_pos = KV_TILE(k_head, v_head, table, tile_start, num_keys, stride_kb, stride_ks,
+                                HEAD_DIM, BLOCK_SIZE, D_PAD, TILE)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # (BLOCK_M, TILE)
+        visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < num_keys)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = STEP(scores, v, m_i, l_i, acc)
+
+    # a row that saw no key (l = 0) writes m = -inf: the combine's exp(m_p - m) makes it 0
+    m_i = tl.where(l_i > 0, m_i, float("-inf"))
+    ml_off = token * stride_mt + head.to(tl.int64) * stride_mh + part  # (BLOCK_M,)
+    tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+    tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+    acc_ptrs = acc_ptr + (token * stride_at + head.to(tl.int64) * stride_ah + part * stride_ap)[:, None] + d[None, :]
+    tl.store(acc_ptrs, acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def combine_partitions_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, num_partitions,
+    stride_mt, stride_mh,  # m, l: (num_tokens, H, num_partitions), last stride 1
+    stride_at, stride_ah, stride_ap,  # acc: (num_tokens, H, num_partitions, D), last stride 1
+    stride_ot, stride_oh,  # out: (num_tokens, H, D), last stride 1
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr,
+):
+    """Split-KV, pass 2: program (t, h) merges query token t's partials for head h, as section 2 merges tiles:
+    m = max m_p, alpha_p = exp(m_p - m), l = sum alpha_p l_p, acc = sum alpha_p acc_p, out = acc / l."""
+    token, head = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    p = tl.arange(0, P_PAD)
+    p_ok = p < num_partitions
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    ml = token * stride_mt + head * stride_mh + p  # (P_PAD,)
+    m_p = tl.load(m_ptr + ml, mask=p_ok, other=float("-inf"))  # (P_PAD,)
+    l_p = tl.load(l_ptr + ml, mask=p_ok, other=0.0)
+    acc_p = tl.load(acc_ptr + token * stride_at + head * stride_ah + p[:, None] * stride_ap + d[None, :],
+                    mask=p_ok[:, None] & d_ok[None, :], other=0.0)  # (P_PAD, D_PAD)
+    # every query sees its own key, so one partition at least has m_p finite: m is, and no exp(-inf - -inf)
+    m = tl.max(m_p, 0)
+    alpha = tl.exp(m_p - m)  # (P_PAD,), 0 for a partition of no visible key (m_p = -inf)
+    l = tl.sum(alpha * l_p, 0)
+    acc = tl.sum(alpha[:, None] * acc_p, 0)  # (D_PAD,)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, (acc / l).to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -203,18 +302,19 @@ NUM_WARPS, NUM_STAGES = 4, 2
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, query_block_index=None,
                     block_m: int | None = None, tile: int = 64, num_warps: int = NUM_WARPS,
-                    num_stages: int = NUM_STAGES) -> torch.Tensor:
+                    num_stages: int = NUM_STAGES, partition_size: int | None = None) -> torch.Tensor:
     """q (num_tokens, H, D), k_cache/v_cache (Hkv, num_blocks, block_size, D) -> out (num_tokens, H, D).
 
     Sequence i's queries are tokens cu_seqlens_q[i]:cu_seqlens_q[i+1], the last of its seq_lens[i]
     positions; its keys are found through block_tables[i]. `query_block_index` (from query_blocks, with
     the same BLOCK_Q) can be built once per step, moved to q's device, and passed to every layer's call.
-    block_m, tile: see launch_config; num_warps, num_stages: see check_warps_and_stages.
+    block_m, tile: see launch_config; num_warps, num_stages: see check_warps_and_stages;
+    partition_size: None, one pass, or split-KV over partitions of that many keys (see check_partition_size).
     """
     # this module's three rungs, looked up here at call time: in a learner's copy, the learner's (or,
     # for a rung not done yet, the reference's that nanoserve/student.py put in its place)
     return launch(paged_attention_kernel, online_softmax_step, load_kv_tile, q, k_cache, v_cache, block_tables,
-                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile, num_warps, num_stages)
+                  seq_lens, cu_seqlens_q, query_block_index, block_m, tile, num_warps, num_stages, partition_size)
 
 
 def check_warps_and_stages(num_warps: int, num_stages: int) -> None:
@@ -228,15 +328,32 @@ def check_warps_and_stages(num_warps: int, num_stages: int) -> None:
         raise ValueError(f"paged_attention: num_stages = {num_stages}, but the pipeline is at least 1 stage deep")
 
 
+def check_partition_size(partition_size: int | None, tile: int) -> None:
+    """Split-KV's partition: None (no split), or a power of two of keys that is a whole number of tiles, so
+    that no tile straddles two partitions (both powers of two: partition_size >= tile). ValueError otherwise."""
+    if partition_size is None:
+        return
+    if partition_size < 1 or partition_size & (partition_size - 1):
+        raise ValueError(f"paged_attention: partition_size = {partition_size}, but a partition is a power of two "
+                         "of keys")
+    if partition_size % tile:
+        raise ValueError(f"paged_attention: partition_size = {partition_size}, but a partition is a whole number of "
+                         f"tiles, and tile = {tile}")
+
+
 def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, query_block_index=None,
            block_m: int | None = None, tile: int = 64, num_warps: int = NUM_WARPS,
-           num_stages: int = NUM_STAGES) -> torch.Tensor:
+           num_stages: int = NUM_STAGES, partition_size: int | None = None) -> torch.Tensor:
     """Launch `kernel` (paged_attention_kernel's signature) over the grid (query blocks, kv heads) with
     `step` (online_softmax_step's) as its tile update and `kv_tile` (load_kv_tile's) as its block walk:
-    Triton takes a jit function as a constexpr argument and compiles it into the kernel."""
-    for fn in (kernel, step, kv_tile):
+    Triton takes a jit function as a constexpr argument and compiles it into the kernel. With a partition_size,
+    split-KV instead: this module's paged_attention_split_kernel (not `kernel`) over (query blocks, kv heads,
+    partitions) with the same `step` and `kv_tile`, then combine_partitions_kernel."""
+    for fn in (kernel, step, kv_tile) if partition_size is None else (paged_attention_split_kernel,
+                                                                      combine_partitions_kernel, step, kv_tile):
         check_launchable(fn, q.device)
     check_warps_and_stages(num_warps, num_stages)
+    check_partition_size(partition_size, tile)
     N, H, D = q.shape
     Hkv, _, block_size, _ = k_cache.shape
     if H % Hkv or k_cache.shape[-1] != D or k_cache.shape != v_cache.shape:
@@ -251,6 +368,9 @@ def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, c
         query_block_index = query_blocks(cu_seqlens_q.tolist(), cfg["BLOCK_Q"])
     q_block_seq, q_block_start = (t.to(q.device) for t in query_block_index)  # no copy if already there
     out = torch.empty_like(q)
+    if partition_size is not None:
+        return split_kv(step, kv_tile, q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q,
+                        (q_block_seq, q_block_start), cfg, num_warps, num_stages, partition_size)
     grid = (len(q_block_seq), Hkv)
     with stub_errors_unwrapped():
         kernel[grid](
@@ -260,4 +380,32 @@ def launch(kernel, step, kv_tile, q, k_cache, v_cache, block_tables, seq_lens, c
             D ** -0.5, STEP=step, KV_TILE=kv_tile, BLOCK_SIZE=block_size, num_warps=num_warps,
             num_stages=num_stages, **cfg,
         )
+    return out
+
+
+def split_kv(step, kv_tile, q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, query_block_index,
+             cfg: dict, num_warps: int, num_stages: int, partition_size: int) -> torch.Tensor:
+    """launch's split-KV path: the partials of every (query token, head, partition), then their combine."""
+    N, H, D = q.shape
+    Hkv, _, block_size, _ = k_cache.shape
+    q_block_seq, q_block_start = query_block_index
+    # partitions: enough for the widest block table, which holds every sequence's seq_len (AttentionMetadata.build
+    # pads the table to the longest sequence's blocks). Read from the table's shape, not from seq_lens: no copy
+    # back from the GPU, so a CUDA graph can capture the call. A sequence with fewer partitions writes (-inf, 0).
+    num_partitions = max(1, -(-block_tables.shape[1] * block_size // partition_size))
+    m = torch.empty(N, H, num_partitions, dtype=torch.float32, device=q.device)  # (N, H, P) running max
+    l = torch.empty_like(m)  # (N, H, P): sum of exp(score - m)
+    acc = torch.empty(N, H, num_partitions, D, dtype=torch.float32, device=q.device)  # (N, H, P, D) unnormalised
+    with stub_errors_unwrapped():
+        paged_attention_split_kernel[(len(q_block_seq), Hkv, num_partitions)](
+            q, k_cache, v_cache, m, l, acc, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
+            q.stride(0), q.stride(1), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            D ** -0.5, STEP=step, KV_TILE=kv_tile, BLOCK_SIZE=block_size, PARTITION=partition_size,
+            num_warps=num_warps, num_stages=num_stages, **cfg,
+        )
+    combine_partitions_kernel[(N, H)](
+        m, l, acc, out, num_partitions, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        out.stride(0), out.stride(1), HEAD_DIM=D, D_PAD=cfg["D_PAD"], P_PAD=triton.next_power_of_2(num_partitions),
+    )
     return out
