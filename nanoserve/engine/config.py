@@ -192,18 +192,17 @@ class EngineConfig:
     # None: it serves alone (KVTransferConfig, above)
     kv_transfer_config: KVTransferConfig | None = None
 
-    def check_tensor_parallel(self, weights: str = "fp32", model=None) -> None:
+    def check_tensor_parallel(self, weights: str = "fp32", model=None, chapters=frozenset()) -> None:
         """Refuse, in one ValueError naming each, the settings given here that tensor parallelism (chapter 11)
         cannot run: its ranks run float32 shards (LLM's `weights`, or the model given: its weight_format and every
         parameter float32) on a float32 pool ("auto" or "fp32") with torch's attention, eager, each rank holding its
-        slice of every layer and block of the reference Llama (chapter 02's exercises build none). LLM calls it
-        before any worker starts, LLMEngine for a shard handed to it.
+        slice of every layer and block of the reference Llama. chapters: those `student` selects (parse_selection;
+        this file imports nothing of the course): chapter 02 among them is refused, its exercises build no shard.
+        LLM calls it before any worker starts, LLMEngine for a shard handed to it.
 
             EngineConfig(compile_mode="buckets").check_tensor_parallel()
             ValueError: tensor_parallel_size > 1 runs ...: compile_mode='buckets' is single-process only
         """
-        from nanoserve.student import parse_selection
-
         cache, spec = self.cache_config, self.speculative_config
         # a model given is copied into float32 shards: an int8 / q4 one would not load, a bf16 one would be upcast
         form = getattr(model, "weight_format", "fp32")
@@ -222,7 +221,7 @@ class EngineConfig:
             "a KV connector (kv_transfer_config)": self.kv_transfer_config is not None,
             # shard_llama builds every rank's shard, rank 0's too, from the reference's blocks and norms
             "chapter 02's exercises in student (every rank builds its shard of the reference Llama; student=True "
-            "selects every chapter)": "02" in parse_selection(self.student),
+            "selects every chapter)": "02" in chapters,
         }
         refused = [name for name, on in given.items() if on]
         if refused:
