@@ -135,7 +135,7 @@ class LLM:
             lora_config=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or lora_modules else None,
             kv_transfer_config=kv_transfer_config)
         if tensor_parallel_size > 1:  # the engine checks too, but only once every worker has loaded its shard
-            config.check_tensor_parallel(weights or "fp32")
+            config.check_tensor_parallel(weights or "fp32", model if path is None else None, parse_selection(student))
         check_engine_selection(student)  # the engine checks too, but only once the model has loaded
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1

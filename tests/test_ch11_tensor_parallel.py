@@ -190,7 +190,10 @@ SINGLE_PROCESS_ONLY = [
     pytest.param(dict(enable_lora=True), "enable_lora", id="lora"),
     pytest.param(dict(lora_modules={"a": "/nowhere"}), "lora_modules", id="lora_modules"),
     pytest.param(dict(kv_tier_blocks=8), "kv_tier_blocks", id="kv_tier"),
-    pytest.param(dict(kv_transfer_config=KVTransferConfig()), "kv_transfer_config", id="kv_connector")]
+    pytest.param(dict(kv_transfer_config=KVTransferConfig()), "kv_transfer_config", id="kv_connector"),
+    # shard_llama builds the reference's blocks on every rank: chapter 02's code would run nowhere
+    pytest.param(dict(student="02"), "chapter 02's exercises in student", id="student02"),
+    pytest.param(dict(student=True), "chapter 02's exercises in student", id="student_all")]
 # LLMEngine is given a model, not `weights`, and a LoRAConfig; on the CPU it refuses Triton without Triton's
 # interpreter before this check
 IN_THE_ENGINE = [p for p in SINGLE_PROCESS_ONLY if p.id not in ("weights", "lora", "lora_modules", "triton")] + [
@@ -205,6 +208,25 @@ def test_llm_refuses_what_the_workers_cannot_do_before_starting_them(model63, mo
     monkeypatch.setattr(multiproc, "start_workers", lambda *args, **kwargs: pytest.fail("a worker process started"))
     with pytest.raises(ValueError, match=REFUSED.format(re.escape(name))):
         LLM(model63, tensor_parallel_size=3, **setting)
+
+
+@pytest.mark.parametrize("precision, name", [
+    pytest.param("int8", "a model given as weight_format='int8'", id="int8_model"),
+    pytest.param("bf16", "a model given as weight_format='bf16'", id="bf16_model"),
+    pytest.param(torch.bfloat16, "a model given with torch.bfloat16 parameters", id="bf16_cast")])
+def test_llm_refuses_a_model_given_in_other_than_float32(monkeypatch, precision, name):
+    """A model object is copied into float32 shards: an int8 one would not load, a bf16 one would serve upcast,
+    other arithmetic than the same model at TP 1. Refused, naming it, before any worker starts; the same model at
+    TP 1 keeps its own precision (the reference the refusal protects)."""
+    from nanoserve.distributed import multiproc
+    from nanoserve.model.quant import quantize_model
+
+    model = tiny(3)
+    model = model.to(precision) if isinstance(precision, torch.dtype) else quantize_model(model, precision)
+    monkeypatch.setattr(multiproc, "start_workers", lambda *args, **kwargs: pytest.fail("a worker process started"))
+    with pytest.raises(ValueError, match=REFUSED.format(re.escape(name))):
+        LLM(model, tensor_parallel_size=3)
+    assert LLM(model, **POOL).model is model  # TP 1 serves it as it is
 
 
 @pytest.mark.parametrize("setting, name", IN_THE_ENGINE)

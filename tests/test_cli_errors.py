@@ -124,6 +124,10 @@ BAD = [
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "20"], ["chapters with exercises"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "02", "--compile-mode", "dynamic"],
      ["--compile-mode dynamic", "not with --student 02"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "-tp", "2"],
+     ["--tensor-parallel-size > 1 builds every rank's shard from the reference Llama", "not with --student 02",
+      "a bare --student selects every chapter"]),
+    (["serve", "--student", "02,11", "--tensor-parallel-size", "3"], ["not with --student 02"]),
     # chapter 01's attention never runs in the engine (it attends with chapter 05's paged attention): the engine's
     # commands refuse a selection that names 01, and name the command that runs it
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "01"],

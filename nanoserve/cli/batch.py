@@ -51,7 +51,8 @@ def add_engine_args(p):
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
                         "e.g. --student 05,06 (serve: also your request params, stream, async engine and limiter, 08); an unfinished one falls back to the reference "
                         "with a warning. Chapter 01's attention and chapter 04's cache run with generate (04's formula with "
-                        "memory), not here: --student 01 and --student 04 are refused")
+                        "memory), not here: --student 01 and --student 04 are refused, and --student 02 with "
+                        "--tensor-parallel-size > 1")
     p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
                         "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
@@ -186,6 +187,11 @@ def check_engine_args(args) -> str | None:
         return "--preemption-mode swap writes preempted requests' KV blocks to the second tier: give --kv-tier-blocks N"
     if args.preemption_mode == "swap" and args.tensor_parallel_size > 1:
         return "--preemption-mode swap needs the KV tier, which is single-process: not with --tensor-parallel-size"
+    if args.tensor_parallel_size > 1 and "02" in parse_selection(args.student):
+        # refused here, before the model loads; LLM refuses the same (EngineConfig.check_tensor_parallel)
+        return ("--tensor-parallel-size > 1 builds every rank's shard from the reference Llama, not your chapter 02 "
+                "blocks and norms: not with --student 02 (a bare --student selects every chapter: name the ones to "
+                "run, e.g. --student 05,06,11)")
     if args.compile_mode != "eager" and "02" in parse_selection(args.student):
         # refused here, before the model loads; the engine refuses the same (LLMEngine: "its own loop")
         return (f"--compile-mode {args.compile_mode} runs its own loop over the reference block's halves, not your "

@@ -192,18 +192,25 @@ class EngineConfig:
     # None: it serves alone (KVTransferConfig, above)
     kv_transfer_config: KVTransferConfig | None = None
 
-    def check_tensor_parallel(self, weights: str = "fp32") -> None:
+    def check_tensor_parallel(self, weights: str = "fp32", model=None, chapters=frozenset()) -> None:
         """Refuse, in one ValueError naming each, the settings given here that tensor parallelism (chapter 11)
-        cannot run: its ranks run float32 shards (LLM's `weights`) on a float32 pool ("auto" or "fp32") with torch's
-        attention, eager, each rank holding its slice of every layer and block. LLM calls it before any worker
-        starts, LLMEngine for a shard handed to it.
+        cannot run: its ranks run float32 shards (LLM's `weights`, or the model given: its weight_format and every
+        parameter float32) on a float32 pool ("auto" or "fp32") with torch's attention, eager, each rank holding its
+        slice of every layer and block of the reference Llama. chapters: those `student` selects (parse_selection;
+        this file imports nothing of the course): chapter 02 among them is refused, its exercises build no shard.
+        LLM calls it before any worker starts, LLMEngine for a shard handed to it.
 
             EngineConfig(compile_mode="buckets").check_tensor_parallel()
             ValueError: tensor_parallel_size > 1 runs ...: compile_mode='buckets' is single-process only
         """
         cache, spec = self.cache_config, self.speculative_config
+        # a model given is copied into float32 shards: an int8 / q4 one would not load, a bf16 one would be upcast
+        form = getattr(model, "weight_format", "fp32")
+        dtypes = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32"}) if model is not None else []
         given = {
             f"weights={weights!r}": weights != "fp32",
+            f"a model given as weight_format={form!r}": form != "fp32",
+            f"a model given with {', '.join(dtypes)} parameters": form == "fp32" and bool(dtypes),
             f"kv_cache_dtype={cache.kv_cache_dtype!r}": cache.kv_cache_dtype not in ("auto", "fp32"),
             f"compile_mode={self.compile_mode!r}": self.compile_mode != "eager",
             "degrade_under_load": self.degrade_under_load is not None,
@@ -212,6 +219,9 @@ class EngineConfig:
             "LoRA adapters (enable_lora, lora_modules)": self.lora_config is not None,
             "the KV tier (kv_tier_blocks)": cache.kv_tier_blocks > 0,
             "a KV connector (kv_transfer_config)": self.kv_transfer_config is not None,
+            # shard_llama builds every rank's shard, rank 0's too, from the reference's blocks and norms
+            "chapter 02's exercises in student (every rank builds its shard of the reference Llama; student=True "
+            "selects every chapter)": "02" in chapters,
         }
         refused = [name for name, on in given.items() if on]
         if refused:

@@ -144,7 +144,7 @@ class LLMEngine:
         from nanoserve.distributed.parallel_state import get_tp_group
 
         if get_tp_group(model).size > 1:  # chapter 11: rank 0's shard, whose workers run the eager float32 step
-            config.check_tensor_parallel()
+            config.check_tensor_parallel(chapters=student.chapters)
         if config.compile_mode != "eager" and "02" in student.chapters:
             # CompiledModel runs its own layer loop over the reference's block halves: 2.2 and 2.3 would not run
             raise ValueError(f"compile_mode {config.compile_mode} runs its own loop over the reference block's halves, "
