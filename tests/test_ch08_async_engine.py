@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nanoserve.engine.async_engine import EngineStepError
+from nanoserve.engine.async_engine import EngineStepError, EngineUnavailable
 from nanoserve.engine.config import CacheConfig, EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.sampling import SamplingParams
@@ -256,7 +256,7 @@ def test_the_idle_thread_sleeps_and_shutdown_aborts_what_is_left(tiny):
     assert_pool_whole(engine.engine)
 
     async def after():
-        with pytest.raises(RuntimeError, match="not running"):
+        with pytest.raises(EngineUnavailable, match="not running"):  # the server's 503, not a 500
             await engine.add_request("late", [1, 2], greedy(2))
 
     run(after())

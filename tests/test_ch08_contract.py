@@ -375,3 +375,46 @@ def test_prompt_logprobs_match_transformers_through_the_openai_client(smollm2, h
         client.completions.create(model="smol", prompt=texts[0], max_tokens=1)
         assert stats.hit_blocks >= len(llm.tokenizer.encode(prefix)) // 16  # ... though the prefix was cached
     assert llm.engine.block_manager.get_num_free_blocks() == llm.engine.block_manager.num_blocks
+
+
+@torch.inference_mode()
+def test_on_q4_and_a_bf16_pool_a_repeat_past_its_cached_prefix_is_the_eager_pick_or_a_near_tie_of_it():
+    """What holds on `serve`'s default format instead of equality: q4 weights on a bf16 KV pool, the tiny model
+    set up as LLM sets up a GGUF's (a large-step copy with the crossover at 16; the native one-token step where it
+    builds). The same greedy prompt of 24 tokens twice: cold, its prefill is one 24-token step (past the crossover:
+    the GEMM on the large-step copy); repeated, 20 of its tokens are a prefix-cache hit and the prefill is a
+    4-token step on the small-step kernel (torch's, or cpu_dot.c's int8 activations). Other products, other
+    roundings, so the two answers need not be equal. Each token of each is the eager model's top pick over the same
+    prefix (one forward, no cache: float32 attention, the layers' own paths), or within a near-tie of it: chapter
+    09's margin on a bf16 pool, 2 % of the row's largest |logit|. The check can fail: an answer that starts with
+    the eager model's least likely token does."""
+    from nanoserve.kernels.cpu_decode import default_native_decode
+    from nanoserve.llm import LLM
+    from nanoserve.model.layers import Linear
+    from nanoserve.model.quant import quantize_model, set_kernel_crossover
+    from tests.test_ch09_native_decode import MARGIN
+    from tests.test_ch10_quant import q4_1_blocks
+    from tests.tiny_model import tiny_llama
+
+    model = tiny_llama(vocab_size=49152, max_position_embeddings=1024)  # test_ch08_server's tiny, fresh to quantize
+    blocks = {name: q4_1_blocks(m.weight.detach().numpy()) for name, m in model.named_modules()
+              if isinstance(m, Linear) and name != "lm_head"}
+    quantize_model(model, "q4", blocks)  # the default small-step kernel of this CPU, as load_gguf's
+    set_kernel_crossover(model)
+    model.native_decode = default_native_decode("q4", None)
+    llm = LLM(model, num_blocks=64, block_size=4, kv_cache_dtype="bf16")
+    prompt = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    answers = [llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].token_ids for _ in range(2)]
+    assert llm.engine.block_manager.stats.hit_blocks == 5  # the repeat found 20 of its 24 prompt tokens cached
+
+    def off_the_eager_pick(out):  # per token, how far below the eager top pick it is, over the near-tie margin
+        logits = model.compute_logits(model(torch.tensor(prompt + out)))[len(prompt) - 1:-1]  # row i predicts out[i]
+        gap = logits.max(-1).values - logits[torch.arange(len(out)), torch.tensor(out)]
+        return (gap / (MARGIN["bf16"] * logits.abs().max(-1).values)).tolist()
+
+    print("cold:  ", answers[0], "\nrepeat:", answers[1])  # equal or not: the CPU's kernels decide (-s shows)
+    for out in answers:
+        assert max(off_the_eager_pick(out)) <= 1, f"a token off the eager pick by more than a near-tie: {out}"
+    worst = int(model.compute_logits(model(torch.tensor(prompt)))[-1].argmin())  # the eager pick's opposite
+    assert off_the_eager_pick([worst] + answers[0][1:])[0] > 1

@@ -1,7 +1,8 @@
-"""Chapter 08 — the real SmolLM2 behind the real server, called with the official openai client (sync
-and async): 16 concurrent streams give the offline LLM's greedy text, streamed == non-streamed,
-include_usage, stop strings never leak; and `python -m nanoserve serve` itself, answering the curl
-line and the openai snippet it prints, then exiting 0 on SIGTERM."""
+"""Chapter 08 — the real SmolLM2 (float32 weights) behind the real server, called with the official openai client
+(sync and async): 16 concurrent streams give the offline LLM's greedy text, streamed == non-streamed (equalities
+of float32; on q4 a repeat may pick another near-tie token: test_ch08_contract's q4 test), include_usage, stop
+strings never leak; and `python -m nanoserve serve` itself, answering the curl line and the openai snippet it
+prints, then exiting 0 on SIGTERM."""
 
 import asyncio
 import os

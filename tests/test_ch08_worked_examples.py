@@ -180,7 +180,7 @@ def test_the_prompt_logprobs_example(smollm2_tokenizer):
 def test_the_metrics_scrape_is_the_notebooks():
     (path,) = (ROOT / "chapters").glob(f"{CH}-*.md")
     quoted = re.findall(r"^(nanoserve:\S+) ([\d.]+)", path.read_text(), re.M)  # the scrape's lines, before their comments
-    assert len(quoted) == 11
+    assert len(quoted) == 12
     out = notebook_output(CH)
     for name, value in quoted:
         assert f"{name} {value}" in out, name

@@ -41,7 +41,7 @@ import asyncio  # noqa: F401
 from collections.abc import AsyncIterator
 
 from nanoserve.engine.async_engine import AsyncLLMEngine as ReferenceAsyncLLMEngine
-from nanoserve.engine.async_engine import EngineStepError, _post, _resolve, _Stream  # noqa: F401
+from nanoserve.engine.async_engine import EngineStepError, EngineUnavailable, _post, _resolve, _Stream  # noqa: F401
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.sampling import SamplingParams
 
@@ -58,7 +58,9 @@ class AsyncLLMEngine(ReferenceAsyncLLMEngine):
           - only the engine thread touches self.engine: this coroutine reaches it through the inbox alone, and
             wakes the thread; a request the engine refuses raises the engine's exception *here* (so a server can
             still answer 400), and leaves nothing in the stream table;
-          - two requests in flight never share an id (ValueError); an engine that is not running is a RuntimeError;
+          - two requests in flight never share an id (ValueError); an engine that is not running raises
+            EngineUnavailable (a RuntimeError the server answers with 503 and Retry-After: come back later; a
+            plain RuntimeError would be a 500);
           - a caller cancelled while waiting (a client gone before the step boundary) leaves no request behind;
           - chapter 13: a request with `sampling_params.structured` has its grammar compiled first, off the engine
             thread: `grammar = await self.engine.structured.cache.compile_async(sampling_params.structured)`;

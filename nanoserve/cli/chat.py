@@ -29,8 +29,9 @@ def register(sub):
     p.add_argument("--url", help="an OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default=None, help="with --url: the model to ask for (default: the server's first)")
     p.add_argument("--api-key", default=None, help="with --url: the server's API key (default: $NANOSERVE_API_KEY)")
-    # greedy by default: the most likely reply, the same every time ("What is 2+2?" -> "The answer to this
-    # classic math problem is 4."); at generate's 0.7 a 135M model wanders off ("Your math is very
+    # greedy by default: the most likely reply ("What is 2+2?" -> "The answer to this classic math problem is 4."),
+    # the same every time on the local model's float32 weights (a q4 server behind --url can pick another near-tie
+    # token on a repeat: chapter 08, section 10); at generate's 0.7 a 135M model wanders off ("Your math is very
     # important..."). --temperature 0.7 for variety. No default --weights: given with --url, it is refused.
     p.set_defaults(func=run, max_tokens=256, temperature=0.0, weights=None)
 

@@ -9,6 +9,7 @@ One chat request's journey:
       pydantic      ChatCompletionRequest, strictly; a wrong field is a 400 naming it
       template      "<|im_start|>system ... <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
       tokenizer     [1, 9690, 198, ...]              the engine only ever sees these ids
+      SamplingParams  no room for a reply? n × max_tokens past the bound? 400 (request_params.to_sampling_params)
       quota         the tenant's tokens/minute cannot cover prompt + n × max_tokens? 429 (reserved, refunded at the end)
       AsyncLLMEngine.add_request                     prompt too long, cannot fit the pool? 400
       steps         one RequestOutput per step the request sampled in
