@@ -71,7 +71,8 @@ def test_static_batches_run_as_long_as_their_longest_member():
 @pytest.mark.parametrize("argv", [
     (),
     ("--num-requests", "8", "--prompt-len", "16", "128", "--rounds", "3", "--threads", "1", "--max-num-seqs", "4"),
-    ("--weights", "q4", "--kv-cache-dtype", "bf16", "--hf-requests", "0", "--hf-batch-size", "4"),
+    ("--weights", "q4", "--kv-cache-dtype", "bf16", "--hf-requests", "0"),
+    ("--hf-requests", "8", "--hf-batch-size", "4"),
     ("-tp", "3", "--sequential-requests", "0", "--no-prefix-caching", "--student", "06", "--num-blocks", "99"),
 ])
 def test_the_command_line_parses_back_to_the_arguments_that_ran(argv):
@@ -121,3 +122,6 @@ def test_what_it_cannot_honour_is_refused_and_the_rest_is_not():
     assert "--hf-requests 0" in offline.check_args(parse("--weights", "q4"))
     assert offline.check_args(parse("--weights", "q4", "--hf-requests", "0")) is None
     assert "MIN is larger than MAX" in offline.check_args(parse("--output-len", "9", "3"))
+    # --hf-batch-size sizes batches only the HF baseline runs: with none, the flag would do nothing
+    assert "--hf-requests 0 runs none" in offline.check_args(parse("--hf-requests", "0", "--hf-batch-size", "4"))
+    assert offline.check_args(parse("--hf-requests", "2", "--hf-batch-size", "4")) is None

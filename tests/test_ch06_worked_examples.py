@@ -177,8 +177,13 @@ def test_bench_offline_the_quoted_run():
     assert (f"{run.steps} engine steps, {run.preemptions} preemptions, {run.scheduled / run.steps:.1f} sequences per "
             f"step on average, the last request first scheduled in step {run.last_admitted}") in out
     steps, rows, padded = static_rows(workload, hf_size)
+    # the quote keeps the label the run printed that day; bench offline now prints "steps (each batch's prefill and
+    # its decodes)", and the chapter says so beside the quote
     assert (f"{steps} decode steps, {rows:,} rows for {output:,} requested tokens ({output / rows:.0%} of the rows "
             f"useful); {padded:,} prompt tokens computed for {prompt:,}") in out
+    says(CH, f'The run printed "{steps} decode steps" for HF\'s static batches; the count is each batch\'s prefill '
+             f'and its decodes, and `bench offline` now prints it as "{steps} steps (each batch\'s prefill and its '
+             'decodes)"')
     least = max(max(outputs), -(-output // seats))  # the baselines' jobs, spread over the run
     assert f"one every {least // args.num_requests} steps" in out and f"one every {least // -(-args.num_requests // hf_size)} steps" in out
     # each row: its tokens over the median round's seconds; each ratio: of the median rounds' rates, and per round
@@ -229,10 +234,10 @@ def test_bench_offline_the_quoted_run():
     says(CH, f"one at a time needs about {output} × {t1} ms + {prompt} × {p1:.1f} ms ≈ {alone:.1f} s and nanoserve about "
              f"{run.steps} × {t3} ms + {prompt} × {p4:.1f} ms ≈ {ours:.1f} s")
     says(CH, f"**about {alone / ours:.1f}×**, close to the ")
-    says(CH, f"A step of 16 sequences costs {t16 / t1:.1f}× a step of one in the quoted profile — {16 * t1 / t16:.1f}× "
-             "cheaper per token")
+    says(CH, f"A step of 16 sequences costs {t16 / t1:.1f}× a step of one in the quoted profile (a dated row: its "
+             f"16-token products were swapped then) — {16 * t1 / t16:.1f}× cheaper per token")
     says(CH, f"mostly the linear layers' work ({cost[('decode', 16)][1][0]} % of that step")
-    says(CH, f"HF runs {steps} decode steps of {hf_size} rows — {rows} rows for {output} requested tokens, "
+    says(CH, f"HF runs {steps} steps of {hf_size} rows (each batch's prefill and its decodes) — {rows} rows for {output} requested tokens, "
              f"{output / rows:.0%} of them useful".replace("%", " %"))
     says(CH, f"{padded} prompt tokens computed for {prompt}")
     gap = float(re.search(r"HF static batches of \d+ +\d+ req +\d+ out tok +([\d.]+) s", out)[1]) \
@@ -294,7 +299,7 @@ def test_the_notebooks_static_and_continuous_steps():
 def test_the_prefill_budget_sweep():
     out = notebook_output(CH)
     line = re.search(r"(\d+) streams \((\d+)-token prompts, (\d+) output tokens each\) decode while (\d+) (\d+)-token "
-                     r"prompts arrive, at steps ([\d, ]+); least disturbed of (\d+) interleaved rounds; load average "
+                     r"prompts arrive, at steps ([\d, ]+); least disturbed of (\d+) interleaved rounds after a warm-up; load average "
                      r"\(1 min\) before / after: ([\d.]+) / ([\d.]+)", out)
     streams, stream_len, _, _, long_len, _, _, before, after = line.groups()
     streams, long_len = int(streams), int(long_len)
@@ -316,11 +321,11 @@ def test_the_prefill_budget_sweep():
     says(CH, f"the long prompt's first token comes in the {n160}{ordinal(n160)} step counted from its arrival step at a "
              f"budget of 160 ({n160 - 1} steps after it), the {n256}{ordinal(n256)} at 256, instead of in the 1st, the "
              "step it arrived in")
-    says(CH, f"on a busy machine (load {before}–{after})")
-    says(CH, f"the streams' p99 ITL is {off[1]:,} ms without chunking and **{b160[1]:,} ms with a budget of 160, "
+    says(CH, f"on a busy machine (load {before} before, {after} after)")
+    says(CH, f"their p99 ITL is {off[1]:,} ms without chunking and **{b160[1]:,} ms with a budget of 160, "
              f"{off[1] / b160[1]:.1f}× less** ({b256[1]:,} ms at 256)")
-    says(CH, f"TTFT p50 {b160[2]:,} ms against {off[2]:,} ms, **{b160[2] / off[2] - 1:+.0%}** "
-             f"({b256[2] / off[2] - 1:+.0%} at a budget of 256)".replace("%", " %"))
+    says(CH, f"TTFT p50 {b160[2]:,} ms at a budget of 160 against {off[2]:,} ms without chunking, "
+             f"{b160[2] / off[2] - 1:+.0%} ({b256[2] / off[2] - 1:+.0%} at 256".replace("%", " %"))
 
 
 def test_what_limits_a_step_the_profile_row():

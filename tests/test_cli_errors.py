@@ -200,6 +200,7 @@ BAD = [
     (["bench", "offline", "-tp", "3"], ["one-at-a-time baseline", "--sequential-requests 0"]),
     (["bench", "offline", "--weights", "q4"], ["float32 model, not --weights q4", "--hf-requests 0"]),
     (["bench", "offline", "--output-len", "9", "3"], ["--output-len 9 3", "MIN is larger than MAX"]),
+    (["bench", "offline", "--hf-requests", "0", "--hf-batch-size", "4"], ["--hf-batch-size", "--hf-requests 0 runs none"]),
     (["bench", "offline", "--hf-requests", "-2"], ["--hf-requests"]),
     (["bench", "offline", "--num-requests", "0"], ["--num-requests"]),
     # bench kv-cache: every count below 1 (a zero used to divide by zero or crash in the model), and what the

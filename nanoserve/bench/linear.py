@@ -13,7 +13,7 @@ ways reversed from one round to the next (best_of):
 AVX512-BF16 where the CPU has them), timed in the same alternating rounds: where chapter 09's bf16 slowdown
 comes from.
 
-Each weight is a separate tensor, as in the model, so a pass streams ~540 MB of float32 weights and
+Each weight is a separate tensor, as in the model, so a pass streams ~538 MB of float32 weights and
 none of them is still in cache from the pass before: a decode step's conditions, not a warm microbenchmark.
 Freed memory is kept for reuse as in the engine's worker, so big outputs do not page-fault afresh.
 

@@ -26,10 +26,11 @@ workload first, untimed (warm-up). With --rounds R the whole run repeats R times
 reversed every other round, each round's requests under a cache salt of their own (no round finds the
 last one's prompts in the prefix cache); each system's figures are from its median round.
 
-The engine flags (nanoserve/cli/batch.py) configure nanoserve. The `command:` line prints every flag that
-is not at its default, and the header the weights and KV pool each system ran with. Refused, before the
+The engine flags (nanoserve/cli/batch.py) configure nanoserve. The `command:` line prints this benchmark's
+own flags, and the engine flags not at their default, and the header the weights and KV pool each system ran with. Refused, before the
 model loads: tensor parallelism with the one-at-a-time baseline (chapter 04's loop would run rank 0's
-shard alone), and --weights other than fp32 with the HF baseline (transformers runs the float32 model).
+shard alone), --weights other than fp32 with the HF baseline (transformers runs the float32 model), and
+--hf-batch-size with --hf-requests 0 (no HF batch to size).
 """
 
 import random
@@ -81,6 +82,8 @@ def check_args(args) -> str | None:
     if args.tensor_parallel_size > 1 and args.sequential_requests:
         return ("--tensor-parallel-size runs nanoserve's other ranks in worker processes, and the one-at-a-time "
                 "baseline would run chapter 04's loop on rank 0's shard alone: give --sequential-requests 0")
+    if args.hf_batch_size is not None and args.hf_requests == 0:
+        return "--hf-batch-size sizes the HF baseline's batches; --hf-requests 0 runs none: drop one of the two"
     if args.weights != "fp32" and args.hf_requests:
         return (f"the HF static baseline runs transformers' float32 model, not --weights {args.weights}: give "
                 "--hf-requests 0 (bench peers compares the weight formats with transformers)")
@@ -200,8 +203,9 @@ def run_hf_static(hf_model, workload, batch_size: int) -> float:
 
 
 def static_rows(workload, batch_size: int) -> tuple[int, int, int]:
-    """(decode steps, decode rows, prompt tokens computed) of static batches: each batch runs its longest output's
-    steps with every member a row, and its prompts are left-padded to its longest."""
+    """(steps, rows, prompt tokens computed) of static batches: each batch runs its longest output's steps (its
+    prefill, which samples the first token, and the decodes after it) with every member a row, and its prompts are
+    left-padded to its longest."""
     batches = [workload[b:b + batch_size] for b in range(0, len(workload), batch_size)]
     longest = [max(n for _, n in batch) for batch in batches]
     return (sum(longest), sum(len(batch) * n for batch, n in zip(batches, longest)),
@@ -331,8 +335,8 @@ def measure(args, llm) -> None:
         if name == "HF static":
             steps, rows, padded = static_rows(batch, hf_size)
             useful = sum(n for _, n in batch)
-            print(f"    {steps} decode steps, {rows:,} rows for {useful:,} requested tokens ({useful / rows:.0%} of "
-                  f"the rows useful); {padded:,} prompt tokens computed for {sum(len(p) for p, _ in batch):,} (each "
-                  f"batch padded to its longest)")
+            print(f"    {steps} steps (each batch's prefill and its decodes), {rows:,} rows for {useful:,} requested "
+                  f"tokens ({useful / rows:.0%} of the rows useful); {padded:,} prompt tokens computed for "
+                  f"{sum(len(p) for p, _ in batch):,} (each batch padded to its longest)")
         print(f"    its jobs ran between nanoserve's steps, one every {every[name]} steps{rounds(side)}")
         compare(name, batch, workload, [sum(outputs) / s for s in seconds], [sum(n for _, n in batch) / s for s in side])
