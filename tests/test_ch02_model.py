@@ -13,6 +13,8 @@ from nanoserve.model.gguf_loader import config_from_gguf, embedded_gguf_path, lo
 from nanoserve.model.layers import SWAP_AB_MAX_TOKENS, Linear
 from nanoserve.student import implementation
 from tests.hf_reference import additive_causal_mask, hf_config, hf_rope
+from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ the loader reads)
+from tests.tiny_model import write_llama_gguf
 
 layers = implementation("nanoserve.model.layers")
 block = implementation("nanoserve.model.block")
@@ -161,6 +163,25 @@ def test_tiny_model_takes_positions():
 
 
 @pytest.mark.exercise("2.3")
+def test_tiny_model_in_bf16_stays_bf16_and_as_close_as_transformers_bf16():
+    # a bf16 model (--weights bf16 serves one): rope_cos_sin's tables are float32, and on bf16 q and k they would
+    # promote them to float32 next to a bf16 v; in the embedding's dtype they keep the model bf16, as transformers'.
+    # bf16 rounds every product (8 bits of mantissa): the float32 pair is the reference, and ours in bf16 must be
+    # within twice the error of transformers' own bf16 model
+    _, reference = tiny_pair()
+    ours, theirs = (m.to(torch.bfloat16) for m in tiny_pair())
+    ids = torch.randint(0, TINY.vocab_size, (9,), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([0, 1, 4, 5, 6, 10, 11, 12, 30])
+    with torch.no_grad():
+        expected = reference(ids[None], position_ids=positions[None]).logits[0]
+        theirs_error = (theirs(ids[None], position_ids=positions[None]).logits[0].float() - expected).abs().max()
+        hidden = ours(ids, positions)
+        got = ours.compute_logits(hidden)
+    assert hidden.dtype == got.dtype == torch.bfloat16
+    assert (got.float() - expected).abs().max() <= 2 * theirs_error
+
+
+@pytest.mark.exercise("2.3")
 def test_tiny_model_refuses_a_batch_axis_and_positions_past_the_context():
     ours, _ = tiny_pair()
     with pytest.raises(ValueError, match=r"1, 4\b"):  # the shape, as (1, 4) or torch.Size([1, 4])
@@ -273,6 +294,98 @@ def test_corrupt_header_names_the_file(tmp_path):
     path.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\xff" * 64)  # absurd tensor and key counts
     with pytest.raises(ValueError, match=r"corrupt\.gguf"):
         load_gguf(path)
+
+
+
+def test_a_tiny_gguf_loads_as_written(tmp_path):
+    """The tiny GGUF the tests below alter: written as llama.cpp's converter lays one out, it loads, weights and all
+    (Q and K put back in HF's row order)."""
+    config = LlamaConfig.tiny(tie_word_embeddings=False, rms_norm_eps=2.0 ** -17)  # an eps the file's float32 holds
+    written = write_llama_gguf(tmp_path / "tiny.gguf", config)
+    model = load_gguf(tmp_path / "tiny.gguf")
+    assert model.config == config
+    state = model.state_dict()
+    assert torch.equal(state["layers.1.mlp.up_proj.weight"], torch.from_numpy(written["blk.1.ffn_up.weight"]))
+    assert torch.equal(state["layers.0.self_attn.k_proj.weight"], torch.from_numpy(
+        unpermute_qk(written["blk.0.attn_k.weight"], config.num_key_value_heads)))
+
+
+@pytest.mark.parametrize("keys, tensors, feature", [
+    ({}, {"rope_freqs.weight": np.ones(8, np.float32)}, r"per-frequency RoPE scaling \(the rope_freqs\.weight tensor\)"),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, {},
+     r"RoPE scaling \(llama\.rope\.scaling\.type 'linear', llama\.rope\.scaling\.factor 4\.0\)"),
+    ({"llama.rope.scaling.type": "yarn"}, {}, r"RoPE scaling \(llama\.rope\.scaling\.type 'yarn'\)"),
+    ({"llama.rope.dimension_count": 8}, {}, r"RoPE over 8 dimensions per head \(llama\.rope\.dimension_count\)"),
+    ({"llama.attention.key_length": 32}, {}, r"keys of 32 dimensions per head.*= 16"),
+    ({"llama.attention.sliding_window": 64}, {}, r"sliding-window attention \(llama\.attention\.sliding_window 64\)"),
+    ({}, {"blk.0.attn_q.bias": np.zeros(64, np.float32)}, r"a tensor nanoserve's Llama does not have \(blk\.0\.attn_q\.bias\)"),
+])
+def test_a_gguf_needing_what_llamaconfig_cannot_say_is_refused_naming_the_file_and_the_feature(tmp_path, keys,
+                                                                                             tensors, feature):
+    """Section 1: a Llama-family file that needs RoPE scaling, another head or rotary size, a sliding window or a
+    tensor the model does not have would load and run wrong, or fail on a bare KeyError: the config is refused,
+    before any weight is read, with the file's name and the feature."""
+    path = tmp_path / "other.gguf"
+    write_llama_gguf(path, LlamaConfig.tiny(), keys=keys, tensors=tensors)
+    for read in (lambda: config_from_gguf(open_gguf(path)), lambda: load_gguf(path)):
+        with pytest.raises(ValueError, match=rf"other\.gguf: this model needs {feature}.*does not implement"):
+            read()
+
+
+def test_a_gguf_saying_what_llamaconfig_assumes_loads(tmp_path):
+    """Keys that agree with LlamaConfig (no scaling, head and rotary size hidden / heads) are no reason to refuse."""
+    path, config = tmp_path / "explicit.gguf", LlamaConfig.tiny(tie_word_embeddings=False, rms_norm_eps=2.0 ** -17)
+    write_llama_gguf(path, config, keys={"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 1.0,
+                                         "llama.rope.dimension_count": 16, "llama.attention.key_length": 16})
+    assert config_from_gguf(open_gguf(path)) == config
+
+
+
+LINEAR_NOT_NN_LINEAR = '''class Linear(nn.Module):
+    """The learner's Linear as a plain module holding the weight: the same product, not an nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+'''
+
+
+def test_a_learners_own_linear_serves_the_files_q4_blocks_or_is_refused(tmp_path, exercises):
+    """--student 02 with a layers.py that mirrors the reference's whole module: block.py's projections are the
+    learner's Linear class, not the reference's. Quantized, they still serve the file's weights (the same logits as
+    the reference's q4 model); a Linear that is not an nn.Linear would keep a float32 weight, never loaded from the
+    file's Q4_1 blocks, so every quantized format refuses it, naming the layer and its class."""
+    from gguf import GGMLQuantizationType
+
+    from nanoserve.student import StudentCode
+
+    path = tmp_path / "tiny-q4.gguf"
+    write_llama_gguf(path, LlamaConfig.tiny(), GGMLQuantizationType.Q4_1)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    layers_py = exercises("nanoserve.model.layers")  # the reference's files, copied whole into the learner's
+    exercises("nanoserve.model.block")
+    exercises("nanoserve.model.llama")
+    fp32 = load_gguf(path, modules=StudentCode("02").module)
+    assert {f"{type(m).__module__}.{type(m).__name__}" for name, m in fp32.named_modules() if name.endswith("_proj")} \
+        == {"student_nanoserve_model_layers.Linear"}  # the learner's class, not nanoserve.model.layers.Linear
+    for weights in ("q4", "int8"):
+        ours, reference = load_gguf(path, weights, modules=StudentCode("02").module), load_gguf(path, weights)
+        assert {type(m).__name__ for name, m in ours.named_modules() if name.endswith("_proj")} == \
+            {"Q4Linear" if weights == "q4" else "Int8Linear"}
+        with torch.no_grad():
+            assert torch.equal(ours.compute_logits(ours(ids)), reference.compute_logits(reference(ids)))
+    source = layers_py.read_text()
+    start, end = source.index("class Linear(nn.Linear):"), source.index("class RMSNorm(")
+    layers_py.write_text(source[:start] + LINEAR_NOT_NN_LINEAR + "\n\n" + source[end:])
+    for weights in ("q4", "int8", "bf16"):
+        with pytest.raises(ValueError, match=rf"weights='{weights}' swaps each decoder layer that is a torch\.nn\.Linear; "
+                                             r"layers\.0\.self_attn\.qkv_proj, layers\.0\.self_attn\.o_proj and 6 more "
+                                             r"\(student_nanoserve_model_layers\.Linear\) is not one"):
+            load_gguf(path, weights, modules=StudentCode("02").module)
 
 
 # --- memory math --------------------------------------------------------------------------------

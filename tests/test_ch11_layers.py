@@ -12,6 +12,7 @@ from nanoserve.distributed.shard import HeadSplit
 from nanoserve.model import LlamaConfig
 from nanoserve.student import implementation
 from tests.test_student import exercises  # noqa: F401  (a fixture: a copy of exercises/ the loader reads)
+from tests.tiny_model import write_llama_gguf
 
 
 class FakeGroup:
@@ -278,42 +279,6 @@ def test_finished_rungs_of_exercise_11_build_the_shards(exercises):
         torch.testing.assert_close(shard.compute_logits(shard(ids)), full.compute_logits(full(ids)))
 
 
-def write_float_llama_gguf(path, config, dtype):
-    """A tiny Llama as a GGUF of unquantized matrices (dtype np.float32 or np.float16; the norms float32), written
-    with the gguf package as llama.cpp's converter lays it out. Returns its matrices by GGUF name, as float32."""
-    from gguf import GGUFWriter
-
-    h, D, H, Hkv, I = (config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
-                       config.intermediate_size)
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (config.vocab_size, h), "output.weight": (config.vocab_size, h)}
-    for i in range(config.num_hidden_layers):
-        shapes.update({f"blk.{i}.attn_q.weight": (H * D, h), f"blk.{i}.attn_k.weight": (Hkv * D, h),
-                       f"blk.{i}.attn_v.weight": (Hkv * D, h), f"blk.{i}.attn_output.weight": (h, H * D),
-                       f"blk.{i}.ffn_gate.weight": (I, h), f"blk.{i}.ffn_up.weight": (I, h),
-                       f"blk.{i}.ffn_down.weight": (h, I)})
-    matrices = {name: rng.standard_normal(shape).astype(dtype) for name, shape in shapes.items()}
-    w = GGUFWriter(str(path), "llama")
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(h)
-    w.add_feed_forward_length(I)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_head_count(H)
-    w.add_head_count_kv(Hkv)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    for name, m in matrices.items():
-        w.add_tensor(name, m)
-    for name in ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(config.num_hidden_layers)
-                                          for n in ("attn", "ffn")]:
-        w.add_tensor(name, rng.standard_normal(h).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {name: m.astype(np.float32) for name, m in matrices.items()}
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_a_float_gguf_shards_by_columns_too(tmp_path, dtype):
     """An F32 / F16 GGUF at TP 2: every rank reads its own slice, the row-parallel layers' by columns. Each rank's
@@ -324,7 +289,7 @@ def test_a_float_gguf_shards_by_columns_too(tmp_path, dtype):
 
     config = LlamaConfig.tiny(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
     path = tmp_path / "tiny-float.gguf"
-    written = write_float_llama_gguf(path, config, dtype)
+    written = write_llama_gguf(path, config, dtype)
     full = load_gguf(path)
     for tp in ranks(2):
         shard = load_shard_from_gguf(path, tp)
@@ -384,7 +349,7 @@ def test_your_layers_read_their_slice_of_a_gguf(tmp_path, rung):
 
     config = LlamaConfig.tiny(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                               vocab_size=101)
-    written = write_float_llama_gguf(tmp_path / "tiny.gguf", config, np.float32)
+    written = write_llama_gguf(tmp_path / "tiny.gguf", config, np.float32)
     layers = layers_with_yours(rung)
     for tp in ranks(2):
         shard = load_shard_from_gguf(tmp_path / "tiny.gguf", tp, layers)

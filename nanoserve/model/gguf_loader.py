@@ -75,7 +75,7 @@ def config_from_gguf(reader) -> LlamaConfig:
     if arch != "llama":
         raise ValueError(f"{reader.data.filename}: architecture {arch!r} is not supported (only 'llama')")
     has_lm_head = any(t.name == "output.weight" for t in reader.tensors)
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=gguf_metadata(reader, "llama.embedding_length"),
         intermediate_size=gguf_metadata(reader, "llama.feed_forward_length"),
@@ -87,6 +87,39 @@ def config_from_gguf(reader) -> LlamaConfig:
         rms_norm_eps=float(gguf_metadata(reader, "llama.attention.layer_norm_rms_epsilon")),
         tie_word_embeddings=not has_lm_head,
     )
+    unsupported = unsupported_features(reader, config)
+    if unsupported:
+        raise ValueError(f"{reader.data.filename}: this model needs {'; '.join(unsupported)}, which nanoserve's Llama "
+                         f"does not implement (chapter 02, section 1): it would load and run wrong")
+    return config
+
+
+def unsupported_features(reader, config: LlamaConfig) -> list[str]:
+    """What a Llama-family GGUF asks for that LlamaConfig cannot say, one phrase each (none for SmolLM2):
+    RoPE scaling (Llama 3.1 and 3.2 ship theirs as per-frequency factors in a rope_freqs tensor; a linear or YaRN
+    stretch is in the rope.scaling keys), a rotary or head dimension other than hidden_size / num_attention_heads,
+    a sliding window (Mistral-7B v0.1), a tensor that is not one of GGUF_TO_NANOSERVE's."""
+    def key(name):
+        field = reader.fields.get(f"llama.{name}")
+        return None if field is None else field.contents()
+
+    found = []
+    scaling = {f"llama.rope.scaling.{k}": key(f"rope.scaling.{k}") for k in ("type", "factor")}
+    if scaling["llama.rope.scaling.type"] not in (None, "none") or scaling["llama.rope.scaling.factor"] not in (None, 0.0, 1.0):
+        found.append(f"RoPE scaling ({', '.join(f'{k} {v!r}' for k, v in scaling.items() if v is not None)})")
+    for name, what in (("rope.dimension_count", "RoPE over"), ("attention.key_length", "keys of"),
+                       ("attention.value_length", "values of")):
+        if key(name) not in (None, config.head_dim):
+            found.append(f"{what} {key(name)} dimensions per head (llama.{name}), not hidden_size / "
+                         f"num_attention_heads = {config.head_dim}")
+    if key("attention.sliding_window") is not None:
+        found.append(f"sliding-window attention (llama.attention.sliding_window {key('attention.sliding_window')})")
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            found.append("per-frequency RoPE scaling (the rope_freqs.weight tensor)")
+        elif not known_tensor(t.name):
+            found.append(f"a tensor nanoserve's Llama does not have ({t.name})")
+    return found
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -115,12 +148,21 @@ GGUF_TO_NANOSERVE = {
 }
 
 
-def our_name(gguf_name: str) -> str:
+def gguf_pattern(gguf_name: str) -> tuple[str, str | None]:
+    """"blk.3.ffn_up.weight" -> ("blk.{i}.ffn_up.weight", "3"); a name outside the blocks -> (itself, None)."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        i, pattern = parts[1], ".".join(["blk", "{i}", *parts[2:]])
-        return GGUF_TO_NANOSERVE[pattern].format(i=i)
-    return GGUF_TO_NANOSERVE[gguf_name]
+    if parts[0] == "blk" and len(parts) > 2:
+        return ".".join(["blk", "{i}", *parts[2:]]), parts[1]
+    return gguf_name, None
+
+
+def known_tensor(gguf_name: str) -> bool:
+    return gguf_pattern(gguf_name)[0] in GGUF_TO_NANOSERVE
+
+
+def our_name(gguf_name: str) -> str:
+    pattern, i = gguf_pattern(gguf_name)
+    return GGUF_TO_NANOSERVE[pattern].format(i=i)
 
 
 def load_gguf(path: str | Path | None = None, weights: str = "fp32", quantizer=None,

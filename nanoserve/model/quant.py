@@ -391,9 +391,8 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     integer_dot: small steps in cpu_dot.c's integer products (True) or torch's kernels (False); None:
     default_integer_dot(). A learner's unpack_q4_1 or int4_scale_and_zero is what torch's int4 kernel reads, so
     with either the q4 layers keep torch's kernel: the learner's code serves (reference_q4_mapping).
+    The layers swapped are decoder_linears(model); check_swapped refuses a model with a float matrix left over.
     """
-    from nanoserve.model.layers import Linear
-
     check_weight_format(weights)
     f = functions or sys.modules[__name__]
     model.weight_format = weights
@@ -404,9 +403,7 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     if integer_dot:
         check_integer_dot(integer_dot, weights)
     integer_dot = default_integer_dot() if integer_dot is None else integer_dot
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, Linear) or name == "lm_head":
-            continue
+    for name, module in decoder_linears(model):
         if weights == "q4":
             if name not in (q4_blocks or {}):
                 raise ValueError(f"{name}: weights='q4' needs this layer's Q4_1 blocks from the GGUF, and there are none")
@@ -423,22 +420,43 @@ def quantize_model(model, weights: str, q4_blocks: dict[str, torch.Tensor] | Non
     model.lm_head = (Int8Linear(q, scale, "lm_head", f.dequantize_int8) if tied
                      else Int8Linear.from_float(model.lm_head.weight, "lm_head", f.quantize_int8, f.dequantize_int8))
     model.lm_head.integer_dot = integer_dot and model.lm_head.in_features % cpu_dot.QK == 0
+    return check_swapped(model, weights)
+
+
+def decoder_linears(model) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every product quantize_model and bf16_model swap: each nn.Linear but the LM head.
+
+    nn.Linear, not nanoserve/model/layers.py's Linear: under `--student 02` the layers are built from the learner's
+    files, and a layers.py that mirrors the reference's whole module defines a Linear class of its own."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name != "lm_head"]
+
+
+def check_swapped(model, weights: str):
+    """The model, or ValueError where a matrix is left as a float parameter after the swap: a layer that is not an
+    nn.Linear keeps its float32 weight, and would serve a model that is not in `weights` (with q4 from a GGUF, a
+    random one: load_gguf loads no float weight into the layers that the file's blocks are for)."""
+    left = {name.rpartition(".")[0]: model.get_submodule(name.rpartition(".")[0])
+            for name, p in model.named_parameters() if p.dim() > 1}
+    if left:
+        names = ", ".join(list(left)[:2]) + (f" and {len(left) - 2} more" if len(left) > 2 else "")
+        kinds = ", ".join(sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in left.values()}))
+        raise ValueError(f"weights={weights!r} swaps each decoder layer that is a torch.nn.Linear; {names} "
+                         f"({kinds}) is not one and would keep its float32 weight: subclass nn.Linear, as "
+                         f"nanoserve/model/layers.py's Linear does, or serve weights='fp32'")
     return model
 
 
 def bf16_model(model):
     """Every Linear (LM head included) a BF16Linear; the embedding bf16 too (shared with a tied head)."""
-    from nanoserve.model.layers import Linear
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and name != "lm_head":
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, BF16Linear(module.weight, name))
+    for name, module in decoder_linears(model):
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, BF16Linear(module.weight, name))
     tied = model.lm_head.weight is model.embed_tokens.weight
     model.lm_head = BF16Linear(model.lm_head.weight, "lm_head")
     model.embed_tokens = BF16Embedding(model.lm_head.weight if tied else
                                        model.embed_tokens.weight.detach().to(torch.bfloat16))
-    return model
+    return check_swapped(model, "bf16")
 
 
 def resident_bytes(model) -> int:

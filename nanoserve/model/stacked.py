@@ -9,9 +9,12 @@ the output features they become ONE product (vLLM's QKVParallelLinear and Merged
     q, k, v  = qkv_proj(x).split([H·D, Hkv·D, Hkv·D], dim=-1)     the same numbers as three products
     gate, up = gate_up_proj(x).chunk(2, dim=-1)
 
-Why it is faster: a decode step's product is memory-bound, and three small GEMMs read x three times, pay
-three calls' fixed cost and give the library three narrow matrices to tile; one wide GEMM does neither
-(`python -m nanoserve bench linear --fused`). Each output row is the same dot product either way.
+Each output row is the same dot product either way; what changes is the number of products, 4 per layer
+instead of 7, and one GEMM reads x once instead of three times. That can pay where each product has a fixed
+cost, as a GPU's kernel launch (not measured in this course). On the course's CPU it buys no measurable time in
+float32: `python -m nanoserve bench linear --fused` times the separate and the fused products within noise of
+each other (chapter 02, section 4). The layout is kept because it is vLLM's, whose tensor-parallel layers
+shard the stacked weights as chapter 11's do.
 
 Checkpoints (HF's, the GGUF's) store the parts. `STACKED_PARAMS` maps the fused name to its parts, and
 `stack_parts` makes a module's state_dict speak the checkpoint's names: saving splits the fused weight into
