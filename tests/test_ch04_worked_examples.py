@@ -194,6 +194,15 @@ def test_the_profile_quoted_in_section_4_is_chapter_06s():
     says(CH, f"whose ridge chapter 06's profile (quoted next) measures at {ridge},")
     # a prefill does 2·P flops per weight: P/2 flops a byte in fp32, P in bf16; arithmetic-bound past the ridge
     says(CH, f"from about {2 * float(ridge):.0f} tokens on, and the table's 41-token prompt is well past it")
+    # the machines by chapter 09's names: chapter 06's float32 runs were on the Zen 4 VM; chapter 09's profile, on
+    # the AMX machine, measured another ridge
+    assert "float32 runs were made on 2026-12-03 on a 2-core AMD EPYC (AVX-512, no AMX)" in text
+    nine = chapter("09")
+    assert "| Zen 4 | AMD EPYC, AVX-512 BF16 and VNNI, no AMX |" in nine and "| the AMX machine | Intel Xeon with AMX" in nine
+    says(CH, "on the course's Zen 4 VM (a 2-core AMD EPYC, AVX-512, no AMX), whose ridge chapter 06's profile")
+    amx_ridge = re.search(r"on the AMX machine .*?\(ridge at ([\d.]+) FLOP/byte\)", nine).group(1)
+    says(CH, f"on the AMX machine, whose ridge chapter 09's profile (section 5) measures at {amx_ridge}, from about "
+             f"{2 * float(amx_ridge):.0f} tokens")
     flops, bandwidth = 989, 3.35  # H100 SXM datasheet, as chapter 11 quotes it
     assert f"HBM {bandwidth} TB/s, {flops} TFLOP/s bf16" in chapter("11")
     says(CH, f"({flops} TFLOP/s bf16, {bandwidth} TB/s) puts its ridge near {flops / bandwidth:.0f}, so there a "
@@ -226,9 +235,19 @@ def test_the_cache_benchmark_table_and_what_follows_from_it():
     says(CH, "A path's two rounds agree within 10 %.")
     says(CH, "even the cache's worst round beats the best round without it")
     slope = (attention[512] - attention[64]) / (512 - 64)
-    says(CH, f"a fixed part of about {attention[64] - 64 * slope:.1f} ms a step plus about {slope:.3f} ms per cached "
+    fixed = attention[64] - 64 * slope
+    says(CH, f"a fixed part of about {fixed:.1f} ms a step plus about {slope:.3f} ms per cached "
              f"key (({attention[512]} − {attention[64]}) / {512 - 64})")
-    says(CH, f"From 256 to 512 tokens that is {attention[512] - attention[256]:.1f} ms more a step")
+    assert fixed > 64 * slope and 512 * slope > fixed  # most of it at 64 tokens, the per-key part most at 512
+    says(CH, f"most of it ({fixed:.1f} of {attention[64]} ms); at 512 the per-key part is most of it "
+             f"({512 * slope:.1f} of {attention[512]} ms); the two are equal at about {fixed / slope:.0f} keys")
+    added = attention[512] - attention[256]
+    says(CH, f"From 256 to 512 tokens that is {added:.1f} ms more a step")
+    best, worst = map(float, re.fullmatch(r"([\d.]+) \(([\d.]+)\)", rows[512][1]).groups())
+    assert 1000 / worst - 1000 / best > added  # the extra attention is less than the row's spread of step times
+    says(CH, f"less than the spread of the 512-token row's own rounds ({1000 / best:.1f} to {1000 / worst:.1f} ms a "
+             f"step), so the table's best cached rate can stay at {rows[256][1].split()[0]} tokens/s there")
+    assert rows[256][1].split()[0] == rows[512][1].split()[0]
     share = {context: rows[context][3].split("(")[1].split("%")[0] for context in rows}
     says(CH, f"from {attention[64]} ms, {share[64]} % of the step, at 64 tokens to {attention[512]} ms, {share[512]} %, "
              f"at 512")
