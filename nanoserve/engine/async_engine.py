@@ -34,7 +34,6 @@ import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from nanoserve.engine import event_feed
 # the server reads the LoRA errors and the sleep mode's here (chapter 19)
 from nanoserve.engine.llm_engine import (EngineAsleep, LLMEngine, LoRANameTaken, LoRANotLoaded,  # noqa: F401
                                          RequestOutput, SleepConflict, SleepRefused)
@@ -81,8 +80,7 @@ class AsyncLLMEngine:
         self.lora_names: tuple[str, ...] = tuple(getattr(engine, "lora_ids", ()))  # chapter 19: adapters loaded
         self.lora_enabled = getattr(getattr(engine, "config", None), "lora_config", None) is not None
         # chapter 12: snapshots for the live page, nearly off while nobody watches (--student 12: the learner's feed)
-        student = getattr(engine, "student", None)  # a distributed engine front has none: the reference's
-        self.event_feed = (student.module("nanoserve.engine.event_feed") if student else event_feed).EventFeed()
+        self.event_feed = engine.student.module("nanoserve.engine.event_feed").EventFeed()
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
