@@ -109,8 +109,9 @@ def test_attend_sequence_through_its_block_table(pa, prefix):
     assert (out - reference_attention(q, k, v)).abs().max() < 1e-4
 
 
-# The pool's dtype and the tolerance against the float32 reference: serve's default pool is bf16 under the float32
-# model, so the step stores and attends in bf16 (8 bits of mantissa: outputs of size ~1 are off by up to ~1e-2).
+# The pool's dtype and the tolerance against the float32 reference: serve's default pool is bf16, under a model
+# whose q, k, v are float32, so the step stores and attends in bf16 (8 bits of mantissa: outputs of size ~1 are
+# off by up to ~1e-2).
 POOLS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
@@ -119,8 +120,8 @@ POOLS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
                          + [(seed, torch.bfloat16) for seed in range(6)], ids=str)
 def test_paged_equals_contiguous_on_random_batches(pa, seed, dtype):
     """A whole step of PagedAttention, every sequence one at a time (batch_decodes=False), then with the decodes
-    batched (exercise 5.6's DecodeGroup, the reference's while 5.5 is graded). On a bf16 pool the float32 model's
-    q, k, v are stored and attended in bf16 and the output comes back in float32; the reference attends the
+    batched (exercise 5.6's DecodeGroup, the reference's while 5.5 is graded). On a bf16 pool float32 q, k, v
+    are stored and attended in bf16 and the output comes back in float32; the reference attends the
     bf16-rounded q, k, v in float32."""
     rng = random.Random(seed)
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
-"""Chapter 05 — the baseline paging replaces, max-length reservation (kv/reservation.py), by hand; and the
-memory-cap comparison of `bench paged-kv --memory-cap-mib` on a tiny random model: the same requests, the
-same tokens, fewer running at once and no preemption when reserving, nothing leaked."""
+"""Chapter 05 — the baseline paging replaces, reserving prompt + max_tokens at admission (kv/reservation.py), by
+hand; and the memory-cap comparison of `bench paged-kv --memory-cap-mib` on a tiny random model: the same
+requests, the same tokens, fewer running at once and no preemption when reserving, nothing leaked."""
 
 import pytest
 import torch

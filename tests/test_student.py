@@ -508,8 +508,9 @@ def test_all_of_chapter_05_serves(tiny, exercises):
 
 
 def test_all_of_chapter_05_serves_on_a_bf16_pool(tiny, exercises):
-    """`serve`'s default pool is bf16 under a float32 model: the learner's PagedAttention and DecodeGroup store
-    and attend in the pool's dtype and hand the model back float32, token for token as the reference does."""
+    """`serve`'s default pool is bf16, here under a model whose q, k, v are float32: the learner's PagedAttention
+    and DecodeGroup store and attend in the pool's dtype and hand the model back float32, token for token as the
+    reference does."""
     for module in [m for m, path in STUDENT_FILES.items() if path.startswith("05-")]:
         exercises(module)
     engine, expected = serve(tiny, kv_cache_dtype="bf16")

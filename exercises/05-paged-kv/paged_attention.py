@@ -97,8 +97,8 @@ class PagedAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Exercise 5.5. Layer layer_idx's attention for the whole flat batch: q (N, H, D), k, v (N, Hkv, D)
-        -> (N, H, D). q, k, v come in the model's dtype, which may differ from the pool's (a bf16 pool under a
-        float32 model is serve's default): store and attend in the pool's dtype, return the output in q's.
+        -> (N, H, D). q, k, v come in the model's dtype, which may differ from the pool's (serve's default pool is
+        bf16, and q, k, v may be float32): store and attend in the pool's dtype, return the output in q's.
         Afterwards the layer's pool holds this step's k, v at the metadata's slot_mapping, and
         row t of the output is token t's query attended over its own sequence's positions up to its own — this
         step's new tokens included, nobody else's. Each row is computed once: by the decode group that holds

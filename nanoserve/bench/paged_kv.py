@@ -62,7 +62,8 @@ def register(sub):
     p.add_argument("--context", type=int, default=256, help="mean context of the timed decode step")
     p.add_argument("--skip-model", action="store_true", help="skip loading SmolLM2 (the whole-model timing)")
     p.add_argument("--memory-cap-mib", type=positive_float, default=None,
-                   help="part 4: paged vs max-length reservation in a KV pool of this many MiB (default: skip part 4)")
+                   help="part 4: paging vs reserving prompt + max_tokens at admission, in a KV pool of this many MiB "
+                        "(default: skip part 4)")
     p.add_argument("--cap-requests", type=positive_int, default=32,
                    help="part 4: requests (prompts 32-128, outputs 32-128 tokens)")
     p.set_defaults(func=run)
@@ -249,7 +250,7 @@ def run(args):
             mean = {name: x / steps * per_token for name, x in [("held", held), ("naive", naive), ("paged", paged)]}
     print(f"   mean KV memory per step (block {bs}): tokens {format_bytes(mean['held'])}, paged reserves "
           f"{format_bytes(mean['paged'])}, naive reserves {format_bytes(mean['naive'])}: "
-          f"naive holds {mean['naive'] / mean['paged']:.1f}x the memory (part 4 runs both under one cap)\n")
+          f"naive holds {mean['naive'] / mean['paged']:.1f}x the memory\n")
 
     # 2. prefix caching
     from nanoserve.text.tokenizer import Tokenizer
