@@ -71,19 +71,27 @@ def test_int8_matmul_is_the_block_arithmetic(tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_the_error_against_the_exact_product_is_the_activations_rounding():
-    """Each activation is off by at most dx/2 (half a step of its block), so |y − x·Wᵀ| ≤ Σ_i |w_i|·dx_i/2; the
-    bound is reached within a factor of a few (not zero: the activations really are rounded)."""
-    blocks = q4_1_blocks(64, 128, seed=1)
-    layer = Q4Linear(blocks, "t")
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    w = (layer.unpacked().float().view(64, 4, 32) * d[..., None] + m[..., None]).view(64, 128)  # the file's weights
+@pytest.mark.parametrize("fmt", ["q4", "int8"])
+def test_the_error_against_the_exact_product_is_the_activations_rounding(fmt):
+    """Each activation is off by at most dx/2 (half a step of its block), so |y − x·Wᵀ| ≤ Σ_i |w_i|·dx_i/2, W the
+    weights the product multiplies (Q4_1: w = d·q + m; int8: w = q·s, the row's scale); the bound is reached
+    within a factor of a few (not zero: the activations really are rounded)."""
     x = torch.randn(2, 128)
+    if fmt == "q4":
+        blocks = q4_1_blocks(64, 128, seed=1)
+        layer = Q4Linear(blocks, "t")
+        d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+        m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        w = (layer.unpacked().float().view(64, 4, 32) * d[..., None] + m[..., None]).view(64, 128)  # the file's
+        y = cpu_dot.q4_1_matmul(x, blocks)
+    else:
+        q, scale = quantize_int8(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05)
+        w = q.float() * scale.float()[:, None]  # exactly the weights the kernel multiplies (float32 scales)
+        y = cpu_dot.int8_matmul(x, q, scale.float())
     exact = x.double() @ w.double().T
     _, dx = q8_1(x)
     bound = (w.double().abs().view(64, 4, 32).sum(-1)[None] * dx[:, None, :] / 2).sum(-1)  # (T, out)
-    err = (cpu_dot.q4_1_matmul(x, blocks).double() - exact).abs()
+    err = (y.double() - exact).abs()
     assert (err <= bound + 1e-6).all()
     assert err.max() > 0.01 * bound.max()
 

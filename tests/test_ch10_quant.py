@@ -14,6 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch.nn import functional as F
 
+from nanoserve.kernels import cpu_dot
 from nanoserve.model import Llama, LlamaConfig
 from nanoserve.model.quant import (QUANT_MAX_TOKENS, Int8Linear, Q4Linear, check_weight_format, quantize_model,
                                    unpack_q4_1)
@@ -199,14 +200,24 @@ def test_kernel_rows_do_not_depend_on_the_batch_up_to_quant_max_tokens(make):
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536)}
 
 
+NO_CPU_DOT = pytest.mark.skipif(not cpu_dot.available(), reason=f"kernels/cpu_dot.c does not build here "
+                                f"({cpu_dot.build_error()}): install gcc with OpenMP (Debian: build-essential)")
+
+
+@pytest.mark.parametrize("integer_dot", [False, pytest.param(True, marks=NO_CPU_DOT)], ids=["torch", "cpu_dot"])
 @pytest.mark.parametrize("make, shape", [(f, s) for f in ("int8", "q4") for s in SHAPES.values()] + [("int8", (49152, 576))],
                          ids=[f"{f}-{n}" for f in ("int8", "q4") for n in SHAPES] + ["int8-lm_head"])
-def test_kernel_rows_do_not_depend_on_the_batch_at_the_models_shapes(make, shape):
-    """The same at SmolLM2's product shapes (the LM head is int8 in both formats), 16 rows: torch promises no batch
-    invariance for any kernel, so this is what the chapter's claim rests on, checked on the CPU the tests run on."""
+def test_kernel_rows_do_not_depend_on_the_batch_at_the_models_shapes(make, shape, integer_dot):
+    """The same at SmolLM2's product shapes (the LM head is int8 in both formats), 16 rows, with torch's kernels
+    and with kernels/cpu_dot.c's integer products (the small-step kernel where the CPU has no native bf16, and
+    q4's in chapter 09's native step; the C code multiplies tokens in tiles of 4 and its own threads split the
+    rows, so a row alone and a row in a tile must still get the same bits): torch promises no batch invariance
+    for any kernel, and cpu_dot.c none of its own, so this is what the chapter's claim rests on, checked on the
+    CPU the tests run on."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(*shape, generator=g) * 0.02
     layer = Int8Linear.from_float(w) if make == "int8" else Q4Linear(q4_1_blocks(w.numpy()))
+    layer.integer_dot = integer_dot
     x = torch.randn(16, shape[1], generator=g)
     with torch.inference_mode():
         batched = layer(x)

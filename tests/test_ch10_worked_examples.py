@@ -49,8 +49,9 @@ def test_decode_reads_bytes():
     says(CH, f"SmolLM2-135M in float32 is **{fp32 / MB:.0f} MB per token**: at a memory bandwidth of B GB/s the roofline\n"
              f"is B / {fp32 / 1e9:.3f} tokens/s")
     bandwidth = float(re.search(r"read bandwidth ([\d.]+) GB/s", chapter("09"))[1])  # chapter 09's profile run
-    says(CH, f"measures one core's read bandwidth here at {bandwidth} GB/s (chapter 09), a roofline of "
-             f"~{bandwidth / (fp32 / 1e9):.0f} tok/s")
+    says(CH, f"measured one core's read bandwidth at {bandwidth} GB/s on the AMX machine, shared at load 6–12 (chapter 09,\n"
+             f"section 4), a roofline of ~{bandwidth / (fp32 / 1e9):.0f} tok/s")
+    says("09", "One run, 2026-12-01, on the AMX machine (section 4) at load 6–12")  # the run that measured it
     n = parameter_counts(SMOL)["total"]
     rows = {r[0]: r for r in table_rows(CH, "fp32|int8|q4") if len(r) == 4 and "MB" in r[2]}
     assert len(rows) == 3
