@@ -331,7 +331,7 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
     monkeypatch.undo()
     # the GPU run's mixed step (decodes, a prompt, chunks on cached prefixes), here in the interpreter on the CPU:
     # the kernel against chapter 05's path on the same pool
-    triton_err, _ = attention.mixed_step_errors(torch.float32, torch.device("cpu"), 16)
+    (triton_err,), _ = attention.mixed_step_errors(torch.float32, torch.device("cpu"), 16)
     assert triton_err < 1e-4
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main(["bench", "attention"]) == 2
@@ -391,6 +391,31 @@ def test_bench_attention_launch_flags(monkeypatch, capsys):
     monkeypatch.undo()
     monkeypatch.delenv("TRITON_INTERPRET")
     refused(["--cuda-graph"], "error: bench attention measures the Triton kernels on a CUDA GPU")
+
+
+def test_bench_attention_checks_each_launch_on_the_mixed_step(monkeypatch, capsys):
+    """A sweep's mixed-step check, in the interpreter on the CPU: one line per launch configuration, each the
+    kernel so launched against chapter 05's path in float32 (split-KV on prompts and chunks too, not only the
+    sweep's decodes); a launch the kernel refuses said so, an output off by more than the bound marked wrong."""
+    from nanoserve.bench import attention
+    from nanoserve.kernels import triton_paged_attention
+
+    default = {"tile": 64, "block_m": 16, "num_warps": 4, "num_stages": 2, "partition_size": None}
+    configs = [default, default | {"partition_size": 256}, default | {"partition_size": 32},
+               default | {"num_warps": 8}]
+    launch = triton_paged_attention.paged_attention
+    monkeypatch.setattr(triton_paged_attention, "paged_attention",  # a wrong kernel under 8 warps
+                        lambda *a, **kw: launch(*a, **kw) + (kw.get("num_warps") == 8))
+    attention.print_mixed_step(torch.float32, torch.device("cpu"), 16, configs)
+    head, *lines = capsys.readouterr().out.splitlines()
+    assert head.endswith("torch paged path on cpu 0.0e+00; triton under each launch configuration:")
+    assert [line.split(":")[0] for line in lines] == [
+        f"  tile 64 block_m 16 warps {w} stages 2 partition {p}" for w, p in ((4, "none"), (4, 256), (4, 32), (8, "none"))]
+    errors = [float(line.split("triton ")[1].split()[0]) for line in lines[:2]]
+    assert max(errors) < 1e-4 and lines[0].endswith("  default") and "WRONG" not in lines[1]
+    assert lines[2].endswith("failed: ValueError: paged_attention: partition_size = 32, but a partition is a whole "
+                             "number of tiles, and tile = 64")
+    assert float(lines[3].split("triton ")[1].split()[0]) > 0.9 and lines[3].endswith("WRONG: max err")
 
 
 def test_bench_attention_sweep_rows():

@@ -12,7 +12,9 @@ time, against the device's peak (a table below, or --peak-gbs). The systems are 
 with triton.testing.do_bench (the L2 cache flushed before every run), in 3 rounds, the second in the
 reverse order; each system keeps its fastest round (do_bench's median of the round). Before the table, one
 mixed step (decodes, a whole prompt, chunks on cached prefixes) checks both paged paths on the GPU against
-chapter 05's path in float32 on the CPU.
+chapter 05's path in float32 on the CPU — the kernel under each launch configuration of a sweep (below), one
+error each, so that a swept configuration (split-KV's included) is checked on prompts and chunks, not only on
+the sweep's decodes.
 
 The kernel's launch parameters — --tile, --block-m, --num-warps, --num-stages, --partition-size (split-KV's
 partition, or `none`: the one-pass kernel), each one or more values — sweep
@@ -205,13 +207,19 @@ def captured(fn):
     return graph.replay
 
 
+def within_bound(err: float, reference_err: float) -> bool:
+    """An error no worse than 10x a reference's (or 1e-3): a launch changes the order of the sums, not the
+    error's size."""
+    return err <= max(10 * reference_err, 1e-3)
+
+
 def sweep(configs: list[dict], kernel_call, reference: torch.Tensor, bench, graph: bool, host,
           others: dict) -> tuple[list, dict]:
     """Time the kernel under each launch configuration, and `others` (name -> fn), in the same rounds.
     kernel_call(config) -> a function running the kernel so; reference: the output to compare with; bench(fn)
     times fn (ms); host(fn) (None: not measured) the host's part of it (µs). Returns one row per configuration,
     {config, err, right, triton, graph, host} (graph None unless `graph`) or {config, failed: why}, and
-    {name: ms} for the others. right: err within 10x the first (default) configuration's, or 1e-3."""
+    {name: ms} for the others. right: err within_bound of the first (default) configuration's."""
     rows, fns = [], dict(others)
     for i, c in enumerate(configs):
         try:  # the first call compiles: a configuration Triton cannot build is reported, and the sweep goes on
@@ -225,11 +233,10 @@ def sweep(configs: list[dict], kernel_call, reference: torch.Tensor, bench, grap
             continue
         rows.append({"config": c, "err": err, "key": i})
     times = fastest(fns, bench)
-    bound = max(10 * rows[0].get("err", 0.0), 1e-3)  # tiles change the order of the sums, not the error's size
     for row in rows:
         if "key" in row:
             i = row.pop("key")
-            row |= {"right": row["err"] <= bound, "triton": times[i, "triton"], "graph": times.get((i, "graph")),
+            row |= {"right": within_bound(row["err"], rows[0].get("err", 0.0)), "triton": times[i, "triton"], "graph": times.get((i, "graph")),
                     "host": host and min(host(fns[i, "triton"]) for _ in range(3))}
     return rows, {name: times[name] for name in others}
 
@@ -254,9 +261,7 @@ def run_gpu(args):
           f"{' '.join(map(str, args.context))} --dtype {args.dtype} --block-size {args.block_size}{launch_flags}")
     print(f"device: {name}, dtype: {args.dtype}, assumed peak {peak:.0f} GB/s; decode, 9/3 heads, head_dim 64")
     print(f"torch {torch.__version__}, triton {triton.__version__}")
-    triton_err, torch_err = mixed_step_errors(dtype, device, args.block_size)
-    print(f"mixed step ({MIXED_STEP_TEXT}), max err against chapter 05's torch path in float32 on the CPU: "
-          f"triton {triton_err:.1e}, torch paged path on {device.type} {torch_err:.1e}")
+    print_mixed_step(dtype, device, args.block_size, configs)
     if configs is None:
         print(f"{'batch':>6s} {'context':>8s} {'MB moved':>9s} | {'triton us':>10s} {'GB/s':>6s} {'% peak':>7s} | "
               f"{'torch us':>9s} {'sdpa us':>8s} | {'max err':>8s}")
@@ -333,11 +338,33 @@ MIXED_STEP = ([1, 37, 200, 513, 94], [1, 37, 16, 1, 30])
 MIXED_STEP_TEXT = "a decode, a 37-token prompt, a 16-token chunk on 184 cached, a decode at 513, a 30-token chunk on 64"
 
 
-def mixed_step_errors(dtype, device, block_size: int, H: int = 9, Hkv: int = 3, D: int = 64,
-                      **launch) -> tuple[float, float]:
-    """MIXED_STEP on `device` in `dtype`, cached prefixes in shuffled blocks: the Triton kernel's (launched with
-    `launch`: paged_attention's keywords) and chapter 05's torch path's max abs difference from chapter 05's path
-    run in float32 on a CPU copy of the same pool."""
+def print_mixed_step(dtype, device, block_size: int, configs: list[dict] | None) -> None:
+    """The GPU run's parity line(s): MIXED_STEP's errors for chapter 05's torch path on `device` and for the kernel
+    under paged_attention's default launch (configs None: the chapter's table) or under each of a sweep's launch
+    configurations, one line each, a wrong one marked as the sweep marks its rows (within_bound of the torch path's
+    own error), one that cannot be launched said so."""
+    triton_errs, torch_err = mixed_step_errors(dtype, device, block_size, configs)
+    head = f"mixed step ({MIXED_STEP_TEXT}), max err against chapter 05's torch path in float32 on the CPU: "
+    if configs is None:
+        print(f"{head}triton {triton_errs[0]:.1e}, torch paged path on {device.type} {torch_err:.1e}")
+        return
+    print(f"{head}torch paged path on {device.type} {torch_err:.1e}; triton under each launch configuration:")
+    for c, err in zip(configs, triton_errs):
+        line = (f"  tile {c['tile']} block_m {c['block_m']} warps {c['num_warps']} stages {c['num_stages']} "
+                f"partition {flag_value(c['partition_size'])}: ")
+        if isinstance(err, str):
+            print(f"{line}failed: {err[:160]}")
+            continue
+        print(f"{line}triton {err:.1e}" + "  default" * (c is configs[0])
+              + "  WRONG: max err" * (not within_bound(err, torch_err)))
+
+
+def mixed_step_errors(dtype, device, block_size: int, launches: list[dict] | None = None, H: int = 9,
+                      Hkv: int = 3, D: int = 64) -> tuple[list, float]:
+    """MIXED_STEP on `device` in `dtype`, cached prefixes in shuffled blocks: the max abs difference from chapter
+    05's path run in float32 on a CPU copy of the same pool, of the Triton kernel launched with each of `launches`
+    (paged_attention's keywords; None: its defaults), all on the same pool and inputs, and of chapter 05's torch
+    path on `device`. Returns ([the kernel's error per launch, or why that launch failed], the torch path's)."""
     from nanoserve.kernels.triton_paged_attention import paged_attention
     from nanoserve.kv.block_manager import slot_mapping
     from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
@@ -361,9 +388,18 @@ def mixed_step_errors(dtype, device, block_size: int, H: int = 9, Hkv: int = 3, 
     expected = PagedAttention(host, meta)(0, q.float().cpu(), k.float().cpu(), v.float().cpu())
     meta = AttentionMetadata(*(t.to(device) for t in vars(meta).values()))
     torch_out = PagedAttention(cache, meta)(0, q, k, v)  # stores this step's k, v in the pool, then attends
-    triton_out = paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens,
-                                 meta.cu_seqlens_q, **launch)
-    return tuple((out.float().cpu() - expected).abs().max().item() for out in (triton_out, torch_out))
+
+    def error(out):
+        return (out.float().cpu() - expected).abs().max().item()
+
+    triton_errs = []
+    for launch in launches or [{}]:
+        try:  # a launch the kernel refuses (a partition smaller than a tile) or Triton cannot build: said, not fatal
+            triton_errs.append(error(paged_attention(q, cache.k_cache[0], cache.v_cache[0], meta.block_tables,
+                                                     meta.seq_lens, meta.cu_seqlens_q, **launch)))
+        except Exception as e:
+            triton_errs.append(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    return triton_errs, error(torch_out)
 
 
 # the interpreter run's cases: name, (Hkv, G, D, block_size), seq_lens, query_lens

@@ -34,8 +34,8 @@ paged_attention_split_kernel walks only its partition's keys, with the same STEP
 its rows' partial (m, l, acc) to float32 scratch; combine_partitions_kernel merges the partials of each
 (query token, head) with section 2's rescaling and writes out. More programs for the same bytes: what
 a step of few sequences needs to fill the GPU. On an H200 (chapter 07, section 9.2; tile 128, partitions of
-1024 keys, timed from a CUDA graph) it took batch 64 x 8192 from 56.7 % of the memory bandwidth in one pass
-to 74.1 %, and 64 x 2048 from 43.9 % to 51.4 %; it loses where a partition holds the whole context (an
+1024 keys, 2 stages, timed from a CUDA graph) it took batch 64 x 8192 from 56.3 % of the memory bandwidth in
+one pass at the same tile and stages to 74.1 %, and 64 x 2048 from 43.9 % to 51.4 %; it loses where a partition holds the whole context (an
 extra launch and the scratch for nothing). partition_size=None (the default) is the one-pass kernel.
 """
 
