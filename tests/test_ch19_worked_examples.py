@@ -220,7 +220,7 @@ def test_the_bytes_a_sleep_releases():
     says(CH, f"A default `serve` asleep gives back {totals['bf16'] + pool:,} bytes ({(totals['bf16'] + pool) / 2**30:.2f} "
              f"GiB) of\ntensors with bf16 copies, {totals['fp32'] + pool:,} ({(totals['fp32'] + pool) / 2**30:.2f} GiB) "
              f"with float32 ones")
-    says(CH, f"On this CPU q4's large-step copy is float32:\n{totals['fp32'] / MiB:.1f} MiB of weights")
+    says(CH, f"On that VM q4's\nlarge-step copy is float32:\n{totals['fp32'] / MiB:.1f} MiB of weights")
 
     rows = [r for r in table_rows(CH, "fp32|q4") if len(r) == 5]
     assert [(r[0], r[1]) for r in rows] == [("fp32", "1"), ("fp32", "2"), ("q4", "1"), ("q4", "2")]
