@@ -282,8 +282,10 @@ def test_prompt_logprobs_across_chunks_and_past_a_cached_prefix(tiny):
         engine = LLMEngine(tiny, EngineConfig(cache_config=CacheConfig(num_blocks=32, block_size=8, enable_prefix_caching=caching),
                                               scheduler_config=SchedulerConfig(max_num_batched_tokens=16)))
         engine.add_request("warm", prompt[:40], SamplingParams(max_tokens=1, temperature=0))
-        while engine.has_unfinished_requests():  # leaves 4 full blocks of the prompt in the prefix cache
+        while engine.has_unfinished_requests():  # leaves 5 full blocks (40 tokens) of the prompt in the prefix cache
             engine.step()
+        # what a lookup of the echo prompt would skip, were it not scoring its prompt: 40 / 8 = 5 blocks
+        assert engine.block_manager.lookup_prefix(prompt) == (5 * 8 if caching else 0)
         engine.add_request("echo", prompt, SamplingParams(max_tokens=3, temperature=0, logprobs=1,
                                                           prompt_logprobs=prompt_logprobs))
         engine.add_request("other", prompt[:30], other)

@@ -56,7 +56,8 @@ async def openai_stream(outputs: AsyncIterator[RequestOutput], stop: list[str], 
     chat:        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  first, then one chunk per delta with {"content": delta} and the output's finish_reason
     completion:  {"index": 0, "text": delta, "logprobs": None, "finish_reason": ...}
-    include_usage: every chunk has "usage": None, and a last chunk has "choices": [] and "usage": usage(out)
+    include_usage: every chunk has "usage": None, and a last chunk has "choices": [] and
+                 "usage": usage(last_0, last_1, ...), the last output of every completion (n of them)
     errors: error_body(str(e), getattr(e, "status", 500), getattr(e, "param", None)) as one event.
     Last of all: sse("[DONE]").
     logprobs: None, and every choice's "logprobs" stays None; otherwise a function you call with the
