@@ -200,12 +200,15 @@ RUNGS: dict[str, dict[str, list[str]]] = {
 }
 
 
-# chapters whose exercises a run uses only under a flag, or only in the server: what --student NN's notice tells the
-# learner to add or run
+# chapters whose exercises a run uses only under a flag, only in a request, or only in the server around the engine:
+# what --student NN's notice tells the learner to add or run
 PLUG_IN = {"08": "behind the HTTP server: serve --student 08 lists it when the server starts",
            "07": "with the Triton attention backend: add --attention-backend triton (attention_backend=\"triton\" "
                   "from Python; on a CPU, with TRITON_INTERPRET=1 in the environment from the start)",
-           "15": "under a policy that asks it: add --scheduling-policy slo or fair"}
+           "12": "behind the HTTP server's engine page: serve --student 12",
+           "15": "under a policy that asks it: add --scheduling-policy slo or fair",
+           "16": "in a fleet's router: add --replicas N",
+           "17": "in a decode engine: add --kv-role decode, or --disaggregated (kv_transfer_config from Python)"}
 
 
 # chapters whose exercises no engine run (batch, serve, LLM) calls, and why: the engine refuses a --student selection
@@ -213,20 +216,55 @@ PLUG_IN = {"08": "behind the HTTP server: serve --student 08 lists it when the s
 NOT_IN_ENGINE = {"01": "the engine attends with chapter 05's paged attention and never calls chapter 01's code; "
                        "generate --student 01 runs it",
                  "04": "the engine keeps its K/V in chapter 05's paged blocks and never calls chapter 04's code; "
-                       "generate --student 04 runs your cache, memory --student 04 your formula"}
+                       "generate --student 04 runs your cache, memory --student 04 your formula",
+                 "09": "the engine never calls chapter 09's code (the metrics and open-loop load of a benchmark of a "
+                       "server); bench serve --student 09 runs it"}
+
+# chapters that the engine takes (serve builds its engines through LLM, and the server, a fleet's router or a decode
+# engine calls their code) but that some commands never call: what the code is, and the command that runs it
+OUTSIDE_THE_STEP = {
+    "08": ("the HTTP server's request params, stream, async engine and limiter", "serve --student 08 runs it"),
+    "12": ("the snapshot rules and event feed of the server's engine page", "serve --student 12 runs it"),
+    "13": ("the masks of a request's response_format, structured_outputs or tools, which its requests do not carry",
+           "serve --student 13 runs it"),
+    "16": ("a fleet's routing decisions", "serve --replicas N --student 16 runs it"),
+    "17": ("a decode engine's receiving plan and the KV-aware router's index and score",
+           "serve --kv-role decode --student 17 (or serve --disaggregated) runs the plan, "
+           "bench experiment kv-routing --student 17 the index and score"),
+    "19": ("the LoRA gathers and slots, which it loads no adapter for", "serve --lora-modules NAME=PATH --student 19 "
+           "runs it"),
+}
+
+# the chapters of OUTSIDE_THE_STEP that each command building an engine never calls (serve calls them all: chapter 08,
+# 12 behind its server, 13 in a request, 16 with --replicas, 17 with --kv-role, 19 with --lora-modules)
+NEVER_CALLED = {"batch": ("08", "12", "13", "16", "17", "19"),
+                "bench offline": ("08", "12", "13", "16", "17", "19"),
+                "bench mlperf": ("08", "12", "13", "16", "17", "19"),
+                # its server runs the reference's request handling, but the engine's event feed (12) on every step
+                "bench http": ("08", "13", "16", "17", "19"),
+                "serve": ()}
 
 
-def engine_refusal(selection) -> str | None:
-    """Why the engine refuses this --student / `student=` selection, or None: it names a chapter of NOT_IN_ENGINE.
+def engine_refusal(selection, command: str | None = None) -> str | None:
+    """Why the engine (command None: LLM, LLMEngine) or a command that builds one ("batch", "serve", "bench http")
+    refuses this --student / `student=` selection, or None: it names a chapter of NOT_IN_ENGINE, or one of
+    NEVER_CALLED[command].
 
     >>> engine_refusal("01,05")
     "the engine attends with chapter 05's paged attention and never calls chapter 01's code; generate --student 01 runs it"
-    >>> engine_refusal(True) is None and engine_refusal("05") is None
+    >>> engine_refusal("16", "batch")
+    "batch never calls chapter 16's code (a fleet's routing decisions); serve --replicas N --student 16 runs it"
+    >>> engine_refusal(True, "batch") is None and engine_refusal("05") is None and engine_refusal("16", "serve") is None
     True
     """
     if selection is True:
         return None
-    return "; ".join(NOT_IN_ENGINE[ch] for ch in sorted(parse_selection(selection) & NOT_IN_ENGINE.keys())) or None
+    chosen = parse_selection(selection)
+    never = set(NEVER_CALLED[command]) if command is not None else set()
+    reasons = [NOT_IN_ENGINE[ch] if ch in NOT_IN_ENGINE else
+               f"{command} never calls chapter {ch}'s code ({OUTSIDE_THE_STEP[ch][0]}); {OUTSIDE_THE_STEP[ch][1]}"
+               for ch in sorted(chosen & (NOT_IN_ENGINE.keys() | never))]
+    return "; ".join(reasons) or None
 
 
 def check_engine_selection(selection) -> None:

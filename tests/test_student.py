@@ -147,17 +147,20 @@ REFUSED_01 = "the engine attends with chapter 05's paged attention and never cal
              "generate --student 01 runs it"
 REFUSED_04 = "the engine keeps its K/V in chapter 05's paged blocks and never calls chapter 04's code; " \
              "generate --student 04 runs your cache, memory --student 04 your formula"
+REFUSED_09 = "the engine never calls chapter 09's code (the metrics and open-loop load of a benchmark of a server); " \
+             "bench serve --student 09 runs it"
 
 
 @pytest.mark.parametrize("selection, reason", [
     ("01", REFUSED_01), ("1,05", REFUSED_01), (["01", "02"], REFUSED_01),
     ("04", REFUSED_04), ("03,4", REFUSED_04), (["04", "05"], REFUSED_04),
-    ("01,04", f"{REFUSED_01}; {REFUSED_04}"),
-], ids=["01", "1,05", "01+02", "04", "03,4", "04+05", "01,04"])
-def test_the_engine_refuses_a_selection_that_names_01_or_04(tiny, monkeypatch, selection, reason):
+    ("01,04", f"{REFUSED_01}; {REFUSED_04}"), ("09", REFUSED_09), ("04,09", f"{REFUSED_04}; {REFUSED_09}"),
+], ids=["01", "1,05", "01+02", "04", "03,4", "04+05", "01,04", "09", "04,09"])
+def test_the_engine_refuses_a_selection_that_names_01_04_or_09(tiny, monkeypatch, selection, reason):
     """The engine attends with chapter 05's paged attention over chapter 05's paged blocks, so neither chapter 01's
-    attention nor chapter 04's cache and formula run in a step: a selection that names 01 or 04 is refused by the
-    engine (LLMEngine before it builds anything, LLM before its model loads), naming the commands that run them."""
+    attention nor chapter 04's cache and formula run in a step, and chapter 09's metrics and load run in a benchmark
+    of a server: a selection that names 01, 04 or 09 is refused by the engine (LLMEngine before it builds anything,
+    LLM before its model loads), naming the commands that run them."""
     with pytest.raises(ValueError) as refused:
         LLMEngine(tiny, engine_config(num_blocks=11, student=selection))
     assert str(refused.value) == f"student={selection!r}: {reason}"
@@ -168,6 +171,64 @@ def test_the_engine_refuses_a_selection_that_names_01_or_04(tiny, monkeypatch, s
     with pytest.raises(ValueError) as refused:
         LLM(student=selection)
     assert str(refused.value).endswith(reason)
+
+
+# which commands call each chapter's code outside the step, read from the callers: serve's server (08: runner.py's
+# async engine and api_server.py's request handling; 12: async_engine.py's event feed), a request's grammar (13:
+# SamplingParams.structured, from serve's response_format), a fleet's router (16: cluster/router.py), a decode engine
+# (17: --kv-role decode) and adapters (19: --lora-modules) are serve's alone; bench http's server runs the engine's
+# event feed (12) on every step but the reference's request handling (its ServerConfig selects no chapter)
+CALLED_BY = {"serve": {"08", "12", "13", "16", "17", "19"}, "batch": set(), "bench offline": set(),
+             "bench mlperf": set(), "bench http": {"12"}}
+
+
+@pytest.mark.parametrize("command", sorted(CALLED_BY))
+@pytest.mark.parametrize("chapter", ["08", "12", "13", "16", "17", "19"])
+def test_a_command_refuses_a_chapter_it_never_calls_and_names_the_command_that_does(command, chapter):
+    """The engine takes chapters 08, 12, 13, 16, 17 and 19 (serve builds its engines through LLM, and its server,
+    a request's grammar, its fleet's router or its decode engine calls their code), but a command that never calls
+    one refuses it, with the command that runs it; a bare --student, every chapter, is taken."""
+    refused = student.engine_refusal(f"05,{chapter}", command)
+    assert student.engine_refusal(chapter) is None and student.engine_refusal(True, command) is None
+    if chapter in CALLED_BY[command]:
+        assert refused is None
+    else:
+        assert refused.startswith(f"{command} never calls chapter {chapter}'s code (") and "serve " in refused
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["batch", "--input", "in.jsonl", "--output", "out.jsonl", "--student", "16"], "batch never calls chapter 16"),
+    (["bench", "http", "--student", "12,13"], "bench http never calls chapter 13"),
+    (["serve", "--student", "08,12,13,16,17,19"], None),
+    (["serve", "--student", "09"], "the engine never calls chapter 09"),
+    (["batch", "--input", "in.jsonl", "--output", "out.jsonl", "--student"], None),
+])
+def test_the_cli_refuses_per_command(argv, refused, tmp_path, monkeypatch):
+    """check_engine_args reads the command from the parsed line (batch, serve, bench NAME) and asks engine_refusal
+    for that command's own list: serve takes what batch refuses."""
+    from nanoserve.cli import Parser, bench, serve
+    from nanoserve.cli import batch as batch_cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    parser = Parser()
+    sub = parser.add_subparsers(dest="command")
+    batch_cli.register(sub)
+    serve.register(sub)
+    bench.register(sub, only=["http"])
+    problem = batch_cli.check_engine_args(parser.parse_args(argv))
+    assert problem is None if refused is None else refused in problem, problem
+
+
+def test_the_engine_takes_16_and_17_and_says_where_they_plug_in(tiny):
+    """LLM and LLMEngine take chapter 16 and 17 (a fleet's replicas and a decode engine are built through them) and,
+    where this run never calls them, say which flag does."""
+    engine = LLMEngine(tiny, engine_config(num_blocks=16, block_size=4, student="12,16,17"))
+    assert engine.student.describe().splitlines()[1:] == [
+        "  (chapter 12's code runs only behind the HTTP server's engine page: serve --student 12)",
+        "  (chapter 16's code runs only in a fleet's router: add --replicas N)",
+        "  (chapter 17's code runs only in a decode engine: add --kv-role decode, or --disaggregated "
+        "(kv_transfer_config from Python))"]
 
 
 def test_a_bare_student_is_taken_and_reports_01_as_never_called(tiny, exercises):

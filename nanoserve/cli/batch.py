@@ -50,9 +50,9 @@ def add_engine_args(p):
                    help="run YOUR finished exercises from exercises/ (the allocator and prefix cache of 05, the "
                         "scheduler of 06, ...) instead of the reference: all of them, or the chapters given, "
                         "e.g. --student 05,06 (serve: also your request params, stream, async engine and limiter, 08); an unfinished one falls back to the reference "
-                        "with a warning. Chapter 01's attention and chapter 04's cache run with generate (04's formula with "
-                        "memory), not here: --student 01 and --student 04 are refused, and --student 02 with "
-                        "--tensor-parallel-size > 1")
+                        "with a warning. A chapter whose code this command never calls is refused, naming the command "
+                        "that runs it: 01 and 04 (generate; 04's formula, memory), 09 (bench serve) and those of "
+                        "08, 12, 13, 16, 17 and 19 it never calls (serve runs them); so is --student 02 with --tensor-parallel-size > 1")
     p.add_argument("--attention-backend", default=None, type=checks.attention_backend, metavar="{torch,triton}",
                    help="paged attention in torch or in Triton kernels (chapter 07; default: torch on the CPU, "
                         "triton on CUDA; on a CPU triton needs TRITON_INTERPRET=1)")
@@ -158,7 +158,10 @@ def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
     from nanoserve.student import engine_refusal, parse_selection
 
-    refused = engine_refusal(args.student)  # refused here, before the model loads; the engine refuses the same
+    # refused here, before the model loads: a chapter no engine calls (the engine refuses the same), or one this
+    # command never calls (batch: chapter 16's routing, which serve --replicas runs)
+    command = " ".join(filter(None, (getattr(args, "command", "batch"), getattr(args, "bench", None))))
+    refused = engine_refusal(args.student, command)
     if refused is not None:
         return f"--student {args.student}: {refused}"
     if args.integer_dot != "auto":
