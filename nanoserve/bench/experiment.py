@@ -41,7 +41,7 @@ nanoserve/metrics.py); the HTTP ones go through `bench serve` against a server.
                    awake, asleep and after wake, the bytes released, the wake time (nanoserve/bench/sleep.py)
 
 Systems compared are interleaved, the order alternating (A, B, then B, A, ...), and each keeps its best round:
-this machine drifts.
+this machine drifts. prefill-budget first runs one untimed warm-up round of every budget.
 """
 
 import argparse
@@ -270,13 +270,16 @@ BUDGETS = {"chunked, budget 256": (True, 256), "chunked, budget 512": (True, 512
 
 
 def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int = 96, long_len: int = 1024,
-                 long_arrivals=(8, 28, 48, 68), long_output: int = 16, rounds: int = 2, stream_len: int = 32) -> dict:
+                 long_arrivals=(8, 28, 48, 68), long_output: int = 16, rounds: int = 2, stream_len: int = 32,
+                 warmup: bool = False) -> dict:
     """Chapter 06's trade-off, measured: `num_streams` requests (prompts of `stream_len` tokens) decode while
     prompts of `long_len` tokens arrive at the given steps (= when the streams have sampled that many tokens:
     every step decodes each stream once, whatever the budget). For each {name: (chunked, max_num_batched_tokens)}, interleaved
     over `rounds`: the streams' inter-token gaps and the long prompts' TTFT (ms), from the least disturbed
     round (the shortest), and two counts the clock does not touch: the most tokens one step computed (what a
     stream's worst gap waits for) and, per long prompt, the steps from its arrival to its first token.
+    warmup: first one untimed round of every budget, its results dropped, so that no timed round is the process's
+    first (notebook 06 calls the sweep once with rounds=1 for it instead, to read the load between the two).
     Returns {name: {"itl_ms": stats, "ttft_ms": stats, "gaps": [(step, ms)], "max_step_tokens": int,
     "long_ttft_steps": [int], ...}}."""
     from nanoserve.metrics import itl, stats, ttft
@@ -303,6 +306,9 @@ def budget_sweep(model, budgets: dict, num_streams: int = 8, stream_output: int 
                 "long_arrival_steps": list(long_arrivals), "max_step_tokens": max(row["num_tokens"] for row in trace),
                 "long_ttft_steps": first_steps}
 
+    if warmup:
+        print("  warm-up, untimed:", file=sys.stderr, flush=True)
+        interleaved(1, budgets, measure)
     results = interleaved(rounds, budgets, measure)
     return {name: min(runs, key=lambda x: x["seconds"]) for name, runs in results.items()}
 
@@ -337,14 +343,16 @@ def budget_figure(plt, best: dict, title: str):
 
 def prefill_budget(args, model, tokenizer) -> dict:
     n_out = args.output_len or 96
-    best = budget_sweep(model, BUDGETS, stream_output=n_out, rounds=args.rounds)
-    print(f"8 streams (32-token prompts, {n_out} tokens each) decoding; 1024-token prompts arrive at steps 8, 28, 48, 68")
+    best = budget_sweep(model, BUDGETS, stream_output=n_out, rounds=args.rounds, warmup=True)
+    print(f"8 streams (32-token prompts, {n_out} tokens each) decoding; 1024-token prompts arrive at steps 8, 28, 48, 68; "
+          f"least disturbed of {args.rounds} interleaved round(s) after an untimed warm-up round")
     print(f"{'':28s}{'stream ITL p50':>15s}{'p99':>9s}{'max':>9s}{'long TTFT p50':>15s}{'p99':>9s}{'seconds':>9s}{'steps':>7s}")
     for name, x in best.items():
         print(f"{name:28s}{x['itl_ms']['median']:12.0f} ms{x['itl_ms']['p99']:6.0f} ms{x['max_itl_ms']:6.0f} ms"
               f"{x['ttft_ms']['median']:12.0f} ms{x['ttft_ms']['p99']:6.0f} ms{x['seconds']:9.1f}{x['steps']:7d}")
     return {"best": best}, lambda plt: budget_figure(
-        plt, best, f"8 streams decoding while 1024-token prompts arrive (least disturbed of {args.rounds} interleaved rounds)")
+        plt, best, f"8 streams decoding while 1024-token prompts arrive (least disturbed of {args.rounds} interleaved "
+                   "round(s) after a warm-up)")
 
 
 OVERLOAD_BLOCKS = 64  # overload's pool, in blocks of 16 tokens: far too small for its 24 requests at once
