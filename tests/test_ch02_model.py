@@ -146,7 +146,34 @@ def test_tiny_model_matches_transformers(tie):
     ids = torch.randint(0, TINY.vocab_size, (11,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(ids[None]).logits[0]
-        torch.testing.assert_close(ours.compute_logits(ours(ids)), expected, atol=1e-5, rtol=1e-5)
+        hidden = ours(ids)
+        assert hidden.shape == (11, TINY.hidden_size)  # forward gives hidden states; the LM head is compute_logits'
+        torch.testing.assert_close(ours.compute_logits(hidden), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.exercise("2.3")
+def test_tiny_model_hands_every_layer_to_the_callers_attn():
+    # the engine passes its own `attn` (the KV cache's); a forward that falls back to the no-cache attention
+    # regardless would pass every test that passes none, and serve wrong tokens. This `attn` records each call
+    # and computes the same causal attention, so the output is still transformers'.
+    from nanoserve.model.llama import causal_self_attention  # the reference's, not the learner's file
+
+    calls = []
+
+    def recording_attn(layer_idx, q, k, v):
+        calls.append((layer_idx, tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return causal_self_attention(layer_idx, q, k, v)
+
+    ours, theirs = tiny_pair()
+    ids = torch.randint(0, TINY.vocab_size, (6,), generator=torch.Generator().manual_seed(4))
+    positions = torch.tensor([0, 2, 3, 7, 8, 20])
+    with torch.no_grad():
+        expected = theirs(ids[None], position_ids=positions[None]).logits[0]
+        got = ours.compute_logits(ours(ids, positions, attn=recording_attn))
+    q_shape = (6, TINY.num_attention_heads, TINY.head_dim)
+    kv_shape = (6, TINY.num_key_value_heads, TINY.head_dim)
+    assert calls == [(i, q_shape, kv_shape, kv_shape) for i in range(TINY.num_hidden_layers)]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.exercise("2.3")

@@ -12,7 +12,9 @@ from nanoserve.model.stacked import stack_parts
 # and two of `--tokens 1 2 4 6 8 12 16` (--repeats 3, the two forms interleaved after a warm-up) on a 2-core AMD
 # EPYC VM of the course whose CPU kind the runs did not record (Zen 4 or Zen 3), load 0.9-1.8, 2026-12-04, over the
 # fused matrices the model runs: the swapped form was faster at 2 tokens (2.72-2.77x) and 4 (1.38-1.44x) in every
-# run, tied at 1, 6 and 8 (0.93-1.03x), and slower from 12 tokens on (0.60x at 12, 0.87-0.95x at 16-64). The largest count where it won in every run is 4. (The limit was 64 before,
+# run that measured them (2, 6 and 12 tokens: only the two runs that had them), tied at 1, 6 and 8 (0.93-1.03x),
+# and slower from 12 tokens on (0.60x at 12, 0.87-0.95x at 16-64). The largest count where it won in every run that
+# measured it is 4. (The limit was 64 before,
 # set on unfused matrices, which the runs above do not support.) `bench linear` on the CPU at hand says where its
 # crossover is.
 SWAP_AB_MAX_TOKENS = 4
