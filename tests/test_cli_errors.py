@@ -232,6 +232,10 @@ BAD = [
     (["bench", "kv-cache", "--max-len", "0"], ["--max-len", "integer > 0, got 0"]),
     (["bench", "kv-cache", "--requests", "0"], ["--requests", "integer > 0, got 0"]),
     (["bench", "kv-cache", "--rounds", "0"], ["--rounds", "integer > 0, got 0"]),
+    # bench experiment: a count of 0 is not the experiment's default; one token has no gap between tokens to measure
+    (["bench", "experiment", "prefix-caching", "--output-len", "0"], ["--output-len must be >= 1"]),
+    (["bench", "experiment", "prefill-budget", "--output-len", "1"], ["prefill-budget", "--output-len must be >= 2"]),
+    (["bench", "experiment", "chunked-prefill", "--output-len", "1"], ["chunked-prefill", "--output-len must be >= 2"]),
     (["bench", "kv-cache", "--threads", "0"], ["--threads", "integer > 0, got 0"]),
     (["bench", "kv-cache", "--max-len", "1"], ["--max-len must be at least 2", "got 1"]),
     (["bench", "kv-cache", "--contexts", "8190"], ["--contexts 8190", "8222 tokens", "context of 8192"]),

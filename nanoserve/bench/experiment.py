@@ -696,6 +696,11 @@ def run(args):
         return refuse("concurrency measures one server: give --url once")
     if args.rounds < 1:
         return refuse("--rounds must be >= 1")
+    if args.output_len is not None and args.output_len < 1:
+        return refuse("--output-len must be >= 1")
+    if args.name in ("chunked-prefill", "prefill-budget") and args.output_len == 1:
+        # these read the gaps between a stream's tokens: one token has none
+        return refuse(f"{args.name} measures the gaps between each stream's tokens: --output-len must be >= 2")
     if args.name == "kv-routing" and (args.replicas < 2 or args.num_blocks < 1 or args.num_users < 1):
         return refuse("kv-routing needs --replicas >= 2, --num-blocks >= 1 and --num-users >= 1")
     if args.name == "disagg-interference" and (
