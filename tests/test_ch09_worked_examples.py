@@ -80,6 +80,9 @@ def test_the_tail_and_the_percentile_ranks():
     says(CH, f"(`percentile([1, 2, 3, 4], 90)` is at rank {rank:g}: 3 + {rank - 2:.1f} · (4 − 3) = "
              f"{percentile([1, 2, 3, 4], 90):g})")
     says(CH, f"(rank 0.99 · 15 = {0.99 * 15:g})")
+    eight = percentile(range(1, 9), 99)  # 7 + 0.93 · (8 − 7): between the two worst of 8, not the worst
+    assert 7 < eight < 8
+    says(CH, f"a p99 of 8 lies between the two\nworst (rank 0.99 · 7 = {eight - 1:g})")
 
 
 def test_the_prompt_set(smollm2_tokenizer):
@@ -224,7 +227,9 @@ def test_the_profile_table():
     ms1, _, roof1 = rows["prefill", 1]
     says(CH, f"at batch 1 it reached {roof1 / ms1:.0%} of the GEMM peak".replace("%", " %"))
     python = [rows[k][1][5] for k in rows]
-    says(CH, f"the Python between ops are {min(python)}–{max(python)} % of\nevery step here")
+    says(CH, f"the Python between the labelled parts\n  are {min(python)}–{max(python)} % of every step here")
+    norms = [rows[k][1][3] for k in rows]  # the model's own Python, with the ops it dispatches
+    says(CH, f"the model's own forward mostly in norms/RoPE/act ({min(norms)}–{max(norms)} % here)")
 
 
 def test_the_compiled_step():
@@ -361,7 +366,7 @@ def test_the_overload_experiment(tiny):
 
 def test_the_timed_tables_ratios():
     dtype = {r[0]: r for r in table_rows(CH, "float32|bfloat16")}
-    says(CH, f"the\n{number(dtype['bfloat16'][2]) / number(dtype['float32'][2]):.1f}× must come from")
+    says(CH, f"the {number(dtype['bfloat16'][2]) / number(dtype['float32'][2]):.1f}× can come from")
     total = parameter_counts(SMOL)["total"]
     assert (dtype["float32"][3], dtype["bfloat16"][3]) == (f"{total * 4 / 2**20:.0f} MiB", f"{total * 2 / 2**20:.0f} MiB")
     linear = [r for r in table_rows(CH, r"\d+") if len(r) == 4 and r[3].endswith("×")]  # tokens | fp32 | bf16 | ratio

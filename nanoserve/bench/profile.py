@@ -13,7 +13,9 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   LoRA              the adapters' gathers, x·A·B for each row's adapter (chapter 19; with --lora-rank only)
   sampling          the next tokens: argmax for the default greedy requests; with --temperature > 0 (and
                     --top-p < 1) the softmax, the top-p sort and the draw of chapter 03's sampler
-  scheduler/Python  schedule(), input preparation, the attention metadata, and Python between the ops
+  scheduler/Python  schedule(), input preparation, the attention metadata, and the Python between the labelled
+                    parts (the Python inside one, which dispatches its small ops, counts in that part: the
+                    model's forward in norms/RoPE/act)
 
 How: for the profile only, `labelled()` replaces each of those methods on its class with a wrapper that runs it
 inside a `record_function` range, and puts the originals back when the profile ends: what the methods compute
