@@ -38,8 +38,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     A decode step has few tokens (one per running sequence) and wide weights, and MKL may pick a better
     kernel for the swapped call: `python -m nanoserve bench linear` times both over all of the model's
-    matrices. On the course's CPU the swapped call was faster at 2 and 4 tokens in every run, tied at 1, 6
-    and 8, and slower from 12 tokens on (SWAP_AB_MAX_TOKENS above says which runs). GPU GEMM kernels play
+    matrices. On a 2-core VM of the course the swapped call was faster at 2 and 4 tokens in every run, tied
+    at 1, 6 and 8, and slower from 12 tokens on (SWAP_AB_MAX_TOKENS above says which runs). GPU GEMM kernels play
     the same trick on decode-sized batches under the same name (vLLM's CUTLASS FP8 GEMMs have swap-AB
     configurations for small batches), so that the tiny
     dimension lands where the kernel's tiles can afford it. Which form wins is a property of the library,
