@@ -65,7 +65,8 @@ def generate(model, prompt_token_ids: list[int], params: SamplingParams, eos_tok
              modules: Callable[[str], ModuleType] = importlib.import_module) -> GenerationOutput:
     """Generate after `prompt_token_ids` until a stop condition. With a `tokenizer` the output has
     text, and `on_text(delta)` is called as text becomes final (for streaming to a terminal).
-    `use_cache` keeps past keys and values in a NaiveKVCache (chapter 04): the same tokens, faster.
+    `use_cache` keeps past keys and values in a NaiveKVCache (chapter 04), faster: the same logits up to float
+    rounding, so the same tokens except at a near-tie.
     `modules(name)` gives the sampler, detokenizer, stop check, cache and the cache's attention: the reference's,
     or with `StudentCode("01,03,04").module` your finished exercises (`generate --student`, nanoserve/student.py)."""
     sampling, stop = modules("nanoserve.sampling"), modules("nanoserve.text.stop")

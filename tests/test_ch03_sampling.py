@@ -90,7 +90,8 @@ def test_top_p_filter_does_not_depend_on_token_order():
         (SamplingParams(top_p=0.9), normalised(E[:3] + [0])),
         # top-k first, then top-p on the renormalised survivors: [.665, .245, .090] -> .665 < .8, keep 2
         (SamplingParams(top_k=3, top_p=0.8), normalised(E[:2] + [0, 0])),
-        (SamplingParams(temperature=0.5, top_p=0.9), normalised([E[0] ** 2, E[1] ** 2, 0, 0])),  # [.867, .117, ...]
+        # logits / 0.5: softmax [.865, .117, .016, .002] -> .865 < .9, keep 2
+        (SamplingParams(temperature=0.5, top_p=0.9), normalised([E[0] ** 2, E[1] ** 2, 0, 0])),
     ],
 )
 def test_probabilities_match_hand_computed(params, expected):

@@ -171,6 +171,12 @@ def test_the_quoted_notebook_figures_are_what_the_notebook_printed():
     says(CH, f'" Paris" has probability {prob(" Paris", PARIS)}')
     openings = ", ".join(f'"{word}" {prob(word, "story opening")}' for word in ("The", "There", "One", "Once"))
     says(CH, f"({openings}, …)")
+    # section 6: one forward pass over 1 and over 16 tokens, and the load the notebook printed with them
+    one, sixteen = (after(f"one forward pass over {n:3d} tokens:", " ms") for n in (1, 16))
+    load = after("load average", ",", "interleaved rounds;")
+    says(CH, f"in its saved run (2026-12-03, load {load}, on a VM it did not record, on that day's code), a pass "
+             f"over 16 tokens took {sixteen} ms, less than twice the {one} ms of a pass over one")
+    assert float(sixteen) < 2 * float(one)
 
 
 def test_the_exercise_readme_quotes_the_same_probabilities():
