@@ -212,6 +212,29 @@ def test_a_step_plans_its_masks_on_the_pool_device():
     assert out.device.type == "meta" and out.shape == q.shape and out.dtype == q.dtype
 
 
+def test_a_step_on_another_device_takes_the_engines_host_metadata():
+    """The engine's model runner builds the step's metadata on the host (AttentionMetadata.build) whatever the
+    pool's device: on a GPU's pool (here "meta", as strict about devices) the step copies what the pool's device
+    reads (slots, block tables, the decodes' tiles and padding mask) there itself, decodes, a chunk and a prompt."""
+    bs, Hkv, G, D = 4, 2, 3, 8
+    cache = PagedKVCache(1, 8, bs, Hkv, D, torch.float32, "meta")
+    host = AttentionMetadata.build([[5, 0, 7], [2], [1, 3], [4]], [10, 3, 6, 2], [4, 3, 1, 1], bs)
+    q, k, v = torch.empty(9, Hkv * G, D, device="meta"), *(torch.empty(9, Hkv, D, device="meta") for _ in range(2))
+    attn = PagedAttention(cache, host)
+    out = attn(0, q, k, v)
+    assert out.device.type == "meta" and out.shape == q.shape
+    assert len(attn.decode_groups) == 1 and attn.decode_groups[0].tiles.device.type == "meta"
+
+
+def test_rope_tables_are_made_on_the_positions_device():
+    """A model on a GPU gets its positions there (the runner puts them on the pool's device): the RoPE tables
+    must be made there too, a CPU table of angles would not broadcast with them ("meta" stands for the GPU)."""
+    from nanoserve.model.rope import rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.arange(5, device="meta"), 8, 10000.0)
+    assert cos.device.type == sin.device.type == "meta" and cos.shape == (5, 8)
+
+
 def test_copy_blocks_and_store_kv_shapes():
     cache = PagedKVCache(num_layers=2, num_blocks=3, block_size=2, num_kv_heads=1, head_dim=4)
     k = torch.randn(2, 1, 4)

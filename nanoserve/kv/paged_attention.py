@@ -154,8 +154,11 @@ class PagedAttention:
         # is_causal, which skips the key blocks above the diagonal instead of reading a mask that hides them
         # (about half a prompt's scores never computed); a chunk on top of a cached prefix needs the mask, made
         # where the pool is (a GPU's pool with a CPU mask fails in the attention call) and in its dtype.
+        # The engine builds the metadata on the host: what the pool's device reads (the slots, the block tables)
+        # is copied there once per step here, not by every layer (a GPU's pool indexed by CPU tensors fails).
         pool = cache.k_cache[0]
-        self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)],
+        self.slot_mapping = metadata.slot_mapping.to(pool.device)
+        self.prefills = [(cu[i], cu[i + 1], seq_lens[i], metadata.block_tables[i, :cdiv(seq_lens[i], bs)].to(pool.device),
                           None if q_len == seq_lens[i] else causal_mask(q_len, seq_lens[i], pool.device, pool.dtype))
                          for i, q_len in enumerate(q_lens) if q_len > 1 or not batch_decodes]
 
@@ -164,7 +167,7 @@ class PagedAttention:
         # A bf16 pool under a float32 model (kv_cache_dtype="bf16"): the attention math runs in the pool's dtype
         # (half the bytes to gather and read), its output goes back to the model's.
         model_dtype, q, k, v = q.dtype, q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)
-        self.cache.store_kv(layer_idx, k, v, self.metadata.slot_mapping)
+        self.cache.store_kv(layer_idx, k, v, self.slot_mapping)
         out = torch.empty_like(q)
         for group in self.decode_groups:
             out[group.tokens] = group.attend(q[group.tokens], k_cache, v_cache)
@@ -206,17 +209,20 @@ class DecodeGroup:
 
     def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, seqs: list[int]):
         bs, Hkv = cache.block_size, cache.num_kv_heads
-        self.tokens = metadata.cu_seqlens_q[seqs]  # each decode's one query token in the flat batch
+        dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
+        # the metadata may be on the host (the engine's) or already on the pool's device (bench attention's):
+        # what follows is worked out on the pool's device
+        self.tokens = metadata.cu_seqlens_q[seqs].to(device)  # each decode's one query token in the flat batch
         seq_lens = metadata.seq_lens[seqs]  # (Sd,)
-        tables = metadata.block_tables[seqs, :cdiv(int(seq_lens.max()), bs)]  # (Sd, MB)
+        tables = metadata.block_tables[seqs, :cdiv(int(seq_lens.max()), bs)].to(device)  # (Sd, MB)
+        seq_lens = seq_lens.to(device)
         # One index into the pool seen as (Hkv · num_blocks, block_size, D): block b of kv head j is
         # tile j · num_blocks + b. Gathering whole tiles moves contiguous block_size · D runs, one index op.
-        heads = torch.arange(Hkv, device=tables.device)  # on the metadata's device (a GPU's, in bench attention)
+        heads = torch.arange(Hkv, device=tables.device)  # on the pool's device
         self.tiles = (heads[:, None] * cache.num_blocks + tables.flatten()[None, :]).flatten()  # (Hkv·Sd·MB,)
         positions = torch.arange(tables.shape[1] * bs, device=tables.device)  # (C,) with C = MB · block_size
         padding = positions[None, :] >= seq_lens[:, None]  # (Sd, C)
         # additive (0 / -inf), built once per step: a bool mask would be converted again by every layer's call
-        dtype, device = cache.k_cache[0].dtype, cache.k_cache[0].device
         mask = torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill(padding, float("-inf"))
         self.mask = mask[:, None, None, :]  # (Sd, 1, 1, C)
         # Gather buffers, allocated once per step and refilled by every layer: a fresh multi-MB tensor

@@ -56,7 +56,7 @@ class Llama(nn.Module):
         if input_ids.dim() != 1:
             raise ValueError(f"Llama.forward takes a flat (num_tokens,) tensor of ids, got shape {tuple(input_ids.shape)}")
         if positions is None:
-            positions = torch.arange(input_ids.shape[0])
+            positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         if int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(
                 f"position {int(positions.max())} is beyond the model's context of {self.config.max_position_embeddings} tokens"

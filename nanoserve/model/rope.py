@@ -14,7 +14,8 @@ import torch
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for the given positions, each (*positions.shape, head_dim)."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,) theta_i
+    # theta_i, made where the positions are (a GPU's, for a model on cuda: a CPU table would not broadcast)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., D): the same angle for x1[i] and x2[i]
     return angles.cos(), angles.sin()
