@@ -225,34 +225,80 @@ def test_kernel_rows_do_not_depend_on_the_batch_at_the_models_shapes(make, shape
             assert torch.equal(layer(x[i:i + 1]), batched[i:i + 1]), i
 
 
-def test_the_decode_group_alone_and_beside_others():
-    """DecodeGroup itself (notebook 10's section 5 writes its call out on contiguous tensors): a 20-token
-    sequence's decode attention alone and beside others, SmolLM2's heads, 16-token blocks. Padding gets no weight,
-    so the output beside others stays within float32 rounding of the one alone; whether its bits are the same is
-    the CPU's kernel's, printed under pytest -s for chapter 10's section 5."""
-    from nanoserve.kv.paged_attention import AttentionMetadata, DecodeGroup, PagedKVCache
+def at_threads(n: int, f):
+    """f() computed with torch's CPU pool at n threads (the pool put back afterwards)."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return f()
+    finally:
+        torch.set_num_threads(was)
+
+
+def paged_pool(lens: list[int], H: int = 9, Hkv: int = 3, D: int = 64, bs: int = 16):
+    """SmolLM2's heads, 16-token blocks: a pool holding random K/V for sequences of these lengths, their block
+    tables, and a random query per position of each (len(lens), max(lens), H, D)."""
+    from nanoserve.kv.paged_attention import PagedKVCache
 
     torch.manual_seed(0)
-    H, Hkv, D, bs = 9, 3, 64, 16
-    lens = [20, 40, 7, 33, 20, 20, 20]  # sequence 0 is the one watched
     tables, first = [], 0
     for n in lens:
         tables.append(list(range(first, first + -(-n // bs))))
         first += len(tables[-1])
     cache = PagedKVCache(num_layers=1, num_blocks=first, block_size=bs, num_kv_heads=Hkv, head_dim=D)
     cache.k_cache[0].normal_(), cache.v_cache[0].normal_()
-    q = torch.randn(len(lens), H, D)
+    return cache, tables, torch.randn(len(lens), max(lens), H, D)
+
+
+def test_the_decode_group_alone_and_beside_others():
+    """DecodeGroup itself (notebook 10's section 5 writes its call out on contiguous tensors): a 20-token
+    sequence's decode attention alone and beside others. Padding gets no weight, so the output beside others stays
+    within float32 rounding of the one alone; whether its bits are the same is the CPU's kernel's, and may change
+    with the threads: printed under pytest -s at one thread and at two, for chapter 10's section 5."""
+    from nanoserve.kv.paged_attention import AttentionMetadata, DecodeGroup
+
+    lens = [20, 40, 7, 33, 20, 20, 20]  # sequence 0 is the one watched
+    cache, tables, queries = paged_pool(lens)
+    q = queries[:, 0]  # one query per sequence
 
     def attend(seqs):  # one decode step of these sequences, one query each -> (len(seqs), H, D)
-        meta = AttentionMetadata.build([tables[i] for i in seqs], [lens[i] for i in seqs], [1] * len(seqs), bs)
+        meta = AttentionMetadata.build([tables[i] for i in seqs], [lens[i] for i in seqs], [1] * len(seqs), 16)
         return DecodeGroup(cache, meta, list(range(len(seqs)))).attend(q[seqs], cache.k_cache[0], cache.v_cache[0])
 
-    alone = attend([0])[0]
-    for others in ([1], [1, 2, 3], [4, 5, 6]):
-        together = attend([0] + others)[0]
-        print(f"DecodeGroup, 20 tokens beside {str([lens[i] for i in others]):14s} same bits as alone: "
-              f"{torch.equal(alone, together)}  (largest difference {(alone - together).abs().max():.1e})")
-        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+    for threads in (1, 2):
+        alone = at_threads(threads, lambda: attend([0])[0])
+        for others in ([1], [1, 2, 3], [4, 5, 6]):
+            together = at_threads(threads, lambda: attend([0] + others)[0])
+            print(f"{threads} thread(s): DecodeGroup, 20 tokens beside {str([lens[i] for i in others]):14s} "
+                  f"same bits as alone: {torch.equal(alone, together)}  "
+                  f"(largest difference {(alone - together).abs().max():.1e})")
+            torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_prefill_row_in_chunks_of_other_sizes():
+    """attend_sequence, the prefill's attention: the last query of a 40-token prompt (position 39) computed as the
+    last row of a 16-, an 8- and a 1-row chunk over the same 40 keys. A chunk's size depends on the step's other
+    requests under a token budget (chapter 06's chunked prefill), so this row can be computed either way. The rows
+    agree within float32 rounding; whether bit for bit is the CPU's kernel's, printed under pytest -s at one thread
+    and at two, for chapter 10's section 5."""
+    from nanoserve.kv.paged_attention import attend_sequence
+    from nanoserve.model.attention import causal_mask
+
+    cache, tables, queries = paged_pool([40])
+    table, S = torch.tensor(tables[0]), 40
+
+    def last_row(T):  # position 39 as the last of a T-row chunk -> (H, D)
+        return attend_sequence(queries[0, S - T:S], cache.k_cache[0], cache.v_cache[0], table, S,
+                               causal_mask(T, S))[-1]
+
+    for threads in (1, 2):
+        in_16 = at_threads(threads, lambda: last_row(16))
+        for T in (8, 1):
+            other = at_threads(threads, lambda: last_row(T))
+            print(f"{threads} thread(s): prefill row 39 of 40, a {T}-row chunk against a 16-row one, same bits: "
+                  f"{torch.equal(in_16, other)}  (largest difference {(in_16 - other).abs().max():.1e})")
+            torch.testing.assert_close(other, in_16, rtol=1e-5, atol=1e-6)
+
 
 @pytest.mark.parametrize("make", ["int8", "q4"])
 def test_llms_crossover_runs_a_16_token_step_on_the_kernel_and_17_on_the_copy(make):

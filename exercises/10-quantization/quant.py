@@ -4,7 +4,8 @@ Your version of the five functions of nanoserve/model/quant.py that make a quant
 same names, same signatures. The layers that use them (Int8Linear, Q4Linear, the embedding) and
 `quantize_model` are given, imported below. A ladder of three rungs, each graded alone
 (`make grade CH=10 EX=10.2`): the reference stands in for the rungs you have not done. Then serve with
-YOUR weights: `.venv/bin/python -m nanoserve batch --weights q4 --student 10`.
+YOUR weights:
+`.venv/bin/python -m nanoserve batch --input requests.jsonl --output results.jsonl --weights q4 --student 10`.
 
     10.1  int8, symmetric, one scale per output row      quantize_int8, dequantize_int8
     10.2  the GGUF's Q4_1 blocks, byte by byte             unpack_q4_1
