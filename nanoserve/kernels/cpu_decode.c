@@ -26,8 +26,8 @@
 
    Threads: one OpenMP region for the whole step. The products split their output rows over the threads
    (`omp for`), the attention its query heads; the element-wise work between them is a few KB, and every thread
-   does all of it on its own copy (below, "Scratch"), so the threads meet only at the 5 barriers a layer that
-   the products' rows need. No allocation: the caller's scratch.
+   does all of it on its own copy (below, "Scratch"), so the threads meet only at the 5 barriers a layer: four after
+   products whose rows they shared, one after the attention's heads. No allocation: the caller's scratch.
 */
 #include "cpu_dot.c"
 #include <omp.h>
