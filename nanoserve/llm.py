@@ -137,6 +137,7 @@ class LLM:
         if tensor_parallel_size > 1:  # the engine checks too, but only once every worker has loaded its shard
             config.check_tensor_parallel(weights or "fp32", model if path is None else None, parse_selection(student))
         check_engine_selection(student)  # the engine checks too, but only once the model has loaded
+        config.check_student(parse_selection(student))  # the engine checks too, but only once the model has loaded
         code = StudentCode(student)  # one record of whose code runs, for the model and the engine
         self.workers = None  # chapter 11: the worker processes of ranks 1 .. n-1
 

@@ -168,6 +168,17 @@ BAD = [
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "09"],
      ["--student 09: the engine never calls chapter 09's code", "bench serve --student 09 runs it"]),
     (["serve", "--student", "06,09"], ["--student 06,09: the engine never calls chapter 09's code"]),
+    # the KV tier and an int8 / fp8 pool run on the reference's block manager and attention: refused with chapter 05,
+    # and with a bare --student (every chapter), before the model loads
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "05", "--kv-tier-blocks", "64"],
+     ["--student 05: the KV tier runs on the reference block manager"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "--kv-tier-blocks", "64"],
+     ["--student: the KV tier runs on the reference block manager", "a bare --student selects every chapter"]),
+    (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--student", "05,06", "--kv-cache-dtype",
+      "int8"], ["--student 05,06: kv_cache_dtype int8 runs chapter 18's quantized attention"]),
+    (["serve", "--student", "--kv-cache-dtype", "fp8"],
+     ["--student: kv_cache_dtype fp8 runs chapter 18's quantized attention", "a bare --student selects every chapter"]),
+    (["bench", "offline", "--student", "05", "--kv-tier-blocks", "64"], ["--student 05: the KV tier"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--block-size", "0"], ["--block-size"]),
     (["batch", "--input", "{d}/in.jsonl", "--output", "{d}/out.jsonl", "--kv-cache-mib", "-1"], ["--kv-cache-mib"]),
     # two sizes of one KV pool: the pair is refused in either order, the default's own value (1024) included
@@ -267,6 +278,19 @@ def test_bad_input_is_one_error_line_before_the_model_loads(argv, fragments, fil
     rc, err = run_cli([a.format(d=files) for a in argv], capsys)
     assert_one_error(rc, err, *fragments)
     assert not (files / "out.jsonl").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("settings, refused", [
+    (dict(student="05", kv_tier_blocks=64), "the KV tier runs on the reference block manager"),
+    (dict(student=True, kv_tier_blocks=64), "the KV tier runs on the reference block manager"),
+    (dict(student="05", kv_cache_dtype="int8"), "kv_cache_dtype int8 runs chapter 18's quantized attention"),
+    (dict(student=True, kv_cache_dtype="fp8"), "kv_cache_dtype fp8 runs chapter 18's quantized attention"),
+], ids=["05+tier", "bare+tier", "05+int8", "bare+fp8"])
+def test_llm_refuses_a_selection_the_reference_replaces_before_the_model_loads(settings, refused, no_model):
+    from nanoserve.llm import LLM
+
+    with pytest.raises(ValueError, match=refused):
+        LLM(**settings)
 
 
 def test_a_real_process_exits_2_without_a_traceback():

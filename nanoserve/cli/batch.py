@@ -156,6 +156,7 @@ def native_settings(args) -> tuple:
 
 def check_engine_args(args) -> str | None:
     """The engine flags that argparse cannot refuse one at a time, in words, or None."""
+    from nanoserve.engine.config import engine_config
     from nanoserve.student import engine_refusal, parse_selection
 
     # refused here, before the model loads: a chapter no engine calls (the engine refuses the same), or one this
@@ -203,6 +204,13 @@ def check_engine_args(args) -> str | None:
         # refused here, before the model loads; the engine refuses the same (LLMEngine: "reference scheduler")
         return ("--preemption-mode swap runs on the reference scheduler and tier index: not with --student 06 or 18 "
                 "(a bare --student selects every chapter)")
+    try:  # the KV tier or an int8 / fp8 pool with chapter 05: asked of the engine's own check, before the model loads
+        engine_config(kv_tier_blocks=args.kv_tier_blocks,
+                      kv_cache_dtype=args.kv_cache_dtype).check_student(parse_selection(args.student))
+    except ValueError as e:
+        bare = args.student is True
+        return f"--student{'' if bare else ' ' + args.student}: {e}" + (
+            " (a bare --student selects every chapter)" if bare else "")
     return None
 
 

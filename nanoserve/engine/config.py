@@ -192,6 +192,30 @@ class EngineConfig:
     # None: it serves alone (KVTransferConfig, above)
     kv_transfer_config: KVTransferConfig | None = None
 
+    def check_student(self, chapters=frozenset()) -> None:
+        """Refuse the settings given here that run the reference in place of a chapter `student` selects. chapters:
+        those it selects (parse_selection; student=True selects every chapter, so these refuse it too). LLM calls
+        it before the model loads, the CLI before it builds an LLM, LLMEngine before it builds anything.
+
+            EngineConfig(kv_cache_dtype="int8").check_student({"05"})
+            ValueError: kv_cache_dtype int8 runs chapter 18's quantized attention, not chapter 05's paged attention ...
+        """
+        cache = self.cache_config
+        if self.compile_mode != "eager" and "02" in chapters:
+            # CompiledModel runs its own layer loop over the reference's block halves: 2.2 and 2.3 would not run
+            raise ValueError(f"compile_mode {self.compile_mode} runs its own loop over the reference block's halves, "
+                             "not Llama.forward and DecoderBlock.forward: not with chapter 02's exercises selected "
+                             "in student")
+        if self.scheduler_config.preemption_mode == "swap" and {"06", "18"} & set(chapters):
+            raise ValueError("preemption_mode swap runs on the reference scheduler and tier index: not with chapter "
+                             "06's or 18's exercises selected in student")
+        if cache.kv_tier_blocks and "05" in chapters:
+            raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
+                             "selected in student")
+        if cache.kv_cache_dtype in ("int8", "fp8") and "05" in chapters:
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype} runs chapter 18's quantized attention, not "
+                             "chapter 05's paged attention selected in student: drop one of them")
+
     def check_tensor_parallel(self, weights: str = "fp32", model=None, chapters=frozenset()) -> None:
         """Refuse, in one ValueError naming each, the settings given here that tensor parallelism (chapter 11)
         cannot run: its ranks run float32 shards (LLM's `weights`, or the model given: its weight_format and every

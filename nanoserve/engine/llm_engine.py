@@ -145,11 +145,7 @@ class LLMEngine:
 
         if get_tp_group(model).size > 1:  # chapter 11: rank 0's shard, whose workers run the eager float32 step
             config.check_tensor_parallel(chapters=student.chapters)
-        if config.compile_mode != "eager" and "02" in student.chapters:
-            # CompiledModel runs its own layer loop over the reference's block halves: 2.2 and 2.3 would not run
-            raise ValueError(f"compile_mode {config.compile_mode} runs its own loop over the reference block's halves, "
-                             "not Llama.forward and DecoderBlock.forward: not with chapter 02's exercises selected "
-                             "in student")
+        config.check_student(student.chapters)  # LLM asks the same before its model loads
         if cache.kv_tier_blocks < 0 or cache.kv_tier_blocks == 1:
             raise ValueError("kv_tier_blocks must be 0 (no second tier) or >= 2 (a load takes at most half the "
                              f"tier's slots), got {cache.kv_tier_blocks}")
@@ -159,18 +155,9 @@ class LLMEngine:
         if swap and not cache.kv_tier_blocks:
             raise ValueError("preemption_mode swap writes a preempted sequence's blocks to the second KV tier: it "
                              "needs kv_tier_blocks > 0")
-        if swap and {"06", "18"} & set(student.chapters):
-            raise ValueError("preemption_mode swap runs on the reference scheduler and tier index: not with chapter "
-                             "06's or 18's exercises selected in student")
         if cache.kv_tier_blocks and not cache.enable_prefix_caching and not swap:
             raise ValueError("the KV tier holds evicted prefix-cache blocks: it needs enable_prefix_caching (or "
                              "preemption_mode swap, whose swapped-out blocks it holds)")
-        if cache.kv_tier_blocks and "05" in student.chapters:
-            raise ValueError("the KV tier runs on the reference block manager: not with chapter 05's exercises "
-                             "selected in student")
-        if cache.kv_cache_dtype in ("int8", "fp8") and "05" in student.chapters:
-            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype} runs chapter 18's quantized attention, not "
-                             "chapter 05's paged attention selected in student: drop one of them")
         if triton and cache.kv_cache_dtype != "auto":
             raise ValueError("kv_cache_dtype applies to the torch attention backend; the Triton kernels read the "
                              "model's dtype (chapter 07)")
