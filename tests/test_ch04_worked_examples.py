@@ -4,11 +4,12 @@ mix, and must appear in the chapter word for word; the figures it quotes from th
 committed notebook printed. The measured figures cannot come from the code: section 4's must be chapter 06's
 profile, section 6's table must agree with its own speed-ups and shares and with the README's ledger."""
 
+import argparse
 import re
 
 import pytest
 
-from nanoserve.bench.kv_cache import request_lengths, reservation_waste
+from nanoserve.bench.kv_cache import register, request_lengths, reservation_waste
 from nanoserve.generate import check_prompt_fits
 from nanoserve.cli import main
 from nanoserve.kv.naive import NaiveKVCache
@@ -192,8 +193,14 @@ def test_the_profile_quoted_in_section_4_is_chapter_06s():
     says(CH, f"took {small_ops} %")
     says(CH, f"a decode step of 4 sequences took {four} ms, {four / step:.2f}× the step of one")
     says(CH, f"whose ridge chapter 06's profile (quoted next) measures at {ridge},")
+    # chapter 09's run of the same profile on the same VM measured another ridge: its bandwidth and peak give it
+    bw9, peak9, ridge9 = re.search(r"on Zen 4 the same command measured ([\d.]+) GB/s and ([\d.]+) GFLOP/s .*?a ridge "
+                                   r"at ([\d.]+) FLOP/byte", chapter("09")).groups()
+    assert f"{float(peak9) / float(bw9):.1f}" == ridge9
+    says(CH, f"and chapter 09's run of `bench profile` (section 5, under more load) at {ridge9}")
     # a prefill does 2·P flops per weight: P/2 flops a byte in fp32, P in bf16; arithmetic-bound past the ridge
-    says(CH, f"from about {2 * float(ridge):.0f} tokens on, and the table's 41-token prompt is well past it")
+    says(CH, f"from about {2 * float(ridge):.0f}–{2 * float(ridge9):.0f} tokens on, and the table's 41-token prompt is "
+             f"well past it")
     # the machines by chapter 09's names: chapter 06's float32 runs were on the Zen 4 VM; chapter 09's profile, on
     # the AMX machine, measured another ridge
     assert " ".join(text.split()).count('were made on 2026-12-03 on a 2-core AMD EPYC recorded then as "AVX-512, no '
@@ -236,13 +243,21 @@ def test_the_cache_benchmark_table_and_what_follows_from_it():
         assert fast_worst > slow, context  # "even the cache's worst round beats the best round without it"
     says(CH, "A path's two rounds agree within 10 %.")
     says(CH, "even the cache's worst round beats the best round without it")
-    slope = (attention[512] - attention[64]) / (512 - 64)
-    fixed = attention[64] - 64 * slope
-    says(CH, f"a fixed part of about {fixed:.1f} ms a step plus about {slope:.3f} ms per cached "
-             f"key (({attention[512]} − {attention[64]}) / {512 - 64})")
-    assert fixed > 64 * slope and 512 * slope > fixed  # most of it at 64 tokens, the per-key part most at 512
-    says(CH, f"most of it ({fixed:.1f} of {attention[64]} ms); at 512 the per-key part is most of it "
-             f"({512 * slope:.1f} of {attention[512]} ms); the two are equal at about {fixed / slope:.0f} keys")
+    # the timed steps of a row attend context + 1 .. context + steps keys (the prefill leaves `context` cached)
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    steps = sub.choices["kv-cache"].get_default("cache_tokens")
+    keys = {context: context + (steps + 1) / 2 for context in (64, 512)}  # the mean over a row's steps
+    says(CH, f"A row's {steps} timed steps attend `context + 1` … `context + {steps}` keys, on average {keys[64]} in "
+             f"the 64-token row and {keys[512]} in the 512-token row")
+    slope = (attention[512] - attention[64]) / (keys[512] - keys[64])
+    fixed = attention[64] - keys[64] * slope
+    says(CH, f"a fixed part of about {fixed:.2f} ms a step plus about {slope:.3f} ms per cached "
+             f"key (({attention[512]} − {attention[64]}) / {keys[512] - keys[64]:.0f})")
+    assert fixed > keys[64] * slope and keys[512] * slope > fixed  # the fixed part most at 64, the per-key at 512
+    says(CH, f"most of it ({fixed:.2f} of {attention[64]} ms); at 512 the per-key part is most of it "
+             f"({keys[512] * slope:.2f} of {attention[512]} ms); the two are equal at about "
+             f"{round(fixed / slope, -1):.0f} keys")
     added = attention[512] - attention[256]
     says(CH, f"From 256 to 512 tokens that is {added:.1f} ms more a step")
     best, worst = map(float, re.fullmatch(r"([\d.]+) \(([\d.]+)\)", rows[512][1]).groups())
