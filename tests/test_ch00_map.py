@@ -3,7 +3,8 @@ ids and the ids the chapter names, the greedy reply's ids and text pieces — is
 in the slow test, by the model through chapter 03's generate loop, as the chapter's `generate` command runs it) and
 must appear in the chapter word for word. The layering rules of section 5 are read from its picture (each row's
 paths under nanoserve/) and checked on every `import` statement in nanoserve/ (a function's lazy import included);
-modules loaded by name at run time (importlib, the `--student` switch's `modules(...)`) are not followed. The third
+modules loaded by name at run time (importlib, a `--student` seam) are checked by the module names the file spells
+out in strings. The third
 rule (the scheduler decides with integers) is also checked in a fresh interpreter, which sees what a library
 imported by the scheduler's modules imports in turn.
 tests/test_ch11_seam.py checks the seams below the engine core (distributed/ and text/ against the scheduler, the
@@ -224,6 +225,33 @@ def test_imports_only_point_down():
     says(CH, "The code is layered, and **imports only point down**")
     upward = [(m, t) for m in MODULES for t in imports(m) if rank(t) > rank(m)]
     assert not upward, f"imports that point up the picture: {upward}"
+
+
+@cache
+def loads_by_name(module: str) -> frozenset[str]:
+    """The nanoserve modules `module`'s file spells out whole in a string (`student.module("nanoserve.engine.
+    scheduler")`, `importlib.import_module("nanoserve.bench.peers")`): what it may load by name at run time."""
+    tree = ast.parse(MODULES[module].read_text())
+    return frozenset(node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                     and isinstance(node.value, str) and node.value in MODULES and node.value != module)
+
+
+# Loads by name allowed to point up: the top package's lazy `from nanoserve import LLM`, and student.py, whose
+# tables name the reference module of every `--student` seam (its loader imports what the seam, in the seam's
+# own row, asks for)
+UP_BY_NAME = {"nanoserve": {"nanoserve.llm", "nanoserve.sampling"}, "nanoserve.student": set(MODULES)}
+
+
+def test_loads_by_name_only_point_down():
+    """A module named in a string is loaded by name (importlib, a `--student` seam): those point down too, so a
+    load by name cannot smuggle in what an `import` statement may not."""
+    upward = [(m, t) for m in MODULES for t in loads_by_name(m) - UP_BY_NAME.get(m, set()) if rank(t) > rank(m)]
+    assert not upward, f"loads by name that point up the picture: {upward}"
+    assert "nanoserve.engine.scheduler" in loads_by_name("nanoserve.engine.llm_engine")  # the checker sees them
+    assert {(m, t) for m in UP_BY_NAME if m != "nanoserve.student" for t in loads_by_name(m)
+            if rank(t) > rank(m)} == {("nanoserve", t) for t in UP_BY_NAME["nanoserve"]}  # the exception is used
+    says(CH, "the top package, whose `LLM` and `SamplingParams` (`from nanoserve import LLM`) load `llm.py` and "
+             "`sampling.py` lazily")
 
 
 def test_the_model_knows_nothing_about_serving():
