@@ -192,8 +192,9 @@ def test_the_quality_table_and_the_notebook(smollm2_tokenizer):
     assert re.search(r"CPU: AVX512 +bf16 instructions: avx512_bf16 ", out)
     q4, fp32head = rows["q4"], re.search(r"greedy agreement ([\d.]+) %, (\d+)/12 prompts identical, perplexity ([\d.]+),\n?"
                                           r" ?max \|Δlogit\| ([\d.]+), top-1 = fp32 on \*\*([\d.]+) %", chapter(CH)).groups()
-    says(CH, f"q4's top-1 agreement goes from\n{q4[6]} to {fp32head[4]} %, its largest logit error falls from {q4[5]} to "
-             f"{float(fp32head[3]):.2f} and its greedy agreement from {number(q4[1]):.0f} % to {float(fp32head[0]):.0f} %")
+    says(CH, f"q4's top-1 agreement goes from\n{q4[6]} to {fp32head[4]} % and its greedy agreement from "
+             f"{number(q4[1]):.0f} % to {float(fp32head[0]):.0f} %, and its largest logit error falls from {q4[5]} to "
+             f"{float(fp32head[3]):.2f}")
     int8 = rows["int8"]
     says(CH, f"(bounds at most the measured {q4[2]}, {number(q4[1]):.0f} % and {int8[2]}, {number(int8[1]):.0f} % at "
              f"{args.max_tokens}\ntokens;")

@@ -21,7 +21,8 @@ With --formats the same pass runs through the model's own layer classes, fused s
 o_proj, gate_up_proj, down_proj × 30, LM head), one column per way of multiplying:
 
   fp32        Linear (swap AB up to SWAP_AB_MAX_TOKENS)
-  bf16        BF16Linear: bf16 weights, oneDNN's bf16 GEMM (AMX tiles on this CPU)
+  bf16        BF16Linear: bf16 weights, oneDNN's bf16 GEMM (AMX tiles where the CPU has them; emulated, slower
+              than float32, where it has no native bf16)
   int8, q4    torch's integer kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), bf16 activations
   int8 dot, q4 dot   the same weights through cpu_dot.c, llama.cpp's integer dot products with the activations
               rounded to int8 (chapter 10; where gcc builds it)

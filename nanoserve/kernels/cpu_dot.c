@@ -86,7 +86,7 @@ static inline float hsum(__m256 v) {  /* the 8 lanes added */
 /* 32 unsigned bytes (0..15 here) times 32 signed bytes, as 8 int32 partial sums, then floats */
 static inline __m256 dot32(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    /* VNNI (Intel since Ice Lake, AMD since Zen 4): the four products and their sum in one instruction */
+    /* VNNI (Intel since Cascade Lake, AMD since Zen 4): the four products and their sum in one instruction */
     return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
 #else
     __m256i pairs = _mm256_maddubs_epi16(u, s);                        /* 16 × (u0 s0 + u1 s1), no overflow: ≤ 2·15·127 */

@@ -14,7 +14,7 @@ Two formats, each a Linear that keeps its weight quantized and dequantizes insid
          torch's kernel computes w = (q − 8) · scale + zero per group, so scale = d, zero = m + 8·d:
              _convert_weight_to_int4pack_for_cpu(q) once, _weight_int4pack_mm_for_cpu(x, packed, 32, sz)
 
-Both kernels are fast on this CPU only with **bfloat16 activations** (with float32 ones they are slower
+Both kernels are fast only with **bfloat16 activations** (with float32 ones they are slower
 than float32 MKL: `python -m nanoserve bench weights`), and they take their scales in the activation's
 dtype. So a quantized layer computes, with torch's kernels (the large-step path rounds dequantize(W) to bf16
 too, below; a CPU without native bf16 differs, see the end):
@@ -23,8 +23,8 @@ too, below; a CPU without native bf16 differs, see the end):
 
 with `dequantize` using the bf16 scales. For small products (up to `max_kernel_tokens` tokens) that is the
 kernel; for larger ones the kernels are slower than a GEMM, so the layer multiplies a bf16 copy of its
-weight with F.linear in bf16 (oneDNN's bf16 GEMM, AMX on this CPU: faster than float32 MKL, and it too
-accumulates in float32). Where that bf16 weight comes from is set_kernel_crossover's choice: a copy made
+weight with F.linear in bf16 (oneDNN's bf16 GEMM, on AMX tiles or AVX-512 BF16: faster than float32 MKL, and it
+too accumulates in float32). Where that bf16 weight comes from is set_kernel_crossover's choice: a copy made
 once (LLM's default: 2 bytes per weight more, crossover KERNEL_CROSSOVER_TOKENS = 16) or dequantized for
 each large step (a bare quantized model: no memory added, one pass over the weights per step, crossover
 QUANT_MAX_TOKENS = 64). Either way `dequantize()` makes it, with the dequantize function the layer was
@@ -277,7 +277,7 @@ class Q4Linear(QuantLinear):
 
 class BF16Linear(QuantLinear):
     """`weights="bf16"`: the weight rounded to bfloat16 (2 bytes, 8 bits of mantissa), every product a bf16
-    GEMM accumulated in float32 (oneDNN; AMX on this CPU). No small-step kernel: every step takes the GEMM."""
+    GEMM accumulated in float32 (oneDNN; AMX tiles where the CPU has them). No small-step kernel: every step takes the GEMM."""
 
     def __init__(self, weight: torch.Tensor, name: str = ""):
         super().__init__(weight.shape[1], weight.shape[0], name)
