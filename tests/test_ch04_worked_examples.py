@@ -2,7 +2,8 @@
 reservation waste are built here from nanoserve/kv/naive.py, nanoserve/memory.py and `bench kv-cache`'s request
 mix, and must appear in the chapter word for word; the figures it quotes from the notebook must be what the
 committed notebook printed. The measured figures cannot come from the code: section 4's must be chapter 06's
-profile, section 6's table must agree with its own speed-ups and shares and with the README's ledger."""
+and chapter 09's profiles, section 6's table must agree with its own speed-ups and shares and with the README's
+ledger."""
 
 import argparse
 import re
@@ -179,7 +180,7 @@ def test_the_repeat_kv_copy_of_a_decode_step():
 
 def test_the_profile_quoted_in_section_4_is_chapter_06s():
     """Section 4 quotes chapter 06's `bench profile` run: its figures must be that block's, and the arithmetic
-    between them (69 % of 62.4 ms, 78.4 / 62.4) must hold."""
+    between them (69 % of 62.4 ms, 78.4 / 62.4) must hold; its ridges and serve's q4 step are chapter 09's."""
     text = chapter("06")
     command = "bench profile --batch-sizes 1 4 16 --prompt-len 128 --threads 1"
     block = text[text.index("$ .venv/bin/python -m nanoserve " + command):]
@@ -198,6 +199,11 @@ def test_the_profile_quoted_in_section_4_is_chapter_06s():
                                    r"at ([\d.]+) FLOP/byte", chapter("09")).groups()
     assert f"{float(peak9) / float(bw9):.1f}" == ridge9
     says(CH, f"and chapter 09's run of `bench profile` (section 5, under more load) at {ridge9}")
+    # serve's q4 step, which chapter 09 profiles with the native decode step
+    threads, ms = re.search(r"--threads (\d+) --weights q4 --kv-cache-dtype bf16`, one run, load [\d.]+\): ([\d.]+) ms "
+                            r"a batch-1 decode step", chapter("09")).groups()
+    threads = {"1": "one thread", "2": "two threads"}[threads]
+    says(CH, f"measures the engine's batch-1 decode step at {ms} ms ({threads}, one run")
     # a prefill does 2·P flops per weight: P/2 flops a byte in fp32, P in bf16; arithmetic-bound past the ridge
     says(CH, f"from about {2 * float(ridge):.0f}–{2 * float(ridge9):.0f} tokens on, and the table's 41-token prompt is "
              f"well past it")
