@@ -17,6 +17,7 @@ from nanoserve.kv.naive import NaiveKVCache
 from nanoserve.memory import GiB, activation_bytes, format_bytes, kv_bytes_per_token, memory_plan, parameter_counts
 from nanoserve.model import LlamaConfig
 from nanoserve.model.known_configs import KNOWN_CONFIGS
+from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 from nanoserve.text.tokenizer import Tokenizer
 from tests.chapter_text import ROOT, chapter, notebook_output, says, table_rows
 
@@ -281,3 +282,9 @@ def test_the_cache_benchmark_table_and_what_follows_from_it():
         in ledger
     assert "`.venv/bin/python -m nanoserve bench kv-cache --contexts 64 256 512 --rounds 2 --threads 1`" in ledger
     says(CH, "`.venv/bin/python -m nanoserve bench kv-cache --contexts 64 256 512 --rounds 2 --threads 1`")
+    # measured before the swap-AB limit went from 64 to 4 tokens: a timed pass is 1 token (cached, swapped under
+    # either limit) or at least the smallest context + 1 (uncached, F.linear under either), so the table stands
+    assert 1 <= SWAP_AB_MAX_TOKENS <= 64 < min(rows) + 1
+    says(CH, f"a cached step is a 1-token pass, chapter 02's swapped products under either limit, and an uncached one "
+             f"is {min(rows) + 1} tokens or more, `F.linear` under either")
+    assert f"which touches none of its timed passes (1 token cached, {min(rows) + 1} or more uncached)" in ledger
