@@ -201,7 +201,8 @@ def test_the_benchmark_alternates_which_path_goes_first_even_with_one_round():
 
 def test_the_benchmarks_attention_timer_times_decode_steps_only(tiny):
     """The timer the benchmark hands the cache is chapter 01's attention itself, and it adds up decode calls only:
-    a prefill of 5 tokens adds nothing, each one-token step adds the time of one call per layer."""
+    a prefill of 5 tokens adds nothing, nor does a prefill of 1 token (one query, like a decode step's, but no
+    cached keys: `--contexts 1`), and each one-token step after a prefill adds the time of one call per layer."""
     from nanoserve.bench.kv_cache import DecodeAttentionTimer
     from nanoserve.model.attention import scaled_dot_product_attention
 
@@ -215,4 +216,12 @@ def test_the_benchmarks_attention_timer_times_decode_steps_only(tiny):
     cache.advance(5)
     assert timer.seconds == 0
     tiny(ids[5:], cache.positions(1), cache)
+    assert timer.seconds > 0
+
+    timer = DecodeAttentionTimer()
+    cache = NaiveKVCache(tiny.config, 2, attention=timer)
+    tiny(ids[:1], cache.positions(1), cache)  # a 1-token prompt's prefill
+    cache.advance(1)
+    assert timer.seconds == 0
+    tiny(ids[1:2], cache.positions(1), cache)
     assert timer.seconds > 0

@@ -2,7 +2,8 @@
 reservation waste are built here from nanoserve/kv/naive.py, nanoserve/memory.py and `bench kv-cache`'s request
 mix, and must appear in the chapter word for word; the figures it quotes from the notebook must be what the
 committed notebook printed. The measured figures cannot come from the code: section 4's must be chapter 06's
-profile, section 6's table must agree with its own speed-ups and shares and with the README's ledger."""
+and chapter 09's profiles, section 6's table must agree with its own speed-ups and shares and with the README's
+ledger."""
 
 import argparse
 import re
@@ -16,6 +17,7 @@ from nanoserve.kv.naive import NaiveKVCache
 from nanoserve.memory import GiB, activation_bytes, format_bytes, kv_bytes_per_token, memory_plan, parameter_counts
 from nanoserve.model import LlamaConfig
 from nanoserve.model.known_configs import KNOWN_CONFIGS
+from nanoserve.model.layers import SWAP_AB_MAX_TOKENS
 from nanoserve.text.tokenizer import Tokenizer
 from tests.chapter_text import ROOT, chapter, notebook_output, says, table_rows
 
@@ -179,7 +181,7 @@ def test_the_repeat_kv_copy_of_a_decode_step():
 
 def test_the_profile_quoted_in_section_4_is_chapter_06s():
     """Section 4 quotes chapter 06's `bench profile` run: its figures must be that block's, and the arithmetic
-    between them (69 % of 62.4 ms, 78.4 / 62.4) must hold."""
+    between them (69 % of 62.4 ms, 78.4 / 62.4) must hold; its ridges and serve's q4 step are chapter 09's."""
     text = chapter("06")
     command = "bench profile --batch-sizes 1 4 16 --prompt-len 128 --threads 1"
     block = text[text.index("$ .venv/bin/python -m nanoserve " + command):]
@@ -198,6 +200,11 @@ def test_the_profile_quoted_in_section_4_is_chapter_06s():
                                    r"at ([\d.]+) FLOP/byte", chapter("09")).groups()
     assert f"{float(peak9) / float(bw9):.1f}" == ridge9
     says(CH, f"and chapter 09's run of `bench profile` (section 5, under more load) at {ridge9}")
+    # serve's q4 step, which chapter 09 profiles with the native decode step
+    threads, ms = re.search(r"--threads (\d+) --weights q4 --kv-cache-dtype bf16`, one run, load [\d.]+\): ([\d.]+) ms "
+                            r"a batch-1 decode step", chapter("09")).groups()
+    threads = {"1": "one thread", "2": "two threads"}[threads]
+    says(CH, f"measures the engine's batch-1 decode step at {ms} ms ({threads}, one run")
     # a prefill does 2·P flops per weight: P/2 flops a byte in fp32, P in bf16; arithmetic-bound past the ridge
     says(CH, f"from about {2 * float(ridge):.0f}–{2 * float(ridge9):.0f} tokens on, and the table's 41-token prompt is "
              f"well past it")
@@ -275,3 +282,9 @@ def test_the_cache_benchmark_table_and_what_follows_from_it():
         in ledger
     assert "`.venv/bin/python -m nanoserve bench kv-cache --contexts 64 256 512 --rounds 2 --threads 1`" in ledger
     says(CH, "`.venv/bin/python -m nanoserve bench kv-cache --contexts 64 256 512 --rounds 2 --threads 1`")
+    # measured before the swap-AB limit went from 64 to 4 tokens: a timed pass is 1 token (cached, swapped under
+    # either limit) or at least the smallest context + 1 (uncached, F.linear under either), so the table stands
+    assert 1 <= SWAP_AB_MAX_TOKENS <= 64 < min(rows) + 1
+    says(CH, f"a cached step is a 1-token pass, chapter 02's swapped products under either limit, and an uncached one "
+             f"is {min(rows) + 1} tokens or more, `F.linear` under either")
+    assert f"which touches none of its timed passes (1 token cached, {min(rows) + 1} or more uncached)" in ledger

@@ -8,7 +8,7 @@
      (so even --rounds 1 gives neither path the first place everywhere: this machine drifts, and the
      first run after a switch may pay for cold caches); each path keeps its best round, and the table
      shows the worst beside it. In the cache's rounds chapter 01's attention is timed on its own, when
-     it serves a decode step's one query: the column "attention" is its time per step, over all
+     it serves a decode step's one query (never the prefill's, even of a 1-token prompt): the column "attention" is its time per step, over all
      layers (repeat_kv's copy of the cached K/V included), and its share of the whole step.
   2. the share of a max-length reservation that a realistic mix of requests never uses.
      The mix (seeded): prompt and output lengths are log-normal, medians 256 and 128 tokens,
@@ -60,7 +60,7 @@ def decode_tokens_per_second(model, context: int, num_tokens: int, use_cache: bo
 
 
 class DecodeAttentionTimer:
-    """Chapter 01's attention, with the seconds it spends serving one query (a decode step) added up."""
+    """Chapter 01's attention, with the seconds it spends on the passes after the prefill (the decode steps) added up."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -68,7 +68,9 @@ class DecodeAttentionTimer:
     def __call__(self, q, k, v, causal=True):
         start = time.perf_counter()
         out = scaled_dot_product_attention(q, k, v, causal)
-        if q.shape[2] == 1:  # q (1, H, T, D): T = 1 is a decode step; the prefill is not timed
+        # q (1, H, T, D), k (1, Hkv, S, D): the prefill's queries are all its keys (S = T, even for a 1-token
+        # prompt); a pass after it also attends the cached keys (S > T). Only those are timed.
+        if k.shape[2] > q.shape[2]:
             self.seconds += time.perf_counter() - start
         return out
 
