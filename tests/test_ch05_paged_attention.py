@@ -5,7 +5,7 @@ Reference: per sequence, its whole K/V laid out contiguously and attention writt
 torch kernel the paged path calls. The pools are filled with finite garbage first, so a gather that reads a
 wrong slot, or padding that is not masked, changes the answer. Graded: 5.5 the dense gather of one
 sequence (the checkpoint), one sequence's attention through its block table, and PagedAttention's whole
-step; 5.6 the batched decode gather with its padding mask (DecodeGroup). On the real model: a batch of
+step (small mixed steps, and steps with more decodes than one group); 5.6 the batched decode gather with its padding mask (DecodeGroup). On the real model: a batch of
 sequences stepping through PagedAttention gives the logits each sequence gets when run alone, without any cache.
 """
 
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from nanoserve.kv.block_manager import BlockManager
-from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache, num_blocks_for_budget
+from nanoserve.kv.paged_attention import (DECODE_GROUP, AttentionMetadata, PagedAttention, PagedKVCache,
+                                          num_blocks_for_budget)
 from nanoserve.model.attention import causal_mask
 from nanoserve.model.config import LlamaConfig
 from nanoserve.student import implementation
@@ -60,11 +61,13 @@ def reference_attention(q, k, v):
 
 
 def random_batch(rng: random.Random, num_kv_heads: int, group: int, head_dim: int, block_size: int,
-                 decodes_only: bool = False):
-    """A mixed step: some sequences decode, some prefill a chunk on top of a cached prefix, some start fresh."""
+                 decodes_only: bool = False, more_decodes: int = 0):
+    """A mixed step: some sequences decode, some prefill a chunk on top of a cached prefix, some start fresh;
+    then `more_decodes` further sequences that decode, their contexts as mixed as the others'."""
     num_seqs = rng.randint(1, 6) if not decodes_only else rng.randint(1, 10)
-    seq_lens = [rng.randint(1, 50) for _ in range(num_seqs)]
-    query_lens = [1 if decodes_only else rng.choice([1, 1, s, rng.randint(1, s)]) for s in seq_lens]
+    seq_lens = [rng.randint(1, 50) for _ in range(num_seqs + more_decodes)]
+    query_lens = [1 if decodes_only or i >= num_seqs else rng.choice([1, 1, s, rng.randint(1, s)])
+                  for i, s in enumerate(seq_lens)]
     # non-contiguous block tables: blocks dealt from a shuffled pool with room to spare
     need = [-(-s // block_size) for s in seq_lens]
     pool = list(range(sum(need) + 7))
@@ -115,18 +118,16 @@ def test_attend_sequence_through_its_block_table(pa, prefix):
 POOLS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-@pytest.mark.exercise("5.5")
-@pytest.mark.parametrize("seed, dtype", [(seed, torch.float32) for seed in range(30)]
-                         + [(seed, torch.bfloat16) for seed in range(6)], ids=str)
-def test_paged_equals_contiguous_on_random_batches(pa, seed, dtype):
-    """A whole step of PagedAttention, every sequence one at a time (batch_decodes=False), then with the decodes
-    batched (exercise 5.6's DecodeGroup, the reference's while 5.5 is graded). On a bf16 pool float32 q, k, v
-    are stored and attended in bf16 and the output comes back in float32; the reference attends the
-    bf16-rounded q, k, v in float32."""
+def check_a_step(pa, seed: int, dtype: torch.dtype, more_decodes: int = 0):
+    """A whole step of PagedAttention on a random batch (random_batch), every sequence one at a time
+    (batch_decodes=False), then with the decodes batched (exercise 5.6's DecodeGroup, the reference's while 5.5
+    is graded), against the reference on each sequence's contiguous K/V; and this step's K/V at their slots. On a bf16 pool float32 q, k, v are stored and attended in bf16 and
+    the output comes back in float32; the reference attends the bf16-rounded q, k, v in float32."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     Hkv, G, D, bs = rng.choice([1, 2, 3]), rng.choice([1, 2, 3]), rng.choice([8, 16]), rng.choice([1, 4, 16])
-    seq_lens, query_lens, tables, num_blocks, q, k_full, v_full = random_batch(rng, Hkv, G, D, bs)
+    seq_lens, query_lens, tables, num_blocks, q, k_full, v_full = random_batch(rng, Hkv, G, D, bs,
+                                                                               more_decodes=more_decodes)
     num_layers = 2
     cache = garbage_pool(num_layers, num_blocks, bs, Hkv, D, dtype)
     layer = rng.randrange(num_layers)
@@ -150,6 +151,24 @@ def test_paged_equals_contiguous_on_random_batches(pa, seed, dtype):
     new_slots = torch.cat([slots(t, s - n, s, bs) for t, s, n in zip(tables, seq_lens, query_lens)])
     assert torch.equal(cache.k_cache[layer].view(Hkv, -1, D)[:, new_slots].transpose(0, 1), new_k.to(dtype))
     assert torch.equal(cache.v_cache[layer].view(Hkv, -1, D)[:, new_slots].transpose(0, 1), new_v.to(dtype))
+    return query_lens
+
+
+@pytest.mark.exercise("5.5")
+@pytest.mark.parametrize("seed, dtype", [(seed, torch.float32) for seed in range(30)]
+                         + [(seed, torch.bfloat16) for seed in range(6)], ids=str)
+def test_paged_equals_contiguous_on_random_batches(pa, seed, dtype):
+    """Mixed steps of up to 6 sequences: decodes, chunks on a cached prefix, whole prompts (check_a_step)."""
+    check_a_step(pa, seed, dtype)
+
+
+@pytest.mark.exercise("5.5")
+@pytest.mark.parametrize("seed", range(4))
+def test_paged_equals_contiguous_with_several_decode_groups(pa, seed):
+    """A step of 10 to 26 decodes with contexts of 1 to 50 tokens (more than DECODE_GROUP, so two to four
+    groups), beside a mixed step's chunks and prompts: every group's rows are answered, not only the first's."""
+    query_lens = check_a_step(pa, 100 + seed, torch.float32, more_decodes=random.Random(seed).randint(10, 20))
+    assert query_lens.count(1) > DECODE_GROUP  # the step does reach a second group
 
 
 @pytest.mark.exercise("5.6")

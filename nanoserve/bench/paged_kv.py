@@ -12,8 +12,9 @@
      real chat template, one after another through a BlockManager: hit rate and blocks saved.
   3. speed: one decode step of --max-num-seqs sequences — one layer's attention, batched
      (PagedAttention) vs a Python loop over sequences; the decode gather + attention from our heads-first
-     pool vs the same from a block-major pool (vLLM's layout), both gathering into buffers allocated once;
-     then the whole SmolLM2 forward pass. Each pair: warmed up, alternated in both orders, best of the rounds.
+     pool vs the same from a block-major pool (vLLM's FlashAttention backend's default), both gathering
+     into buffers allocated once; then the whole SmolLM2 forward pass. Each pair: warmed up, alternated in
+     both orders, best of the rounds.
   4. with --memory-cap-mib N: the real engine on SmolLM2 in a pool of N MiB, paging (BlockManager) vs
      reserving prompt + max_tokens at admission (kv/reservation.py), the same requests, stepped in
      lockstep (one step of each in turn, the two taking turns at going first, each on its own clock): requests
@@ -129,10 +130,10 @@ def block_major_buffers(group, k_pool: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def block_major_attend(group, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                        buffers: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """DecodeGroup.attend on a block-major pool, (num_blocks, block_size, Hkv, D) as vLLM lays it out: one
-    gather of whole blocks (every head at once) into preallocated buffers (block_major_buffers), as
-    DecodeGroup.attend gathers into its own, then attention on a (Sd, Hkv, C, D) view whose rows of one head
-    are Hkv · D floats apart. q: (Sd, H, D) -> (Sd, H, D)."""
+    """DecodeGroup.attend on a block-major pool, (num_blocks, block_size, Hkv, D) as vLLM's FlashAttention
+    backend lays it out by default: one gather of whole blocks (every head at once) into preallocated buffers
+    (block_major_buffers), as DecodeGroup.attend gathers into its own, then attention on a (Sd, Hkv, C, D)
+    view whose rows of one head are Hkv · D floats apart. q: (Sd, H, D) -> (Sd, H, D)."""
     Sd, H, D = q.shape
     Hkv = k_pool.shape[2]
     blocks = group.tiles[: len(group.tiles) // Hkv]  # kv head 0's tiles are the block ids themselves: (Sd · MB,)
@@ -283,7 +284,8 @@ def run(args):
           f"block {bs}, pool {format_bytes(cache.nbytes)} per layer")
     print(f"   one layer's attention: batched {t['batched'] * 1000:.2f} ms, looped over sequences {t['looped'] * 1000:.2f} ms "
           f"({t['looped'] / t['batched']:.1f}x)")
-    # the same decode gather + attention from vLLM's block-major layout: the same numbers, permuted
+    # the same decode gather + attention from the block-major layout (vLLM's FlashAttention default): the same
+    # numbers, permuted
     k_pool, v_pool = (c[0].permute(1, 2, 0, 3).contiguous() for c in (cache.k_cache, cache.v_cache))  # (nb, bs, Hkv, D)
     heads_first = lambda group, qg: group.attend(qg, cache.k_cache[0], cache.v_cache[0])  # noqa: E731
     buffers = {group: block_major_buffers(group, k_pool) for group in batched.decode_groups}
