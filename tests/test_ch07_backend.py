@@ -301,14 +301,18 @@ def test_real_model_batch_cli_triton_gives_the_torch_backends_tokens(smollm2, tm
 
 
 def test_bench_attention_on_a_cpu(monkeypatch, capsys):
-    """No GPU: with the interpreter a sanity run (parity and seconds per call), without it a refusal."""
+    """No GPU: with the interpreter a sanity run (parity and seconds per call, its inputs seeded: the same max
+    err column every run), without it a refusal."""
     from nanoserve.cli import main
 
-    assert main(["bench", "attention"]) in (0, None)
-    out = capsys.readouterr().out
-    assert "NOT GPU speed" in out and "SmolLM2 prefill" in out
-    errors = [float(line.split()[-1]) for line in out.splitlines() if line.startswith(("tiny", "SmolLM2"))]
-    assert len(errors) == 4 and max(errors) < 1e-4
+    columns = []
+    for _ in range(2):
+        assert main(["bench", "attention"]) in (0, None)
+        out = capsys.readouterr().out
+        assert "NOT GPU speed" in out and "SmolLM2 prefill" in out
+        columns.append([line.split()[-1] for line in out.splitlines() if line.startswith(("tiny", "SmolLM2"))])
+    errors = [float(e) for e in columns[0]]
+    assert len(errors) == 4 and max(errors) < 1e-4 and columns[1] == columns[0]
     # the GPU run's flags mean nothing to the interpreter's fixed shapes: refused, not dropped, whatever their
     # value; the GPU run's own defaults (chapter 07's section 9 command) included
     for flags, named in [(["--batch", "4", "--dtype", "bf16"], "--batch, --dtype"), (["--dtype", "fp16"], "--dtype"),
@@ -331,8 +335,9 @@ def test_bench_attention_on_a_cpu(monkeypatch, capsys):
     monkeypatch.undo()
     # the GPU run's mixed step (decodes, a prompt, chunks on cached prefixes), here in the interpreter on the CPU:
     # the kernel against chapter 05's path on the same pool
-    (triton_err,), _ = attention.mixed_step_errors(torch.float32, torch.device("cpu"), 16)
+    (triton_err,), torch_err = attention.mixed_step_errors(torch.float32, torch.device("cpu"), 16)
     assert triton_err < 1e-4
+    assert attention.mixed_step_errors(torch.float32, torch.device("cpu"), 16) == ([triton_err], torch_err)  # seeded
     monkeypatch.delenv("TRITON_INTERPRET")
     assert main(["bench", "attention"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -427,6 +432,8 @@ def test_bench_attention_sweep_rows():
     from nanoserve.kernels.triton_paged_attention import paged_attention
 
     cache, meta, q, k, v = attention.decode_step(2, 20, 4, torch.float32, torch.device("cpu"), H=2, Hkv=1, D=16)
+    again = attention.decode_step(2, 20, 4, torch.float32, torch.device("cpu"), H=2, Hkv=1, D=16)
+    assert all(torch.equal(a, b) for a, b in zip((cache.k_cache[0], q, k, v), (again[0].k_cache[0], *again[2:])))
     reference = F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
     def kernel_call(config):

@@ -28,6 +28,9 @@ column: the host's time to issue one call, not waited for) in place of the chapt
 On a CPU there is no bandwidth to measure: with TRITON_INTERPRET=1 it runs the kernels on the chapter's
 test shapes in the interpreter instead — a sanity check (parity with torch) and the interpreter's time
 per call, which says nothing about GPU speed. Without it, it refuses.
+
+Every input (the pool, the queries, the mixed step's tokens) is drawn with seed 0, so a max err is the same from
+run to run on one machine.
 """
 
 import inspect
@@ -88,7 +91,7 @@ def register(sub):
 
 
 def decode_step(batch: int, context: int, block_size: int, dtype, device, H: int = 9, Hkv: int = 3, D: int = 64):
-    """A pool holding `batch` sequences of `context` tokens in shuffled blocks, one query each.
+    """A pool holding `batch` sequences of `context` tokens in shuffled blocks, one query each, drawn with seed 0.
     Returns (cache, metadata, q (batch, H, D), contiguous k, v (batch, Hkv, context, D))."""
     from nanoserve.kv.paged_attention import AttentionMetadata, PagedKVCache
 
@@ -97,15 +100,16 @@ def decode_step(batch: int, context: int, block_size: int, dtype, device, H: int
     random.Random(0).shuffle(blocks)
     tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
     cache = PagedKVCache(1, batch * per_seq, block_size, Hkv, D, dtype, device)
-    cache.k_cache[0].normal_()
-    cache.v_cache[0].normal_()
+    g = torch.Generator(device).manual_seed(0)
+    cache.k_cache[0].normal_(generator=g)
+    cache.v_cache[0].normal_(generator=g)
     meta = AttentionMetadata.build(tables, [context] * batch, [1] * batch, block_size)
     index = torch.tensor(tables, device=device)  # (batch, per_seq)
 
     def contiguous(pool):  # (Hkv, blocks, bs, D) -> (batch, Hkv, context, D), position order
         return pool[:, index].flatten(2, 3)[:, :, :context].transpose(0, 1).contiguous()
 
-    q = torch.randn(batch, H, D, dtype=dtype, device=device)
+    q = torch.randn(batch, H, D, dtype=dtype, device=device, generator=g)
     return cache, meta, q, contiguous(cache.k_cache[0]), contiguous(cache.v_cache[0])
 
 
@@ -363,8 +367,9 @@ def mixed_step_errors(dtype, device, block_size: int, launches: list[dict] | Non
                       Hkv: int = 3, D: int = 64) -> tuple[list, float]:
     """MIXED_STEP on `device` in `dtype`, cached prefixes in shuffled blocks: the max abs difference from chapter
     05's path run in float32 on a CPU copy of the same pool, of the Triton kernel launched with each of `launches`
-    (paged_attention's keywords; None: its defaults), all on the same pool and inputs, and of chapter 05's torch
-    path on `device`. Returns ([the kernel's error per launch, or why that launch failed], the torch path's)."""
+    (paged_attention's keywords; None: its defaults), all on the same pool and inputs (drawn with seed 0), and of
+    chapter 05's torch path on `device`. Returns ([the kernel's error per launch, or why that launch failed], the
+    torch path's)."""
     from nanoserve.kernels.triton_paged_attention import paged_attention
     from nanoserve.kv.block_manager import slot_mapping
     from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
@@ -375,16 +380,17 @@ def mixed_step_errors(dtype, device, block_size: int, launches: list[dict] | Non
     random.Random(0).shuffle(blocks)
     tables = [[blocks.pop() for _ in range(n)] for n in need]
     cache = PagedKVCache(1, sum(need), block_size, Hkv, D, dtype, device)
+    g = torch.Generator(device).manual_seed(0)
     for table, s, n in zip(tables, seq_lens, query_lens):  # the cached prefixes
         slots = torch.tensor(slot_mapping(table, 0, s - n, block_size), dtype=torch.long, device=device)
-        cache.store_kv(0, *(torch.randn(s - n, Hkv, D, device=device, dtype=dtype) for _ in range(2)), slots)
+        cache.store_kv(0, *(torch.randn(s - n, Hkv, D, device=device, dtype=dtype, generator=g) for _ in range(2)),
+                       slots)
     host = PagedKVCache(1, sum(need), block_size, Hkv, D)  # float32, CPU: the same values
     host.k_cache[0].copy_(cache.k_cache[0])
     host.v_cache[0].copy_(cache.v_cache[0])
     meta = AttentionMetadata.build(tables, seq_lens, query_lens, block_size)
     N = sum(query_lens)
-    q, k, v = torch.randn(N, H, D, device=device, dtype=dtype), *(torch.randn(N, Hkv, D, device=device, dtype=dtype)
-                                                                  for _ in range(2))
+    q, k, v = (torch.randn(N, h, D, device=device, dtype=dtype, generator=g) for h in (H, Hkv, Hkv))
     expected = PagedAttention(host, meta)(0, q.float().cpu(), k.float().cpu(), v.float().cpu())
     meta = AttentionMetadata(*(t.to(device) for t in vars(meta).values()))
     torch_out = PagedAttention(cache, meta)(0, q, k, v)  # stores this step's k, v in the pool, then attends
@@ -413,7 +419,7 @@ INTERPRETER_CASES = [
 
 def run_interpreter():
     """The kernels on the chapter's test shapes, in Triton's interpreter: parity with torch, seconds per call
-    (best of 3)."""
+    (best of 3). Each case's inputs are drawn with seed 0, so its max err is the same from run to run."""
     from nanoserve.kernels.triton_paged_attention import launch_config, paged_attention, query_blocks
     from nanoserve.kernels.triton_store_kv import store_kv
     from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
@@ -430,11 +436,12 @@ def run_interpreter():
             tables.append(list(range(start, start + n))[::-1])  # reversed: not in position order
             start += n
         cache = PagedKVCache(1, start, bs, Hkv, D)
-        cache.k_cache[0].normal_()
-        cache.v_cache[0].normal_()
+        g = torch.Generator().manual_seed(0)
+        cache.k_cache[0].normal_(generator=g)
+        cache.v_cache[0].normal_(generator=g)
         meta = AttentionMetadata.build(tables, seq_lens, query_lens, bs)
         N = sum(query_lens)
-        q, k, v = torch.randn(N, Hkv * G, D), torch.randn(N, Hkv, D), torch.randn(N, Hkv, D)
+        q, k, v = (torch.randn(N, h, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
         expected = PagedAttention(cache, meta)(0, q, k, v)  # stores k, v too
         args = (q, cache.k_cache[0], cache.v_cache[0], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
         out = paged_attention(*args)  # the first call also rewrites the kernel's AST: not timed
