@@ -396,7 +396,7 @@ def test_bench_linear_times_the_models_own_matrices():
         model = Llama(SMOL)
     theirs = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear))
     assert Counter(tuple(w.shape) for w in fused_weights(SMOL)) == theirs
-    says(CH, f"times the model's {sum(theirs.values())} weight matrices as it runs them")
+    says(CH, f"times {sum(theirs.values())} random matrices of the model's shapes, as the model runs them")
 
 
 def test_the_linear_table():
