@@ -144,9 +144,9 @@ def test_attention_is_numerically_stable():
 def test_attention_rejects_mismatched_shapes_naming_them():
     sdpa = attention().scaled_dot_product_attention
 
-    def message(q, k, v) -> str:
+    def message(q, k, v, causal) -> str:
         with pytest.raises(ValueError) as error:
-            sdpa(torch.randn(q), torch.randn(k), torch.randn(v))
+            sdpa(torch.randn(q), torch.randn(k), torch.randn(v), causal=causal)
         return str(error.value)
 
     q, kv = (1, 4, 3, 8), (1, 2, 3, 8)  # fit together: 4 query heads share 2 K/V heads
@@ -158,9 +158,10 @@ def test_attention_rejects_mismatched_shapes_naming_them():
                          ((4, 3, 8), kv, kv, "q is 3-D: no batch axis"),
                          (q, (1, 1, 2, 3, 8), (1, 1, 2, 3, 8), "k and v are 5-D"),
                          ((1, 1, 4, 3, 8), (1, 1, 2, 3, 8), (1, 1, 2, 3, 8), "all three 5-D: batched twice")]:
-        text = message(q, k, v)
-        for shape in {q, k, v}:  # in any order
-            assert str(shape) in text, (why, text)
+        for causal in (True, False):  # the shapes are checked with or without the mask
+            text = message(q, k, v, causal)
+            for shape in {q, k, v}:  # in any order
+                assert str(shape) in text, (why, causal, text)
 
 
 # --- Why RoPE: what attention without it can tell of order ------------------------------------
