@@ -1,10 +1,12 @@
 """Chapter 08 — exercise 8.3, AsyncLLMEngine on a tiny random model: the streams carry exactly what the
 synchronous LLMEngine produces, abort frees blocks at the next step boundary, a refused or cancelled add leaves
-nothing, a failing step fails only its requests, the thread sleeps when idle and is gone after shutdown.
+nothing, a failing step fails only its requests, the thread sleeps when idle and is gone after shutdown, and the
+keywords a request carries (tenant, cache_salt, ...) reach the engine.
 Graded: `make grade CH=08 EX=8.3` runs these against exercises/08-http-serving/async_engine.py (every coroutine
 under a timeout: a bridge that loses an output fails instead of hanging)."""
 
 import asyncio
+import inspect
 import threading
 import time
 
@@ -12,9 +14,12 @@ import pytest
 
 from nanoserve.engine.async_engine import EngineStepError, EngineUnavailable
 from nanoserve.engine.config import CacheConfig, EngineConfig
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.llm_engine import LLMEngine, LoRANotLoaded
+from nanoserve.engine.policies.base import SLOTargets
 from nanoserve.sampling import SamplingParams
+from nanoserve.structured.params import StructuredOutputsParams
 from nanoserve.student import implementation
+from tests.test_ch08_server import tokenizer  # noqa: F401  (fixture: the real tokenizer, for a grammar)
 from tests.tiny_model import tiny_llama
 
 pytestmark = pytest.mark.exercise("8.3")
@@ -319,3 +324,59 @@ def test_a_duplicate_id_is_refused_and_a_cancelled_add_leaves_nothing(async_engi
         time.sleep(0.01)
     assert async_engine.num_unfinished_requests() == 0
     assert_pool_whole(async_engine.engine)
+
+
+def test_the_request_keywords_reach_the_engine(tokenizer):
+    """What the server knows of a request besides its ids, params and priority reaches LLMEngine.add_request as
+    keyword arguments: a bridge that dropped cache_salt would let one tenant's request hit another's cached prefix
+    (chapter 08, section 11), one that dropped the tenant would hide who sent it from the fair policy (chapter 15),
+    one that dropped slo, lora_name or kv_transfer_params would serve without what the client asked for. What
+    reached the engine is read from the engine's own signature, whether passed by position or by name; what it did
+    with it, from the prefix cache's hits and the engine's refusals."""
+    model = tiny_llama(vocab_size=49152, max_position_embeddings=256)  # the real tokenizer's ids, for a grammar
+    engine = AsyncLLMEngine(LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=100, block_size=4)),
+                                      tokenizer))
+    signature, original, received = inspect.signature(engine.engine.add_request), engine.engine.add_request, {}
+
+    def recorded(*args, **kwargs):
+        arguments = signature.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        received[arguments.arguments["request_id"]] = arguments.arguments
+        return original(*args, **kwargs)
+
+    engine.engine.add_request = recorded
+    prompt, stats = list(range(1000, 1016)), engine.engine.block_manager.stats  # 16 tokens: 4 full blocks of 4
+
+    async def served(request_id, params=None, **kw) -> int:
+        """The prefix-cache hits the request got: blocks of the prompt found cached, not computed."""
+        hits = stats.hit_blocks
+        async for _ in await engine.add_request(request_id, prompt, params or greedy(2), **kw):
+            pass
+        return stats.hit_blocks - hits
+
+    async def main():
+        assert await served("a", priority=2, tenant="a", cache_salt="a", speculative=False) == 0
+        assert await served("b", tenant="b", cache_salt="b") == 0  # another salt: nothing of a's prefix
+        assert await served("a again", tenant="a", cache_salt="a") > 0  # the same salt: a's own prefix
+        json_mode = greedy(8, structured=StructuredOutputsParams(json_object=True))
+        await served("grammar", json_mode)
+        # what this engine cannot honour it refuses, and the refusal reaches the caller: an SLO on a policy that
+        # does not read one, an adapter not loaded, KV transfer without a connector
+        for kw, error in [({"slo": SLOTargets(ttft_ms=100)}, ValueError), ({"lora_name": "absent"}, LoRANotLoaded),
+                          ({"kv_transfer_params": {"do_remote_decode": True}}, ValueError)]:
+            with pytest.raises(error):
+                await engine.add_request(f"refused {next(iter(kw))}", prompt, greedy(2), **kw)
+
+    engine.start()
+    try:
+        run(main())
+    finally:
+        engine.shutdown()
+    given = {"a": dict(priority=2, tenant="a", cache_salt="a", speculative=False, grammar=None),
+             "b": dict(priority=0, tenant="b", cache_salt="b", speculative=True),
+             "refused slo": dict(slo=SLOTargets(ttft_ms=100)), "refused lora_name": dict(lora_name="absent"),
+             "refused kv_transfer_params": dict(kv_transfer_params={"do_remote_decode": True})}
+    for request_id, kw in given.items():
+        assert {k: received[request_id][k] for k in kw} == kw, request_id
+    assert received["grammar"]["grammar"] is not None  # compiled off the engine thread and handed over
+    assert_pool_whole(engine.engine)

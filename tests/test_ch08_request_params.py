@@ -4,13 +4,17 @@ exercises/08-http-serving/request_params.py — first the function alone, on han
 expected SamplingParams written out, then inside the real server (a tiny random model, the real tokenizer,
 httpx over loopback)."""
 
+import json
+
 import httpx
 import pytest
 
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from nanoserve.server.runner import serving
+from nanoserve.structured.params import StructuredOutputsParams
 from nanoserve.student import implementation
+from tests.test_ch08_contract import reference_prompt_logprobs
 from tests.test_ch08_server import assert_openai_error, assert_pool_whole, chat_body, graded
 from tests.test_ch08_server import engine, tiny, tokenizer  # noqa: F401  (fixtures)
 
@@ -41,6 +45,16 @@ def test_every_field_reaches_the_sampling_params():
         logit_bias={42: -100.0, 7: 2.5}, min_p=0.05, logprobs=2)
     done = to_params(CompletionRequest(prompt="Once", logprobs=3, max_tokens=5, stop="."))
     assert (done.max_tokens, done.logprobs, done.stop, done.temperature, done.n) == (5, 3, ["."], 1.0, 1)
+    assert (done.prompt_logprobs, done.structured) == (None, None)  # no echo, no grammar
+    # the grammar (chapter 13's, through the request's helper): response_format on chat, vLLM's
+    # structured_outputs on completions
+    req = ChatCompletionRequest(messages=HI, max_tokens=8, response_format={"type": "json_object"})
+    assert to_params(req) == SamplingParams(max_tokens=8, structured=StructuredOutputsParams(json_object=True))
+    req = CompletionRequest(prompt="Once", max_tokens=4, structured_outputs={"choice": ["yes", "no"]})
+    assert to_params(req).structured == StructuredOutputsParams(choice=["yes", "no"])
+    # completions' echo with logprobs N scores the prompt too: prompt_logprobs N
+    assert to_params(CompletionRequest(prompt="Once", echo=True, logprobs=2, max_tokens=3)) == SamplingParams(
+        max_tokens=3, logprobs=2, prompt_logprobs=2)
 
 
 @pytest.mark.exercise("8.1")
@@ -76,7 +90,7 @@ def test_refusals_name_the_field():
 
 
 @pytest.mark.exercise("8.1")
-def test_the_server_answers_with_the_graded_params(engine, tokenizer):
+def test_the_server_answers_with_the_graded_params(engine, tokenizer, tiny):
     # the function alone first, with this server's numbers: 48 blocks of 16 = 768 tokens per request
     assert to_params(ChatCompletionRequest(messages=HI), 20, 768, 4096).max_tokens == 748
     with serving(engine, tokenizer, model_name="tiny", max_request_tokens=4096) as (url, server):
@@ -95,4 +109,19 @@ def test_the_server_answers_with_the_graded_params(engine, tokenizer):
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon", "temperature": 0, "ignore_eos": True},
                        timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16  # completions' default
+        # the grammar reached the engine: a JSON object, where the tiny random model alone writes word pieces
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=64, response_format={
+            "type": "json_object"}), timeout=60)
+        assert r.status_code == 200, r.text
+        assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+        # the prompt logprobs reached it: echo scores every prompt token after the first, as plain torch does
+        prompt = "Once upon a time"
+        ids, ref = tokenizer.encode(prompt), reference_prompt_logprobs(tiny, tokenizer.encode(prompt))
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1,
+                                                      "max_tokens": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        scored = r.json()["choices"][0]["logprobs"]
+        assert scored["tokens"] == [tokenizer.decode([t]) for t in ids] and scored["token_logprobs"][0] is None
+        assert scored["token_logprobs"][1:] == pytest.approx([float(ref[p - 1, ids[p]]) for p in range(1, len(ids))],
+                                                            abs=1e-4)
     assert_pool_whole(engine)

@@ -229,6 +229,33 @@ def test_bench_http_names_the_format_it_ran_and_the_command_gives_it_back():
     assert "--block-size" not in line  # an engine flag at its default is left out
 
 
+def test_bench_http_says_which_cpu_it_ran_on(smollm2_tokenizer, monkeypatch, capsys):
+    """A run's `threads:` line names the CPU beside the format: torch's capability and the CPU's bf16 instructions,
+    read here from the kernel's flags (they set q4's large-step GEMM, chapter 10), as the chapter tells a rerun to
+    quote it. The run itself: one request of a few tokens through both systems, on a tiny random model."""
+    import torch
+
+    from nanoserve.cli import batch
+    from nanoserve.llm import LLM
+    from tests.tiny_model import tiny_llama
+
+    model = tiny_llama(vocab_size=49152, max_position_embeddings=256)
+    monkeypatch.setattr(batch, "llm_from_args", lambda args: LLM(model, num_blocks=16, block_size=16,
+                                                                   tokenizer=smollm2_tokenizer))
+    bench_http.run(command_defaults(bench_http, "http", "--concurrency", "1", "--rounds", "1", "--output-len", "2",
+                                    "--prompt-len", "5", "6"))
+    threads = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("threads: "))
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    bf16 = next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
+    assert f"; CPU: {torch.backends.cpu.get_cpu_capability()}, bf16 instructions: {bf16}; " in threads, threads
+    assert "; weights fp32, KV pool float32, 16 blocks of 16 tokens per engine;" in threads, threads
+    says(CH, "prints the format it ran and the CPU it ran on (torch's capability and the CPU's bf16 instructions) "
+             "on its `threads:` line")
+
+
 def quoted_run(command: str) -> list[str]:
     """The lines of the chapter's code block that starts with `command`, up to its "5xx:" line."""
     (path,) = (ROOT / "chapters").glob(f"{CH}-*.md")

@@ -95,6 +95,7 @@ class AsyncLLMEngine(ReferenceAsyncLLMEngine):
         """Exercise 8.3 (the engine thread): count `outputs` in the metrics, then put each into its request's
         queue — on that request's event loop, never from this thread directly (asyncio is not thread-safe).
         A finished output is the stream's last: the request leaves the stream table with it. Outputs of requests
-        with no stream (aborted meanwhile) are dropped. An output with `error` set (chapter 13: that request
-        failed alone) goes into the queue as EngineStepError(out.error), so its reader raises."""
+        with no stream (aborted meanwhile) are dropped. An output with `error` set (that request failed alone: its
+        own draw raised, chapter 08 section 13, or its grammar failed, chapter 13) goes into the queue as
+        EngineStepError(out.error), so its reader raises."""
         raise NotImplementedError("Exercise 8.3: each output to its request's queue, on its event loop")

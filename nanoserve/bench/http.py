@@ -88,7 +88,7 @@ def percentiles(values: list[float]) -> str:
 
 
 def run(args):
-    from nanoserve.bench.offline import served_format
+    from nanoserve.bench.offline import cpu_description, served_format
     from nanoserve.cli.batch import command_line, llm_from_args
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling import SamplingParams
@@ -100,8 +100,9 @@ def run(args):
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     weights, pool = served_format(llm.model, served)
     print("command: " + command_line(args, add_arguments, "bench http"))
-    print(f"threads: {torch.get_num_threads()}; weights {weights}, KV pool {pool}, {served.block_manager.num_blocks} "
-          f"blocks of {args.block_size} tokens per engine; server and clients in this process")
+    print(f"threads: {torch.get_num_threads()}; {cpu_description()}; weights {weights}, KV pool {pool}, "
+          f"{served.block_manager.num_blocks} blocks of {args.block_size} tokens per engine; server and clients in "
+          "this process")
     # both engines stop what they started beside themselves (a tier's file and writer, a KV connector)
     with llm, contextlib.closing(served), serving(served, llm.tokenizer) as (url, _):
         warm = workload(2, (8, 16), vocab, -1)

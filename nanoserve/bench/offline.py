@@ -254,6 +254,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def cpu_description() -> str:
+    """The CPU a benchmark ran on, for its header: torch's capability (AVX2, AVX512, ...) and the CPU's bf16
+    instructions (amx_bf16, avx512_bf16 or None), which set the kernels oneDNN picks and the dtype of int8 / q4's
+    large-step GEMM (chapter 10). torch's capability reads AVX512 with AMX or without; the bf16 flag tells those
+    machines apart."""
+    from nanoserve.model.quant import bf16_instructions
+
+    return f"CPU: {torch.backends.cpu.get_cpu_capability()}, bf16 instructions: {bf16_instructions()}"
+
+
 def served_format(model, engine) -> tuple[str, str]:
     """(the weights' format, the KV pool's dtype) the engine runs: what a benchmark's header says it measured."""
     kv = engine.config.cache_config.kv_cache_dtype

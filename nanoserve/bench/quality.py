@@ -99,8 +99,8 @@ def compare(models: dict, tokenizer, prompts: list[str], max_tokens: int) -> dic
 
 
 def run(args):
+    from nanoserve.bench.offline import cpu_description
     from nanoserve.model import load_gguf
-    from nanoserve.model.quant import bf16_instructions
     from nanoserve.text.tokenizer import Tokenizer
 
     if args.threads:
@@ -118,10 +118,9 @@ def run(args):
     print(f"command: python -m nanoserve bench quality --weights {' '.join(args.weights)} "
           f"--max-tokens {args.max_tokens} --num-prompts {args.num_prompts}"
           + (f" --threads {args.threads}" if args.threads else ""))
-    # the bf16 GEMMs' order of additions follows the kernel oneDNN picks for the CPU: the figures too. torch's
-    # capability reads AVX512 with AMX or without; the bf16 flag tells those machines apart
-    print(f"threads: {torch.get_num_threads()}; CPU: {torch.backends.cpu.get_cpu_capability()}, "
-          f"bf16 instructions: {bf16_instructions()}; load average at the start: {os.getloadavg()[0]:.2f}")
+    # the bf16 GEMMs' order of additions follows the kernel oneDNN picks for the CPU: the figures too
+    print(f"threads: {torch.get_num_threads()}; {cpu_description()}; load average at the start: "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"{len(prompts)} chat prompts x {args.max_tokens} greedy tokens; held-out text: {HELDOUT.name}, {n_ids} tokens")
     print(f"{'weights':12s} {'agreement':>10s} {'mean 1st div':>13s} {'identical':>10s} {'perplexity':>11s} "
           f"{'max |dlogit|':>13s} {'top-1 = fp32':>13s}")
