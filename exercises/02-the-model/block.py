@@ -1,7 +1,8 @@
 """Exercise 2.2 — the decoder block. Your version of DecoderBlock in nanoserve/model/block.py.
 
-The sub-layers are given (the reference RMSNorm, attention and MLP, so this exercise does not
-depend on 2.1); you write how data flows through them.
+The sub-layers are given (under `make grade`, the reference RMSNorm, attention and MLP, so this exercise
+does not depend on 2.1; served with `--student 02`, the norms are your finished RMSNorm); you write how data
+flows through them.
 """
 
 import torch

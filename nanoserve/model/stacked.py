@@ -11,9 +11,9 @@ the output features they become ONE product (vLLM's QKVParallelLinear and Merged
 
 Each output row is the same dot product either way; what changes is the number of products, 4 per layer
 instead of 7, and one GEMM reads x once instead of three times. That can pay where each product has a fixed
-cost, as a GPU's kernel launch (not measured in this course). On the course's CPU it buys no measurable time in
-float32: `python -m nanoserve bench linear --fused` times the separate and the fused products within noise of
-each other (chapter 02, section 4). The layout is kept because it is vLLM's, whose tensor-parallel layers
+cost, as a GPU's kernel launch (not measured in this course). On the 2-core VM chapter 02 measured (section 4;
+its CPU kind was not recorded) it bought no measurable time in float32: `python -m nanoserve bench linear --fused`
+timed the separate and the fused products within noise of each other. The layout is kept because it is vLLM's, whose tensor-parallel layers
 shard the stacked weights as chapter 11's do.
 
 Checkpoints (HF's, the GGUF's) store the parts. `STACKED_PARAMS` maps the fused name to its parts, and
