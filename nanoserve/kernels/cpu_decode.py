@@ -30,8 +30,14 @@ from pathlib import Path
 import torch
 
 from nanoserve.kernels import cpu_dot
+from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# The most one-token rows a native step runs; larger steps take the model's forward. Why 16: the native step's
+# products are cpu_dot.c's integer ones, which beat the large-step GEMM up to about 16 rows on the course's 2-core AVX2 CPU
+# and lose beyond (`bench linear`: q4 at 16 rows 64 ms for all layers against float32's 88, at 64 rows 252 against
+# 180): the rows where the layers themselves take the kernel, quant.KERNEL_CROSSOVER_TOKENS, the same crossover.
+NATIVE_DECODE_MAX_ROWS = KERNEL_CROSSOVER_TOKENS
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
 
 
@@ -55,9 +61,9 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_scratch_bytes.argtypes = [ptr, i64, ctypes.c_int]
+    lib.decode_scratch_bytes.argtypes = [ptr, i64, i64, ctypes.c_int]
     lib.decode_scratch_bytes.restype = i64
-    lib.decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.decode_step.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.decode_step.restype = None
     return lib
 
@@ -194,26 +200,34 @@ class NativeDecoder:
             return "the norms' eps differ"
         return ""
 
-    def step(self, token: torch.Tensor, position: int, block_table: torch.Tensor, seq_len: int, slot: int) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+        """B one-token rows, one per sequence (B <= NATIVE_DECODE_MAX_ROWS): ids, positions, seq_lens, slots (B,) and
+        block_tables (B, max_blocks), the step's metadata as the runner has it. Returns hidden (B, hidden)."""
         lib = library()
-        x = self.model.embed_tokens(token).float().contiguous()  # (1, hidden): a fresh row, the C code's in and out
-        if position >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, refused here too
-            raise ValueError(f"position {position} is beyond the model's context of "
+        rows = ids.shape[0]
+        if not 1 <= rows <= NATIVE_DECODE_MAX_ROWS:
+            raise ValueError(f"native decode: {rows} rows, it runs 1 to {NATIVE_DECODE_MAX_ROWS}")
+        x = self.model.embed_tokens(ids).float().contiguous()  # (B, hidden): fresh rows, the C code's in and out
+        positions, seq_lens, slots = (_int64(t, rows) for t in (positions, seq_lens, slots))
+        table = _int64(block_tables, rows, 2)
+        if int(positions.max()) >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, here too
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.model.config.max_position_embeddings} tokens")
-        if position != seq_len - 1:
-            raise ValueError(f"native decode: a one-token step is the sequence's last position, got {position} of {seq_len}")
+        if not torch.equal(positions, seq_lens - 1):
+            raise ValueError(f"native decode: a one-token row is its sequence's last position, got positions "
+                             f"{positions.tolist()} of lengths {seq_lens.tolist()}")
+        if table.shape[1] * self.kv_cache.block_size < int(seq_lens.max()):
+            raise ValueError(f"native decode: a block table of {table.shape[1]} blocks for {int(seq_lens.max())} tokens")
+        pool_slots = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if int(slots.min()) < 0 or int(slots.max()) >= pool_slots or len(set(slots.tolist())) < rows:
+            raise ValueError(f"native decode: slots {slots.tolist()} outside the pool or shared")  # written unchecked
         threads = torch.get_num_threads()
-        need = lib.decode_scratch_bytes(ctypes.byref(self.desc), seq_len, threads)
+        need = lib.decode_scratch_bytes(ctypes.byref(self.desc), rows, int(seq_lens.max()), threads)
         if self.scratch.numel() < need:  # grown, never per step: doubled, so a growing sequence reallocates rarely
             self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8)
-        table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
-            block_table.to(torch.int64).contiguous()
-        if table.numel() * self.kv_cache.block_size < seq_len:
-            raise ValueError(f"native decode: a block table of {table.numel()} blocks for {seq_len} tokens")
-        if not 0 <= slot < self.kv_cache.num_blocks * self.kv_cache.block_size:  # the C code writes there unchecked
-            raise ValueError(f"native decode: slot {slot} is outside the pool")
-        lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), position, table.data_ptr(), seq_len, slot,
-                        _aligned(self.scratch), threads)
+        lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), rows, positions.data_ptr(), table.data_ptr(),
+                        table.stride(0), seq_lens.data_ptr(), slots.data_ptr(), _aligned(self.scratch), threads)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -226,6 +240,16 @@ def _ptr(t: torch.Tensor) -> int:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"native decode reads contiguous CPU tensors, got one of shape {tuple(t.shape)}")
     return t.data_ptr()
+
+
+def _int64(t: torch.Tensor, rows: int, dims: int = 1) -> torch.Tensor:
+    """t as the C code reads it: int64 on the CPU, rows in memory order (a (rows,) vector, or a (rows, n) table
+    whose rows may be padded apart: its stride(0) is passed along, its last dimension must be dense)."""
+    if t.dim() != dims or t.shape[0] != rows:
+        raise ValueError(f"native decode: expected {rows} rows of {dims} dimension(s), got shape {tuple(t.shape)}")
+    if t.dtype != torch.int64 or t.device.type != "cpu" or t.stride(-1) != 1:
+        t = t.to("cpu", torch.int64).contiguous()
+    return t
 
 
 def _aligned(buf: torch.Tensor) -> int:
