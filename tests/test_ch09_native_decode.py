@@ -1,4 +1,5 @@
-"""Chapter 09 — the native batch-1 decode step (kernels/cpu_decode.c) against the eager q4 step it replaces.
+"""Chapter 09 — the native decode step (kernels/cpu_decode.c, up to NATIVE_DECODE_MAX_ROWS sequences' one token each)
+against the eager q4 step it replaces, and a B-row step against each row's batch-1 step (bit for bit).
 
 The eager step it is checked against: the same model, q4 layers with integer_dot on (cpu_dot.c's products, the
 very functions cpu_decode.c includes), on a PagedKVCache through chapter 05's PagedAttention. Both run the

@@ -1,18 +1,22 @@
-"""Chapters 09 and 10 — a batch-1 decode step in one C call (cpu_decode.c, which includes cpu_dot.c's products).
+"""Chapters 09 and 10 — a decode step of up to NATIVE_DECODE_MAX_ROWS (16) sequences' one token each in one C call
+(cpu_decode.c, which includes cpu_dot.c's products).
 
 Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
-    one sequence, one token (a decode step, or a prefill chunk of one token), q4 weights, the model's
-    `native_decode` on, a float32 or bf16 PagedKVCache
-        -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C;
+    every row one sequence's one token (a decode, or a prefill chunk of one token), at most
+    NATIVE_DECODE_MAX_ROWS rows, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
+        -> NativeDecoder.step: the embedding rows in torch, then every layer and the final norm in C;
            NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
-    anything else (longer prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
+    anything else (longer prefill chunks, steps of more than 16 rows, spec-decode verify rows, fp32 / int8 / bf16 weights,
     LoRA, a quantized KV pool, another attention class, tensor parallelism)
         -> the model's forward (eager or compiled), as before
 
 Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU; the rest is Python and op
 dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
 in a little more than the products' time (7-9 ms, chapter 09 section 5). Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
+Up to 16 rows the same holds for a small batch: the rows share each product (each weight block unpacked once per
+tile of 4 rows, cpu_dot.c's gemv_rows), and row r of a B-row step is bit for bit its batch-1 step (cpu_decode.c's
+invariant), so a request's tokens do not depend on which others share its step.
 The C step computes what the eager q4 integer_dot step computes, in the same order per layer; what differs is
 float32 rounding only (the order of a norm's sum, cosf/expf against torch's), and where such a difference moves
 an activation across an int8 rounding boundary, the products differ by up to one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
@@ -79,10 +83,10 @@ def build_error() -> str:
 
 
 def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
-    """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
-    q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
+    """Whether a model loaded with these weights runs its steps of up to 16 one-token rows in kernels/cpu_decode.c
+    by default: q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
     cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
-    and AMX machines) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps
+    and AMX machines) those steps then round their activations to int8, as llama.cpp does, and larger steps
     keep torch's kernels; chapter 09 section 5 has the measurement that made it the default. The rest of the run's
     settings can still rule it out (native_decode_blocker)."""
     return weights == "q4" and integer_dot is not False and available()
@@ -162,8 +166,9 @@ def why_not_model(model) -> str:
 class NativeDecoder:
     """One model's C decode step over one KV pool: the pointers gathered once, a scratch buffer grown as needed.
 
-    step(token (1,), position, block_table (>= blocks,), seq_len, slot) -> hidden (1, hidden): what
-    model(ids, positions, attn) returns for a one-token step of that sequence, with this token's K/V stored.
+    step(ids (B,), positions (B,), block_tables (B, >= blocks), seq_lens (B,), slots (B,)) -> hidden (B, hidden),
+    B <= NATIVE_DECODE_MAX_ROWS one-token rows of different sequences: what model(ids, positions, attn) returns for
+    that step, with each row's K/V stored; row r bit for bit what step() returns for row r alone.
     logits(hidden (N, hidden)) -> (N, vocab): the LM head in cpu_dot.c's int8 product, whatever the model's layers
     take for their small steps (integer_dot): a native step is integer products throughout, as llama.cpp's.
     """
