@@ -1,4 +1,5 @@
-"""Chapter 09 — the native batch-1 decode step (kernels/cpu_decode.c) against the eager q4 step it replaces.
+"""Chapter 09 — the native decode step (kernels/cpu_decode.c, up to NATIVE_DECODE_MAX_ROWS sequences' one token each)
+against the eager q4 step it replaces, and a B-row step against each row's batch-1 step (bit for bit).
 
 The eager step it is checked against: the same model, q4 layers with integer_dot on (cpu_dot.c's products, the
 very functions cpu_decode.c includes), on a PagedKVCache through chapter 05's PagedAttention. Both run the
@@ -78,7 +79,8 @@ def test_the_native_step_computes_the_eager_step_and_stores_the_same_kv(dtype):
     for pos in range(3, 15):
         meta = AttentionMetadata.build([table], [pos + 1], [1], bs)
         want = model.compute_logits(model(tokens[pos:pos + 1], torch.tensor([pos]), PagedAttention(eager_pool, meta)))
-        hidden = native.step(tokens[pos:pos + 1], pos, meta.block_tables[0], pos + 1, int(meta.slot_mapping[0]))
+        hidden = native.step(tokens[pos:pos + 1], torch.tensor([pos]),
+                             meta.block_tables, meta.seq_lens, meta.slot_mapping)
         assert_close(native.logits(hidden), want, f"logits at position {pos}", REL[dtype])
         slot = int(meta.slot_mapping[0])
         for layer in range(model.config.num_hidden_layers):
@@ -92,6 +94,43 @@ def test_the_native_step_computes_the_eager_step_and_stores_the_same_kv(dtype):
             untouched = torch.ones(got.shape[1], dtype=torch.bool)
             untouched[table] = False
             assert torch.equal(got[:, untouched], exp[:, untouched]) and not got[:, untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_a_batched_native_step_is_each_rows_batch_1_step_bit_for_bit(dtype):
+    """5 sequences of different lengths (2 to 11 tokens of prompt), block tables out of order, 4 one-token steps
+    (across block boundaries): the B-row native step on one pool, each row's batch-1 native step on another, the
+    eager forward's batched step on a third. Row r's logits and the K/V it stores equal its batch-1 step's
+    (torch.equal: cpu_decode.c's invariant), and the step is close to the eager one (the tolerance above)."""
+    model = tiny_q4()
+    c, bs, lens = model.config, 4, [2, 5, 8, 3, 11]
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [order[4 * i:4 * i + 4] for i in range(len(lens))]  # 4 blocks each: up to 16 tokens
+    gen = torch.Generator().manual_seed(3)
+    tokens = [torch.randint(0, c.vocab_size, (n + 4,), generator=gen) for n in lens]
+    batched, single, eager = (pool(model, dtype, num_blocks=24, block_size=bs) for _ in range(3))
+    for p in (batched, single, eager):  # the prompts, by the model's forward in all three
+        model(torch.cat([t[:n] for t, n in zip(tokens, lens)]), torch.cat([torch.arange(n) for n in lens]),
+              PagedAttention(p, AttentionMetadata.build(tables, lens, lens, bs)))
+    native_b, native_1 = cpu_decode.NativeDecoder(model, batched), cpu_decode.NativeDecoder(model, single)
+    for step in range(4):
+        pos = [n + step for n in lens]
+        ids, positions = torch.stack([t[p] for t, p in zip(tokens, pos)]), torch.tensor(pos)
+        meta = AttentionMetadata.build(tables, [p + 1 for p in pos], [1] * len(lens), bs)
+        got = native_b.logits(native_b.step(ids, positions, meta.block_tables, meta.seq_lens, meta.slot_mapping))
+        for r, p in enumerate(pos):
+            one = AttentionMetadata.build([tables[r]], [p + 1], [1], bs)
+            want = native_1.logits(native_1.step(ids[r:r + 1], positions[r:r + 1], one.block_tables, one.seq_lens,
+                                                 one.slot_mapping))
+            assert torch.equal(got[r:r + 1], want), f"step {step}, row {r}: not its batch-1 step's logits"
+        for name in ("k_cache", "v_cache"):  # every layer's pool, the rows' new K/V included
+            assert all(torch.equal(a, b) for a, b in zip(getattr(batched, name), getattr(single, name))), name
+        want = model.compute_logits(model(ids, positions, PagedAttention(eager, meta)))
+        assert_close(got, want, f"logits at step {step}", REL[dtype])
+        for name in ("k_cache", "v_cache"):
+            for layer, (a, b) in enumerate(zip(getattr(batched, name), getattr(eager, name))):
+                assert_close(a, b, f"{name}[{layer}] at step {step}", REL[dtype])
 
 
 def greedy(model, prompts, native: bool, max_tokens=12, **config):
@@ -122,6 +161,64 @@ def test_the_engine_takes_the_native_step_and_decodes_what_the_eager_step_would(
         gap = logits.max(-1).values - picked
         tie = MARGIN[kv_cache_dtype] * logits.abs().max(-1).values
         assert (gap <= tie).all(), f"tokens off the eager argmax by more than a near-tie: {gap.tolist()}"
+
+
+def count_native_rows(monkeypatch) -> list[int]:
+    """The row count of every native step from now on (NativeDecoder.step wrapped)."""
+    rows, step = [], cpu_decode.NativeDecoder.step
+
+    def counted(self, ids, *args):
+        rows.append(ids.shape[0])
+        return step(self, ids, *args)
+
+    monkeypatch.setattr(cpu_decode.NativeDecoder, "step", counted)
+    return rows
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp32", "bf16"])
+@torch.inference_mode()
+def test_the_engine_takes_the_native_step_for_concurrent_requests(kv_cache_dtype, monkeypatch):
+    """6 prompts of different lengths in one generate call: their decode steps are multi-row native steps (all 6
+    rows together), and every greedy token is the eager q4 model's argmax over the same prefix or within MARGIN."""
+    from nanoserve.llm import LLM
+
+    model = tiny_q4()
+    model.native_decode = True
+    rows = count_native_rows(monkeypatch)
+    prompts = [list(range(5, 5 + n)) for n in (3, 6, 9, 2, 11, 5)]
+    llm = LLM(model, num_blocks=64, block_size=4, kv_cache_dtype=kv_cache_dtype)
+    outs = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)]
+    assert max(rows, default=0) == len(prompts), f"native steps of {rows} rows: never all 6 requests in one"
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor(prompt + out)
+        logits = model.compute_logits(model(ids))[len(prompt) - 1:-1]  # (max_tokens, vocab): row i predicts out[i]
+        picked = logits[torch.arange(len(out)), torch.tensor(out)]
+        gap = logits.max(-1).values - picked
+        tie = MARGIN[kv_cache_dtype] * logits.abs().max(-1).values
+        assert (gap <= tie).all(), f"tokens off the eager argmax by more than a near-tie: {gap.tolist()}"
+
+
+@torch.inference_mode()
+def test_a_step_of_more_than_native_decode_max_rows_runs_the_forward(monkeypatch):
+    """17 concurrent requests: their decode steps of 17 one-token rows run the model's forward, not the C step
+    (which refuses more than NATIVE_DECODE_MAX_ROWS rows itself too)."""
+    from nanoserve.llm import LLM
+
+    model = tiny_q4()
+    model.native_decode = True
+    rows, forward_rows = count_native_rows(monkeypatch), []
+    model.register_forward_pre_hook(lambda module, args: forward_rows.append(args[0].shape[0]))
+    n = cpu_decode.NATIVE_DECODE_MAX_ROWS + 1
+    llm = LLM(model, num_blocks=128, block_size=4)
+    outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(n)],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert n in forward_rows and all(r <= cpu_decode.NATIVE_DECODE_MAX_ROWS for r in rows), (forward_rows, rows)
+    native = cpu_decode.NativeDecoder(model, pool(model, torch.float32))
+    with pytest.raises(ValueError, match="rows"):
+        native.step(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), torch.zeros(n, 1, dtype=torch.long),
+                    torch.ones(n, dtype=torch.long), torch.arange(n))
 
 
 @torch.inference_mode()

@@ -152,12 +152,15 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
     q4 / q4 with the native step / int8 of 12 requests:
       an AVX-512 CPU with native bf16 (AMX or Zen 4: the run did not record which, nor its threads): 11 / 8 / 11;
       the AVX2 VM (AMD EPYC, Zen 3 kind, no native bf16), torch's default 2 threads: 7 / 8 / 10;
-      the same VM, one thread (OMP_NUM_THREADS=1, as make test's xdist workers run): 8 / 8 / 10.
+      the same VM, one thread (OMP_NUM_THREADS=1, as make test's xdist workers run): 8 / 8 / 10;
+    the native counts with the batch-1 native step; since it takes steps of up to 16 one-token rows (2026-12-04),
+    the AVX2 VM gave 9 (2 threads) and 7 (1 thread), the AVX-512 CPU not rerun.
     On the AVX2 CPU the small steps' products are cpu_dot.c's, which round each activation block to int8, a likely
     reason it agrees less: a last-bit difference that crosses one of its boundaries moves an element by a whole int8
     step, coarser than bf16's. The bounds sit below every count measured, not at one machine's. With chapter 09's native
-    decode step (LLM's default for q4) a request decoding alone takes another path than inside a batch: its
-    activations are rounded to int8 there, to bf16 in the batched kernel on a CPU with native bf16. Each request
+    decode step (LLM's default for q4) a step of up to 16 one-token rows gives each row its batch-1 bits, but a
+    request's step beside a prefill chunk takes another path: its activations are rounded to int8 in the native
+    step, to bf16 in the batched kernel on a CPU with native bf16. Each request
     alone runs on an engine without prefix caching, so it computes its whole prompt itself instead of reading blocks
     the batched run computed. The default engine (2048-token steps, the large-step copy) serves the workload without
     leaks."""

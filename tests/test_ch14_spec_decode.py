@@ -240,8 +240,8 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
 @pytest.mark.parametrize("kv_cache_dtype", ["fp32", "bf16"])
 @torch.inference_mode()
 def test_speculation_beside_the_native_step_decodes_the_eager_models_greedy_tokens(kv_cache_dtype):
-    """On q4 weights chapter 09's native step (kernels/cpu_decode.c) runs every step that is one sequence's one
-    token; a speculative engine keeps it for its steps that verify nothing (no n-gram match) and runs a step that
+    """On q4 weights chapter 09's native step (kernels/cpu_decode.c) runs every step of up to 16 sequences' one
+    token each; a speculative engine keeps it for its steps that verify nothing (no n-gram match) and runs a step that
     verifies k proposals (k + 1 query tokens) through the model's forward. One request at a time, every step is
     batch 1, so both paths run. Each greedy token is the eager q4 model's argmax over the same prefix
     (teacher-forced, no cache) or within a near-tie of it (chapter 09's MARGIN for the pool's dtype). On a float32

@@ -8,7 +8,7 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   attention         the attention of prefill chunks and decode groups (chapter 05), less its gathers
   K/V gather/store  writing new K/V into the pool and gathering blocks out of it (index ops)
   norms/RoPE/act    RMSNorm, RoPE, SiLU · up, residual adds, the embedding lookup
-  native step       a q4 step of one sequence's one token in kernels/cpu_decode.c (chapter 09): every layer and
+  native step       a q4 step of up to 16 sequences' one token each in kernels/cpu_decode.c (chapter 09): every layer and
                     the final norm in one C call, its parts not split (its LM head counts as "linear")
   LoRA              the adapters' gathers, x·A·B for each row's adapter (chapter 19; with --lora-rank only)
   sampling          the next tokens: argmax for the default greedy requests; with --temperature > 0 (and
@@ -36,7 +36,7 @@ call no labelled method, so the compiled forward is labelled "norms/RoPE/act" as
 claims its own time inside it, and the product ops found inside it (PRODUCT_OPS) count as "linear": what stays
 is the fused element-wise kernels. With `--weights bf16 | int8 | q4` (chapter 10) the parts are measured on that model,
 but the roofline still counts float32 weights and the float32 GEMM peak: read it as float32's floor (the table
-says so; a q4 step reads about a sixth of those bytes and can run below it). With q4 a batch-1 decode step runs
+says so; a q4 step reads about a sixth of those bytes and can run below it). With q4 a decode step of up to 16 sequences runs
 in kernels/cpu_decode.c by default ("native step"); `--native-decode off` profiles the model's forward there.
 Every request samples with --temperature and --top-p (default 0 and 1: greedy, so the sampling part is one argmax
 per sequence; chapter 03 measures the share of a real draw with them). With `--lora-rank R` (chapter 19) the engine
@@ -350,7 +350,7 @@ def run(args):
     for r in results:
         for phase in ("decode", "prefill"):
             r[phase]["roofline"] = bound(r[phase], bandwidth, peak)
-    # without adapters the LoRA part is 0, and without a native step (not q4, or no batch 1) its part
+    # without adapters the LoRA part is 0, and without a native step (not q4, or no step of <= 16 one-token rows) its part
     native = any(r[phase]["parts_ms"]["native step"] for r in results for phase in ("decode", "prefill"))
     shown = [p for p in PARTS if (args.lora_rank or p != "LoRA") and (native or p != "native step")]
     header = f"{'step':>16s} {'ms':>8s} " + " ".join(f"{p[:12]:>12s}" for p in shown) + "   roofline ms (mem/compute)  bound"

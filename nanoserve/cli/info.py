@@ -56,7 +56,7 @@ def run(args):
                                       else "torch's int8 / int4 kernels, bf16 activations"))
     from nanoserve.kernels import cpu_decode
 
-    print("  q4's one-token steps (one sequence, one token): " + (
+    print("  q4's one-token steps (up to 16 sequences, one token each): " + (
         "by default kernels/cpu_decode.c, chapter 09's native step\n"
         "  (cpu_dot.c's products, activations rounded to int8, whatever the integer kernel above; "
         "--native-decode off: the model's forward)"

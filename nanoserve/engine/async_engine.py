@@ -7,7 +7,7 @@
     engine.shutdown()
 
 Why a thread: a step is one forward pass (tens to hundreds of milliseconds of torch work, or, for a q4 model's
-one-token steps, one call into chapter 09's C step, kernels/cpu_decode.c). Run on the server's asyncio event loop,
+steps of one-token rows (up to 16), one call into chapter 09's C step, kernels/cpu_decode.c). Run on the server's asyncio event loop,
 it would freeze every connection for that long: no new request accepted, no token sent. So the loop that calls
 `step()` lives in a thread of its own, and the two worlds meet at two thread-safe points:
 

@@ -39,7 +39,7 @@ import torch
 from nanoserve.distributed.parallel_state import get_tp_group
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, child_seq_id
-from nanoserve.kernels.cpu_decode import NativeDecoder
+from nanoserve.kernels.cpu_decode import NATIVE_DECODE_MAX_ROWS, NativeDecoder
 from nanoserve.kv.paged_attention import AttentionMetadata, PagedAttention, PagedKVCache
 from nanoserve.engine.sampler import SampleRow, TokenLogprob, sample_rows, token_logprobs
 import nanoserve.sampling as reference_sampling
@@ -197,12 +197,12 @@ class ModelRunner:
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
         ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""
         model = self.degraded_model if degraded else self.model
-        native = self.native_decoder(model, batch)  # chapter 09: a one-token step in one C call, where it can run
+        native = self.native_decoder(model, batch)  # chapter 09: one-token rows in one C call, where it can run
         if native is not None:
-            hidden = native.step(batch.input_ids, int(batch.positions[0]), batch.attn_metadata.block_tables[0],
-                                 int(batch.attn_metadata.seq_lens[0]), int(batch.attn_metadata.slot_mapping[0]))
-            # the rows asked for, all of them the one token's row (sampling, a prompt logprob, or both); one LM head
-            # call is exact here: cpu_dot.c computes each row alone, whatever the row count
+            meta = batch.attn_metadata
+            hidden = native.step(batch.input_ids, batch.positions, meta.block_tables, meta.seq_lens, meta.slot_mapping)
+            # (B, hidden), row i the step's token i as in the forward's output; the rows asked for (sampling, prompt
+            # logprobs) picked as below, in one LM head call: cpu_dot.c computes each row alone, whatever the count
             return native.logits(hidden[batch.logits_indices]) if len(batch.logits_indices) else None
         hidden = model(batch.input_ids, batch.positions, self.attention(self.kv_cache, batch.attn_metadata))
         if not len(batch.logits_indices):
@@ -220,15 +220,18 @@ class ModelRunner:
     def native_decoder(self, model, batch: ModelInput) -> NativeDecoder | None:
         """Chapter 09: the C decode step (kernels/cpu_decode.py) for this step, or None: the model's forward runs.
 
-        It runs a step that is one sequence's one token, where the model asks for it (`native_decode`, set at
-        load: LLM's native_decode) and this runner's pool and attention are what the C code reads (a float32 or
-        bf16 PagedKVCache with chapter 05's attention). Why only there: the C step does batch 1's whole layer
-        loop without Python in between, which is where a batch-1 step spends most of its time; a larger batch's
-        time is its products, which the forward runs over all its rows at once (not measured natively here). What
-        the C code needs comes from the step's metadata (block table row, position, slot), so the model never sees
-        the scheduler."""
+        It runs a step whose rows are each one sequence's one token (decodes, or a prompt's one-token last chunk),
+        up to NATIVE_DECODE_MAX_ROWS of them, where the model asks for it (`native_decode`, set at load: LLM's
+        native_decode) and this runner's pool and attention are what the C code reads (a float32 or bf16
+        PagedKVCache with chapter 05's attention). Why there: the C step runs the whole layer loop without Python in
+        between, where a small step spends most of its time; its products are cpu_dot.c's, which beat the GEMM only
+        up to about that many rows (the cap's comment), so a larger step runs the forward, as does any step with a
+        longer chunk or spec-decode proposals (more than one row for a sequence). What the C code needs comes from
+        the step's metadata (block table rows, positions, slots), so the model never sees the scheduler."""
         llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
-        if (batch.input_ids.shape[0] != 1 or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
+        rows = batch.input_ids.shape[0]
+        if (not 1 <= rows <= NATIVE_DECODE_MAX_ROWS or len(batch.attn_metadata.seq_lens) != rows  # one token each
+                or not getattr(llama, "native_decode", False) or self.tp_group.size > 1
                 or self.attention is not PagedAttention or type(self.kv_cache) is not PagedKVCache):
             return None
         first = next(iter([*llama.layers[0].buffers(), *llama.layers[0].parameters()]))  # a weight of layer 0

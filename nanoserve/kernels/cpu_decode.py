@@ -1,18 +1,22 @@
-"""Chapters 09 and 10 — a batch-1 decode step in one C call (cpu_decode.c, which includes cpu_dot.c's products).
+"""Chapters 09 and 10 — a decode step of up to NATIVE_DECODE_MAX_ROWS (16) sequences' one token each in one C call
+(cpu_decode.c, which includes cpu_dot.c's products).
 
 Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
-    one sequence, one token (a decode step, or a prefill chunk of one token), q4 weights, the model's
-    `native_decode` on, a float32 or bf16 PagedKVCache
-        -> NativeDecoder.step: the embedding row in torch, then every layer and the final norm in C;
+    every row one sequence's one token (a decode, or a prefill chunk of one token), at most
+    NATIVE_DECODE_MAX_ROWS rows, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
+        -> NativeDecoder.step: the embedding rows in torch, then every layer and the final norm in C;
            NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
-    anything else (longer prefill chunks, batches > 1, spec-decode verify rows, fp32 / int8 / bf16 weights,
+    anything else (longer prefill chunks, steps of more than 16 rows, spec-decode verify rows, fp32 / int8 / bf16 weights,
     LoRA, a quantized KV pool, another attention class, tensor parallelism)
         -> the model's forward (eager or compiled), as before
 
 Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU; the rest is Python and op
 dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
 in a little more than the products' time (7-9 ms, chapter 09 section 5). Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
+Up to 16 rows the same holds for a small batch: the rows share each product (each weight block unpacked once per
+tile of 4 rows, cpu_dot.c's gemv_rows), and row r of a B-row step is bit for bit its batch-1 step (cpu_decode.c's
+invariant), so a request's tokens do not depend on which others share its step.
 The C step computes what the eager q4 integer_dot step computes, in the same order per layer; what differs is
 float32 rounding only (the order of a norm's sum, cosf/expf against torch's), and where such a difference moves
 an activation across an int8 rounding boundary, the products differ by up to one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
@@ -30,8 +34,14 @@ from pathlib import Path
 import torch
 
 from nanoserve.kernels import cpu_dot
+from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+# The most one-token rows a native step runs; larger steps take the model's forward. Why 16: the native step's
+# products are cpu_dot.c's integer ones, which beat the large-step GEMM up to about 16 rows on the course's 2-core AVX2 CPU
+# and lose beyond (`bench linear`: q4 at 16 rows 64 ms for all layers against float32's 88, at 64 rows 252 against
+# 180): the rows where the layers themselves take the kernel, quant.KERNEL_CROSSOVER_TOKENS, the same crossover.
+NATIVE_DECODE_MAX_ROWS = KERNEL_CROSSOVER_TOKENS
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
 
 
@@ -55,9 +65,9 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.decode_scratch_bytes.argtypes = [ptr, i64, ctypes.c_int]
+    lib.decode_scratch_bytes.argtypes = [ptr, i64, i64, ctypes.c_int]
     lib.decode_scratch_bytes.restype = i64
-    lib.decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.decode_step.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.decode_step.restype = None
     return lib
 
@@ -73,10 +83,10 @@ def build_error() -> str:
 
 
 def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
-    """Whether a model loaded with these weights runs its batch-1 decode steps in kernels/cpu_decode.c by default:
-    q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
+    """Whether a model loaded with these weights runs its steps of up to 16 one-token rows in kernels/cpu_decode.c
+    by default: q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
     cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
-    and AMX machines) the one-token steps then round their activations to int8, as llama.cpp does, and larger steps
+    and AMX machines) those steps then round their activations to int8, as llama.cpp does, and larger steps
     keep torch's kernels; chapter 09 section 5 has the measurement that made it the default. The rest of the run's
     settings can still rule it out (native_decode_blocker)."""
     return weights == "q4" and integer_dot is not False and available()
@@ -156,8 +166,9 @@ def why_not_model(model) -> str:
 class NativeDecoder:
     """One model's C decode step over one KV pool: the pointers gathered once, a scratch buffer grown as needed.
 
-    step(token (1,), position, block_table (>= blocks,), seq_len, slot) -> hidden (1, hidden): what
-    model(ids, positions, attn) returns for a one-token step of that sequence, with this token's K/V stored.
+    step(ids (B,), positions (B,), block_tables (B, >= blocks), seq_lens (B,), slots (B,)) -> hidden (B, hidden),
+    B <= NATIVE_DECODE_MAX_ROWS one-token rows of different sequences: what model(ids, positions, attn) returns for
+    that step, with each row's K/V stored; row r bit for bit what step() returns for row r alone.
     logits(hidden (N, hidden)) -> (N, vocab): the LM head in cpu_dot.c's int8 product, whatever the model's layers
     take for their small steps (integer_dot): a native step is integer products throughout, as llama.cpp's.
     """
@@ -194,26 +205,34 @@ class NativeDecoder:
             return "the norms' eps differ"
         return ""
 
-    def step(self, token: torch.Tensor, position: int, block_table: torch.Tensor, seq_len: int, slot: int) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+             slots: torch.Tensor) -> torch.Tensor:
+        """B one-token rows, one per sequence (B <= NATIVE_DECODE_MAX_ROWS): ids, positions, seq_lens, slots (B,) and
+        block_tables (B, max_blocks), the step's metadata as the runner has it. Returns hidden (B, hidden)."""
         lib = library()
-        x = self.model.embed_tokens(token).float().contiguous()  # (1, hidden): a fresh row, the C code's in and out
-        if position >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, refused here too
-            raise ValueError(f"position {position} is beyond the model's context of "
+        rows = ids.shape[0]
+        if not 1 <= rows <= NATIVE_DECODE_MAX_ROWS:
+            raise ValueError(f"native decode: {rows} rows, it runs 1 to {NATIVE_DECODE_MAX_ROWS}")
+        x = self.model.embed_tokens(ids).float().contiguous()  # (B, hidden): fresh rows, the C code's in and out
+        positions, seq_lens, slots = (_int64(t, rows) for t in (positions, seq_lens, slots))
+        table = _int64(block_tables, rows, 2)
+        if int(positions.max()) >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, here too
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.model.config.max_position_embeddings} tokens")
-        if position != seq_len - 1:
-            raise ValueError(f"native decode: a one-token step is the sequence's last position, got {position} of {seq_len}")
+        if not torch.equal(positions, seq_lens - 1):
+            raise ValueError(f"native decode: a one-token row is its sequence's last position, got positions "
+                             f"{positions.tolist()} of lengths {seq_lens.tolist()}")
+        if table.shape[1] * self.kv_cache.block_size < int(seq_lens.max()):
+            raise ValueError(f"native decode: a block table of {table.shape[1]} blocks for {int(seq_lens.max())} tokens")
+        pool_slots = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if int(slots.min()) < 0 or int(slots.max()) >= pool_slots or len(set(slots.tolist())) < rows:
+            raise ValueError(f"native decode: slots {slots.tolist()} outside the pool or shared")  # written unchecked
         threads = torch.get_num_threads()
-        need = lib.decode_scratch_bytes(ctypes.byref(self.desc), seq_len, threads)
+        need = lib.decode_scratch_bytes(ctypes.byref(self.desc), rows, int(seq_lens.max()), threads)
         if self.scratch.numel() < need:  # grown, never per step: doubled, so a growing sequence reallocates rarely
             self.scratch = torch.empty(max(need, 2 * self.scratch.numel()), dtype=torch.uint8)
-        table = block_table if block_table.dtype == torch.int64 and block_table.is_contiguous() else \
-            block_table.to(torch.int64).contiguous()
-        if table.numel() * self.kv_cache.block_size < seq_len:
-            raise ValueError(f"native decode: a block table of {table.numel()} blocks for {seq_len} tokens")
-        if not 0 <= slot < self.kv_cache.num_blocks * self.kv_cache.block_size:  # the C code writes there unchecked
-            raise ValueError(f"native decode: slot {slot} is outside the pool")
-        lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), position, table.data_ptr(), seq_len, slot,
-                        _aligned(self.scratch), threads)
+        lib.decode_step(ctypes.byref(self.desc), x.data_ptr(), rows, positions.data_ptr(), table.data_ptr(),
+                        table.stride(0), seq_lens.data_ptr(), slots.data_ptr(), _aligned(self.scratch), threads)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -226,6 +245,16 @@ def _ptr(t: torch.Tensor) -> int:
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"native decode reads contiguous CPU tensors, got one of shape {tuple(t.shape)}")
     return t.data_ptr()
+
+
+def _int64(t: torch.Tensor, rows: int, dims: int = 1) -> torch.Tensor:
+    """t as the C code reads it: int64 on the CPU, rows in memory order (a (rows,) vector, or a (rows, n) table
+    whose rows may be padded apart: its stride(0) is passed along, its last dimension must be dense)."""
+    if t.dim() != dims or t.shape[0] != rows:
+        raise ValueError(f"native decode: expected {rows} rows of {dims} dimension(s), got shape {tuple(t.shape)}")
+    if t.dtype != torch.int64 or t.device.type != "cpu" or t.stride(-1) != 1:
+        t = t.to("cpu", torch.int64).contiguous()
+    return t
 
 
 def _aligned(buf: torch.Tensor) -> int:

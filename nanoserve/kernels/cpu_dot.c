@@ -173,16 +173,12 @@ static void i8_row(const void *row, const block_q8_1 *x, int64_t nb, int nt, flo
     dot_i8((const int8_t *)row, x, nb, nt, y);
 }
 
-/* y[t, r] = scale[r] (1 where scale is NULL) · row r · x[t]: the tokens quantized to Q8_1 (tokens · in/32 blocks,
-   a few KB per token), then each thread a range of rows, each row met by the tokens in tiles of TILE.
-   Returns 0, or -1 where the activations' blocks could not be allocated (y untouched). */
-static int gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *scale, const float *x, float *y,
-                 int64_t tokens, int64_t in, int64_t out, int threads) {
-    int64_t nb = in / QK;
-    block_q8_1 *xq = malloc((size_t)(tokens * nb) * sizeof(block_q8_1));
-    if (!xq) return -1;
-    for (int64_t t = 0; t < tokens; t++) quantize_q8_1(x + t * in, xq + t * nb, in);
-    #pragma omp parallel for num_threads(threads) schedule(static)
+/* y[t, r] = scale[r] (1 where scale is NULL) · row r · xq[t] for already quantized tokens (token t's blocks at
+   xq + t · nb), y (tokens, out): the calling team's threads share the rows (an orphaned omp for, its barrier at the
+   end), each row met by the tokens in tiles of TILE. gemv below and cpu_decode.c's products run this loop. */
+static void gemv_rows(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *scale, const block_q8_1 *xq,
+                      float *y, int64_t tokens, int64_t nb, int64_t out) {
+    #pragma omp for schedule(static)
     for (int64_t r = 0; r < out; r++)
         for (int64_t t0 = 0; t0 < tokens; t0 += TILE) {
             float yt[TILE];
@@ -190,6 +186,19 @@ static int gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *s
             dot(w + r * row_bytes, xq + t0 * nb, nb, nt, yt);
             for (int t = 0; t < nt; t++) y[(t0 + t) * out + r] = scale ? scale[r] * yt[t] : yt[t];
         }
+}
+
+/* y[t, r] = scale[r] (1 where scale is NULL) · row r · x[t]: the tokens quantized to Q8_1 (tokens · in/32 blocks,
+   a few KB per token), then each thread a range of rows (gemv_rows).
+   Returns 0, or -1 where the activations' blocks could not be allocated (y untouched). */
+static int gemv(const uint8_t *w, int64_t row_bytes, row_dot dot, const float *scale, const float *x, float *y,
+                 int64_t tokens, int64_t in, int64_t out, int threads) {
+    int64_t nb = in / QK;
+    block_q8_1 *xq = malloc((size_t)(tokens * nb) * sizeof(block_q8_1));
+    if (!xq) return -1;
+    for (int64_t t = 0; t < tokens; t++) quantize_q8_1(x + t * in, xq + t * nb, in);
+    #pragma omp parallel num_threads(threads)
+    gemv_rows(w, row_bytes, dot, scale, xq, y, tokens, nb, out);
     free(xq);
     return 0;
 }
