@@ -221,6 +221,31 @@ def test_a_step_of_more_than_native_decode_max_rows_runs_the_forward(monkeypatch
                     torch.ones(n, dtype=torch.long), torch.arange(n))
 
 
+@pytest.mark.parametrize("integer_dot, crossover, expected", [(True, 16, 16), (True, 4, 4), (True, 0, 1),
+                                                             (False, 16, 1)])
+@torch.inference_mode()
+def test_several_rows_go_native_only_where_the_layers_take_cpu_dot(monkeypatch, integer_dot, crossover, expected):
+    """cpu_decode.max_rows: a step of several rows goes native only where the q4 layers' own small steps are
+    cpu_dot.c's (integer_dot), up to their crossover and NATIVE_DECODE_MAX_ROWS; batch 1 always. Six concurrent
+    requests (5-token prompts) decode together to the end: their 6-row steps go native where the limit allows 6,
+    else through the forward."""
+    from nanoserve.llm import LLM
+
+    model = tiny_q4()
+    for m in model.modules():  # what LLM's kernel_crossover_tokens and integer_dot set on the q4 layers
+        if hasattr(m, "integer_dot"):
+            m.integer_dot, m.max_kernel_tokens = integer_dot, crossover
+    assert cpu_decode.max_rows(model) == expected
+    model.native_decode = True
+    rows, forward_rows = count_native_rows(monkeypatch), []
+    model.register_forward_pre_hook(lambda module, args: forward_rows.append(args[0].shape[0]))
+    llm = LLM(model, num_blocks=128, block_size=4)
+    llm.generate([{"prompt_token_ids": [5 + i, 6, 7, 8, 9]} for i in range(6)],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert max(rows, default=0) == (6 if expected >= 6 else 0), rows  # the six decode together to the end
+    assert (6 in forward_rows) == (expected < 6), forward_rows
+
+
 @torch.inference_mode()
 def test_steps_it_cannot_run_fall_back_to_the_forward():
     model = tiny_q4()

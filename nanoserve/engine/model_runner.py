@@ -221,7 +221,8 @@ class ModelRunner:
         """Chapter 09: the C decode step (kernels/cpu_decode.py) for this step, or None: the model's forward runs.
 
         It runs a step whose rows are each one sequence's one token (decodes, or a prompt's one-token last chunk),
-        up to NATIVE_DECODE_MAX_ROWS of them, where the model asks for it (`native_decode`, set at load: LLM's
+        up to the decoder's max_rows of them (NATIVE_DECODE_MAX_ROWS where the model's layers take cpu_dot.c for their
+        small steps, else 1: cpu_decode.max_rows), where the model asks for it (`native_decode`, set at load: LLM's
         native_decode) and this runner's pool and attention are what the C code reads (a float32 or bf16
         PagedKVCache with chapter 05's attention). Why there: the C step runs the whole layer loop without Python in
         between, where a small step spends most of its time; its products are cpu_dot.c's, which beat the GEMM only
@@ -239,7 +240,8 @@ class ModelRunner:
         if key not in self.native_decoders:  # once per model and pool: weights or a pool rebuilt (a wake): anew
             self.native_decoders[key] = (NativeDecoder(llama, self.kv_cache)
                                          if not NativeDecoder.why_not(llama, self.kv_cache) else None)
-        return self.native_decoders[key]
+        decoder = self.native_decoders[key]
+        return decoder if decoder is not None and rows <= decoder.max_rows else None
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, grammar_bitmask=None) -> dict[str, int]:
         """{seq_id: token} (a SampledTokens, with the logprobs of those that asked). A prompt with n > 1 samples

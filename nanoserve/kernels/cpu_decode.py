@@ -37,12 +37,25 @@ from nanoserve.kernels import cpu_dot
 from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-# The most one-token rows a native step runs; larger steps take the model's forward. Why 16: the native step's
-# products are cpu_dot.c's integer ones, which beat the large-step GEMM up to about 16 rows on the course's 2-core AVX2 CPU
-# and lose beyond (`bench linear`: q4 at 16 rows 64 ms for all layers against float32's 88, at 64 rows 252 against
-# 180): the rows where the layers themselves take the kernel, quant.KERNEL_CROSSOVER_TOKENS, the same crossover.
+# The most one-token rows a native step runs (max_rows below may allow fewer); larger steps take the model's
+# forward. Why 16: the native step's products are cpu_dot.c's integer ones, which beat the large-step GEMM up to
+# about 16 rows on the course's 2-core AVX2 VM and lose beyond (`python -m nanoserve bench linear --formats fp32 q4
+# --tokens 1 16 32 64`, 2 threads, 2026-12-04, load 0.9-2.0: all layers' q4 dot products 63.7 ms at 16 rows against
+# float32's GEMM 88.0, at 64 rows 252.5 against 180.8): the rows where the layers themselves take the kernel,
+# quant.KERNEL_CROSSOVER_TOKENS, the same crossover.
 NATIVE_DECODE_MAX_ROWS = KERNEL_CROSSOVER_TOKENS
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
+
+
+def max_rows(model) -> int:
+    """The most one-token rows a native step of `model` takes. Several only where its q4 layers' own small steps
+    are cpu_dot.c's integer products (integer_dot: the default on a CPU without native bf16), up to the layers'
+    crossover (LLM's kernel_crossover_tokens) and NATIVE_DECODE_MAX_ROWS: there a native step multiplies as the
+    forward would, without the Python between products. Where the layers take torch's int4 kernel on bf16
+    activations (a CPU with native bf16), that kernel beats cpu_dot.c's products on batches (chapter 10's Zen 4
+    table: 30.3 ms against 54.7 at 8 rows), and a step of several rows has not been timed natively there: one row."""
+    proj = model.layers[0].self_attn.qkv_proj
+    return max(1, min(NATIVE_DECODE_MAX_ROWS, proj.max_kernel_tokens)) if proj.integer_dot else 1
 
 
 class Layer(ctypes.Structure):  # cpu_decode.c's layer_t
@@ -188,6 +201,7 @@ class NativeDecoder:
                           POOL_DTYPES[kv_cache.k_cache[0].dtype], model.norm.eps, _ptr(self.inv_freq),
                           _ptr(model.norm.weight), self.layers)
         self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.max_rows = max_rows(model)  # the most rows of a step it takes (the runner asks)
 
     @staticmethod
     def why_not(model, kv_cache) -> str:
