@@ -67,9 +67,9 @@ class LLM:
         integer_dot: int8 / q4 small steps in kernels/cpu_dot.c's integer products (True) or torch's kernels (False);
         None: quant.default_integer_dot() (chapter 10). Refused where it cannot be honoured (other weights, a model
         given, tensor parallelism, no build); a learner's exercise 10.2 / 10.3 code keeps torch's int4 kernel.
-        native_decode: q4 steps of up to 16 sequences' one token each (cpu_decode.NATIVE_DECODE_MAX_ROWS) run every
-        layer in one C call (kernels/cpu_decode.c,
-        chapter 09 section 5) instead of the model's forward; None: cpu_decode.default_native_decode() (on for q4 unless
+        native_decode: q4 steps of one token per sequence (up to cpu_decode.max_rows sequences: 16 where the layers take
+        cpu_dot.c for their small steps, 1 elsewhere) run every layer in one C call (kernels/cpu_decode.c, chapter 09
+        section 5) instead of the model's forward; None: cpu_decode.default_native_decode() (on for q4 unless
         integer_dot=False, and off where it cannot run). True is refused where it cannot be honoured (other weights,
         integer_dot=False, a model given, tensor parallelism, LoRA, an int8 / fp8 KV pool, the triton attention
         backend, a learner's chapter 02, 05 or 10 code selected in `student`, no build: cpu_decode.native_decode_blocker).

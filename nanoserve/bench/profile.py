@@ -8,8 +8,8 @@ next steps decode one token for each of the B sequences. Each step's time is spl
   attention         the attention of prefill chunks and decode groups (chapter 05), less its gathers
   K/V gather/store  writing new K/V into the pool and gathering blocks out of it (index ops)
   norms/RoPE/act    RMSNorm, RoPE, SiLU · up, residual adds, the embedding lookup
-  native step       a q4 step of up to 16 sequences' one token each in kernels/cpu_decode.c (chapter 09): every layer and
-                    the final norm in one C call, its parts not split (its LM head counts as "linear")
+  native step       a q4 step of one token per sequence (up to 16 sequences on a CPU without native bf16, one
+                    elsewhere) in kernels/cpu_decode.c (chapter 09): every layer and the final norm in one C call, its parts not split (its LM head counts as "linear")
   LoRA              the adapters' gathers, x·A·B for each row's adapter (chapter 19; with --lora-rank only)
   sampling          the next tokens: argmax for the default greedy requests; with --temperature > 0 (and
                     --top-p < 1) the softmax, the top-p sort and the draw of chapter 03's sampler

@@ -94,7 +94,8 @@ def add_engine_args(p):
                         "auto: cpu_dot where the CPU has no native bf16 (chapter 10); a learner's exercise "
                         "10.2 / 10.3 code keeps torch's int4 kernel")
     p.add_argument("--native-decode", default="auto", choices=["auto", "on", "off"],
-                   help="q4: a step of up to 16 sequences' one token each runs every layer in one C call (kernels/cpu_decode.c, "
+                   help="q4: a step of one token per sequence (up to 16 sequences on a CPU without native bf16, one elsewhere) "
+                        "runs every layer in one C call (kernels/cpu_decode.c, "
                         "chapter 09) instead of the model's forward; auto: on for q4 where it can run (not with "
                         "--integer-dot off, an int8 / fp8 KV pool, Triton, LoRA, --student 02, 05 or 10; on: refused there)")
     p.add_argument("--tensor-parallel-size", "-tp", type=checks.positive_int, default=1,
