@@ -1,4 +1,4 @@
-"""Chapter 09 — the native decode step (kernels/cpu_decode.c, up to NATIVE_DECODE_MAX_ROWS sequences' one token each)
+"""Chapter 09 — the native decode step (kernels/cpu_decode.c, up to max_rows sequences' one token each)
 against the eager q4 step it replaces, and a B-row step against each row's batch-1 step (bit for bit).
 
 The eager step it is checked against: the same model, q4 layers with integer_dot on (cpu_dot.c's products, the
@@ -214,11 +214,51 @@ def test_a_step_of_more_than_native_decode_max_rows_runs_the_forward(monkeypatch
     outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(n)],
                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 3 for o in outs)
-    assert n in forward_rows and all(r <= cpu_decode.NATIVE_DECODE_MAX_ROWS for r in rows), (forward_rows, rows)
+    assert n in forward_rows, (forward_rows, rows)
     native = cpu_decode.NativeDecoder(model, pool(model, torch.float32))
     with pytest.raises(ValueError, match="rows"):
         native.step(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), torch.zeros(n, 1, dtype=torch.long),
                     torch.ones(n, dtype=torch.long), torch.arange(n))
+
+
+@torch.inference_mode()
+def test_one_token_requests_decode_together_exactly_as_alone(monkeypatch):
+    """6 one-token prompts (each its own one-token row, so every step of the run is all one-token rows and native):
+    generated together, each request's greedy tokens equal its tokens generated alone (==, not a near-tie): the
+    engine-level form of the B-row step's bit-for-bit invariant. With longer prompts it need not hold: a prompt's
+    chunk runs the forward, for every row of its step, and is prefilled beside other prompts."""
+    from nanoserve.llm import LLM
+
+    model = tiny_q4()
+    model.native_decode = True
+    rows, forward_rows = count_native_rows(monkeypatch), []
+    model.register_forward_pre_hook(lambda module, args: forward_rows.append(args[0].shape[0]))
+    prompts, params = [[5 + 7 * i] for i in range(6)], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(model, num_blocks=64, block_size=4)
+    together = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert forward_rows == [] and max(rows) == len(prompts), (forward_rows, rows)  # every step native, 6 rows once
+    assert together == alone
+
+
+@torch.inference_mode()
+def test_the_native_step_refuses_block_ids_outside_the_pool_and_negative_positions():
+    """What the C code would read out of bounds (a block id of its tables, scores[-1] at position -1) is refused
+    in Python before the call; the rows' slots are checked the same way (written unchecked)."""
+    model = tiny_q4()
+    kv = pool(model, torch.float32, num_blocks=12, block_size=4)
+    native = cpu_decode.NativeDecoder(model, kv)
+    ids, one = torch.tensor([5]), torch.tensor([1])
+    for table in ([[12]], [[-1]]):  # the pool has blocks 0..11
+        with pytest.raises(ValueError, match="block ids"):
+            native.step(ids, torch.tensor([0]), torch.tensor(table), one, torch.tensor([0]))
+    with pytest.raises(ValueError, match="negative positions"):
+        native.step(ids, torch.tensor([-1]), torch.tensor([[0]]), torch.tensor([0]), torch.tensor([0]))
+    two = (torch.tensor([5, 6]), torch.tensor([0, 4]))  # row 1: 5 tokens, so its table's second block is read
+    with pytest.raises(ValueError, match="block ids"):
+        native.step(*two, torch.tensor([[0, 3], [1, 12]]), torch.tensor([1, 5]), torch.tensor([0, 8]))
+    native.step(*two, torch.tensor([[0, 3], [1, 2]]), torch.tensor([1, 5]), torch.tensor([0, 8]))  # in the pool: runs
+    native.step(ids, torch.tensor([0]), torch.tensor([[0, 99]]), one, torch.tensor([0]))  # 99 never read: runs
 
 
 @pytest.mark.parametrize("integer_dot, crossover, expected", [(True, 16, 16), (True, 4, 4), (True, 0, 1),

@@ -402,6 +402,27 @@ def test_the_native_step_table():
     assert fall(native)[0] > fall(forward)[0] > fall(llama)[0]  # "the most fragile of the three"
 
 
+def test_the_batched_native_step_table():
+    """Section 5's 16-request table: each rate is the two rounds' output tokens (16 × 128 each) over their summed
+    seconds, to the rounds' own rounding; the ratios the text draws from it; every native round beats every forward
+    round."""
+    def runs(first_cell):  # [(rate, [round seconds])] per run
+        (row,) = table_rows(CH, first_cell)
+        cells = [re.fullmatch(r"\**([\d.]+)\** \(([\d.]+) s, ([\d.]+) s\)", c) for c in row[1:]]
+        return [(float(m[1]), [float(m[2]), float(m[3])]) for m in cells]
+
+    native, forward, hf = (runs(f) for f in (r"q4, native step \(batched\)", r"q4 through the model's forward .*",
+                                             r"transformers, float32, static batch"))
+    for rate, rounds in native + forward + hf:
+        assert 2 * 16 * 128 / (sum(rounds) + 0.1) <= rate <= 2 * 16 * 128 / (sum(rounds) - 0.1), (rate, rounds)
+    over_forward = [n[0] / f[0] for n, f in zip(native, forward)]
+    over_hf = [n[0] / h[0] for n, h in zip(native, hf)]
+    says(CH, f"at {over_forward[0]:.2f}× and {over_forward[1]:.2f}× the forward's rate")
+    says(CH, f"{over_hf[0]:.2f}× and {over_hf[1]:.2f}× transformers' float32 static batch")
+    assert max(r for _, rounds in native for r in rounds) < min(r for _, rounds in forward for r in rounds)
+    assert max(over_hf) < 2  # "the course's aim of 2× transformers at 16 requests is not met"
+
+
 def test_the_concurrency_experiment():
     """The levels' ratios, within a round, from the table; the per-level request counts from the experiment's rule."""
     rows = {int(r[0].split()[0]): r for r in table_rows(CH, r"(1|4|16) \(\d+\)")}

@@ -1,5 +1,6 @@
 /* Chapters 09 and 10 — one decode step in C: every layer of a q4 Llama for the one new token of each of up to
-   NATIVE_DECODE_MAX_ROWS sequences (16; cpu_decode.py names the cap, builds and calls this).
+   NATIVE_DECODE_MAX_ROWS sequences (16; cpu_decode.py names the cap and max_rows, which may allow fewer, builds
+   and calls this).
 
    Why: at batch 1 the products are about a third of nanoserve's step (32 % of a 15.9 ms step, about 5 ms,
    chapter 09's profile) and llama.cpp's whole step (7-9 ms, chapter 09 section 5) is a little longer than
@@ -248,6 +249,8 @@ void decode_step(const model_t *m, float *x, int64_t B, const int64_t *pos, cons
             }
             if (m->kv_bf16)  /* what the eager step attends with: q in the pool's dtype, k and v as stored */
                 for (int64_t i = 0; i < B * nqk; i++) q[i] = round_bf16(q[i]);
+            /* no barrier between this store and the attention below: safe only because no row reads another's
+               slot (decode_step's precondition; a row that did would race with this store, not just read stale) */
             #pragma omp master
             for (int64_t r = 0; r < B; r++)  /* read back by later steps only: this one uses k and v directly */
                 store_kv(m, L, q + r * nqk + H * D, qkv + r * nqkv + nqk, slots[r]);

@@ -3,20 +3,24 @@
 
 Which path a step takes (nanoserve/engine/model_runner.py decides, per step):
 
-    every row one sequence's one token (a decode, or a prefill chunk of one token), at most
-    NATIVE_DECODE_MAX_ROWS rows, q4 weights, the model's `native_decode` on, a float32 or bf16 PagedKVCache
+    every row one sequence's one token (a decode, or a prefill chunk of one token), at most max_rows(model) rows
+    (up to NATIVE_DECODE_MAX_ROWS where the layers' small steps are cpu_dot.c's, else 1), q4 weights, the model's
+    `native_decode` on, a float32 or bf16 PagedKVCache
         -> NativeDecoder.step: the embedding rows in torch, then every layer and the final norm in C;
            NativeDecoder.logits: the LM head in cpu_dot.c's int8 product
-    anything else (longer prefill chunks, steps of more than 16 rows, spec-decode verify rows, fp32 / int8 / bf16 weights,
+    anything else (a step with a longer prefill chunk, decodes beside it included; more rows than max_rows;
+    spec-decode verify rows, fp32 / int8 / bf16 weights,
     LoRA, a quantized KV pool, another attention class, tensor parallelism)
         -> the model's forward (eager or compiled), as before
 
 Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU; the rest is Python and op
 dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
 in a little more than the products' time (7-9 ms, chapter 09 section 5). Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
-Up to 16 rows the same holds for a small batch: the rows share each product (each weight block unpacked once per
+Up to max_rows the same holds for a small batch: the rows share each product (each weight block unpacked once per
 tile of 4 rows, cpu_dot.c's gemv_rows), and row r of a B-row step is bit for bit its batch-1 step (cpu_decode.c's
-invariant), so a request's tokens do not depend on which others share its step.
+invariant). That is a step's invariance, not a request's: a step with a longer prompt chunk in it runs the forward
+for every row, which rounds otherwise, and a request's own prompt is prefilled in the forward beside whatever
+other prompts share its steps.
 The C step computes what the eager q4 integer_dot step computes, in the same order per layer; what differs is
 float32 rounding only (the order of a norm's sum, cosf/expf against torch's), and where such a difference moves
 an activation across an int8 rounding boundary, the products differ by up to one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
@@ -40,9 +44,10 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The most one-token rows a native step runs (max_rows below may allow fewer); larger steps take the model's
 # forward. Why 16: the native step's products are cpu_dot.c's integer ones, which beat the large-step GEMM up to
 # about 16 rows on the course's 2-core AVX2 VM and lose beyond (`python -m nanoserve bench linear --formats fp32 q4
-# --tokens 1 16 32 64`, 2 threads, 2026-12-04, load 0.9-2.0: all layers' q4 dot products 63.7 ms at 16 rows against
-# float32's GEMM 88.0, at 64 rows 252.5 against 180.8): the rows where the layers themselves take the kernel,
-# quant.KERNEL_CROSSOVER_TOKENS, the same crossover.
+# --tokens 1 16 32 64`, default --repeats 3, torch's default 2 threads, 2026-12-04, load 0.9-2.0: its "q4 dot"
+# column, every product of the model once, 63.7 ms at 16 rows against the fp32 column's 88.0, at 64 rows 252.5
+# against 180.8): the default of the rows where the layers themselves take the kernel,
+# quant.KERNEL_CROSSOVER_TOKENS, the same crossover (max_rows follows a model's own setting).
 NATIVE_DECODE_MAX_ROWS = KERNEL_CROSSOVER_TOKENS
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
 
@@ -96,11 +101,11 @@ def build_error() -> str:
 
 
 def default_native_decode(weights: str, integer_dot: bool | None) -> bool:
-    """Whether a model loaded with these weights runs its steps of up to 16 one-token rows in kernels/cpu_decode.c
-    by default: q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C step builds (it needs
-    cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16: the course's Zen 4
-    and AMX machines) those steps then round their activations to int8, as llama.cpp does, and larger steps
-    keep torch's kernels; chapter 09 section 5 has the measurement that made it the default. The rest of the run's
+    """Whether a model loaded with these weights runs its steps of one-token rows (up to max_rows(model) of them) in
+    kernels/cpu_decode.c by default: q4 weights, unless torch's kernels were asked for (integer_dot=False), where the C
+    step builds (it needs cpu_dot.c's AVX2 branch). On a CPU whose default small-step kernel is torch's (native bf16:
+    the course's Zen 4 and AMX machines) max_rows is 1: a batch-1 step then rounds its activations to int8, as
+    llama.cpp does, and every larger step keeps torch's kernels; chapter 09 section 5 has the measurement that made it the default. The rest of the run's
     settings can still rule it out (native_decode_blocker)."""
     return weights == "q4" and integer_dot is not False and available()
 
@@ -180,7 +185,8 @@ class NativeDecoder:
     """One model's C decode step over one KV pool: the pointers gathered once, a scratch buffer grown as needed.
 
     step(ids (B,), positions (B,), block_tables (B, >= blocks), seq_lens (B,), slots (B,)) -> hidden (B, hidden),
-    B <= NATIVE_DECODE_MAX_ROWS one-token rows of different sequences: what model(ids, positions, attn) returns for
+    B <= NATIVE_DECODE_MAX_ROWS one-token rows of different sequences (the runner passes at most max_rows):
+    what model(ids, positions, attn) returns for
     that step, with each row's K/V stored; row r bit for bit what step() returns for row r alone.
     logits(hidden (N, hidden)) -> (N, vocab): the LM head in cpu_dot.c's int8 product, whatever the model's layers
     take for their small steps (integer_dot): a native step is integer products throughout, as llama.cpp's.
@@ -233,14 +239,22 @@ class NativeDecoder:
         if int(positions.max()) >= self.model.config.max_position_embeddings:  # what Llama.forward refuses, here too
             raise ValueError(f"position {int(positions.max())} is beyond the model's context of "
                              f"{self.model.config.max_position_embeddings} tokens")
+        if int(positions.min()) < 0:  # the C attention would write scores[-1]
+            raise ValueError(f"native decode: negative positions {positions.tolist()}")
         if not torch.equal(positions, seq_lens - 1):
             raise ValueError(f"native decode: a one-token row is its sequence's last position, got positions "
                              f"{positions.tolist()} of lengths {seq_lens.tolist()}")
-        if table.shape[1] * self.kv_cache.block_size < int(seq_lens.max()):
+        bs = self.kv_cache.block_size
+        if table.shape[1] * bs < int(seq_lens.max()):
             raise ValueError(f"native decode: a block table of {table.shape[1]} blocks for {int(seq_lens.max())} tokens")
+        used = table[torch.arange(table.shape[1]) < (seq_lens[:, None] + bs - 1) // bs]  # the blocks the C code reads
+        if int(used.min()) < 0 or int(used.max()) >= self.kv_cache.num_blocks:
+            raise ValueError(f"native decode: block ids {used.tolist()} outside the pool's {self.kv_cache.num_blocks}")
         pool_slots = self.kv_cache.num_blocks * self.kv_cache.block_size
         if int(slots.min()) < 0 or int(slots.max()) >= pool_slots or len(set(slots.tolist())) < rows:
             raise ValueError(f"native decode: slots {slots.tolist()} outside the pool or shared")  # written unchecked
+        # not checked (the runner's precondition, one sequence a row, CoW before the step): that no row reads
+        # another's slot, which would need every row's read positions mapped through its table each step
         threads = torch.get_num_threads()
         need = lib.decode_scratch_bytes(ctypes.byref(self.desc), rows, int(seq_lens.max()), threads)
         if self.scratch.numel() < need:  # grown, never per step: doubled, so a growing sequence reallocates rarely
