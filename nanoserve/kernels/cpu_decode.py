@@ -16,7 +16,8 @@ dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). ll
 in a little more than the products' time (7-9 ms, chapter 09 section 5). Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
 Up to 16 rows the same holds for a small batch: the rows share each product (each weight block unpacked once per
 tile of 4 rows, cpu_dot.c's gemv_rows), and row r of a B-row step is bit for bit its batch-1 step (cpu_decode.c's
-invariant), so a request's tokens do not depend on which others share its step.
+invariant), so a row's bits in a native step do not depend on which others share that step (a request's tokens
+still can: its prompt is prefilled in the model's forward, in chunks that follow the batch; chapter 10 section 5).
 The C step computes what the eager q4 integer_dot step computes, in the same order per layer; what differs is
 float32 rounding only (the order of a norm's sum, cosf/expf against torch's), and where such a difference moves
 an activation across an int8 rounding boundary, the products differ by up to one step of that block's scale (tests/test_ch09_native_decode.py has the tolerance).
@@ -118,7 +119,7 @@ def native_decode_blocker(weights: str, integer_dot: bool | None, tensor_paralle
     default (native_decode=None: off where this names a reason) and serve's banner. student: the chapters
     --student selects (student.parse_selection)."""
     if weights != "q4":
-        return f"it runs q4 weights' one-token steps in C, not {weights!r} weights"
+        return f"it runs q4 weights' steps of one-token rows in C, not {weights!r} weights"
     if integer_dot is False:
         return "it computes with cpu_dot.c's integer products; integer_dot=False asks for torch's kernels"
     if tensor_parallel_size > 1 or lora:
