@@ -13,6 +13,8 @@ import math
 import re
 from types import SimpleNamespace
 
+import pytest
+
 from nanoserve.bench import http as bench_http
 from nanoserve.bench.pairwise import FACTORS, covering_rows
 from nanoserve.cli import serve
@@ -229,21 +231,33 @@ def test_bench_http_names_the_format_it_ran_and_the_command_gives_it_back():
     assert "--block-size" not in line  # an engine flag at its default is left out
 
 
-def test_bench_http_says_which_cpu_it_ran_on(smollm2_tokenizer, monkeypatch, capsys):
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_bench_http_says_which_cpu_it_ran_on(smollm2_tokenizer, monkeypatch, capsys, weights):
     """A run's `threads:` line names the CPU beside the format: torch's capability and the CPU's bf16 instructions,
     read here from the kernel's flags (they set q4's large-step GEMM, chapter 10), as the chapter tells a rerun to
-    quote it. The run itself: one request of a few tokens through both systems, on a tiny random model."""
+    quote it; on q4 also where its decode steps of one-token rows ran, with the most rows a native step takes
+    (cpu_decode.max_rows of the model run: what separates a C = 16 run from a C = 32 one). The run itself: one
+    request of a few tokens through both systems, on a tiny random model (q4: its layers quantized, native step on)."""
     import torch
 
     from nanoserve.cli import batch
+    from nanoserve.kernels import cpu_decode
     from nanoserve.llm import LLM
     from tests.tiny_model import tiny_llama
 
     model = tiny_llama(vocab_size=49152, max_position_embeddings=256)
+    if weights == "q4":
+        if not cpu_decode.available():
+            pytest.skip(f"kernels/cpu_decode.c does not run here ({cpu_decode.build_error()}): install gcc with "
+                        "OpenMP on an AVX2 CPU")
+        from tests.test_ch09_native_decode import tiny_q4
+
+        model = tiny_q4(model)
+        model.native_decode = True  # as LLM(weights="q4") sets it where the C step builds
     monkeypatch.setattr(batch, "llm_from_args", lambda args: LLM(model, num_blocks=16, block_size=16,
                                                                    tokenizer=smollm2_tokenizer))
     bench_http.run(command_defaults(bench_http, "http", "--concurrency", "1", "--rounds", "1", "--output-len", "2",
-                                    "--prompt-len", "5", "6"))
+                                    "--prompt-len", "5", "6", "--weights", weights))
     threads = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("threads: "))
     try:
         flags = set(open("/proc/cpuinfo").read().split())
@@ -251,7 +265,13 @@ def test_bench_http_says_which_cpu_it_ran_on(smollm2_tokenizer, monkeypatch, cap
         flags = set()
     bf16 = next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
     assert f"; CPU: {torch.backends.cpu.get_cpu_capability()}, bf16 instructions: {bf16}; " in threads, threads
-    assert "; weights fp32, KV pool float32, 16 blocks of 16 tokens per engine;" in threads, threads
+    if weights == "fp32":
+        assert "; weights fp32, KV pool float32, 16 blocks of 16 tokens per engine;" in threads, threads
+    else:
+        rows = cpu_decode.max_rows(model)
+        assert (f"; weights q4, KV pool float32, 16 blocks of 16 tokens per engine; decode steps of up to {rows} "
+                f"one-token row{'s' * (rows > 1)} in kernels/cpu_decode.c (chapter 09), other steps in the model's "
+                "forward; server") in threads, threads
     says(CH, "prints the format it ran and the CPU it ran on (torch's capability and the CPU's bf16 instructions) "
              "on its `threads:` line")
 

@@ -45,9 +45,10 @@ REL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # by the pool's dtype (module
 MARGIN = {"fp32": REL[torch.float32], "bf16": 2e-2}  # a near-tie, over the row's largest |logit| (module docstring)
 
 
-def tiny_q4():
-    """The tiny random model with its Linear layers in Q4_1 (the gguf package's quantizer) and integer_dot on."""
-    model = tiny_llama()
+def tiny_q4(model=None):
+    """The tiny random model (or `model`) with its Linear layers in Q4_1 (the gguf package's quantizer) and
+    integer_dot on."""
+    model = tiny_llama() if model is None else model
     blocks = {name: q4_1_blocks(m.weight.detach().numpy()) for name, m in model.named_modules()
               if isinstance(m, Linear) and name != "lm_head"}
     return quantize_model(model, "q4", blocks, integer_dot=True)
@@ -96,13 +97,25 @@ def test_the_native_step_computes_the_eager_step_and_stores_the_same_kv(dtype):
             assert torch.equal(got[:, untouched], exp[:, untouched]) and not got[:, untouched].any()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
-def test_a_batched_native_step_is_each_rows_batch_1_step_bit_for_bit(dtype):
+def test_a_batched_native_step_is_each_rows_batch_1_step_bit_for_bit(dtype, threads):
     """5 sequences of different lengths (2 to 11 tokens of prompt), block tables out of order, 4 one-token steps
     (across block boundaries): the B-row native step on one pool, each row's batch-1 native step on another, the
     eager forward's batched step on a third. Row r's logits and the K/V it stores equal its batch-1 step's
-    (torch.equal: cpu_decode.c's invariant), and the step is close to the eager one (the tolerance above)."""
+    (torch.equal: cpu_decode.c's invariant), and the step is close to the eager one (the tolerance above). At one
+    thread and at two (the C step takes torch's thread count; make test's workers run one): with two, the threads
+    split the output rows and the (row, head) pairs of the attention differently at B rows than at 1."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_batched_against_batch_1(dtype)
+    finally:
+        torch.set_num_threads(was)
+
+
+def check_batched_against_batch_1(dtype):
     model = tiny_q4()
     c, bs, lens = model.config, 4, [2, 5, 8, 3, 11]
     order = torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()
@@ -342,8 +355,8 @@ def test_serve_says_where_one_token_steps_run(flags, native):
     args = parser.parse_args(["serve", *flags])
     text = serve.serving_format(args)
     off = flags == ["--native-decode", "off"]
-    assert ("one-token steps in kernels/cpu_decode.c" in text) == native
-    assert ("one-token steps in the model's forward" in text) == (not native and not off)
+    assert ("one-token rows in kernels/cpu_decode.c" in text) == native
+    assert ("one-token rows in the model's forward" in text) == (not native and not off)
     assert (native_decode_blocker(*native_settings(args)) == "") == (native or off)
     if "--native-decode" not in flags:
         args.native_decode = "on"

@@ -22,6 +22,7 @@ from nanoserve.model.quant import (KERNEL_CROSSOVER_TOKENS, QUANT_MAX_TOKENS, In
                                    set_kernel_crossover, unpack_q4_1)
 from nanoserve.sampling import SamplingParams
 from tests.test_ch06_engine import cut_requests
+from tests.test_ch09_native_decode import count_native_rows
 from tests.test_student import exercises, finish  # noqa: F401  (a fixture, and a helper that finishes rungs)
 
 pytestmark = pytest.mark.slow
@@ -142,7 +143,8 @@ def serve(engine, requests):
 
 
 @pytest.mark.parametrize("weights, native, at_least", [("q4", False, 6), ("q4", True, 6), ("int8", False, 8)])
-def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, workload, weights, native, at_least):
+def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, monkeypatch, workload, weights, native,
+                                                                     at_least):
     """LLM(weights=...) runs every product up to KERNEL_CROSSOVER_TOKENS tokens in the kernel, beyond on a copy of
     its weight in quant.LARGE_STEP_DTYPE (bf16, float32 on a CPU without native bf16). With a 16-token budget every
     step stays in the kernel, whose rows do not depend on the batch (test_ch10_quant.py); still, batched and alone
@@ -153,13 +155,16 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
       an AVX-512 CPU with native bf16 (AMX or Zen 4: the run did not record which, nor its threads): 11 / 8 / 11;
       the AVX2 VM (AMD EPYC, Zen 3 kind, no native bf16), torch's default 2 threads: 7 / 8 / 10;
       the same VM, one thread (OMP_NUM_THREADS=1, as make test's xdist workers run): 8 / 8 / 10;
-    the native counts with the batch-1 native step; since it takes steps of up to 16 one-token rows (2026-12-04),
-    the AVX2 VM gave 9 (2 threads) and 7 (1 thread), the AVX-512 CPU not rerun.
+    the native counts with the batch-1 native step; since it takes steps of up to cpu_decode.max_rows one-token rows
+    (2026-12-04: 16 on a CPU without native bf16, 1 with it), the AVX2 VM gave 9 (2 threads) and 7 (1 thread), the
+    AVX-512 CPU (still one row there) not rerun. The native case checks that the batched run's decode steps took
+    the native step with several rows where max_rows allows them, so its count is the multi-row step's.
     On the AVX2 CPU the small steps' products are cpu_dot.c's, which round each activation block to int8, a likely
     reason it agrees less: a last-bit difference that crosses one of its boundaries moves an element by a whole int8
     step, coarser than bf16's. The bounds sit below every count measured, not at one machine's. With chapter 09's native
-    decode step (LLM's default for q4) a step of up to 16 one-token rows gives each row its batch-1 bits, but a
-    request's step beside a prefill chunk takes another path: its activations are rounded to int8 in the native
+    decode step (LLM's default for q4) a step of one-token rows gives each row its batch-1 bits from the same cache,
+    but a request's prompt is prefilled in chunks that follow the batch, and its step beside a prefill chunk of more
+    than one token takes another path: its activations are rounded to int8 in the native
     step, to bf16 in the batched kernel on a CPU with native bf16. Each request
     alone runs on an engine without prefix caching, so it computes its whole prompt itself instead of reading blocks
     the batched run computed. The default engine (2048-token steps, the large-step copy) serves the workload without
@@ -174,14 +179,20 @@ def test_engine_serves_the_workload_without_leaks_on_llms_crossover(request, wor
         assert all(m.max_kernel_tokens == KERNEL_CROSSOVER_TOKENS and m.large_step_copy is not None for m in layers)
         narrow = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96),
                                                scheduler_config=SchedulerConfig(max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS)))
+        rows = count_native_rows(monkeypatch)  # the row count of each native step, from here on
         batched, widest = serve(narrow, workload)
         assert widest == KERNEL_CROSSOVER_TOKENS  # steps mixed several requests up to the limit, on the kernel
+        most = cpu_decode.max_rows(model) if native else 0  # the widest native step allowed (none with it off)
+        assert bool(rows) == native and max(rows, default=0) <= most, rows
+        # several sequences' decodes in one native step where max_rows allows it: the "native step" count is that
+        # step's (where it is 1, a CPU with native bf16, the batch-1 step's)
+        assert (max(rows, default=0) > 1) == (most > 1), rows
         solo = LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96, enable_prefix_caching=False),
                                              scheduler_config=SchedulerConfig(max_num_batched_tokens=KERNEL_CROSSOVER_TOKENS)))
         alone = {i: serve(solo, [req])[0][0] for i, req in enumerate(workload)}
         same = sum(batched[i] == alone[i] for i in alone)
         decoders = solo.executor.workers[0].model_runner.native_decoders.values()
-        assert any(d is not None for d in decoders) == native  # the lone one-token steps ran in C exactly when asked
+        assert any(d is not None for d in decoders) == native  # a lone request's decodes ran in C exactly when asked
         print(f"{weights}{', native step' if native else ''}: batched equal to alone for {same} of {len(alone)} requests")  # the chapter's figure, with -s
         assert same >= at_least, (batched, alone)
         wide, widest = serve(LLMEngine(model, EngineConfig(cache_config=CacheConfig(num_blocks=96))), workload)

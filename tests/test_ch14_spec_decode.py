@@ -287,4 +287,4 @@ def test_native_decode_on_with_speculation_is_accepted():
     serve.register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--weights", "q4", "--speculative", "ngram", "--native-decode", "on"])
     assert check_engine_args(args) is None
-    assert "one-token steps in kernels/cpu_decode.c" in serve.serving_format(args)
+    assert "one-token rows in kernels/cpu_decode.c" in serve.serving_format(args)

@@ -9,8 +9,8 @@ three engines stepped in lockstep, each timed on its own clock (bench weights' `
                   run on the q4 copy until the queue is down to half of it
   q4              q4 weights all the time with LLM(weights="q4")'s crossover (set_kernel_crossover's
                   defaults: the kernel up to KERNEL_CROSSOVER_TOKENS, the large-step copy beyond), every step
-                  through the model's forward (LLM would run a step of one token per sequence, up to 16
-                  sequences on a CPU without native bf16, in chapter 09's native decode step): the other end of the trade
+                  through the model's forward (LLM would run its decode steps of one-token rows in chapter 09's
+                  native decode step, up to cpu_decode.max_rows rows): the other end of the trade
 
 Per engine: TTFT p50 / p99 (every request arrives at 0 on its engine's clock), output tok/s, the share of
 tokens computed on q4 weights, and the quality cost: greedy agreement with the fp32 run's tokens, counted

@@ -14,6 +14,12 @@ first) so the machine's drift cancels from the ratio. Reported: aggregate output
 tokens / wall time from the first request to the last token), TTFT and ITL p50/p99 by chapter 09's one
 definition (nanoserve/metrics.py): for offline from Sequence.metrics() on the engine's clock, for HTTP
 from `bench serve`'s client (nanoserve/bench/client.py) on the client's clock.
+
+The header says what ran: the threads, the CPU, the weights and KV pool, and for q4 where its decode steps of
+one-token rows run (serve's banner's words, cli/serve.py one_token_rows) with how many rows a native step takes
+(cpu_decode.max_rows). That number sets what a concurrency measures: where it is 16, a C = 16 run's decode-only
+steps go through chapter 09's native step, while a C = 32 run's go through the model's forward until 16 or fewer
+requests are left; where it is 1 (a CPU with native bf16), both go through the forward but for the last request.
 """
 
 import asyncio
@@ -90,7 +96,9 @@ def percentiles(values: list[float]) -> str:
 def run(args):
     from nanoserve.bench.offline import cpu_description, served_format
     from nanoserve.cli.batch import command_line, llm_from_args
+    from nanoserve.cli.serve import one_token_rows
     from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.kernels.cpu_decode import max_rows
     from nanoserve.sampling import SamplingParams
     from nanoserve.server.runner import serving
 
@@ -100,9 +108,10 @@ def run(args):
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     weights, pool = served_format(llm.model, served)
     print("command: " + command_line(args, add_arguments, "bench http"))
+    rows = one_token_rows(args, max_rows(llm.model) if getattr(llm.model, "native_decode", False) else None)
     print(f"threads: {torch.get_num_threads()}; {cpu_description()}; weights {weights}, KV pool {pool}, "
-          f"{served.block_manager.num_blocks} blocks of {args.block_size} tokens per engine; server and clients in "
-          "this process")
+          f"{served.block_manager.num_blocks} blocks of {args.block_size} tokens per engine; "
+          f"{rows + '; ' if rows else ''}server and clients in this process")
     # both engines stop what they started beside themselves (a tier's file and writer, a KV connector)
     with llm, contextlib.closing(served), serving(served, llm.tokenizer) as (url, _):
         warm = workload(2, (8, 16), vocab, -1)

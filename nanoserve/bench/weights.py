@@ -12,9 +12,11 @@
                 16-request workload (prompts 20–200, 128 output tokens each by default), one engine per format;
                 int8 and q4 with LLM's crossover: their kernel up to KERNEL_CROSSOVER_TOKENS, a copy beyond
                 (quant.LARGE_STEP_DTYPE). Every step goes through the model's forward: LLM(weights="q4") runs
-                q4's one-token steps in chapter 09's native decode step instead, which this bench does not turn
-                on (its batch-1 row is q4 with --native-decode off; `bench peers --native-decode auto off`
-                measures both)
+                q4's decode steps of one-token rows in chapter 09's native decode step instead (up to
+                cpu_decode.max_rows rows: 16 on a CPU without native bf16, 1 with it), which this bench does not
+                turn on. So its q4 batch-1 row is q4 with --native-decode off, and where the native step takes
+                16 rows so are its q4 batch-16 row and the 16-request workload's decode-only steps
+                (`bench peers --native-decode auto off` measures both)
 
 The engines run in lockstep — one step of fp32's engine, one of int8's, one of q4's, then the other way
 round — each timed on its own clock, so the machine's drift (tens of per cent over minutes here) hits all

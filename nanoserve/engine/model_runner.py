@@ -192,7 +192,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model_input(self, batch: ModelInput, degraded: bool = False) -> torch.Tensor | None:
-        """The forward pass (on the degraded copy of the weights if asked, chapter 10; a q4 one-token step in
+        """The forward pass (on the degraded copy of the weights if asked, chapter 10; a q4 step of one-token rows in
         kernels/cpu_decode.c instead where native_decoder says it can run, chapter 09); the logits
         (num_sampled, vocab) of the rows that sample (None when none does, and on tensor-parallel
         ranks > 0, which only help compute them). With prompt logprobs (chapter 08) the prompt rows follow."""

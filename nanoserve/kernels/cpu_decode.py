@@ -123,7 +123,7 @@ def native_decode_blocker(weights: str, integer_dot: bool | None, tensor_paralle
     default (native_decode=None: off where this names a reason) and serve's banner. student: the chapters
     --student selects (student.parse_selection)."""
     if weights != "q4":
-        return f"it runs q4 weights' one-token steps in C, not {weights!r} weights"
+        return f"it runs q4 weights' steps of one-token rows in C, not {weights!r} weights"
     if integer_dot is False:
         return "it computes with cpu_dot.c's integer products; integer_dot=False asks for torch's kernels"
     if tensor_parallel_size > 1 or lora:
