@@ -415,7 +415,7 @@ def test_llm_and_cli_refuse_unknown_weights_before_loading(tiny_pair, tmp_path, 
 
 
 def test_info_says_which_kernels_and_which_step_this_cpu_runs(capsys):
-    """`info` names the small steps' kernel and the path of q4's one-token steps as LLM's defaults choose them on
+    """`info` names the small steps' kernel and the path of q4's steps of one token per sequence (and how many sequences) as LLM's defaults choose them on
     this CPU: cpu_dot.c where quant.default_integer_dot() says so, and chapter 09's native step (int8 activations,
     on every CPU where it builds, whatever the small-step kernel) where cpu_decode.default_native_decode does."""
     from nanoserve.cli import main
@@ -425,10 +425,11 @@ def test_info_says_which_kernels_and_which_step_this_cpu_runs(capsys):
     assert main(["info"]) in (0, None)
     out = capsys.readouterr().out.splitlines()
     kernel = next(line for line in out if line.startswith("  the integer kernel: "))
-    step = next(line for line in out if line.startswith("  q4's one-token steps"))
+    step = next(line for line in out if line.startswith("  q4's steps of one token per sequence"))
     assert ("cpu_dot.c" in kernel) == default_integer_dot()
     assert ("kernels/cpu_decode.c" in step) == cpu_decode.default_native_decode("q4", None)
     assert ("the model's forward, with the kernel above" in step) == (not cpu_decode.available())
+    assert ("(up to 16 sequences)" in step) == default_integer_dot()  # cpu_decode.max_rows on LLM's defaults
 
 
 def test_llm_refuses_crossover_settings_it_cannot_honour(tiny_pair):

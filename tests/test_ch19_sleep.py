@@ -361,3 +361,12 @@ def test_the_bench_measures_both_levels(smollm2_tokenizer):
         assert row["released_kv_cache_mib"] == sum(pool_sizes(config, 64)) / 2**20
     gc.collect()
     assert freed() is None, "the stopped server still holds the engine"
+
+
+@pytest.mark.parametrize("weights", ["fp32", "q4"])
+def test_bench_sleep_serves_each_format_on_serves_own_kv_dtype(weights):
+    """`bench experiment sleep` asks serve's own flag handling which KV pool goes with each --weights (every other
+    flag at serve's default): an explicit --weights keeps the model's pool, q4 included."""
+    from nanoserve.bench.sleep import served_kv_dtype
+
+    assert served_kv_dtype(weights) == "auto"

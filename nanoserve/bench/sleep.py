@@ -59,19 +59,28 @@ def sleep_cycles(engine, tokenizer, max_tokens: int = 16, prompt: str | list[int
     return rows
 
 
+def served_kv_dtype(weights: str) -> str:
+    """The KV pool's dtype `serve --weights WEIGHTS` pairs with these weights (serving_format, on serve's own
+    defaults for every other flag): the model's ("auto") for any explicit --weights (serve's bf16 pool comes with
+    q4 only where no --weights is given)."""
+    from nanoserve.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    flags = parser.parse_args(["serve", "--weights", weights])
+    serve.serving_format(flags)
+    return flags.kv_cache_dtype
+
+
 def sleep_mode(args, model, tokenizer) -> dict:
     from nanoserve.bench.experiment import interleaved
-    from nanoserve.cli.serve import serving_format
     from nanoserve.engine.worker import release_memory
     from nanoserve.llm import LLM
 
     formats, kv_mib = args.weights or ["fp32", "q4"], args.kv_cache_mib or 1024
 
     def measure(weights, _, r):
-        flags = argparse.Namespace(weights=weights, kv_cache_dtype=None, tensor_parallel_size=1,
-                                   degrade_under_load=None, attention_backend=None, compile_mode="eager")
-        serving_format(flags)  # the KV dtype `serve` pairs with these weights
-        llm = LLM(weights=weights, kv_cache_memory=kv_mib << 20, kv_cache_dtype=flags.kv_cache_dtype,
+        llm = LLM(weights=weights, kv_cache_memory=kv_mib << 20, kv_cache_dtype=served_kv_dtype(weights),
                   tokenizer=tokenizer)
         engine, llm = llm.engine, None
         rows = sleep_cycles(engine, tokenizer)

@@ -56,7 +56,9 @@ def run(args):
                                       else "torch's int8 / int4 kernels, bf16 activations"))
     from nanoserve.kernels import cpu_decode
 
-    print("  q4's one-token steps (up to 16 sequences, one token each): " + (
+    rows = (f"up to {cpu_decode.NATIVE_DECODE_MAX_ROWS} sequences" if default_integer_dot()
+            else "one sequence: this CPU's layers multiply batches in torch's int4 kernel")  # cpu_decode.max_rows
+    print(f"  q4's steps of one token per sequence ({rows}): " + (
         "by default kernels/cpu_decode.c, chapter 09's native step\n"
         "  (cpu_dot.c's products, activations rounded to int8, whatever the integer kernel above; "
         "--native-decode off: the model's forward)"

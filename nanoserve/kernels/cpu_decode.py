@@ -45,8 +45,8 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 # forward. Why 16: the native step's products are cpu_dot.c's integer ones, which beat the large-step GEMM up to
 # about 16 rows on the course's 2-core AVX2 VM and lose beyond (`python -m nanoserve bench linear --formats fp32 q4
 # --tokens 1 16 32 64`, default --repeats 3, torch's default 2 threads, 2026-12-04, load 0.9-2.0: its "q4 dot"
-# column, every product of the model once, 63.7 ms at 16 rows against the fp32 column's 88.0, at 64 rows 252.5
-# against 180.8): the default of the rows where the layers themselves take the kernel,
+# column, every product of the model once, 63.7 ms at 16 rows against the fp32 column's 88.0, at 32 rows 121.8
+# against 112.6, at 64 rows 252.5 against 180.8): the default of the rows where the layers themselves take the kernel,
 # quant.KERNEL_CROSSOVER_TOKENS, the same crossover (max_rows follows a model's own setting).
 NATIVE_DECODE_MAX_ROWS = KERNEL_CROSSOVER_TOKENS
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
