@@ -108,7 +108,7 @@ def run(args):
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     weights, pool = served_format(llm.model, served)
     print("command: " + command_line(args, add_arguments, "bench http"))
-    rows = one_token_rows(args, max_rows(llm.model) if getattr(llm.model, "native_decode", False) else None)
+    rows = one_token_rows(args, max_rows(llm.model) if getattr(llm.model, "native_decode", False) else 1)
     print(f"threads: {torch.get_num_threads()}; {cpu_description()}; weights {weights}, KV pool {pool}, "
           f"{served.block_manager.num_blocks} blocks of {args.block_size} tokens per engine; "
           f"{rows + '; ' if rows else ''}server and clients in this process")

@@ -162,16 +162,19 @@ def serving_format(args) -> str:
         said += ("; small steps in cpu_dot.c's integer products" if on else "; small steps in torch's integer kernels")
         if on and args.weights == "q4" and "10" in parse_selection(args.student):
             said += " (torch's int4 kernel where your exercise 10.2 / 10.3 code reads the blocks)"
-        rows = one_token_rows(args)
+        from nanoserve.kernels.cpu_decode import NATIVE_DECODE_MAX_ROWS
+
+        rows = one_token_rows(args, NATIVE_DECODE_MAX_ROWS if on else 1)  # cpu_decode.max_rows, from the flags
         said += f"; {rows}" if rows else ""
     return said
 
 
-def one_token_rows(args, max_rows: int | None = None) -> str:
+def one_token_rows(args, max_rows: int) -> str:
     """Where q4's steps of one-token rows (decodes, one per sequence: chapter 09's native step) run, in words, as
     LLM will choose from these flags; '' where the weights are not q4 or --native-decode off leaves nothing to say.
-    max_rows: how many rows a native step takes (cpu_decode.max_rows), known once the model is loaded (bench http's
-    header); serve's banner, printed before the load, leaves the number out."""
+    max_rows: how many rows a native step takes: cpu_decode.max_rows of the loaded model (bench http's header), or,
+    before the load (serve's banner), the same from the flags: NATIVE_DECODE_MAX_ROWS where the q4 layers' small
+    steps are cpu_dot.c's (serve has no flag for their crossover), else 1."""
     if args.weights != "q4":
         return ""
     from nanoserve.cli.batch import native_settings
@@ -181,7 +184,7 @@ def one_token_rows(args, max_rows: int | None = None) -> str:
     choice = getattr(args, "native_decode", "auto")
     blocker = native_decode_blocker(*native_settings(args))
     if choice == "on" or choice == "auto" and not blocker:
-        rows = "one-token rows" if max_rows is None else f"up to {max_rows} one-token row{'s' * (max_rows > 1)}"
+        rows = f"up to {max_rows} one-token row{'s' * (max_rows > 1)}"
         return f"decode steps of {rows} in kernels/cpu_decode.c (chapter 09), other steps in the model's forward"
     if choice == "auto":
         return f"decode steps of one-token rows in the model's forward (the native step cannot run: {blocker})"
