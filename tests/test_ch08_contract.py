@@ -206,8 +206,9 @@ def test_logprobs_shapes_streamed_and_not(engine, tokenizer):
 def test_a_seed_draws_the_same_alone_and_in_a_batch_of_8_on_the_float32_engine(engine, tokenizer, tiny):
     """On the float32 engine (the tiny model, float32 weights and KV pool) a row's logits alone and in a batch
     differ at most in their last bits, and the seeded draw is the same. The q4 engine `serve` runs by default
-    computes a step of up to 16 one-token rows on another path than a wider step's or one with a prefill chunk (the
-    native C step, int8 activations), so there the same seed may draw another text (chapter 10, section 5): this is float32's claim."""
+    computes a step of one-token rows, up to cpu_decode.max_rows (16 without native bf16, 1 with it), on another
+    path than a wider step's or one with a prefill chunk (the native C step, int8 activations), so there the same
+    seed may draw another text (chapter 10, section 5): this is float32's claim."""
     import asyncio
 
     assert {p.dtype for p in tiny.parameters()} == {torch.float32} and engine.precision_names[0] == "fp32"

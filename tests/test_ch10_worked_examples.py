@@ -197,7 +197,7 @@ def test_the_quality_table_and_the_notebook(smollm2_tokenizer):
              f"{float(fp32head[3]):.2f}")
     int8 = rows["int8"]
     says(CH, f"(bounds at most the measured {q4[2]}, {number(q4[1]):.0f} % and {int8[2]}, {number(int8[1]):.0f} % at "
-             f"{args.max_tokens}\ntokens;")
+             f"{args.max_tokens}\ntokens, section 6's 2026-12-01 run against that code's float32;")
     int8_mean, int8_max, q4_mean = (float(re.search(rf"{w}: +mean ([\d.]+), max ([\d.]+)", out)[i])
                                     for w, i in (("int8", 1), ("int8", 2), ("q4", 1)))
     says(CH, f"(the notebook's per-layer plot: int8 mean {int8_mean:.1%}, max {int8_max:.1%}; q4 mean "
