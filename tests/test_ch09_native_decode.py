@@ -360,7 +360,8 @@ def test_serve_says_where_one_token_steps_run(flags, native):
         from nanoserve.model.quant import default_integer_dot
 
         assert ("up to 16 one-token rows" if default_integer_dot() else "up to 1 one-token row in") in text, text
-    assert ("one-token rows in the model's forward" in text) == (not native and not off)
+    assert ("one-token rows in the model's forward" in text) == (not native)
+    assert ("(--native-decode off)" in text) == off
     assert (native_decode_blocker(*native_settings(args)) == "") == (native or off)
     if "--native-decode" not in flags:
         args.native_decode = "on"

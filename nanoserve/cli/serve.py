@@ -171,7 +171,7 @@ def serving_format(args) -> str:
 
 def one_token_rows(args, max_rows: int) -> str:
     """Where q4's steps of one-token rows (decodes, one per sequence: chapter 09's native step) run, in words, as
-    LLM will choose from these flags; '' where the weights are not q4 or --native-decode off leaves nothing to say.
+    LLM will choose from these flags; '' where the weights are not q4.
     max_rows: how many rows a native step takes: cpu_decode.max_rows of the loaded model (bench http's header), or,
     before the load (serve's banner), the same from the flags: NATIVE_DECODE_MAX_ROWS where the q4 layers' small
     steps are cpu_dot.c's (serve has no flag for their crossover), else 1."""
@@ -188,7 +188,7 @@ def one_token_rows(args, max_rows: int) -> str:
         return f"decode steps of {rows} in kernels/cpu_decode.c (chapter 09), other steps in the model's forward"
     if choice == "auto":
         return f"decode steps of one-token rows in the model's forward (the native step cannot run: {blocker})"
-    return ""
+    return "decode steps of one-token rows in the model's forward (--native-decode off)"
 
 
 def check_args(args) -> str | None:
