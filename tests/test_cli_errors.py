@@ -269,6 +269,13 @@ BAD = [
     (["bench", "engine-view", "--prompt-len", "5", "2"], ["--prompt-len 5 2: MIN is larger than MAX"]),
     (["bench", "engine-view", "--tiny", "--output-len", "400", "500"],
      ["--output-len up to 500 exceed the tiny model's context of 512"]),
+    # a --url where nothing answers (port 9, discard: closed here) is the user's mistake, not a traceback
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--num-prompts", "1"],
+     ["cannot reach a server at http://127.0.0.1:9"]),
+    (["bench", "experiment", "servers", "--url", "a=http://127.0.0.1:9", "--url", "b=http://127.0.0.1:9",
+      "--out-dir", "{d}/exp"], ["cannot reach a server at http://127.0.0.1:9"]),
+    (["bench", "mlperf", "--url", "http://127.0.0.1:9", "--scenario", "Offline", "--out-dir", "{d}/mlperf"],
+     ["cannot reach a server at http://127.0.0.1:9"]),
     (["no-such-command"], ["invalid choice", "generate"]),
 ]
 

@@ -726,7 +726,10 @@ def run(args):
     command = "python -m nanoserve bench experiment " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "experiment"] else [args.name])
     load_before = os.getloadavg()[0]
     print(f"command: {command}\nthreads: {torch.get_num_threads()}; load average {load_before:.1f}")
-    result, figure = RUNNERS[args.name](args, model, tokenizer)
+    try:
+        result, figure = RUNNERS[args.name](args, model, tokenizer)
+    except ValueError as e:  # what only the run finds wrong: e.g. a --url where nothing answers
+        return refuse(str(e))
     load_after = os.getloadavg()[0]
     print(f"load average at the end: {load_after:.1f}")
     os.makedirs(args.out_dir, exist_ok=True)

@@ -313,9 +313,9 @@ def url_system(args, sut_loop):
         client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10), limits=limits)
         try:
             return client, args.model or await first_model(client, args.url)
-        except (ValueError, httpx.HTTPError) as e:
+        except ValueError:  # first_model's message names the URL
             await client.aclose()
-            raise ValueError(f"{args.url}: {e}") from None
+            raise
 
     client, model = asyncio.run_coroutine_threadsafe(connect(), sut_loop).result()
     close = lambda: asyncio.run_coroutine_threadsafe(client.aclose(), sut_loop).result()  # noqa: E731

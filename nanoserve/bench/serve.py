@@ -127,7 +127,13 @@ def load_dataset(args, tokenizer) -> list[dict]:
 
 
 async def first_model(client, url: str) -> str:
-    response = await client.get(url.rstrip("/") + "/v1/models")
+    """The id of the first model the server at url lists; ValueError when nothing answers there, or no model."""
+    import httpx
+
+    try:
+        response = await client.get(url.rstrip("/") + "/v1/models")
+    except httpx.HTTPError as e:  # nothing listening, a wrong host: the user's --url, not a bug
+        raise ValueError(f"cannot reach a server at {url}: {e or type(e).__name__}") from None
     if response.status_code != 200:
         raise ValueError(f"GET {url}/v1/models answered {response.status_code}; give --model")
     models = response.json().get("data") or []
