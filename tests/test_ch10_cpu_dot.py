@@ -53,7 +53,12 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     return scale.double() * (dx[:, None, :] * qp).sum(-1)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 16])  # the C code multiplies tokens in tiles of 4
+# the C code multiplies tokens in tiles of 8, its accumulators in registers for a full tile and for one token:
+# one token, part tiles, a full one, full ones with a remainder
+TILED_TOKENS = [1, 3, 5, 8, 9, 16, 17]
+
+
+@pytest.mark.parametrize("tokens", TILED_TOKENS)
 def test_q4_1_matmul_is_the_block_arithmetic(tokens):
     blocks = q4_1_blocks(48, 96)
     x = torch.randn(tokens, 96)
@@ -62,7 +67,7 @@ def test_q4_1_matmul_is_the_block_arithmetic(tokens):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 4, 5, 16])
+@pytest.mark.parametrize("tokens", TILED_TOKENS)
 def test_int8_matmul_is_the_block_arithmetic(tokens):
     q, scale = quantize_int8(torch.randn(40, 64))
     x = torch.randn(tokens, 64)
