@@ -13,7 +13,7 @@
 
    B rows (B one-token rows: decodes, or a prompt's one-token last chunk) share each product, as a batched
    forward's rows do: every row's input is quantized to Q8_1, then each weight row is unpacked once per tile of
-   TILE = 4 rows (cpu_dot.c's gemv_rows, the loop its gemv runs); everything else is per row: its own RoPE angles,
+   TILE = 8 rows (cpu_dot.c's gemv_rows, the loop its gemv runs); everything else is per row: its own RoPE angles,
    its own pool slot, its own block table and length in the attention.
 
    Invariant: row r of a B-row step is bit for bit row r's batch-1 step (its hidden state, the K and V it stores).

@@ -17,7 +17,7 @@ Why: a batch-1 step's products take ~5 ms of its ~16 on the course's 2-core CPU;
 dispatch around a few KB of arithmetic (`python -m nanoserve bench profile`). llama.cpp runs its whole step
 in a little more than the products' time (7-9 ms, chapter 09 section 5). Chapter 09 section 5 has what the C step measured (`bench peers --native-decode`).
 Up to max_rows the same holds for a small batch: the rows share each product (each weight block unpacked once per
-tile of 4 rows, cpu_dot.c's gemv_rows), and row r of a B-row step is bit for bit its batch-1 step (cpu_decode.c's
+tile of 8 rows, cpu_dot.c's gemv_rows), and row r of a B-row step is bit for bit its batch-1 step (cpu_decode.c's
 invariant). That is a step's invariance, not a request's: a step with a longer prompt chunk in it runs the forward
 for every row, which rounds otherwise, and a request's own prompt is prefilled in the forward beside whatever
 other prompts share its steps.
@@ -42,12 +42,13 @@ from nanoserve.model.quant import KERNEL_CROSSOVER_TOKENS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The most one-token rows a native step runs (max_rows below may allow fewer); larger steps take the model's
-# forward. Why 16: the native step's products are cpu_dot.c's integer ones, which beat the large-step GEMM up to
-# about 16 rows on the course's 2-core AVX2 VM and lose beyond (`python -m nanoserve bench linear --formats fp32 q4
-# --tokens 1 16 32 64`, default --repeats 3, torch's default 2 threads, 2026-12-04, load 0.9-2.0: its "q4 dot"
-# column, every product of the model once, 63.7 ms at 16 rows against the fp32 column's 88.0, at 32 rows 121.8
-# against 112.6, at 64 rows 252.5 against 180.8): the default of the rows where the layers themselves take the kernel,
-# quant.KERNEL_CROSSOVER_TOKENS, the same crossover (max_rows follows a model's own setting).
+# forward. Why 16: a step goes native only where the layers would multiply with the same products, cpu_dot.c's,
+# which they take up to quant.KERNEL_CROSSOVER_TOKENS rows (chapter 10's crossover, 16; max_rows follows a
+# model's own setting). cpu_dot.c's products beat the large-step GEMM a little further than that on the course's
+# 2-core AVX2 VM (`python -m nanoserve bench linear --formats fp32 q4 --tokens 1 16 32 64`, default --repeats 3,
+# torch's default 2 threads, 2026-12-04, load 0.5-1.0: its "q4 dot" column, every product of the model once,
+# 49.3 ms at 16 rows against the fp32 column's 86.6, at 32 rows 97.3 against 115.7, at 64 rows 197.9 against
+# 182.1), so both caps could go to 32 there; steps of 17-32 rows have not been timed end to end, and stay on the GEMM.
 NATIVE_DECODE_MAX_ROWS = KERNEL_CROSSOVER_TOKENS
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the pool dtypes the C code reads (model_t.kv_bf16)
 

@@ -95,8 +95,8 @@ static inline __m256 dot32(__m256i u, __m256i s) {
 }
 #endif
 
-#define TILE 8 /* tokens multiplied with one unpacked weight block before the next block is unpacked: 8 accumulators
-                  and the block fill 10 of AVX2's 16 vector registers */
+#define TILE 8 /* tokens multiplied with one unpacked weight block before the next block is unpacked: the nibble
+                  unpacking and the two half-float scales of a block are paid once per 8 tokens */
 
 /* The two dot products below are inlined into their callers (q4_1_row, i8_row), which call them with nt a
    constant for the two common tiles, a full one and a single token (batch-1 decode): then the accumulators
