@@ -404,8 +404,8 @@ def test_the_native_step_table():
 
 def test_the_batched_native_step_table():
     """Section 5's 16-request table: each rate is the two rounds' output tokens (16 × 128 each) over their summed
-    seconds, to the rounds' own rounding; the ratios the text draws from it; every native round beats every forward
-    round."""
+    seconds, to the rounds' own rounding; the ratios the text draws from it (runs 1-2 tiles of 4, 3-4 tiles of 8);
+    in each run every native round beats every forward round."""
     def runs(first_cell):  # [(rate, [round seconds])] per run
         (row,) = table_rows(CH, first_cell)
         cells = [re.fullmatch(r"\**([\d.]+)\** \(([\d.]+) s, ([\d.]+) s\)", c) for c in row[1:]]
@@ -415,12 +415,30 @@ def test_the_batched_native_step_table():
                                              r"transformers, float32, static batch"))
     for rate, rounds in native + forward + hf:
         assert 2 * 16 * 128 / (sum(rounds) + 0.1) <= rate <= 2 * 16 * 128 / (sum(rounds) - 0.1), (rate, rounds)
+    assert len(native) == len(forward) == len(hf) == 4
     over_forward = [n[0] / f[0] for n, f in zip(native, forward)]
     over_hf = [n[0] / h[0] for n, h in zip(native, hf)]
-    says(CH, f"at {over_forward[0]:.2f}× and {over_forward[1]:.2f}× the forward's rate")
-    says(CH, f"{over_hf[0]:.2f}× and {over_hf[1]:.2f}× transformers' float32 static batch")
-    assert max(r for _, rounds in native for r in rounds) < min(r for _, rounds in forward for r in rounds)
-    assert max(over_hf) < 2  # "the course's aim of 2× transformers at 16 requests is not met"
+    says(CH, f"at {min(over_forward):.2f}–{max(over_forward):.2f}× the forward's rate")
+    says(CH, f"{over_hf[0]:.2f}× and {over_hf[1]:.2f}× with tiles of 4, then\n**{over_hf[2]:.2f}×** and "
+             f"**{over_hf[3]:.2f}×** with tiles of 8")
+    for (_, n_rounds), (_, f_rounds) in zip(native, forward):
+        assert max(n_rounds) < min(f_rounds)
+    assert max(over_hf[:2]) < 2 <= min(over_hf[2:])  # "met on this CPU in the two later runs"
+    says(CH, f"by {round(100 * (min(over_hf[2:]) - 2) / 2)}–{round(100 * (max(over_hf[2:]) - 2) / 2)} %")
+
+
+def test_the_http_runs_against_llama_server_on_the_avx2_vm():
+    """Section 3's AVX2 table: each round's ratio is nanoserve's tokens/s over llama.cpp's in that round (the same
+    prompts), and the text's least ratio and best-against-best figure are run 2's."""
+    runs = {}
+    for row in table_rows(CH, r"run [12]: .*"):
+        ours, theirs, ratios = ([float(v.strip("* ")) for v in cell.split(" / ")] for cell in row[1:4])
+        assert [round(a / b, 2) for a, b in zip(ours, theirs)] == ratios, row[0]
+        runs[row[0][:5]] = ours, theirs, ratios
+    ours, theirs, ratios = runs["run 2"]
+    says(CH, f"In run 2 nanoserve served at least {min(ratios):.2f}× llama.cpp's tokens/s in every round")
+    says(CH, f"{max(ours)} / {max(theirs)} = {max(ours) / max(theirs):.2f}×")
+    assert sum(r >= 1.5 for r in runs["run 1"][2]) == 1  # "reached it in one round of five"
 
 
 def test_the_concurrency_experiment():
