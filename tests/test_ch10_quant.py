@@ -210,7 +210,7 @@ NO_CPU_DOT = pytest.mark.skipif(not cpu_dot.available(), reason=f"kernels/cpu_do
 def test_kernel_rows_do_not_depend_on_the_batch_at_the_models_shapes(make, shape, integer_dot):
     """The same at SmolLM2's product shapes (the LM head is int8 in both formats), 16 rows, with torch's kernels
     and with kernels/cpu_dot.c's integer products (the small-step kernel where the CPU has no native bf16, and
-    q4's in chapter 09's native step; the C code multiplies tokens in tiles of 4 and its own threads split the
+    q4's in chapter 09's native step; the C code multiplies tokens in tiles of 8 and its own threads split the
     rows, so a row alone and a row in a tile must still get the same bits): torch promises no batch invariance
     for any kernel, and cpu_dot.c none of its own, so this is what the chapter's claim rests on, checked on the
     CPU the tests run on."""
