@@ -430,6 +430,8 @@ def test_the_batched_native_step_table():
     (a, b), (c, d) = rounds_hf[2:4]
     says(CH, f"{a:.2f} and {b:.2f} in run 3, {c:.2f} and {d:.2f} in run 4")
     assert sum(r >= 2 for r in rounds_hf[2] + rounds_hf[3]) == 3  # "in 3 of their 4 rounds"
+    assert [sum(r >= 2 for r in rounds) for rounds in rounds_hf[:2]] == [1, 1]  # runs 1 and 2: "one round past 2×"
+    says(CH, f"past 2× as well ({max(rounds_hf[0]):.2f} and {max(rounds_hf[1]):.2f})")
     says(CH, f"gave {over_hf[4]:.2f}× transformers (rounds {rounds_hf[4][0]:.2f} and {rounds_hf[4][1]:.2f})")
     gain = [native[i][0] / native[4][0] - 1 for i in (2, 3)]
     says(CH, f"its rate was {round(100 * min(gain))}–{round(100 * max(gain))} % higher")
