@@ -225,8 +225,8 @@ class ModelRunner:
         small steps, else 1: cpu_decode.max_rows), where the model asks for it (`native_decode`, set at load: LLM's
         native_decode) and this runner's pool and attention are what the C code reads (a float32 or bf16
         PagedKVCache with chapter 05's attention). Why there: the C step runs the whole layer loop without Python in
-        between, where a small step spends most of its time; its products are cpu_dot.c's, which beat the GEMM only
-        up to about that many rows (the cap's comment), so a larger step runs the forward, as does any step with a
+        between, where a small step spends most of its time; its products are cpu_dot.c's, which the layers themselves
+        take only up to their crossover (the cap's comment), so a larger step runs the forward, as does any step with a
         longer chunk or spec-decode proposals (more than one row for a sequence). What the C code needs comes from
         the step's metadata (block table rows, positions, slots), so the model never sees the scheduler."""
         llama = getattr(model, "model", model)  # a CompiledModel's Llama (the same weights)
